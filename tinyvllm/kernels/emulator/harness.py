@@ -180,7 +180,7 @@ def _parse_param(p: str, fn: str) -> Param:
 
 
 _DEF = re.compile(r"(template\s*<[^;{]*?>\s*)?(?:\bkernel\b|\[\[\s*kernel\s*\]\])\s*void\s+(\w+)\s*\(")
-_INST = re.compile(r"template\s*\[\[\s*host_name\s*\(\s*\"([^\"]+)\"\s*\)\s*\]\]")
+_INST = re.compile(r"template\s*\[\[\s*host_name\s*\(\s*((?:\"[^\"]*\"\s*)+)\)\s*\]\]\s*(?:\[\[\s*kernel\s*\]\])?")
 
 
 def parse_kernels(text: str, file: str) -> list[Kernel]:
@@ -194,7 +194,7 @@ def parse_kernels(text: str, file: str) -> list[Kernel]:
     defs[m.group(2)] = (m.group(1) is not None, params)
   kernels: list[Kernel] = []
   for m in _INST.finditer(text):
-    host = m.group(1)
+    host = "".join(re.findall(r'"([^"]*)"', m.group(1)))  # adjacent literals concatenate
     stmt_end = text.index(";", m.end())
     stmt = text[m.end():stmt_end]
     fm = None
@@ -218,7 +218,7 @@ _TG_DECL = re.compile(r"^(\s*)threadgroup\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\
 
 def strip_host_names(text: str) -> str:
   """`template [[host_name("x")]] [[kernel]] ...` -> `template ...`: C++ allows no attributes after `template`."""
-  return re.sub(r"template\s*\[\[\s*host_name\s*\(\s*\"[^\"]+\"\s*\)\s*\]\]\s*(?:\[\[\s*kernel\s*\]\])?", "template ", text)
+  return _INST.sub("template ", text)
 
 
 def rewrite_threadgroup(text: str) -> str:
@@ -228,8 +228,9 @@ def rewrite_threadgroup(text: str) -> str:
     m = _TG_DECL.match(line)
     if m:
       ind, ty, name, dims = m.group(1), m.group(2).strip(), m.group(3), m.group(4).replace(" ", "")
-      ptr = f"{ty}(*){dims}" if dims else f"{ty}*"
-      line = f"{ind}auto& {name} = *reinterpret_cast<{ptr}>(__tv_tg_alloc({n}, sizeof({ty}{dims}), alignof({ty})));"
+      alias = f"__tv_tg_t{n}"  # an alias keeps `float4(` away from the vector-constructor macros
+      line = (f"{ind}using {alias} = {ty} {dims}; auto& {name} = *reinterpret_cast<{alias}*>"
+              f"(__tv_tg_alloc({n}, sizeof({alias}), alignof({ty})));")
       n += 1
     out.append(line)
   return "\n".join(out)

@@ -1,0 +1,300 @@
+"""Host side of tinyvllm's Metal kernels: one launch description per kernel, run on real Metal or on the emulator.
+
+A `Launch` names the .metal file, the kernel (its host name), the buffer order, the packed params struct and
+the grid. ONE function per kernel computes it from shapes and dtypes (`rope_launch`, `decode_launches`,
+`prefill_launch`, `int4_launch`); both backends consume the same description:
+
+  * `MetalBackend`: `Tensor.custom_kernel` with a PROGRAM built from the MSL source and the library from
+    `Device["METAL"].compiler`; the grid travels as `gidx*`/`lidx*` specials (threadgroups, threads).
+  * `EmulatorBackend`: the same `.metal` file compiled by `tinyvllm.kernels.emulator`; a tiny C trampoline,
+    compiled for tinygrad's CPU device, calls the emulator at an address baked into its source with the
+    buffer addresses and a launch descriptor, so the kernel is an ordinary tinygrad kernel (TinyJit captures it).
+
+Shape constants travel in a small int32 params buffer (created once per shape), never as runtime integer
+scalars, so no bound Variables are needed under TinyJit; dynamic data (lengths, positions, tables) are buffers.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.resources
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad.dtype import DType
+from tinygrad.uop.ops import KernelInfo, Ops
+
+DTYPE_NAMES = {dtypes.float32: "f32", dtypes.float16: "f16"}
+HEAD_DIMS = (64, 80, 96, 128)
+BLOCK_SIZES = (8, 16, 32)
+GROUP_SIZES = (32, 64, 128)
+PARTITION_SIZE = 512          # keys per partition of the partitioned decode kernel
+PARTITION_THRESHOLD = 1024    # partition when the block table can hold more keys than this
+GEMV_MAX_M = 8
+
+
+@dataclass(frozen=True)
+class Launch:
+  """One kernel launch: `grid` threadgroups of `threads` threads; buffers in [[buffer(n)]] order, then params."""
+  source: str                    # file in tinyvllm.shaders
+  kernel: str                    # host name of the instantiation
+  buffers: tuple[str, ...]       # names of the tensor arguments, in order (the params buffer comes last)
+  params: tuple[int, ...]        # the params struct as int32 words (floats bit-cast)
+  grid: tuple[int, int, int]
+  threads: tuple[int, int, int]
+
+
+def _f32_bits(x: float) -> int: return int(np.array(x, np.float32).view(np.int32))
+
+
+def _dt(d: DType) -> str:
+  if d not in DTYPE_NAMES: raise ValueError(f"unsupported dtype {d}: kernels take float32 or float16")
+  return DTYPE_NAMES[d]
+
+
+def _check_head_dim(d: int):
+  if d not in HEAD_DIMS: raise ValueError(f"head_dim {d} not supported (have {HEAD_DIMS})")
+
+
+# ---------------------------------------------------------------------------------------------- launch descriptions
+
+def rope_launch(num_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, x_dtype: DType, cache_dtype: DType) -> Launch:
+  if head_dim % 8: raise ValueError(f"head_dim {head_dim} must be a multiple of 8")
+  return Launch("rope.metal", f"rope_cache_write_{_dt(x_dtype)}_{_dt(cache_dtype)}",
+                ("q", "k", "v", "positions", "cos_sin", "slot_mapping", "q_out", "k_cache", "v_cache"),
+                (num_tokens, n_heads, n_kv_heads, head_dim), (num_tokens, 1, 1), (64, 1, 1))
+
+
+def _paged_params(num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, num_partitions, scale):
+  return (num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, num_partitions, _f32_bits(scale))
+
+
+def decode_launches(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
+                    q_dtype: DType, cache_dtype: DType, scale: float, partition_size: int | None = None) -> list[Launch]:
+  """One launch, or two (partitioned + reduce) when the table can hold more than PARTITION_THRESHOLD keys.
+
+  partition_size: None = choose from max_blocks * block_size; 0 = never partition; n = partitions of n keys.
+  """
+  _check_head_dim(head_dim)
+  if n_heads % n_kv_heads or n_heads // n_kv_heads > 8: raise ValueError(f"GQA ratio {n_heads}/{n_kv_heads} unsupported (<= 8)")
+  max_keys = max_blocks * block_size
+  if partition_size is None: partition_size = PARTITION_SIZE if max_keys > PARTITION_THRESHOLD else 0
+  x, c = _dt(q_dtype), _dt(cache_dtype)
+  common = ("q", "k_cache", "v_cache", "block_tables", "context_lens")
+  if not partition_size:
+    return [Launch("paged_attention.metal", f"paged_attention_decode_{x}_{c}_{head_dim}", common + ("out",),
+                   _paged_params(num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, 0, 1, scale),
+                   (1, n_kv_heads, num_seqs), (128, 1, 1))]
+  nparts = math.ceil(max_keys / partition_size)
+  params = _paged_params(num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, nparts, scale)
+  return [Launch("paged_attention.metal", f"paged_attention_decode_partitioned_{x}_{c}_{head_dim}",
+                 common + ("tmp_out", "exp_sums", "max_logits"), params, (nparts, n_kv_heads, num_seqs), (128, 1, 1)),
+          Launch("paged_attention.metal", f"paged_attention_reduce_{x}", ("tmp_out", "exp_sums", "max_logits", "context_lens", "out"),
+                 params, (n_heads, num_seqs, 1), (32, 1, 1))]
+
+
+def prefill_launch(num_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
+                   q_dtype: DType, cache_dtype: DType, scale: float) -> Launch:
+  _check_head_dim(head_dim)
+  g = n_heads // n_kv_heads
+  if n_heads % n_kv_heads or g > 16: raise ValueError(f"GQA ratio {n_heads}/{n_kv_heads} unsupported (<= 16)")
+  tq = max(1, 16 // g)
+  return Launch("paged_prefill.metal", f"paged_attention_prefill_{_dt(q_dtype)}_{_dt(cache_dtype)}_{head_dim}",
+                ("q", "k_cache", "v_cache", "block_tables", "token_seq", "token_pos", "out"),
+                (num_tokens, n_heads, n_kv_heads, block_size, max_blocks, tq, _f32_bits(scale)),
+                (math.ceil(num_tokens / tq), n_kv_heads, 1), (128, 1, 1))
+
+
+def int4_launch(m: int, n: int, k: int, group_size: int, x_dtype: DType) -> Launch:
+  if group_size not in GROUP_SIZES or k % group_size: raise ValueError(f"group_size {group_size} must be in {GROUP_SIZES} and divide K={k}")
+  bufs = ("x", "w_packed", "scales", "biases", "y")
+  if m <= GEMV_MAX_M:
+    return Launch("int4_matmul.metal", f"int4_gemv_{_dt(x_dtype)}", bufs, (m, n, k, group_size), (math.ceil(n / 8), 1, 1), (64, 1, 1))
+  return Launch("int4_matmul.metal", f"int4_gemm_{_dt(x_dtype)}", bufs, (m, n, k, group_size),
+                (math.ceil(n / 32), math.ceil(m / 32), 1), (128, 1, 1))
+
+
+# ---------------------------------------------------------------------------------------------- backends
+
+def shader_source(name: str) -> str:
+  return importlib.resources.files("tinyvllm.shaders").joinpath(name).read_text()
+
+
+def _program(name: str, src: str, lib: bytes, args: list[UOp], specials: list[UOp]) -> UOp:
+  sink = UOp.sink(*args, *specials, arg=KernelInfo(name=name))
+  return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=(*sink.src, sink)), UOp(Ops.SOURCE, arg=src), UOp(Ops.BINARY, arg=lib)))
+
+
+class _Backend:
+  def __init__(self): self._params: dict[tuple, Tensor] = {}
+
+  def params_tensor(self, launch: Launch, device: str) -> Tensor:
+    key = (launch.params, device)
+    if key not in self._params: self._params[key] = Tensor(np.array(launch.params, np.int32), device=device).realize()
+    return self._params[key]
+
+  def run(self, launch: Launch, *tensors: Tensor) -> list[Tensor]:
+    """Launch over `tensors` (in launch.buffers order); returns every tensor as it is after the kernel."""
+    assert len(tensors) == len(launch.buffers), f"{launch.kernel}: expected {launch.buffers}"
+    dev = tensors[0].device
+    p = self.params_tensor(launch, dev)
+    fxn = self.program_fxn(launch, [t.nbytes() for t in tensors] + [p.nbytes()])
+    return Tensor.custom_kernel(*tensors, p, fxn=fxn)[:-1]
+
+
+class MetalBackend(_Backend):
+  """Runs the .metal kernels on Apple GPUs (DEV=METAL); each source is compiled once per process."""
+
+  @functools.cache
+  def library(self, source: str) -> tuple[str, bytes]:
+    src = shader_source(source)
+    return src, Device["METAL"].compiler.compile(src)
+
+  def program_fxn(self, launch: Launch, sizes: list[int]):
+    src, lib = self.library(launch.source)
+    specials = [UOp.special(g, f"gidx{i}") for i, g in enumerate(launch.grid)] + \
+               [UOp.special(t, f"lidx{i}") for i, t in enumerate(launch.threads)]
+    return lambda *args: _program(launch.kernel, src, lib, list(args), specials)
+
+
+class EmulatorBackend(_Backend):
+  """Runs the same .metal kernels on tinygrad's CPU device through the emulator.
+
+  order: "forward" | "reverse" | "random" (threads of a threadgroup; exposes races); seed: for "random";
+  guard: copy buffers into guarded pages so out-of-bounds accesses are reported; os_threads: OS threads
+  running threadgroups. Kernel errors (divergent barrier, out-of-bounds access) cannot raise inside
+  tinygrad's worker thread: they are printed, kept, and raised by `check()`, which every public function
+  calls before launching anything.
+  """
+
+  def __init__(self, order: str = "forward", seed: int = 0, guard: bool = True, os_threads: int = 1):
+    super().__init__()
+    from tinyvllm.kernels import emulator
+    self.em, self.order, self.seed, self.guard, self.os_threads = emulator, order, seed, guard, os_threads
+    self._descs: dict[tuple, tuple] = {}
+
+  @functools.cache
+  def library(self, source: str):
+    return self.em.compile_source(shader_source(source), source)
+
+  def check(self):
+    if (err := self.em.take_error()) is not None: raise self.em.EmulatorError(err)
+
+  def program_fxn(self, launch: Launch, sizes: list[int]):
+    from tinyvllm.kernels.emulator.harness import make_desc
+    key = (launch, tuple(sizes))
+    if key not in self._descs:
+      lib = self.library(launch.source)
+      desc = make_desc(lib.kernel_addr(launch.kernel), launch.grid, launch.threads, sizes, order=self.order, seed=self.seed,
+                       os_threads=self.os_threads, guard=self.guard)
+      entry = ctypes.cast(self.em.runtime().tv_launch_deferred, ctypes.c_void_p).value
+      name = "tv_" + hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+      n = len(sizes)
+      # freestanding C for tinygrad's CPU device: must be the first function; every argument is a 64-bit address
+      src = (f"void {name}({', '.join(f'unsigned long long a{i}' for i in range(n))}) {{\n"
+             f"  void* b[{n}] = {{{', '.join(f'(void*)a{i}' for i in range(n))}}};\n"
+             f"  ((void (*)(const void*, void* const*)){entry:#x}ULL)((const void*){ctypes.addressof(desc):#x}ULL, b);\n}}\n")
+      self._descs[key] = (desc, name, src, Device["CPU"].compiler.compile(src))
+    _, name, src, binary = self._descs[key]
+    return lambda *args: _program(name, src, binary, list(args), [])
+
+
+_default_backends: dict[str, _Backend] = {}
+
+
+def get_backend(backend: str | _Backend) -> _Backend:
+  """"metal" or "emulator" -> a per-process instance (compiled programs cached); a backend object passes through."""
+  if isinstance(backend, _Backend): return backend
+  if backend not in ("metal", "emulator"): raise ValueError(f"backend must be 'metal' or 'emulator', got {backend!r}")
+  if backend not in _default_backends: _default_backends[backend] = MetalBackend() if backend == "metal" else EmulatorBackend()
+  return _default_backends[backend]
+
+
+def _prepare(backend) -> _Backend:
+  b = get_backend(backend)
+  if isinstance(b, EmulatorBackend): b.check()
+  return b
+
+
+def _int32(t: Tensor) -> Tensor: return (t if t.dtype == dtypes.int32 else t.cast(dtypes.int32)).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- public functions
+
+def paged_attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float,
+                           *, backend: str | _Backend, partition_size: int | None = None) -> Tensor:
+  """Decode attention: one query token per sequence against its paged K/V.
+
+  Args:
+    q: [num_seqs, n_heads, head_dim] float32/float16.
+    k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim] float32/float16.
+    block_tables: int32 [num_seqs, max_blocks]; context_lens: int32 [num_seqs] (0 -> zeros).
+    scale: softmax scale. partition_size: see `decode_launches`.
+  Returns: [num_seqs, n_heads, head_dim] in q's dtype.
+  """
+  b = _prepare(backend)
+  (B, H, D), (_, bs, KVH, _) = q.shape, k_cache.shape
+  launches = decode_launches(B, H, KVH, D, bs, block_tables.shape[1], q.dtype, k_cache.dtype, scale, partition_size)
+  q, bt, cl = q.contiguous(), _int32(block_tables), _int32(context_lens)
+  out = Tensor.empty(B, H, D, dtype=q.dtype, device=q.device)
+  if len(launches) == 1: return b.run(launches[0], q, k_cache, v_cache, bt, cl, out)[5]
+  nparts = launches[0].grid[0]
+  tmp = Tensor.empty(B, H, nparts, D, dtype=dtypes.float32, device=q.device)
+  sums, maxes = (Tensor.empty(B, H, nparts, dtype=dtypes.float32, device=q.device) for _ in range(2))
+  tmp, sums, maxes = b.run(launches[0], q, k_cache, v_cache, bt, cl, tmp, sums, maxes)[5:8]
+  return b.run(launches[1], tmp, sums, maxes, cl, out)[4]
+
+
+def paged_attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, token_seq: Tensor, token_pos: Tensor,
+                            scale: float, *, backend: str | _Backend) -> Tensor:
+  """Prefill attention for a chunk of tokens whose K/V are already in the cache.
+
+  Args:
+    q: [T, n_heads, head_dim]; token_seq: int32 [T] (row of block_tables, -1 = padding -> zeros);
+    token_pos: int32 [T] absolute positions: token t attends to keys 0..token_pos[t] of its sequence.
+  Returns: [T, n_heads, head_dim] in q's dtype.
+  """
+  b = _prepare(backend)
+  (T, H, D), (_, bs, KVH, _) = q.shape, k_cache.shape
+  launch = prefill_launch(T, H, KVH, D, bs, block_tables.shape[1], q.dtype, k_cache.dtype, scale)
+  out = Tensor.empty(T, H, D, dtype=q.dtype, device=q.device)
+  return b.run(launch, q.contiguous(), k_cache, v_cache, _int32(block_tables), _int32(token_seq), _int32(token_pos), out)[6]
+
+
+def rope_and_cache_write(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                         slot_mapping: Tensor, *, backend: str | _Backend) -> tuple[Tensor, Tensor, Tensor]:
+  """Rotary embedding on q and k, and k/v written into the caches at slot_mapping (-1 = skip), in one kernel.
+
+  Args:
+    q: [T, n_heads, D]; k, v: [T, n_kv_heads, D]; positions: int32 [T]; cos_sin: float32 [max_positions, D];
+    k_cache, v_cache: realized [num_blocks, block_size, n_kv_heads, D] buffers, written in place.
+  Returns: (q_rot, k_cache, v_cache): keep reading the caches through the returned tensors.
+  """
+  b = _prepare(backend)
+  T, H, D = q.shape
+  launch = rope_launch(T, H, k.shape[1], D, q.dtype, k_cache.dtype)
+  q_out = Tensor.empty(T, H, D, dtype=q.dtype, device=q.device)
+  res = b.run(launch, q.contiguous(), k.cast(q.dtype).contiguous(), v.cast(q.dtype).contiguous(), _int32(positions),
+              cos_sin.cast(dtypes.float32).contiguous(), _int32(slot_mapping), q_out, k_cache, v_cache)
+  return res[6], res[7], res[8]
+
+
+def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, *, backend: str | _Backend) -> Tensor:
+  """y = x @ W^T with W [N, K] stored as 4-bit affine groups (see docs/kernels.md).
+
+  Args:
+    x: [M, K] float32/float16; w_packed: uint32 [N, K/8] (lowest k in the lowest nibble);
+    scales, biases: float16 [N, K/group_size]; w = scale * q + bias.
+  Returns: [M, N] in x's dtype. M <= 8 uses the GEMV kernel, larger M the tiled GEMM.
+  """
+  b = _prepare(backend)
+  M, K = x.shape
+  N = w_packed.shape[0]
+  if w_packed.shape[1] * 8 != K: raise ValueError(f"w_packed {w_packed.shape} does not match K={K}")
+  launch = int4_launch(M, N, K, group_size, x.dtype)
+  y = Tensor.empty(M, N, dtype=x.dtype, device=x.device)
+  return b.run(launch, x.contiguous(), w_packed.contiguous(), scales.cast(dtypes.float16).contiguous(),
+               biases.cast(dtypes.float16).contiguous(), y)[4]
