@@ -1,0 +1,74 @@
+"""The kernel layer: one entry point per operation the model needs, dispatched to a backend.
+
+Backends: "portable" (tinygrad tensor ops, any device), "metal" (our .metal shaders on DEV=METAL) and
+"emulator" (the same shaders run on the CPU by our MSL emulator; slow, for tests and debugging).
+"""
+from __future__ import annotations
+from dataclasses import dataclass
+from tinygrad import Tensor, dtypes
+from tinyvllm.kernels import cpu, portable
+
+BACKENDS = ("portable", "metal", "emulator")
+
+
+@dataclass
+class AttentionGroup:
+  """Sequences that share one query length in a step: P sequences with C query slots each (C=1 for decode).
+
+  Their P*C tokens sit contiguously in the flat batch, sequence by sequence, padding slots included."""
+  num_seqs: int              # P
+  query_len: int             # C
+  block_tables: Tensor       # int32 [P, MB]
+  q_pos: Tensor              # int32 [P, C]: absolute position of each query slot (padding: 0)
+  context_lens: Tensor       # int32 [P]: keys visible to the sequence's last real query
+
+  @property
+  def num_tokens(self) -> int: return self.num_seqs * self.query_len
+
+
+def resolve_backend(name: str, device: str) -> str:
+  if name == "auto": return "metal" if device.split(":")[0] == "METAL" else "portable"
+  if name == "metal" and device.split(":")[0] != "METAL":
+    raise ValueError(f"kernel_backend='metal' needs the METAL device, but tinygrad's device is {device}; "
+                     f"use 'portable', or 'emulator' to run the Metal kernels on the CPU")
+  if name == "emulator" and device.split(":")[0] != "CPU":
+    raise ValueError(f"kernel_backend='emulator' runs on the CPU device (DEV=CPU), but tinygrad's device is {device}")
+  if name not in BACKENDS: raise ValueError(f"unknown kernel_backend {name!r}; choose auto, {', '.join(BACKENDS)}")
+  return name
+
+
+class Kernels:
+  """The operations of one Llama layer, on the chosen backend.
+
+  On the CPU device the float32 linears always use our C kernel (kernels/cpu.py): tinygrad's generated CPU
+  matmuls are several times slower on decode shapes. Everything else follows `backend`."""
+  def __init__(self, backend: str = "portable", device: str = "CPU"):
+    self.backend, self.device = backend, device
+    self.cpu = device.split(":")[0] == "CPU"
+
+  def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return portable.rms_norm(x, weight, eps)
+
+  def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if self.cpu and x.dtype == weight.dtype == dtypes.float32: return cpu.linear_f32(x, weight, bias)
+    return portable.linear(x, weight, bias)
+
+  def rope_and_cache_write(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor,
+                           k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Rotate q `[T, H, D]` and k `[T, KVH, D]`, write k and v into their cache slots.
+
+    Returns (rotated q, k_cache, v_cache), the caches ordered after the write."""
+    cs = cos_sin[positions]
+    q, k = portable.rope(q, cs), portable.rope(k, cs)
+    return q, portable.write_kv(k_cache, k, slot_mapping), portable.write_kv(v_cache, v, slot_mapping)
+
+  def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, group: AttentionGroup, scale: float) -> Tensor:
+    """q `[P*C, H, D]` of one group -> attention output `[P*C, H, D]`."""
+    P, C = group.num_seqs, group.query_len
+    out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), k_cache, v_cache, group.block_tables, group.q_pos, scale)
+    return out.reshape(P * C, *q.shape[1:])
+
+
+def default_dtype(device: str) -> str:
+  """float32 on the CPU (half is conversion-bound there, not faster); float16 on the GPU."""
+  return "float32" if device.split(":")[0] in ("CPU", "PYTHON") else "float16"

@@ -1,0 +1,147 @@
+"""Configuration: what the model is (ModelConfig) and how the engine runs it (EngineConfig). Both frozen, built once."""
+from __future__ import annotations
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConfigError(ValueError):
+  """A model or engine setting is missing, inconsistent or unsupported. The message names it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+  """A Llama-family decoder. Field names follow HF `config.json`."""
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  rms_norm_eps: float
+  rope_theta: float
+  rope_scaling: dict | None = None        # {"rope_type": "linear"|"llama3", "factor": ..., ...}; None for plain RoPE
+  max_position_embeddings: int = 4096
+  tie_word_embeddings: bool = False
+  attention_bias: bool = False
+  mlp_bias: bool = False
+  quantization: dict | None = None        # {"group_size": G, "bits": 4} for pre-quantized checkpoints
+  source: str = ""                        # where the config came from, for error messages
+
+  def __post_init__(self):
+    where = f" in {self.source}" if self.source else ""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+        raise ConfigError(f"{name} must be a positive integer{where}, got {getattr(self, name)!r}")
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                        f"num_key_value_heads ({self.num_key_value_heads}){where}")
+    if self.head_dim % 2: raise ConfigError(f"head_dim must be even for RoPE{where}, got {self.head_dim}")
+    if not self.rope_theta > 0: raise ConfigError(f"rope_theta must be positive{where}, got {self.rope_theta}")
+    if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ROPE_TYPES:
+      raise ConfigError(f"unsupported rope_scaling type {self.rope_scaling.get('rope_type')!r}{where}; "
+                        f"supported: {', '.join(ROPE_TYPES)}")
+
+  @property
+  def q_size(self) -> int: return self.num_attention_heads * self.head_dim
+  @property
+  def kv_size(self) -> int: return self.num_key_value_heads * self.head_dim
+
+  @staticmethod
+  def from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Build from an HF `config.json` dict (transformers 4.x or 5.x layout)."""
+    archs = d.get("architectures") or []
+    if d.get("model_type") != "llama" and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+      raise ConfigError(f"unsupported architecture {archs or d.get('model_type')!r} in {source}; "
+                        f"tinyvllm runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+    try:
+      n_heads = d["num_attention_heads"]
+      # transformers 5.x moves rope_theta (and the scaling) into `rope_parameters`; reading only the top level
+      # silently falls back to 10000, which turns SmolLM2 (theta 1e5) into fluent nonsense.
+      rope = dict(d.get("rope_parameters") or {})
+      theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+      scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+      if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        scaling["rope_type"] = scaling.get("rope_type", scaling.get("type"))
+        if scaling["rope_type"] == "default": scaling = None
+      quant = d.get("quantization") or d.get("quantization_config")
+      return ModelConfig(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=n_heads,
+        num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=scaling,
+        max_position_embeddings=d.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
+        quantization=dict(quant) if quant else None, source=source)
+    except KeyError as e:
+      raise ConfigError(f"{source} lacks the required field {e.args[0]!r}") from None
+
+  @staticmethod
+  def from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
+    """Build from GGUF metadata (`llama.*` keys)."""
+    arch = meta.get("general.architecture")
+    if arch != "llama": raise ConfigError(f"unsupported GGUF architecture {arch!r} in {source}; tinyvllm runs 'llama'")
+    try:
+      n_heads = int(meta["llama.attention.head_count"])
+      hidden = int(meta["llama.embedding_length"])
+      scaling = None
+      if meta.get("llama.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(meta["llama.rope.scaling.factor"])}
+      return ModelConfig(
+        vocab_size=int(meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])), hidden_size=hidden,
+        intermediate_size=int(meta["llama.feed_forward_length"]), num_hidden_layers=int(meta["llama.block_count"]),
+        num_attention_heads=n_heads, num_key_value_heads=int(meta.get("llama.attention.head_count_kv", n_heads)),
+        head_dim=int(meta.get("llama.attention.key_length") or hidden // n_heads),
+        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_position_embeddings=int(meta.get("llama.context_length", 4096)), source=source)
+    except KeyError as e:
+      raise ConfigError(f"{source} lacks the GGUF metadata key {e.args[0]!r}") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+  """How the engine runs. Argument names follow vLLM's `LLM(...)`."""
+  model: str | None = None                  # local HF dir, GGUF file, hub id, or None for the default model
+  dtype: str = "auto"                       # "auto" | "float32" | "float16"
+  max_model_len: int | None = None          # None: the model's own context length
+  block_size: int = 16
+  num_kv_blocks: int | None = None          # None: size the KV cache from available memory
+  max_num_seqs: int = 32
+  max_num_batched_tokens: int = 512
+  kernel_backend: str = "auto"              # "auto" | "portable" | "metal" | "emulator"
+  gpu_memory_utilization: float = 0.5       # share of free memory the KV cache may take when num_kv_blocks is None
+  watermark: float = 0.01                   # share of KV blocks kept free when admitting new sequences
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.dtype not in ("auto", "float32", "float16"):
+      raise ConfigError(f"dtype must be 'auto', 'float32' or 'float16', got {self.dtype!r}")
+    if self.block_size not in (8, 16, 32): raise ConfigError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+    if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+      raise ConfigError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+    if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+      raise ConfigError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
+    if self.kernel_backend not in ("auto", "portable", "metal", "emulator"):
+      raise ConfigError(f"kernel_backend must be 'auto', 'portable', 'metal' or 'emulator', got {self.kernel_backend!r}")
+    if not 0 < self.gpu_memory_utilization <= 1:
+      raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+    if not 0 <= self.watermark < 1: raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+
+  @classmethod
+  def from_kwargs(cls, **kwargs) -> EngineConfig:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown: raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+    return cls(**kwargs)

@@ -1,0 +1,120 @@
+"""Llama-family decoder on tinygrad, reading a flat batch of tokens against a paged KV cache.
+
+A step's batch is flat: T tokens laid out group by group (see kernels.AttentionGroup). Linears see all T
+tokens at once; attention runs per group; logits are computed only for the rows the sampler needs.
+"""
+from __future__ import annotations
+from dataclasses import dataclass
+import numpy as np
+from tinygrad import Tensor, dtypes
+from tinyvllm.config import ModelConfig
+from tinyvllm.kernels import AttentionGroup, Kernels
+from tinyvllm.model.rope import cos_sin_table, inverse_frequencies
+from tinyvllm.model.weights import ModelLoadError
+
+
+@dataclass
+class ModelInputs:
+  tokens: Tensor                 # int32 [T]
+  positions: Tensor              # int32 [T]
+  slot_mapping: Tensor           # int32 [T], -1 for padding tokens
+  groups: list[AttentionGroup]   # in flat order; their token counts sum to T
+  logits_index: Tensor           # int32 [R]: flat rows whose next-token logits are wanted
+
+
+class Linear:
+  """y = x @ weight^T (+ bias). Several HF projections may be fused along the output dimension."""
+  def __init__(self, weight: Tensor, bias: Tensor | None = None):
+    self.weight, self.bias = weight, bias
+
+  def __call__(self, x: Tensor, kernels: Kernels) -> Tensor: return kernels.linear(x, self.weight, self.bias)
+
+
+class LlamaLayer:
+  def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], prefix: str, kernels: Kernels):
+    self.cfg, self.kernels = cfg, kernels
+    self.input_layernorm = w[f"{prefix}.input_layernorm.weight"]
+    self.post_attention_layernorm = w[f"{prefix}.post_attention_layernorm.weight"]
+    self.qkv_proj = Linear(w[f"{prefix}.self_attn.qkv_proj.weight"], w.get(f"{prefix}.self_attn.qkv_proj.bias"))
+    self.o_proj = Linear(w[f"{prefix}.self_attn.o_proj.weight"], w.get(f"{prefix}.self_attn.o_proj.bias"))
+    self.gate_up_proj = Linear(w[f"{prefix}.mlp.gate_up_proj.weight"], w.get(f"{prefix}.mlp.gate_up_proj.bias"))
+    self.down_proj = Linear(w[f"{prefix}.mlp.down_proj.weight"], w.get(f"{prefix}.mlp.down_proj.bias"))
+
+  def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    cfg, kn = self.cfg, self.kernels
+    T, H, KVH, D = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qkv = self.qkv_proj(kn.rms_norm(h, self.input_layernorm, cfg.rms_norm_eps), kn)
+    q = qkv[:, :H * D].reshape(T, H, D)
+    k = qkv[:, H * D:(H + KVH) * D].reshape(T, KVH, D)
+    v = qkv[:, (H + KVH) * D:].reshape(T, KVH, D)
+    q, k_cache, v_cache = kn.rope_and_cache_write(q, k, v, inp.positions, cos_sin, k_cache, v_cache, inp.slot_mapping)
+    outs, start = [], 0
+    for g in inp.groups:
+      outs.append(kn.attention(q[start:start + g.num_tokens], k_cache, v_cache, g, D ** -0.5))
+      start += g.num_tokens
+    attn = (outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])).reshape(T, H * D)
+    h = h + self.o_proj(attn, kn)
+    gate_up = self.gate_up_proj(kn.rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps), kn)
+    inter = cfg.intermediate_size
+    # materialise the activation: fused into the down projection it is recomputed for every output row
+    act = (gate_up[:, :inter].silu() * gate_up[:, inter:]).contiguous()
+    return (h + self.down_proj(act, kn)).contiguous()
+
+
+class Llama:
+  def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str, kernels: Kernels,
+               max_positions: int):
+    self.cfg, self.kernels, self.device = cfg, kernels, device
+    self.dtype = dtypes.float32 if dtype == "float32" else dtypes.float16
+    w = {name: Tensor(arr, device=device).realize() for name, arr in self._prepare(cfg, tensors, dtype).items()}
+    self.embed_tokens = w["model.embed_tokens.weight"]
+    self.norm = w["model.norm.weight"]
+    self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w["lm_head.weight"]
+    self.layers = [LlamaLayer(cfg, w, f"model.layers.{i}", kernels) for i in range(cfg.num_hidden_layers)]
+    inv_freq = inverse_frequencies(cfg, tensors.get("rope_freqs.weight"))
+    self.cos_sin = Tensor(cos_sin_table(inv_freq, max_positions), device=device).realize()
+
+  @staticmethod
+  def _prepare(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """Check every tensor's shape, fuse q/k/v and gate/up, cast to the model dtype."""
+    np_dtype = np.float32 if dtype == "float32" else np.float16
+    expect = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "model.norm.weight": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings: expect["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    fuse = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    for i in range(cfg.num_hidden_layers):
+      p = f"model.layers.{i}"
+      expect.update({f"{p}.input_layernorm.weight": (cfg.hidden_size,), f"{p}.post_attention_layernorm.weight": (cfg.hidden_size,),
+                     f"{p}.self_attn.q_proj.weight": (cfg.q_size, cfg.hidden_size),
+                     f"{p}.self_attn.k_proj.weight": (cfg.kv_size, cfg.hidden_size),
+                     f"{p}.self_attn.v_proj.weight": (cfg.kv_size, cfg.hidden_size),
+                     f"{p}.self_attn.o_proj.weight": (cfg.hidden_size, cfg.q_size),
+                     f"{p}.mlp.gate_proj.weight": (cfg.intermediate_size, cfg.hidden_size),
+                     f"{p}.mlp.up_proj.weight": (cfg.intermediate_size, cfg.hidden_size),
+                     f"{p}.mlp.down_proj.weight": (cfg.hidden_size, cfg.intermediate_size)})
+      if cfg.attention_bias:
+        expect.update({f"{p}.self_attn.q_proj.bias": (cfg.q_size,), f"{p}.self_attn.k_proj.bias": (cfg.kv_size,),
+                       f"{p}.self_attn.v_proj.bias": (cfg.kv_size,)})
+      if cfg.mlp_bias:
+        expect.update({f"{p}.mlp.{n}.bias": (s,) for n, s in (("gate_proj", cfg.intermediate_size),
+                       ("up_proj", cfg.intermediate_size), ("down_proj", cfg.hidden_size))})
+    for name, shape in expect.items():
+      if name not in tensors: raise ModelLoadError(f"checkpoint {cfg.source or ''} lacks the tensor {name}")
+      if tuple(tensors[name].shape) != shape:
+        raise ModelLoadError(f"tensor {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
+    out = {name: np.ascontiguousarray(tensors[name], dtype=np_dtype) for name in expect}
+    for i in range(cfg.num_hidden_layers):
+      p = f"model.layers.{i}"
+      for fused, parts in fuse.items():
+        for kind in ("weight", "bias"):
+          names = [f"{p}.{part}.{kind}" for part in parts]
+          if names[0] in out: out[f"{p}.{fused}.{kind}"] = np.concatenate([out.pop(n) for n in names], axis=0)
+    return out
+
+  def __call__(self, inp: ModelInputs, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """Returns float32 logits `[R, vocab]` for the rows in inp.logits_index."""
+    h = self.embed_tokens[inp.tokens]                                            # (T, hidden)
+    for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+      h = layer(h, inp, self.cos_sin, k_cache, v_cache)
+    h = self.kernels.rms_norm(h[inp.logits_index], self.norm, self.cfg.rms_norm_eps)  # (R, hidden)
+    return self.kernels.linear(h, self.lm_head).float()

@@ -1,0 +1,158 @@
+"""Checkpoints -> (ModelConfig, state dict of numpy arrays with HF Llama names).
+
+Sources: a local HF directory (config.json + safetensors, sharded or not; fp32/fp16/bf16, or MLX 4-bit),
+a GGUF file (architecture llama), or a hub id fetched with huggingface_hub. Tensors stay numpy here;
+turning them into device tensors (and choosing the dtype) is the model's job.
+"""
+from __future__ import annotations
+import dataclasses, json, os, struct, sys
+from dataclasses import dataclass
+from pathlib import Path
+import numpy as np
+from tinyvllm.config import ModelConfig, ConfigError
+from tinyvllm.quant import ggml
+
+
+class ModelLoadError(ValueError):
+  """The checkpoint cannot be found or read. The message names the file."""
+
+
+@dataclass
+class Checkpoint:
+  config: ModelConfig
+  tensors: dict[str, np.ndarray]       # HF names, e.g. "model.layers.0.self_attn.q_proj.weight"
+  path: Path                           # the directory or GGUF file (tokenizer files are looked up from here)
+  gguf_meta: dict | None = None        # GGUF metadata (the embedded tokenizer reads it)
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+  """Turn the user's `model` argument into a local path: None -> the default model, a hub id -> a download."""
+  if model is None:
+    from tinyvllm.model.fetch import default_model_path
+    return default_model_path()
+  path = Path(model).expanduser()
+  if path.exists(): return path
+  name = str(model)
+  looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~")) and not name.endswith(".gguf")
+  if not looks_like_hub_id: raise ModelLoadError(f"model path does not exist: {name}")
+  try:
+    from huggingface_hub import snapshot_download
+    print(f"tinyvllm: fetching {name} from the Hugging Face hub", file=sys.stderr)
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]))
+  except Exception as e:  # the hub client raises many kinds; the user needs one sentence
+    raise ModelLoadError(f"{name} is neither a local path nor a model that could be fetched from the hub "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def load_checkpoint(model: str | os.PathLike | None) -> Checkpoint:
+  path = resolve_model(model)
+  if path.is_file():
+    if path.suffix != ".gguf" and not _is_gguf(path): raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
+    return load_gguf(path)
+  return load_hf_dir(path)
+
+
+# ---- HF directories ----
+
+def load_hf_dir(path: Path) -> Checkpoint:
+  cfg_file = path / "config.json"
+  if not cfg_file.exists(): raise ModelLoadError(f"{path} has no config.json")
+  try: cfg_dict = json.loads(cfg_file.read_text())
+  except json.JSONDecodeError as e: raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from None
+  config = ModelConfig.from_hf(cfg_dict, source=str(cfg_file))
+  index = path / "model.safetensors.index.json"
+  if index.exists():
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+  else:
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+  if not files: raise ModelLoadError(f"{path} has no *.safetensors weights")
+  tensors: dict[str, np.ndarray] = {}
+  for name in files:
+    if not (path / name).exists(): raise ModelLoadError(f"{path / name} is listed in {index.name} but missing")
+    tensors.update(read_safetensors(path / name))
+  tensors = {k: v for k, v in tensors.items() if "rotary_emb.inv_freq" not in k}
+  return Checkpoint(config, tensors, path)
+
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64, "I64": np.int64,
+              "I32": np.int32, "U32": np.uint32, "I16": np.int16, "U16": np.uint16, "I8": np.int8, "U8": np.uint8}
+
+
+def read_safetensors(file: Path) -> dict[str, np.ndarray]:
+  """Memory-map a safetensors file. bf16 tensors come back as float32 (numpy has no bfloat16)."""
+  try:
+    with open(file, "rb") as f:
+      header_len = struct.unpack("<Q", f.read(8))[0]
+      header = json.loads(f.read(header_len))
+  except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ModelLoadError(f"{file} is not a readable safetensors file: {e}") from None
+  data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len)
+  out = {}
+  for name, info in header.items():
+    if name == "__metadata__": continue
+    if info["dtype"] not in _ST_DTYPES: raise ModelLoadError(f"{file}: tensor {name} has unsupported dtype {info['dtype']}")
+    start, end = info["data_offsets"]
+    arr = data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+    if info["dtype"] == "BF16": arr = (arr.astype(np.uint32) << 16).view(np.float32)
+    out[name] = arr
+  return out
+
+
+# ---- GGUF ----
+
+_GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+               "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+
+def _is_gguf(path: Path) -> bool:
+  with open(path, "rb") as f: return f.read(4) == b"GGUF"
+
+
+def gguf_metadata(reader) -> dict:
+  meta = {}
+  for key, field in reader.fields.items():
+    try: meta[key] = field.contents()
+    except Exception: continue  # fields the gguf package cannot decode are not ones we use
+  return meta
+
+
+def hf_name(gguf_name: str) -> str:
+  """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+  parts = gguf_name.split(".")
+  if parts[0] == "blk":
+    return f"model.layers.{parts[1]}.{_GGUF_NAMES.get(parts[2], parts[2])}.{'.'.join(parts[3:])}"
+  return f"{_GGUF_NAMES.get(parts[0], parts[0])}.{'.'.join(parts[1:])}"
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """llama.cpp's converter reorders Q/K rows so each head's rotary pairs are interleaved; undo it to get HF's
+  rotate-half layout. Rows only move as whole rows, so this works on packed quantized rows too."""
+  rows = w.shape[0]
+  return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: Path) -> Checkpoint:
+  from gguf import GGUFReader
+  try: reader = GGUFReader(path)
+  except Exception as e: raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
+  meta = gguf_metadata(reader)
+  config = ModelConfig.from_gguf(meta, source=str(path))
+  tensors = {}
+  for t in reader.tensors:
+    qtype = t.tensor_type.name
+    if qtype not in GGUF_TENSOR_TYPES:
+      raise ModelLoadError(f"{path}: tensor {t.name} has GGUF type {qtype}; supported: {', '.join(GGUF_TENSOR_TYPES)}")
+    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dimensions innermost first
+    if qtype in ggml.BLOCK_BYTES: arr = ggml.dequantize(t.data, qtype, shape)
+    elif qtype == "BF16": arr = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    else: arr = np.asarray(t.data).reshape(shape)
+    name = hf_name(t.name)
+    if name.endswith("self_attn.q_proj.weight"): arr = unpermute_rope_rows(arr, config.num_attention_heads)
+    if name.endswith("self_attn.k_proj.weight"): arr = unpermute_rope_rows(arr, config.num_key_value_heads)
+    tensors[name] = arr
+  if "lm_head.weight" not in tensors: config = dataclasses.replace(config, tie_word_embeddings=True)
+  return Checkpoint(config, tensors, path, gguf_meta=meta)
