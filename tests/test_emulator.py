@@ -1,0 +1,296 @@
+"""The MSL emulator itself: SIMD-group functions, barriers, threadgroup memory, lane orders, and the mistakes it must
+catch (deliberately broken kernels live below), plus the TinyJit route through tinygrad's CPU device."""
+import time
+
+import numpy as np
+import pytest
+
+from tinyvllm.kernels.emulator import EmulatorError, compile_source
+from tinyvllm.kernels.emulator.harness import parse_kernels, rewrite_threadgroup
+
+ORDERS = ("forward", "reverse", "random")
+
+# **** kernels ****
+
+SIMD_SRC = """
+#include <metal_stdlib>
+using namespace metal;
+
+// out[tg][lane][0..7]: the results of eight SIMD-group functions for one input per lane
+kernel void simd_ops(device const float* x [[buffer(0)]], device float* out [[buffer(1)]],
+                     uint gid [[thread_position_in_grid]], ushort lane [[thread_index_in_simdgroup]]) {
+  const float v = x[gid];
+  device float* o = out + gid * 8;
+  o[0] = simd_sum(v);
+  o[1] = simd_max(v);
+  o[2] = simd_min(v);
+  o[3] = simd_shuffle_xor(v, 5);
+  o[4] = simd_shuffle_down(v, 3);
+  o[5] = simd_prefix_exclusive_sum(v);
+  o[6] = simd_broadcast(v, 7);
+  o[7] = simd_shuffle(v, (lane * 3) % 32);
+}
+
+// Vector constructors, swizzles, as_type and half maths
+kernel void vectors(device const half4* h [[buffer(0)]], device float4* out [[buffer(1)]],
+                    device uint* bits [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+  const float4 f = float4(h[i]);
+  const float2 ab = f.xy * 2.0f;
+  out[2 * i] = float4(ab, f.zw);
+  out[2 * i + 1] = float4(exp(f.x), max(f.y, 0.5f), dot(f, f), float(h[i].w * h[i].w));
+  bits[i] = as_type<uint>(f.x);
+}
+
+// Block sum with SIMD-group partials in threadgroup memory (two barriers)
+template <typename T, int N>
+[[kernel]] void block_sum(device const T* x [[buffer(0)]], device float* out [[buffer(1)]],
+                          uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                          uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float part[N / 32];
+  float v = simd_sum(float(x[tg.x * N + tid]));
+  if (lane == 0) part[sg] = v;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (sg == 0) {
+    float s = lane < N / 32 ? part[lane] : 0.0f;
+    s = simd_sum(s);
+    if (lane == 0) out[tg.x] = s;
+  }
+}
+template [[host_name("block_sum_f32_256")]] [[kernel]] decltype(block_sum<float, 256>) block_sum<float, 256>;
+template [[host_name("block_sum_f16_64")]] [[kernel]] decltype(block_sum<half, 64>) block_sum<half, 64>;
+
+// 8x8 simdgroup matrices: C = A @ B for one 8x8 tile
+kernel void mma8(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]], device float* c [[buffer(2)]]) {
+  simdgroup_float8x8 ma, mb, mc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  simdgroup_load(ma, a, 8);
+  simdgroup_load(mb, b, 8, ulong2(0, 0), true);
+  simdgroup_multiply_accumulate(mc, ma, mb, mc);
+  simdgroup_store(mc, c, 8);
+}
+"""
+
+# Deliberately broken kernels: the emulator must report each one.
+BROKEN_SRC = """
+#include <metal_stdlib>
+using namespace metal;
+
+// Reverses a row through threadgroup memory but forgot the barrier between the write and the read.
+kernel void missing_barrier(device const float* x [[buffer(0)]], device float* out [[buffer(1)]],
+                            uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float t[64];
+  t[tid] = x[tid];
+  out[tid] = t[63 - tid];
+}
+
+// A barrier only half of the threads reach.
+kernel void divergent_barrier(device float* out [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float t[64];
+  t[tid] = float(tid);
+  if (tid < 32) threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = t[tid];
+}
+
+// Two different barriers on the two sides of a branch.
+kernel void split_barriers(device float* out [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
+  if (tid % 2 == 0) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  } else {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  out[tid] = 1.0f;
+}
+
+// simd_sum in a branch taken by half of a SIMD-group while the other half waits at a barrier.
+kernel void divergent_simd(device float* out [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
+  float v = 1.0f;
+  if (tid % 32 < 16) v = simd_sum(v);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = v;
+}
+
+// Reads one float4 past the end of its input.
+kernel void read_past_end(device const float4* x [[buffer(0)]], device float* out [[buffer(1)]],
+                          uint tid [[thread_index_in_threadgroup]]) {
+  out[tid] = x[tid + 1].x;
+}
+
+// Writes 4 KB before the start of its output (into the guard page in front of it).
+kernel void write_before_start(device float* out [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
+  out[(int)tid - 1024] = 1.0f;
+}
+
+// 40 KB of threadgroup memory (Apple GPUs allow 32 KB).
+kernel void too_much_tg(device float* out [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float t[10240];
+  t[tid] = 1.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = t[tid];
+}
+"""
+
+# **** tests ****
+
+
+@pytest.fixture(scope="module")
+def simd_lib(): return compile_source(SIMD_SRC, "simd_test.metal")
+
+
+@pytest.fixture(scope="module")
+def broken_lib(): return compile_source(BROKEN_SRC, "broken.metal")
+
+
+def simd_reference(x: np.ndarray) -> np.ndarray:
+  out = np.zeros((x.size, 8), np.float32)
+  for s in range(0, x.size, 32):
+    v = x[s:s + 32].astype(np.float64)
+    lanes = np.arange(32)
+    out[s:s + 32, 0] = v.sum()
+    out[s:s + 32, 1] = v.max()
+    out[s:s + 32, 2] = v.min()
+    out[s:s + 32, 3] = v[lanes ^ 5]
+    out[s:s + 32, 4] = np.where(lanes + 3 < 32, v[np.minimum(lanes + 3, 31)], v)  # out-of-range lanes keep their own
+    out[s:s + 32, 5] = np.concatenate([[0], np.cumsum(v)[:-1]])
+    out[s:s + 32, 6] = v[7]
+    out[s:s + 32, 7] = v[(lanes * 3) % 32]
+  return out
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_simd_functions(simd_lib, order):
+  x = np.random.default_rng(0).standard_normal(128).astype(np.float32)
+  out = np.zeros((128, 8), np.float32)
+  simd_lib.run("simd_ops", [x, out], (2,), (64,), order=order, seed=3)
+  np.testing.assert_allclose(out, simd_reference(x), rtol=1e-5, atol=1e-5)  # float sums in tree order vs float64
+
+
+def test_vectors_and_half(simd_lib):
+  h = np.random.default_rng(1).standard_normal((16, 4)).astype(np.float16)
+  out, bits = np.zeros((32, 4), np.float32), np.zeros(16, np.uint32)
+  simd_lib.run("vectors", [h, out, bits], (1,), (16,))
+  f = h.astype(np.float32)
+  np.testing.assert_array_equal(out[0::2], np.concatenate([f[:, :2] * 2, f[:, 2:]], 1))
+  hw = (h[:, 3] * h[:, 3]).astype(np.float32)  # half multiply, rounded to half
+  expect = np.stack([np.exp(f[:, 0]), np.maximum(f[:, 1], 0.5), (f * f).sum(1), hw], 1)
+  np.testing.assert_allclose(out[1::2], expect, rtol=1e-6)
+  np.testing.assert_array_equal(bits, f[:, 0].view(np.uint32))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_block_sum_templates(simd_lib, order):
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((8, 256)).astype(np.float32)
+  out = np.zeros(8, np.float32)
+  simd_lib.run("block_sum_f32_256", [x, out], (8,), (256,), order=order)
+  np.testing.assert_allclose(out, x.sum(1), rtol=1e-5, atol=1e-5)
+  xh = rng.standard_normal((4, 64)).astype(np.float16)
+  out = np.zeros(4, np.float32)
+  simd_lib.run("block_sum_f16_64", [xh, out], (4,), (64,), order=order)
+  np.testing.assert_allclose(out, xh.astype(np.float32).sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_simdgroup_matrix(simd_lib):
+  rng = np.random.default_rng(3)
+  a, b = rng.standard_normal((8, 8)).astype(np.float32), rng.standard_normal((8, 8)).astype(np.float32)
+  c = np.zeros((8, 8), np.float32)
+  simd_lib.run("mma8", [a, b, c], (1,), (32,))
+  np.testing.assert_allclose(c, a @ b.T, rtol=1e-5, atol=1e-5)  # b loaded transposed
+
+
+def test_missing_barrier_is_caught(broken_lib):
+  # Threadgroup memory starts as NaN: whichever order the threads run in, some read a slot not yet written.
+  x = np.arange(64, dtype=np.float32)
+  for order in ("forward", "reverse"):
+    out = np.zeros(64, np.float32)
+    broken_lib.run("missing_barrier", [x, out], (1,), (64,), order=order)
+    assert np.isnan(out).sum() == 32, order
+
+
+@pytest.mark.parametrize("kernel,pattern", [
+    ("divergent_barrier", r"threadgroup_barrier at line \d+ reached by 32 of 64 threads"),
+    ("split_barriers", r"different threadgroup barriers"),
+    ("divergent_simd", r"divergent SIMD-group operation"),
+])
+def test_divergence_is_reported(broken_lib, kernel, pattern):
+  with pytest.raises(EmulatorError, match=pattern) as e:
+    broken_lib.run(kernel, [np.zeros(64, np.float32)], (1,), (64,))
+  assert kernel in str(e.value) and "broken.metal" in str(e.value)
+
+
+def test_out_of_bounds_is_reported(broken_lib):
+  with pytest.raises(EmulatorError, match=r"past the end of buffer 0 `x` \(512 bytes\)"):
+    broken_lib.run("read_past_end", [np.zeros((32, 4), np.float32), np.zeros(32, np.float32)], (1,), (32,))
+  with pytest.raises(EmulatorError, match=r"before the start of buffer 0 `out`"):
+    broken_lib.run("write_before_start", [np.zeros(32, np.float32)], (1,), (32,))
+  # without guards the same launch would silently read the neighbouring memory
+  out = np.zeros(32, np.float32)
+  broken_lib.run("read_past_end", [np.zeros((33, 4), np.float32), out], (1,), (32,))
+
+
+def test_limits_are_reported(broken_lib):
+  with pytest.raises(EmulatorError, match="threadgroup memory exceeds 32768 bytes"):
+    broken_lib.run("too_much_tg", [np.zeros(64, np.float32)], (1,), (64,))
+  with pytest.raises(EmulatorError, match="2048 threads per threadgroup"):
+    broken_lib.run("too_much_tg", [np.zeros(64, np.float32)], (1,), (2048,))
+
+
+def test_compile_time_rejections():
+  with pytest.raises(EmulatorError, match="duplicate"):
+    compile_source("#include <metal_stdlib>\nkernel void f(device float* a [[buffer(0)]], device float* b [[buffer(0)]]) {}", "dup.metal")
+  with pytest.raises(EmulatorError, match="double"):  # Metal has no double
+    compile_source("#include <metal_stdlib>\nkernel void f(device float* a [[buffer(0)]]) { double d = a[0]; a[0] = d; }", "dbl.metal")
+  with pytest.raises(EmulatorError, match="not supported"):
+    compile_source("#include <metal_stdlib>\nkernel void f(device float* a [[buffer(0)]], float x [[stage_in]]) {}", "stage.metal")
+
+
+def test_parser_and_rewrite():
+  text = ('template <typename T, int N>\n[[kernel]] void k(device const T* a [[buffer(0)]], constant int& n [[buffer(1)]],\n'
+          '  uint3 g [[threadgroup_position_in_grid]]) {\n  threadgroup float4 t[N][2];\n}\n'
+          'template [[host_name("k_" "f32")]] [[kernel]] decltype(k<float, 4>) k<float, 4>;\n')
+  (k,) = parse_kernels(text, "x.metal")
+  assert (k.name, k.func) == ("k_f32", "k<float, 4>")
+  assert [(p.name, p.buffer, p.builtin, p.writable) for p in k.params] == \
+      [("a", 0, None, False), ("n", 1, None, False), ("g", None, "threadgroup_position_in_grid", False)]
+  rewritten = rewrite_threadgroup(text)
+  assert "__tv_tg_alloc(0, sizeof(__tv_tg_t0), alignof(float4))" in rewritten
+  assert rewritten.count("\n") == text.count("\n")  # line numbers preserved
+
+
+def test_compile_cache_and_launch_time(simd_lib):
+  t = time.perf_counter()
+  again = compile_source(SIMD_SRC, "simd_test.metal")
+  assert again is simd_lib and time.perf_counter() - t < 0.5
+  x = np.random.default_rng(4).standard_normal((64, 256)).astype(np.float32)
+  out = np.zeros(64, np.float32)
+  best = float("inf")
+  for _ in range(3):
+    t = time.perf_counter()
+    simd_lib.run("block_sum_f32_256", [x, out], (64,), (256,))
+    best = min(best, time.perf_counter() - t)
+  print(f"64 threadgroups x 256 threads: {best * 1e3:.1f} ms")
+  assert best < 0.5
+
+
+def test_tinyjit_route_and_deferred_errors(tmp_path):
+  # The emulator backend runs kernels as tinygrad CPU kernels; errors inside them surface through check().
+  from tinygrad import Tensor, TinyJit, dtypes
+  from tinyvllm.kernels.metal import EmulatorBackend, Launch
+  src = tmp_path / "jit_test.metal"
+  src.write_text(SIMD_SRC.replace("simd_ops", "simd_ops_jit") + BROKEN_SRC.split("using namespace metal;")[1])
+  be = EmulatorBackend(order="random", seed=5)
+  launch = Launch(str(src), "block_sum_f32_256", ("x", "out"), (0,), (4, 1, 1), (256, 1, 1))
+
+  @TinyJit
+  def f(x):
+    out = Tensor.empty(4, dtype=dtypes.float32)
+    return (be.run(launch, x, out)[1] * 2).realize()
+
+  rng = np.random.default_rng(6)
+  for _ in range(4):  # call 0 eager, 1 captures, 2-3 replay with new data
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    np.testing.assert_allclose(f(Tensor(x).realize()).numpy(), 2 * x.sum(1), rtol=1e-5, atol=1e-5)
+  be.check()
+
+  bad = Launch(str(src), "divergent_barrier", ("out",), (0,), (1, 1, 1), (64, 1, 1))
+  be.run(bad, Tensor.zeros(64, dtype=dtypes.float32).contiguous())[0].realize()
+  with pytest.raises(EmulatorError, match="divergent_barrier"):
+    be.check()
