@@ -303,6 +303,7 @@ def test_tokenizers_json_dir(hf_dir):
   bos, eos, im_end = hf.token_to_id("<s>"), hf.token_to_id("</s>"), hf.token_to_id("<|im_end|>")
   assert (tok.bos_token_id, tok.eos_token_id, tok.add_bos, tok.strip_first_space) == (bos, eos, False, not byte_level)
   assert {eos, im_end} <= tok.eos_token_ids
+  assert tok.encode("<|im_end|>") == [im_end] and len(tok.encode("<|im_end|>", parse_special=False)) > 1
   for text in SAMPLES + _random_texts(200, seed=3):
     ids = hf.encode(text, add_special_tokens=False).ids
     assert tok.encode(text) == ids, text
@@ -365,6 +366,11 @@ def test_errors(tmp_path):
   assert tok.apply_chat_template([{"role": "user", "content": "Hi"}], chat_template="{{ messages[0].content }}") == "Hi"
   with pytest.raises(TokenizerError, match="does not compile"):
     tok.apply_chat_template([], chat_template="{% for %}")
+  with pytest.raises(TokenizerError, match="several GGUF files.*pass one of them"):
+    load_tokenizer(tmp_path)
+  (tmp_path / "one").mkdir()
+  (tmp_path / "ok.gguf").rename(tmp_path / "one" / "model.gguf")
+  assert load_tokenizer(tmp_path / "one").encode("abba") == [2, 1, 0]  # a directory holding one GGUF
 
 
 def test_merge_symbols_order():
