@@ -12,10 +12,14 @@
 // paged_attention_decode_<x>_<c>_<D>
 //   grid: (1, n_kv_heads, num_seqs) threadgroups of 128 threads (4 SIMD-groups).
 //   One threadgroup serves one (sequence, KV head) and all G query heads that share it, so each K/V row is
-//   read once. Lanes own float4 chunks of a K/V row (LK = 16 lanes per key for D = 64, else 32), so a
-//   SIMD-group scores 32 / LK keys per step; SIMD-groups take interleaved keys. Every lane keeps an online
-//   softmax (max, sum, weighted V chunk) per query head in float; the states are merged across the keys of
-//   a SIMD-group with simd_shuffle_xor, then across SIMD-groups through threadgroup memory.
+//   read from memory once. The context is walked in chunks of 128 keys (flash-decoding inside the group):
+//     1. thread t scores key k0 + t against the G query heads (its K row read with vector loads, q from
+//        threadgroup memory), no cross-lane traffic;
+//     2. simd_max + threadgroup memory give the chunk maximum; the running maximum, sum and output are
+//        rescaled in float and the probabilities stored in threadgroup memory;
+//     3. SIMD-group sg accumulates V rows sg, sg + 4, ... (lane = float4 chunk of the row) for all G heads.
+//   At the end the four SIMD-groups' partial outputs are summed through threadgroup memory.
+//   The masked tail of the last block is never read: keys stop at the context length.
 //   buffers: 0 q, 1 k_cache, 2 v_cache, 3 block_tables, 4 context_lens, 5 out [num_seqs, n_heads, D] x, 6 params
 //
 // paged_attention_decode_partitioned_<x>_<c>_<D>   (long contexts, like vLLM's v2)
@@ -52,107 +56,119 @@ METAL_FUNC void paged_decode_impl(
     device const T* q, device const KV* k_cache, device const KV* v_cache,
     device const int* block_tables, device const int* context_lens,
     device T* out, device float* tmp_out, device float* exp_sums, device float* max_logits,
-    constant PagedParams& p, threadgroup float4* red_o, threadgroup float* red_ml,
-    uint3 tgid, uint tid, uint lane, uint sg) {
+    constant PagedParams& p, threadgroup float* qs, threadgroup float* probs, threadgroup float* red,
+    threadgroup float4* red_o, uint3 tgid, uint tid, uint lane, uint sg) {
   constexpr int NSG = 4;                 // SIMD-groups per threadgroup
+  constexpr int NT = 32 * NSG;           // threads = keys per chunk
   constexpr int GMAX = 8;                // most query heads per KV head
-  constexpr int C = D / 4;               // float4 chunks per row
-  constexpr int LK = D == 64 ? 16 : 32;  // lanes per key
-  constexpr int KPS = 32 / LK;           // keys per SIMD-group step
-  constexpr int NKG = NSG * KPS;         // keys per threadgroup step
-  const float NEG_BIG = -FLT_MAX;        // finite "minus infinity": exp(NEG_BIG - NEG_BIG) stays 1, never NaN
+  constexpr int C = D / 4;               // float4 chunks per row (<= 32)
+  const float NEG_BIG = -FLT_MAX;        // finite "minus infinity": exp(NEG_BIG - x) is 0, never NaN
 
   const int seq = tgid.z, kvh = tgid.y, part = tgid.x;
   const int G = p.n_heads / p.n_kv_heads;
   const int ctx = context_lens[seq];
   const int kbeg = PARTITIONED ? part * p.partition_size : 0;
   const int kend = PARTITIONED ? min(ctx, kbeg + p.partition_size) : ctx;
-  const int c = lane % LK;
-  const bool has_chunk = c < C;
-
-  // Query heads of this KV head, pre-scaled
-  float4 qv[GMAX], o[GMAX];
-  float m[GMAX], l[GMAX];
-  for (int g = 0; g < GMAX; g++) {
-    o[g] = float4(0.0f);
-    qv[g] = float4(0.0f);
-    m[g] = NEG_BIG;
-    l[g] = 0.0f;
-    if (g < G && has_chunk)
-      qv[g] = float4(*(device const vec<T, 4>*)(q + ((long)seq * p.n_heads + kvh * G + g) * D + 4 * c)) * p.scale;
-  }
-
-  // For each key: this SIMD-group's keys are k0 + lane / LK; the loop bound is uniform per SIMD-group
   device const int* table = block_tables + (long)seq * p.max_blocks;
   const long row_stride = (long)p.n_kv_heads * D;
-  for (int k0 = kbeg + (int)sg * KPS; k0 < kend; k0 += NKG) {
-    const int k = k0 + lane / LK;
-    const bool valid = k < kend;
-    float4 kk = float4(0.0f), vv = float4(0.0f);
-    if (valid && has_chunk) {
-      const int slot = table[k / p.block_size] * p.block_size + k % p.block_size;
-      const long base = slot * row_stride + kvh * D + 4 * c;
-      kk = float4(*(device const vec<KV, 4>*)(k_cache + base));
-      vv = float4(*(device const vec<KV, 4>*)(v_cache + base));
+
+  // The G query heads of this KV head (contiguous in q), pre-scaled: qs[g * D + d]
+  for (int i = tid; i < G * D; i += NT) qs[i] = float(q[((long)seq * p.n_heads + kvh * G) * D + i]) * p.scale;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // Online softmax state; m is the same in every thread, l and o cover this SIMD-group's keys
+  float m[GMAX], l[GMAX];
+  float4 o[GMAX];
+  for (int g = 0; g < GMAX; g++) {
+    m[g] = NEG_BIG;
+    l[g] = 0.0f;
+    o[g] = float4(0.0f);
+  }
+
+  // For each chunk of NT keys
+  for (int k0 = kbeg, parity = 0; k0 < kend; k0 += NT, parity ^= 1) {
+    const int nk = min(NT, kend - k0);
+
+    // Scores: thread tid takes key k0 + tid and reads its whole K row with vector loads
+    float s[GMAX];
+    for (int g = 0; g < GMAX; g++) s[g] = NEG_BIG;
+    if ((int)tid < nk) {
+      const int k = k0 + tid;
+      device const KV* kr = k_cache + (long)(table[k / p.block_size] * p.block_size + k % p.block_size) * row_stride + kvh * D;
+      for (int g = 0; g < GMAX; g++) s[g] = 0.0f;
+      for (int c = 0; c < C; c++) {
+        const float4 kv = float4(*(device const vec<KV, 4>*)(kr + 4 * c));
+        for (int g = 0; g < GMAX; g++) {
+          if (g >= G) break;
+          s[g] += dot(*(threadgroup const float4*)(qs + g * D + 4 * c), kv);
+        }
+      }
     }
+
+    // Chunk maximum per head (red is double-buffered by chunk parity, so one barrier per use suffices)
     for (int g = 0; g < GMAX; g++) {
       if (g >= G) break;
-      float s = dot(qv[g], kk);
-      for (int off = LK / 2; off > 0; off /= 2) s += simd_shuffle_xor(s, off);
-      const float m_new = valid ? max(m[g], s) : m[g];
-      const float corr = exp(m[g] - m_new);
-      const float pk = valid ? exp(s - m_new) : 0.0f;
-      l[g] = l[g] * corr + pk;
-      o[g] = o[g] * corr + pk * vv;
-      m[g] = m_new;
+      const float mx = simd_max(s[g]);
+      if (lane == 0) red[(parity * NSG + sg) * GMAX + g] = mx;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // New running maximum, rescale the state, publish this chunk's probabilities
+    for (int g = 0; g < GMAX; g++) {
+      if (g >= G) break;
+      float mc = m[g];
+      for (int i = 0; i < NSG; i++) mc = max(mc, red[(parity * NSG + i) * GMAX + g]);
+      const float corr = exp(m[g] - mc);
+      l[g] *= corr;
+      o[g] *= corr;
+      m[g] = mc;
+      if ((int)tid < nk) probs[g * NT + tid] = exp(s[g] - mc);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // Weighted V: SIMD-group sg takes keys sg, sg + NSG, ...; lane = float4 chunk of the row
+    for (int j = sg; j < nk; j += NSG) {
+      const int k = k0 + j;
+      float4 vv = float4(0.0f);
+      if ((int)lane < C)
+        vv = float4(*(device const vec<KV, 4>*)(v_cache + (long)(table[k / p.block_size] * p.block_size + k % p.block_size) * row_stride
+                                                 + kvh * D + 4 * lane));
+      for (int g = 0; g < GMAX; g++) {
+        if (g >= G) break;
+        const float pj = probs[g * NT + j];
+        l[g] += pj;
+        o[g] += pj * vv;
+      }
     }
   }
 
-  // Merge the key streams of one SIMD-group (D = 64: lanes l and l + 16)
-  if (KPS == 2) {
-    for (int g = 0; g < GMAX; g++) {
-      if (g >= G) break;
-      const float mo = simd_shuffle_xor(m[g], LK), lo = simd_shuffle_xor(l[g], LK);
-      const float4 oo = simd_shuffle_xor(o[g], LK);
-      const float mn = max(m[g], mo), a = exp(m[g] - mn), b = exp(mo - mn);
-      l[g] = l[g] * a + lo * b;
-      o[g] = o[g] * a + oo * b;
-      m[g] = mn;
-    }
-  }
-
-  // Merge across SIMD-groups: red_o [NSG][GMAX][C], red_ml [2][NSG][GMAX]
+  // Sum the SIMD-groups' partial outputs (same running maximum, so no rescaling)
+  threadgroup float* red_l = red + 2 * NSG * GMAX;
   for (int g = 0; g < GMAX; g++) {
     if (g >= G) break;
-    if (lane < LK && has_chunk) red_o[(sg * GMAX + g) * C + c] = o[g];
-    if (lane == 0) {
-      red_ml[sg * GMAX + g] = m[g];
-      red_ml[NSG * GMAX + sg * GMAX + g] = l[g];
-    }
+    if ((int)lane < C) red_o[(sg * GMAX + g) * C + lane] = o[g];
+    if (lane == 0) red_l[sg * GMAX + g] = l[g];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int i = tid; i < G * C; i += NSG * 32) {
-    const int g = i / C, cc = i % C;
-    float mx = NEG_BIG;
-    for (int s = 0; s < NSG; s++) mx = max(mx, red_ml[s * GMAX + g]);
+  for (int i = tid; i < G * C; i += NT) {
+    const int g = i / C, c = i % C;
     float sum = 0.0f;
     float4 acc = float4(0.0f);
     for (int s = 0; s < NSG; s++) {
-      const float w = exp(red_ml[s * GMAX + g] - mx);
-      sum += red_ml[NSG * GMAX + s * GMAX + g] * w;
-      acc += red_o[(s * GMAX + g) * C + cc] * w;
+      sum += red_l[s * GMAX + g];
+      acc += red_o[(s * GMAX + g) * C + c];
     }
     const float4 res = sum > 0.0f ? acc / sum : float4(0.0f);
     const long head = (long)seq * p.n_heads + kvh * G + g;
     if (PARTITIONED) {
       const long idx = head * p.num_partitions + part;
-      *(device float4*)(tmp_out + idx * D + 4 * cc) = res;
-      if (cc == 0) {
+      *(device float4*)(tmp_out + idx * D + 4 * c) = res;
+      if (c == 0) {
         exp_sums[idx] = sum;
-        max_logits[idx] = mx;
+        max_logits[idx] = m[g];
       }
     } else {
-      *(device vec<T, 4>*)(out + head * D + 4 * cc) = to_vec4<T>(res);
+      *(device vec<T, 4>*)(out + head * D + 4 * c) = to_vec4<T>(res);
     }
   }
 }
@@ -170,10 +186,12 @@ template <typename T, typename KV, int D>
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float qs[8 * D];
+  threadgroup float probs[8 * 128];
+  threadgroup float red[3 * 4 * 8];
   threadgroup float4 red_o[4 * 8 * D / 4];
-  threadgroup float red_ml[2 * 4 * 8];
   paged_decode_impl<T, KV, D, false>(q, k_cache, v_cache, block_tables, context_lens, out, nullptr, nullptr, nullptr,
-                                     p, red_o, red_ml, tgid, tid, lane, sg);
+                                     p, qs, probs, red, red_o, tgid, tid, lane, sg);
 }
 
 template <typename T, typename KV, int D>
@@ -191,10 +209,12 @@ template <typename T, typename KV, int D>
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float qs[8 * D];
+  threadgroup float probs[8 * 128];
+  threadgroup float red[3 * 4 * 8];
   threadgroup float4 red_o[4 * 8 * D / 4];
-  threadgroup float red_ml[2 * 4 * 8];
   paged_decode_impl<T, KV, D, true>(q, k_cache, v_cache, block_tables, context_lens, nullptr, tmp_out, exp_sums,
-                                    max_logits, p, red_o, red_ml, tgid, tid, lane, sg);
+                                    max_logits, p, qs, probs, red, red_o, tgid, tid, lane, sg);
 }
 
 template <typename T>

@@ -9,7 +9,8 @@
 //   R = TQ * G query rows (token, query head) of TQ consecutive tokens for one KV head: SIMD-group sg owns rows
 //   sg, sg + 4, ... For each sequence present in the tile it walks the keys in tiles of TK (32 for a half
 //   cache, 16 for float), staging K and V in threadgroup memory once for all R rows. Per row and tile: lanes
-//   score keys (32 / TK lanes per key), simd_max / simd_sum update the online softmax in float, and each lane
+//   score keys (32 / TK lanes per key), simd_max / simd_sum update the online softmax in float, the tile's
+//   probabilities go through a per-SIMD-group scratch in threadgroup memory (simdgroup_barrier), and each lane
 //   accumulates the output elements d = lane + 32 i.
 //   buffers:
 //     0 q            [T, n_heads, D]                          x
@@ -60,6 +61,7 @@ template <typename T, typename KV, int D>
   threadgroup float4 qs4[RMAX * D / 4];
   threadgroup vec<KV, 4> ks4[TK * KS / 4];
   threadgroup vec<KV, 4> vs4[TK * KS / 4];
+  threadgroup float ps[NSG * TK];
   threadgroup const KV* vs = (threadgroup const KV*)vs4;
 
   const int G = p.n_heads / p.n_kv_heads, TQ = p.tokens_per_tile, R = TQ * G;
@@ -125,13 +127,16 @@ template <typename T, typename KV, int D>
         const float pk = valid ? exp(sc - m_new) : 0.0f;
         l[j] = l[j] * corr + simd_sum(part == 0 ? pk : 0.0f);
         for (int e = 0; e < NE; e++) o[j][e] *= corr;
+        if (part == 0) ps[sg * TK + kk] = pk;  // this SIMD-group's probabilities, read back by every lane
+        simdgroup_barrier(mem_flags::mem_threadgroup);
         for (int kj = 0; kj < TK; kj++) {
-          const float pj = simd_shuffle(pk, kj);
+          const float pj = ps[sg * TK + kj];
           for (int e = 0; e < NE; e++) {
             const int d = lane + 32 * e;
             if (d < D) o[j][e] += pj * float(vs[kj * KS + d]);
           }
         }
+        simdgroup_barrier(mem_flags::mem_threadgroup);  // before the next row overwrites ps
         m[j] = m_new;
       }
     }
