@@ -102,7 +102,7 @@ template <typename T, typename KV, int D>
       threadgroup_barrier(mem_flags::mem_threadgroup);
       for (int e = tid; e < TK * D / 4; e += NSG * 32) {
         const int j = e / (D / 4), c = 4 * (e % (D / 4)), k = k0 + j;
-        vec<KV, 4> kx = vec<KV, 4>(0), vx = vec<KV, 4>(0);
+        vec<KV, 4> kx = vec<KV, 4>(KV(0)), vx = vec<KV, 4>(KV(0));
         if (k < kmax) {
           const long base = (long)(table[k / p.block_size] * p.block_size + k % p.block_size) * kv_row + kvh * D + c;
           kx = *(device const vec<KV, 4>*)(k_cache + base);
