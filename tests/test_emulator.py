@@ -188,6 +188,13 @@ def test_block_sum_templates(simd_lib, order):
   np.testing.assert_allclose(out, xh.astype(np.float32).sum(1), rtol=1e-5, atol=1e-5)
 
 
+def test_os_threads(simd_lib):
+  x = np.random.default_rng(8).standard_normal((64, 256)).astype(np.float32)
+  out = np.zeros(64, np.float32)
+  simd_lib.run("block_sum_f32_256", [x, out], (64,), (256,), os_threads=2, order="random")
+  np.testing.assert_allclose(out, x.sum(1), rtol=1e-5, atol=1e-5)
+
+
 def test_simdgroup_matrix(simd_lib):
   rng = np.random.default_rng(3)
   a, b = rng.standard_normal((8, 8)).astype(np.float32), rng.standard_normal((8, 8)).astype(np.float32)

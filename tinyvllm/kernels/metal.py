@@ -144,6 +144,8 @@ class _Backend:
     """Launch over `tensors` (in launch.buffers order); returns every tensor as it is after the kernel."""
     assert len(tensors) == len(launch.buffers), f"{launch.kernel}: expected {launch.buffers}"
     dev = tensors[0].device
+    if not all(isinstance(t.device, str) and t.device.split(":")[0] == self.device for t in tensors):
+      raise ValueError(f"{type(self).__name__} runs on {self.device} tensors, got {[t.device for t in tensors]}")
     p = self.params_tensor(launch, dev)
     fxn = self.program_fxn(launch, [t.nbytes() for t in tensors] + [p.nbytes()])
     return Tensor.custom_kernel(*tensors, p, fxn=fxn)[:-1]
@@ -151,6 +153,7 @@ class _Backend:
 
 class MetalBackend(_Backend):
   """Runs the .metal kernels on Apple GPUs (DEV=METAL); each source is compiled once per process."""
+  device = "METAL"
 
   @functools.cache
   def library(self, source: str) -> tuple[str, bytes]:
@@ -173,6 +176,8 @@ class EmulatorBackend(_Backend):
   tinygrad's worker thread: they are printed, kept, and raised by `check()`, which every public function
   calls before launching anything.
   """
+
+  device = "CPU"
 
   def __init__(self, order: str = "forward", seed: int = 0, guard: bool = True, os_threads: int = 1):
     super().__init__()

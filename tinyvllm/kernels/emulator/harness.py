@@ -83,7 +83,10 @@ def _flags() -> list[str]:
 
 
 def _run(cmd: list[str], what: str, input_text: str | None = None) -> str:
-  r = subprocess.run(cmd, input=input_text, capture_output=True, text=True)
+  try:
+    r = subprocess.run(cmd, input=input_text, capture_output=True, text=True)
+  except FileNotFoundError as e:
+    raise EmulatorError(f"{what} failed: {cmd[0]} not found (install clang, or set CXX_EMULATOR)") from e
   if r.returncode != 0: raise EmulatorError(f"{what} failed:\n{r.stderr.strip()}")
   return r.stdout
 
