@@ -62,7 +62,7 @@ template [[host_name("block_sum_f16_64")]] [[kernel]] decltype(block_sum<half, 6
 // 8x8 simdgroup matrices: C = A @ B for one 8x8 tile
 kernel void mma8(device const float* a [[buffer(0)]], device const float* b [[buffer(1)]], device float* c [[buffer(2)]]) {
   simdgroup_float8x8 ma, mb, mc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  simdgroup_load(ma, a, 8);
+  simdgroup_load(ma, a, 8, 0, false);
   simdgroup_load(mb, b, 8, ulong2(0, 0), true);
   simdgroup_multiply_accumulate(mc, ma, mb, mc);
   simdgroup_store(mc, c, 8);
