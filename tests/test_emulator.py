@@ -249,6 +249,38 @@ def test_compile_time_rejections():
     compile_source("#include <metal_stdlib>\nkernel void f(device float* a [[buffer(0)]], float x [[stage_in]]) {}", "stage.metal")
 
 
+ADDRESS_SPACE_MISTAKES = {  # each compiles as plain C++ but not as MSL; the emulator must reject it too
+  "threadgroup_as_device": "METAL_FUNC void put(device float* d) { d[0] = 1.0f; }\n"
+                           "kernel void f(device float* o [[buffer(0)]]) { threadgroup float t[32]; put(t); o[0] = t[0]; }",
+  "constant_as_thread_ref": "struct P { int n; };\nMETAL_FUNC int get(const thread P& p) { return p.n; }\n"
+                            "kernel void f(device int* o [[buffer(0)]], constant P& p [[buffer(1)]]) { o[0] = get(p); }",
+  "write_to_constant": "kernel void f(constant float* x [[buffer(0)]]) { x[0] = 1.0f; }",
+  "device_as_thread": "METAL_FUNC float first(const float* p) { return p[0]; }\n"
+                      "kernel void f(device const float* x [[buffer(0)]], device float* y [[buffer(1)]]) { y[0] = first(x); }",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADDRESS_SPACE_MISTAKES))
+def test_address_space_mistakes_are_compile_errors(name):
+  with pytest.raises(EmulatorError, match="error"):
+    compile_source("#include <metal_stdlib>\nusing namespace metal;\n" + ADDRESS_SPACE_MISTAKES[name], f"{name}.metal")
+
+
+def test_cpp17_is_rejected():
+  body = "kernel void f(device float* a [[buffer(0)]]) { if constexpr (sizeof(float) == 4) a[0] = 1.0f; }"
+  with pytest.raises(EmulatorError, match="if constexpr"):
+    compile_source("#include <metal_stdlib>\nusing namespace metal;\n" + body, "cxx17.metal")
+
+
+def test_program_scope_constants():
+  lib = compile_source("#include <metal_stdlib>\nusing namespace metal;\nconstant float SCALE = 0.5f;\n"
+                       "kernel void f(device const float* x [[buffer(0)]], device float* y [[buffer(1)]], uint i [[thread_position_in_grid]]) {\n"
+                       "  y[i] = x[i] * SCALE;\n}", "consts.metal")
+  x, y = np.arange(4, dtype=np.float32), np.zeros(4, np.float32)
+  lib.run("f", [x, y], (1,), (4,))
+  np.testing.assert_array_equal(y, x * 0.5)
+
+
 def test_parser_and_rewrite():
   text = ('template <typename T, int N>\n[[kernel]] void k(device const T* a [[buffer(0)]], constant int& n [[buffer(1)]],\n'
           '  uint3 g [[threadgroup_position_in_grid]]) {\n  threadgroup float4 t[N][2];\n}\n'

@@ -115,6 +115,6 @@ class Llama:
     """Returns float32 logits `[R, vocab]` for the rows in inp.logits_index."""
     h = self.embed_tokens[inp.tokens]                                            # (T, hidden)
     for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-      h = layer(h, inp, self.cos_sin, k_cache, v_cache)
+      h = layer(h, inp, self.cos_sin, k_cache, v_cache).realize()
     h = self.kernels.rms_norm(h[inp.logits_index], self.norm, self.cfg.rms_norm_eps)  # (R, hidden)
     return self.kernels.linear(h, self.lm_head).float()

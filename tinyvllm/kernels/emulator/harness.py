@@ -24,7 +24,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
-HARNESS_VERSION = "1"
+HARNESS_VERSION = "2"
 
 BUILTINS = {  # attribute -> field of __tv_thread (a 3-vector, or a scalar)
   "thread_position_in_grid": "gid", "threadgroup_position_in_grid": "tgid", "thread_position_in_threadgroup": "tid",
@@ -216,6 +216,21 @@ def parse_kernels(text: str, file: str) -> list[Kernel]:
   return kernels
 
 
+# C++ that clang++ accepts in the emulator but Apple's MSL (C++14-based, no dynamic memory) rejects
+_NOT_MSL = [(re.compile(r"\bif\s+constexpr\b"), "`if constexpr` (C++17; MSL is based on C++14)"),
+            (re.compile(r"\bauto\s*&{0,2}\s*\["), "structured bindings (C++17)"),
+            (re.compile(r"\bvirtual\b"), "virtual functions"),
+            (re.compile(r"\bnew\s+[A-Za-z_(]|\bdelete\b"), "new/delete")]
+
+
+def lint_msl(text: str, file: str):
+  """Reject constructs the emulator would compile but Apple's Metal compiler would not."""
+  for line in text.split("\n"):
+    if line.startswith("#"): continue
+    for pat, what in _NOT_MSL:
+      if pat.search(line): raise EmulatorError(f"{file}: {what} is not valid MSL: `{line.strip()}`")
+
+
 _TG_DECL = re.compile(r"^(\s*)threadgroup\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w*)\s*((?:\[[^\]]+\]\s*)*);\s*$")
 
 
@@ -232,7 +247,7 @@ def rewrite_threadgroup(text: str) -> str:
     if m:
       ind, ty, name, dims = m.group(1), m.group(2).strip(), m.group(3), m.group(4).replace(" ", "")
       alias = f"__tv_tg_t{n}"  # an alias keeps `float4(` away from the vector-constructor macros
-      line = (f"{ind}using {alias} = {ty} {dims}; auto& {name} = *reinterpret_cast<{alias}*>"
+      line = (f"{ind}using {alias} = {ty} {dims}; auto& {name} = *(threadgroup {alias}*)"
               f"(__tv_tg_alloc({n}, sizeof({alias}), alignof({ty})));")
       n += 1
     out.append(line)
@@ -309,6 +324,7 @@ def compile_source(src: str, name: str = "inline.metal", include_dirs: tuple[str
   inc = [a for d in include_dirs for a in ("-I", d)]
   pre = _run([_cxx(), "-x", "c++", "-std=c++17", "-E", "-D__TV_PARSE__", "-I", str(INCLUDE), *inc, "-"], f"preprocessing {name}",
              input_text=f'# 1 "{name}"\n{src}')
+  lint_msl(pre, name)
   kernels = parse_kernels(pre, name)
   if not kernels: raise EmulatorError(f"{name}: no kernels found")
   body = _PROLOGUE + rewrite_threadgroup(strip_host_names(pre)) + "\n# 1 \"<emulator wrappers>\"\n" + "".join(_wrapper(i, k) for i, k in enumerate(kernels))
