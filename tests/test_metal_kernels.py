@@ -184,14 +184,15 @@ def decode_case(runner, D, bs, heads, dts, partition_size=None, lens=(1, 37, 0, 
   return err
 
 
-def prefill_case(runner, D, bs, heads, dts, seed=0, order="forward"):
+def prefill_case(runner, D, bs, heads, dts, seed=0, order="forward", chunk=None):
+  """chunk: (lens, token_seq, token_pos); default: the last 6 tokens of seq 0, a padding token, all 9 of seq 1,
+  the last 13 of seq 2."""
   (H, KVH), (qdt, cdt) = heads, dts
   rng = np.random.default_rng(seed)
-  lens = (45, 9, 70)
+  lens, token_seq, token_pos = chunk or ((45, 9, 70), [0] * 6 + [-1] + [1] * 9 + [2] * 13,
+                                         list(range(39, 45)) + [0] + list(range(9)) + list(range(57, 70)))
   k_cache, v_cache, tables = paged_inputs(rng, lens, bs, KVH, D, cdt)
-  # a chunk: the last 6 tokens of seq 0, a padding token, all 9 of seq 1, the last 13 of seq 2
-  token_seq = np.array([0] * 6 + [-1] + [1] * 9 + [2] * 13, np.int32)
-  token_pos = np.array(list(range(39, 45)) + [0] + list(range(9)) + list(range(57, 70)), np.int32)
+  token_seq, token_pos = np.array(token_seq, np.int32), np.array(token_pos, np.int32)
   q = rng.standard_normal((len(token_seq), H, D)).astype(NP[qdt])
   out = run_prefill(runner, q, k_cache, v_cache, tables, token_seq, token_pos, D ** -0.5, order)
   assert out.dtype == q.dtype and not out[token_seq < 0].any()
@@ -273,6 +274,27 @@ def test_decode_long_context_partitions_automatically():
   assert ls[0].grid == (4, 2, 2)  # 1600 keys / 512 per partition
   assert len(M.decode_launches(2, 8, 2, 64, 16, 64, dtypes.float16, dtypes.float16, 0.125)) == 1
   decode_case("direct", 128, 16, (8, 2), (dtypes.float16, dtypes.float16), lens=(1500, 3, 700, 1024), seed=2)
+
+
+def test_random_batches():
+  """Random batch compositions: lengths 0..150, random shapes and dtypes, shuffled chunk tokens, partitions."""
+  rng = np.random.default_rng(11)
+  for i in range(12):
+    D, bs = int(rng.choice(M.HEAD_DIMS)), int(rng.choice(M.BLOCK_SIZES))
+    heads, dts = GQA[rng.integers(len(GQA))], DT_PAIRS[rng.integers(len(DT_PAIRS))]
+    lens = tuple(int(n) for n in rng.integers(0, 150, rng.integers(1, 6)))
+    decode_case("direct", D, bs, heads, dts, partition_size=int(rng.choice([0, bs, 4 * bs])), lens=lens, seed=i)
+    lens = tuple(max(1, n) for n in lens)
+    token_seq, token_pos = [], []
+    for s_, n in enumerate(lens):
+      new = int(rng.integers(1, n + 1))
+      token_seq += [s_] * new
+      token_pos += list(range(n - new, n))
+    token_seq += [-1] * int(rng.integers(0, 3))
+    token_pos += [0] * (len(token_seq) - len(token_pos))
+    perm = rng.permutation(len(token_seq))
+    chunk = (lens, [token_seq[j] for j in perm], [token_pos[j] for j in perm])
+    prefill_case("direct", D, bs, heads, dts, seed=i, chunk=chunk)
 
 
 @pytest.mark.parametrize("order", ["reverse", "random"])

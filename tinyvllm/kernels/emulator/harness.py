@@ -327,7 +327,8 @@ def compile_source(src: str, name: str = "inline.metal", include_dirs: tuple[str
   lint_msl(pre, name)
   kernels = parse_kernels(pre, name)
   if not kernels: raise EmulatorError(f"{name}: no kernels found")
-  body = _PROLOGUE + rewrite_threadgroup(strip_host_names(pre)) + "\n# 1 \"<emulator wrappers>\"\n" + "".join(_wrapper(i, k) for i, k in enumerate(kernels))
+  wrappers = "".join(_wrapper(i, k) for i, k in enumerate(kernels))
+  body = _PROLOGUE + rewrite_threadgroup(strip_host_names(pre)) + '\n# 1 "<emulator wrappers>"\n' + wrappers
   shim = (INCLUDE / "metal_stdlib").read_text() + (HERE / "tv_abi.h").read_text()
   key = hashlib.sha256((body + shim + " ".join(_flags()) + HARNESS_VERSION).encode()).hexdigest()[:16]
   out = cache_dir() / f"{Path(name).stem}-{key}.so"
