@@ -215,7 +215,7 @@ _default_backends: dict[str, _Backend] = {}
 
 
 def get_backend(backend: str | _Backend) -> _Backend:
-  """"metal" or "emulator" -> a per-process instance (compiled programs cached); a backend object passes through."""
+  """A per-process backend for "metal" or "emulator" (compiled programs cached there); a backend object passes through."""
   if isinstance(backend, _Backend): return backend
   if backend not in ("metal", "emulator"): raise ValueError(f"backend must be 'metal' or 'emulator', got {backend!r}")
   if backend not in _default_backends: _default_backends[backend] = MetalBackend() if backend == "metal" else EmulatorBackend()
