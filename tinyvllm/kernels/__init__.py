@@ -18,7 +18,8 @@ class AttentionGroup:
   Their P*C tokens sit contiguously in the flat batch, sequence by sequence, padding slots included."""
   num_seqs: int              # P
   query_len: int             # C
-  block_tables: Tensor       # int32 [P, MB]
+  block_tables: Tensor       # int32 [P, max_blocks]: the full table width
+  used_blocks: object        # int or bound Variable: table columns any sequence of the step uses
   q_pos: Tensor              # int32 [P, C]: absolute position of each query slot (padding: 0)
   context_lens: Tensor       # int32 [P]: keys visible to the sequence's last real query
 
@@ -41,10 +42,23 @@ class Kernels:
   """The operations of one Llama layer, on the chosen backend.
 
   On the CPU device the float32 linears always use our C kernel (kernels/cpu.py): tinygrad's generated CPU
-  matmuls are several times slower on decode shapes. Everything else follows `backend`."""
+  matmuls are several times slower on decode shapes. RoPE + cache write and attention follow `backend`."""
   def __init__(self, backend: str = "portable", device: str = "CPU"):
     self.backend, self.device = backend, device
     self.cpu = device.split(":")[0] == "CPU"
+    self.shaders = None   # the Metal kernels' host backend (real Metal or the emulator), when chosen
+    if backend in ("metal", "emulator"):
+      from tinyvllm.kernels import metal
+      self.shaders = metal.MetalBackend() if backend == "metal" else metal.EmulatorBackend()
+
+  def check_model(self, head_dim: int, n_heads: int, n_kv_heads: int, block_size: int) -> None:
+    """Refuse, with the reason, a model the chosen backend's kernels cannot run."""
+    if self.shaders is None: return
+    from tinyvllm.kernels import metal
+    if head_dim not in metal.HEAD_DIMS or block_size not in metal.BLOCK_SIZES or n_heads // n_kv_heads > 8:
+      raise ValueError(f"kernel_backend={self.backend!r} supports head_dim {metal.HEAD_DIMS}, block_size {metal.BLOCK_SIZES} "
+                       f"and up to 8 query heads per KV head; this model has head_dim {head_dim}, "
+                       f"{n_heads // n_kv_heads} query heads per KV head (block_size {block_size}): use kernel_backend='portable'")
 
   def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return portable.rms_norm(x, weight, eps)
@@ -58,6 +72,9 @@ class Kernels:
     """Rotate q `[T, H, D]` and k `[T, KVH, D]`, write k and v into their cache slots.
 
     Returns (rotated q, k_cache, v_cache), the caches ordered after the write."""
+    if self.shaders is not None:
+      from tinyvllm.kernels import metal
+      return metal.rope_and_cache_write(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, backend=self.shaders)
     cs = cos_sin[positions]
     q, k = portable.rope(q, cs), portable.rope(k, cs)
     return q, portable.write_kv(k_cache, k, slot_mapping), portable.write_kv(v_cache, v, slot_mapping)
@@ -65,7 +82,15 @@ class Kernels:
   def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, group: AttentionGroup, scale: float) -> Tensor:
     """q `[P*C, H, D]` of one group -> attention output `[P*C, H, D]`."""
     P, C = group.num_seqs, group.query_len
-    out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), k_cache, v_cache, group.block_tables, group.q_pos, scale)
+    if self.shaders is not None:
+      from tinyvllm.kernels import metal
+      if C == 1:
+        return metal.paged_attention_decode(q, k_cache, v_cache, group.block_tables, group.context_lens, scale, backend=self.shaders)
+      token_seq = Tensor.arange(P, device=q.device).reshape(P, 1).expand(P, C).reshape(P * C).cast(dtypes.int32)
+      return metal.paged_attention_prefill(q, k_cache, v_cache, group.block_tables, token_seq, group.q_pos.reshape(P * C),
+                                           scale, backend=self.shaders)
+    tables = group.block_tables[:, :group.used_blocks]   # portable attention's cost follows the columns it reads
+    out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), k_cache, v_cache, tables, group.q_pos, scale)
     return out.reshape(P * C, *q.shape[1:])
 
 

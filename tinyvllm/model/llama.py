@@ -22,28 +22,25 @@ class ModelInputs:
   logits_index: Tensor           # int32 [R]: flat rows whose next-token logits are wanted
 
 
-class Linear:
-  """y = x @ weight^T (+ bias). Several HF projections may be fused along the output dimension."""
-  def __init__(self, weight: Tensor, bias: Tensor | None = None):
-    self.weight, self.bias = weight, bias
-
-  def __call__(self, x: Tensor, kernels: Kernels) -> Tensor: return kernels.linear(x, self.weight, self.bias)
-
-
 class LlamaLayer:
-  def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], prefix: str, kernels: Kernels):
-    self.cfg, self.kernels = cfg, kernels
-    self.input_layernorm = w[f"{prefix}.input_layernorm.weight"]
-    self.post_attention_layernorm = w[f"{prefix}.post_attention_layernorm.weight"]
-    self.qkv_proj = Linear(w[f"{prefix}.self_attn.qkv_proj.weight"], w.get(f"{prefix}.self_attn.qkv_proj.bias"))
-    self.o_proj = Linear(w[f"{prefix}.self_attn.o_proj.weight"], w.get(f"{prefix}.self_attn.o_proj.bias"))
-    self.gate_up_proj = Linear(w[f"{prefix}.mlp.gate_up_proj.weight"], w.get(f"{prefix}.mlp.gate_up_proj.bias"))
-    self.down_proj = Linear(w[f"{prefix}.mlp.down_proj.weight"], w.get(f"{prefix}.mlp.down_proj.bias"))
+  """One decoder layer. Its weights live in a flat dict (HF names relative to the layer, q/k/v and gate/up
+  fused), so a layer can be rebuilt around other tensors: the model runner replays one captured layer
+  with each layer's weights in turn."""
+  def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor], kernels: Kernels):
+    self.cfg, self.weights, self.kernels = cfg, weights, kernels
+
+  def tensors(self) -> list[Tensor]: return list(self.weights.values())
+
+  def with_tensors(self, tensors: list[Tensor]) -> LlamaLayer:
+    return LlamaLayer(self.cfg, dict(zip(self.weights, tensors, strict=True)), self.kernels)
+
+  def linear(self, name: str, x: Tensor) -> Tensor:
+    return self.kernels.linear(x, self.weights[f"{name}.weight"], self.weights.get(f"{name}.bias"))
 
   def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-    cfg, kn = self.cfg, self.kernels
+    cfg, kn, w = self.cfg, self.kernels, self.weights
     T, H, KVH, D = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qkv = self.qkv_proj(kn.rms_norm(h, self.input_layernorm, cfg.rms_norm_eps), kn)
+    qkv = self.linear("self_attn.qkv_proj", kn.rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps))
     q = qkv[:, :H * D].reshape(T, H, D)
     k = qkv[:, H * D:(H + KVH) * D].reshape(T, KVH, D)
     v = qkv[:, (H + KVH) * D:].reshape(T, KVH, D)
@@ -53,12 +50,12 @@ class LlamaLayer:
       outs.append(kn.attention(q[start:start + g.num_tokens], k_cache, v_cache, g, D ** -0.5))
       start += g.num_tokens
     attn = (outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])).reshape(T, H * D)
-    h = h + self.o_proj(attn, kn)
-    gate_up = self.gate_up_proj(kn.rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps), kn)
+    h = h + self.linear("self_attn.o_proj", attn)
+    gate_up = self.linear("mlp.gate_up_proj", kn.rms_norm(h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps))
     inter = cfg.intermediate_size
     # materialise the activation: fused into the down projection it is recomputed for every output row
     act = (gate_up[:, :inter].silu() * gate_up[:, inter:]).contiguous()
-    return (h + self.down_proj(act, kn)).contiguous()
+    return (h + self.linear("mlp.down_proj", act)).contiguous()
 
 
 class Llama:
@@ -70,7 +67,8 @@ class Llama:
     self.embed_tokens = w["model.embed_tokens.weight"]
     self.norm = w["model.norm.weight"]
     self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w["lm_head.weight"]
-    self.layers = [LlamaLayer(cfg, w, f"model.layers.{i}", kernels) for i in range(cfg.num_hidden_layers)]
+    self.layers = [LlamaLayer(cfg, {k[len(f"model.layers.{i}."):]: t for k, t in w.items() if k.startswith(f"model.layers.{i}.")}, kernels)
+                   for i in range(cfg.num_hidden_layers)]
     inv_freq = inverse_frequencies(cfg, tensors.get("rope_freqs.weight"))
     self.cos_sin = Tensor(cos_sin_table(inv_freq, max_positions), device=device).realize()
 
@@ -113,8 +111,15 @@ class Llama:
 
   def __call__(self, inp: ModelInputs, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
     """Returns float32 logits `[R, vocab]` for the rows in inp.logits_index."""
-    h = self.embed_tokens[inp.tokens]                                            # (T, hidden)
+    h = self.embed(inp.tokens)
     for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+      # realizing layer by layer keeps each graph tinygrad schedules small (scheduling cost grows faster
+      # than linearly with graph size); under TinyJit every realize is captured into the one replay
       h = layer(h, inp, self.cos_sin, k_cache, v_cache).realize()
-    h = self.kernels.rms_norm(h[inp.logits_index], self.norm, self.cfg.rms_norm_eps)  # (R, hidden)
+    return self.logits(h, inp.logits_index)
+
+  def embed(self, tokens: Tensor) -> Tensor: return self.embed_tokens[tokens]       # (T, hidden)
+
+  def logits(self, h: Tensor, rows: Tensor) -> Tensor:
+    h = self.kernels.rms_norm(h[rows], self.norm, self.cfg.rms_norm_eps)            # (R, hidden)
     return self.kernels.linear(h, self.lm_head).float()

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random Llama checkpoints in HF layout, written by transformers, with a tokenizer."""
+from __future__ import annotations
+import json, os
+from pathlib import Path
+import pytest
+
+os.environ.setdefault("DEV", "CPU")   # the whole suite runs on tinygrad's CPU device unless told otherwise
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TRAIN_TEXT = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello tinyvllm!", "def f(x): return x * 2",
+              "Paged attention reads keys and values block by block.", "12345 67890 3.14159", "Ünïcödé ëñçödïng 日本語"] * 20
+
+# name -> LlamaConfig overrides. Each covers a feature the model must get right.
+TINY_CONFIGS = {
+  "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
+  "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+  "tied": dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+  "llama3": dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0, max_position_embeddings=512,
+                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 64}),
+  "linear_rope": dict(num_attention_heads=4, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+  "head_dim": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24),   # head_dim != hidden / heads
+  "metal": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64),  # shapes the Metal kernels take
+}
+
+
+def write_tokenizer(path: Path) -> int:
+  """A small byte-level BPE trained here, with chat special tokens; returns its vocabulary size."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+  tok.train_from_iterator(TRAIN_TEXT, trainers.BpeTrainer(vocab_size=384, special_tokens=specials,
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps({
+    "bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE, "add_bos_token": False}))
+  return tok.get_vocab_size()
+
+
+def make_tiny_llama(path: Path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+  import torch
+  from transformers import LlamaConfig, LlamaForCausalLM
+  path.mkdir(parents=True, exist_ok=True)
+  vocab = write_tokenizer(path)
+  cfg = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+             bos_token_id=0, eos_token_id=1)
+  cfg.update(overrides)
+  torch.manual_seed(seed)
+  model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+  with torch.no_grad():   # HF initialises with std 0.02: widen it so logits are far from uniform and argmax is robust
+    for p in model.parameters(): p.mul_(8.0 if p.dim() > 1 else 1.0)
+  model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+  return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+  made: dict[tuple, Path] = {}
+  def make(name: str = "gqa", seed: int = 0, dtype: str = "float32") -> Path:
+    key = (name, seed, dtype)
+    if key not in made:
+      made[key] = make_tiny_llama(tmp_path_factory.mktemp(f"tiny-{name}-{seed}-{dtype}"), seed, dtype, **TINY_CONFIGS[name])
+    return made[key]
+  return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_factory) -> Path: return tiny_model_factory("gqa")

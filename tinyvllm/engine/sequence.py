@@ -1,0 +1,51 @@
+"""A Sequence is one completion being generated: its tokens, its KV blocks and how far the model has read it."""
+from __future__ import annotations
+import enum, itertools
+import numpy as np
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.outputs import Logprob, RequestMetrics
+
+
+class SequenceStatus(enum.Enum):
+  WAITING = enum.auto()
+  RUNNING = enum.auto()
+  FINISHED = enum.auto()
+
+
+class Sequence:
+  _ids = itertools.count()
+
+  def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+               generator: np.random.Generator, detokenizer, metrics: RequestMetrics):
+    self.seq_id = next(Sequence._ids)
+    self.request_id, self.index, self.params = request_id, index, params
+    self.prompt_token_ids = list(prompt_token_ids)
+    self.token_ids = list(prompt_token_ids)    # prompt, then every generated token
+    self.status = SequenceStatus.WAITING
+    self.block_table: list[int] = []
+    self.num_computed_tokens = 0               # tokens whose K/V are in the cache
+    self.generator = generator                 # this sequence's own random stream: batch composition never changes it
+    self.detokenizer = detokenizer
+    self.text = ""                             # output text released so far (stop strings removed)
+    self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+    self.cumulative_logprob = 0.0
+    self.finish_reason: str | None = None
+    self.stop_reason: int | str | None = None
+    self.metrics = metrics
+
+  @property
+  def num_tokens(self) -> int: return len(self.token_ids)
+  @property
+  def num_prompt_tokens(self) -> int: return len(self.prompt_token_ids)
+  @property
+  def output_token_ids(self) -> list[int]: return self.token_ids[self.num_prompt_tokens:]
+  @property
+  def num_output_tokens(self) -> int: return self.num_tokens - self.num_prompt_tokens
+  @property
+  def is_finished(self) -> bool: return self.status is SequenceStatus.FINISHED
+  @property
+  def is_prefilling(self) -> bool:
+    """More than the newest token still lacks K/V: the next step is (a chunk of) prefill, not a decode."""
+    return self.num_computed_tokens < self.num_tokens - 1
+
+  def __repr__(self): return f"Sequence({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"

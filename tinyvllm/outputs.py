@@ -1,0 +1,67 @@
+"""What `LLM.generate` returns, in vLLM's shapes."""
+from __future__ import annotations
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+  logprob: float
+  rank: int | None = None             # 1 = the most likely token
+  decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+  index: int
+  text: str
+  token_ids: list[int]
+  cumulative_logprob: float | None = None
+  logprobs: list[dict[int, Logprob]] | None = None   # one dict per generated token
+  finish_reason: str | None = None    # "stop" | "length" | "error" | None while running
+  stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+  def finished(self) -> bool: return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+  arrival_time: float
+  first_scheduled_time: float | None = None
+  first_token_time: float | None = None
+  finished_time: float | None = None
+  num_prompt_tokens: int = 0
+  num_generated_tokens: int = 0
+  num_preemptions: int = 0
+  # speculative decoding (zero when off)
+  num_draft_tokens: int = 0
+  num_accepted_tokens: int = 0
+  num_target_steps: int = 0
+
+  @property
+  def time_to_first_token(self) -> float | None:
+    return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+  @property
+  def decode_tokens_per_s(self) -> float | None:
+    if self.finished_time is None or self.first_token_time is None or self.num_generated_tokens < 2: return None
+    dt = self.finished_time - self.first_token_time
+    return (self.num_generated_tokens - 1) / dt if dt > 0 else None
+
+  @property
+  def acceptance_rate(self) -> float | None:
+    return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+  @property
+  def tokens_per_target_step(self) -> float | None:
+    return self.num_generated_tokens / self.num_target_steps if self.num_target_steps else None
+
+
+@dataclass
+class RequestOutput:
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: list[int]
+  outputs: list[CompletionOutput]
+  finished: bool
+  metrics: RequestMetrics
+  error: str | None = None            # set when the request was rejected (e.g. prompt longer than max_model_len)
