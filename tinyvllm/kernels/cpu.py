@@ -74,3 +74,214 @@ def linear_f32(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
   args = [out, x.contiguous(), weight] + ([bias] if bias is not None else [])
   return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
+
+
+
+
+# **** int4 linear ****
+
+_INT4_ARGS = ("float *restrict y, const float *restrict x, const unsigned *restrict w, const unsigned short *restrict s, "
+              "const unsigned short *restrict b")
+
+# fp16 -> float: F16C when present, else bit arithmetic (normal, subnormal, zero, inf/nan)
+_HALF = r"""
+static inline float h2f(unsigned short h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  unsigned sign = (unsigned)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);
+  else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+  else if (!man) bits = sign;
+  else { unsigned e = 113; while (!(man & 0x400)) { man <<= 1; e--; } bits = sign | (e << 23) | ((man & 0x3FF) << 13); }
+  union { unsigned u; float f; } c = {bits};
+  return c.f;
+#endif
+}
+"""
+
+_HSUM8 = r"""
+static inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+"""
+
+# unpack one word of 8 codes to 8 float lanes in k order: broadcast, shift lane i right by 4i, mask
+_UNPACK = "_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)({word})), sh), mask))"
+_CONSTS = "const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);"
+
+
+def _int4_gemv_body(N: int, K: int, G: int) -> str:
+  """M == 1, four weight rows at a time (four FMA chains). y = sum_g s_g * sum(x*q) + sum_g b_g * xsum_g: the
+  vector loop only unpacks codes and multiplies by x; the bias term is one short dot product per row."""
+  NG, WPR, WPG = K // G, K // 8, G // 8
+  return f"""
+  {_CONSTS}
+  float xg[{NG}];
+  for (int g = 0; g < {NG}; g++) {{
+    __m256 t = _mm256_loadu_ps(x + g * {G});
+    for (int k = 8; k < {G}; k += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(x + g * {G} + k));
+    xg[g] = hsum8(t);
+  }}
+  for (int n0 = 0; n0 < {N}; n0 += 4) {{
+    const unsigned *wr[4];
+    float sf[4][{NG}], bsum[4];
+    for (int r = 0; r < 4; r++) {{   /* scales to float once per row; bias term as a dot product with xg */
+      int n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: recompute it, store nothing */
+      wr[r] = w + (long)n * {WPR};
+      const unsigned short *sr = s + (long)n * {NG}, *br = b + (long)n * {NG};
+      __m256 bacc = _mm256_setzero_ps();
+      int g = 0;
+      for (; g + 8 <= {NG}; g += 8) {{
+        _mm256_storeu_ps(&sf[r][g], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + g))));
+        bacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(br + g))), _mm256_loadu_ps(xg + g), bacc);
+      }}
+      float bs = hsum8(bacc);
+      for (; g < {NG}; g++) {{ sf[r][g] = h2f(sr[g]); bs += h2f(br[g]) * xg[g]; }}
+      bsum[r] = bs;
+    }}
+    __m256 tot[4] = {{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}};
+    for (int g = 0; g < {NG}; g++) {{
+      __m256 a[4] = {{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}};
+      for (int j = 0; j < {WPG}; j++) {{
+        __m256 xv = _mm256_loadu_ps(x + g * {G} + j * 8);
+        for (int r = 0; r < 4; r++) a[r] = _mm256_fmadd_ps(xv, {_UNPACK.format(word=f"wr[r][g * {WPG} + j]")}, a[r]);
+      }}
+      for (int r = 0; r < 4; r++) tot[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&sf[r][g]), a[r], tot[r]);
+    }}
+    for (int r = 0; r < 4 && n0 + r < {N}; r++) y[n0 + r] = hsum8(tot[r]) + bsum[r];
+  }}"""
+
+
+def _tile_signature(mt: int, nr: int) -> str:
+  return (f"static inline void tile_{mt}x{nr}(float *restrict y, const float *restrict x, const unsigned *restrict w, "
+          f"const float *restrict sf, const float *restrict bf, int n0, int m0)")
+
+
+def _int4_tile(mt: int, nr: int, N: int, K: int, G: int) -> str:
+  """M > 1 micro-kernel: `mt` rows of x against `nr` weight rows. Each code word is dequantized once to
+  w = s*q + b (one FMA) and used by all mt rows; sf/bf hold the nr rows' scales and biases as float."""
+  NG, WPR, WPG = K // G, K // 8, G // 8
+  return f"""
+{_tile_signature(mt, nr)} {{
+  {_CONSTS}
+  __m256 acc[{mt}][{nr}];
+  for (int i = 0; i < {mt}; i++) for (int r = 0; r < {nr}; r++) acc[i][r] = _mm256_setzero_ps();
+  const unsigned *wr[{nr}];
+  for (int r = 0; r < {nr}; r++) wr[r] = w + (long)(n0 + r < {N} ? n0 + r : {N} - 1) * {WPR};
+  const float *xm = x + (long)m0 * {K};
+  for (int g = 0; g < {NG}; g++) {{
+    for (int j = 0; j < {WPG}; j++) {{
+      __m256 wf[{nr}];
+      for (int r = 0; r < {nr}; r++)
+        wf[r] = _mm256_fmadd_ps({_UNPACK.format(word=f"wr[r][g * {WPG} + j]")},
+                                _mm256_broadcast_ss(sf + r * {NG} + g), _mm256_broadcast_ss(bf + r * {NG} + g));
+      for (int i = 0; i < {mt}; i++) {{
+        __m256 xv = _mm256_loadu_ps(xm + i * {K} + g * {G} + j * 8);
+        for (int r = 0; r < {nr}; r++) acc[i][r] = _mm256_fmadd_ps(xv, wf[r], acc[i][r]);
+      }}
+    }}
+  }}
+  for (int i = 0; i < {mt}; i++) for (int r = 0; r < {nr} && n0 + r < {N}; r++) y[(long)(m0 + i) * {N} + n0 + r] = hsum8(acc[i][r]);
+}}
+"""
+
+
+def _int4_gemm_body(M: int, N: int, K: int, G: int) -> tuple[str, list[tuple[int, int]]]:
+  """M > 1: rows of x in chunks of 64 (L2-resident); inside a chunk the scales of a tile of weight rows are
+  converted once and the tile's codes stay in L1 while tiles of up to 8 x rows pass over it. For M <= 8 that
+  is a single pass: every weight byte comes from memory once per call."""
+  NG = K // G
+  mt = min(M, 8)
+  nr = 2 if mt <= 4 else 1
+  rest = M % mt
+  shapes = [(mt, nr)] + ([(rest, nr)] if rest else [])
+  body = f"""
+  for (int c0 = 0; c0 < {M}; c0 += 64) {{
+    int mend = c0 + 64 < {M} ? c0 + 64 : {M};
+    for (int n0 = 0; n0 < {N}; n0 += {nr}) {{
+      float sf[{nr * NG}], bf[{nr * NG}];
+      for (int r = 0; r < {nr}; r++) {{
+        int n = n0 + r < {N} ? n0 + r : {N} - 1;
+        for (int g = 0; g < {NG}; g++) {{ sf[r * {NG} + g] = h2f(s[(long)n * {NG} + g]); bf[r * {NG} + g] = h2f(b[(long)n * {NG} + g]); }}
+      }}
+      int m = c0;
+      for (; m + {mt} <= mend; m += {mt}) tile_{mt}x{nr}(y, x, w, sf, bf, n0, m);
+      {f"if (m < mend) tile_{rest}x{nr}(y, x, w, sf, bf, n0, m);" if rest else ""}
+    }}
+  }}"""
+  return body, shapes
+
+
+def _int4_fallback_body(M: int, N: int, K: int, G: int) -> str:
+  NG, WPR = K // G, K // 8
+  return f"""
+  for (int m = 0; m < {M}; m++) for (int n = 0; n < {N}; n++) {{
+    float t = 0;
+    for (int g = 0; g < {NG}; g++) {{
+      float sq = 0, sx = 0;
+      for (int k = g * {G}; k < (g + 1) * {G}; k++) {{
+        float xv = x[(long)m * {K} + k];
+        sq += xv * (float)((w[(long)n * {WPR} + k / 8] >> (4 * (k % 8))) & 15u);
+        sx += xv;
+      }}
+      t += h2f(s[(long)n * {NG} + g]) * sq + h2f(b[(long)n * {NG} + g]) * sx;
+    }}
+    y[(long)m * {N} + n] = t;
+  }}"""
+
+
+def _int4_linear_source(name: str, M: int, N: int, K: int, G: int) -> str:
+  """y[M,N] = x[M,K] @ W^T with W [N,K] in 4-bit affine groups of G: packed uint32 [N,K/8], fp16 scales and
+  biases [N,K/G] (docs/kernels.md, "INT4 weight layout"). Exact float arithmetic on the stored values (x is
+  never rounded). The AVX2 path needs AVX2+FMA+F16C; other CPUs (arm64 included) compile the plain C loop.
+  Unpacking keeps k in order, so x is read as it is: no scratch buffer."""
+  shapes: list[tuple[int, int]] = []
+  if M == 1: body = _int4_gemv_body(N, K, G)
+  else: body, shapes = _int4_gemm_body(M, N, K, G)
+  protos = "".join(_tile_signature(mt, nr) + ";\n" for mt, nr in shapes)
+  tiles = "".join(_int4_tile(mt, nr, N, K, G) for mt, nr in shapes)
+  return f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TV_AVX2 1
+#endif
+void {name}({_INT4_ARGS});
+static inline float h2f(unsigned short h);
+#ifdef TV_AVX2
+static inline float hsum8(__m256 v);
+{protos}
+#endif
+
+void {name}({_INT4_ARGS}) {{
+#ifdef TV_AVX2
+{body}
+#else
+{_int4_fallback_body(M, N, K, G)}
+#endif
+}}
+{_HALF}
+#ifdef TV_AVX2
+{_HSUM8}
+{tiles}
+#endif
+"""
+
+
+def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group_size: int) -> Tensor:
+  """x `[M, K]` float32 @ W^T on the CPU device, W `[N, K]` stored as packed uint32 `[N, K/8]` with float16
+  scales and biases `[N, K/group_size]` (w = scale * q + bias). Returns float32 `[M, N]`.
+
+  One kernel per call, compiled per (M, N, K, group_size). Under TinyJit keep M in a few buckets."""
+  (M, K), N = x.shape, packed.shape[0]
+  if packed.shape[1] * 8 != K: raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} (K/8 words per row)")
+  if group_size % 8 or K % group_size or tuple(scales.shape) != (N, K // group_size) or tuple(biases.shape) != (N, K // group_size):
+    raise ValueError(f"scales {scales.shape} / biases {biases.shape} do not match W [{N}, {K}] with group_size {group_size}")
+  name = f"int4_linear_{M}_{N}_{K}_{group_size}"
+  src = _int4_linear_source(name, M, N, K, group_size)
+  out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
+  packed = packed if packed.dtype == dtypes.uint32 else packed.bitcast(dtypes.uint32)
+  args = [out, x.cast(dtypes.float32).contiguous(), packed.contiguous(), scales.cast(dtypes.float16).contiguous(),
+          biases.cast(dtypes.float16).contiguous()]
+  return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]

@@ -1,0 +1,227 @@
+"""4-bit affine group quantization in MLX's layout, with numpy.
+
+A linear with weight W `[N, K]` (y = x @ W^T) becomes three tensors:
+  <name>.weight  uint32  [N, K/8]   8 four-bit codes per word; the code of k = 8j + i sits in bits 4i..4i+3 of word j
+  <name>.scales  float16 [N, K/G]
+  <name>.biases  float16 [N, K/G]   w[n, k] = scales[n, k // G] * q[n, k] + biases[n, k // G],  q in 0..15
+G (group_size) is 32, 64 or 128 consecutive k of one row. This is what `mlx.core.quantize(w, G, 4)` produces.
+
+Methods:
+  "rtn"   round to nearest on a grid spanning the group's [min, max]. The fp16 scale and bias are rounded
+          outwards (bias down, scale up) so the grid still covers the group: every weight is within scale/2 of
+          a grid point.
+  "clip"  per group, a search over clipped ranges [min + a*r, max - c*r] (r = max - min) followed by a
+          least-squares refit of scale and bias to the chosen codes; the candidate with the lowest squared
+          reconstruction error (after fp16 rounding) wins. RTN's grid is one of the candidates, so a group's
+          error never exceeds RTN's.
+"""
+from __future__ import annotations
+from typing import Callable, Iterable
+import numpy as np
+from tinyvllm.quant import ggml
+
+GROUP_SIZES = (32, 64, 128)
+METHODS = ("rtn", "clip")
+BITS = 4
+QMAX = 15
+# Linear weights of a Llama state dict (HF names); embeddings and lm_head are handled by quantize_embeddings
+LINEAR_SUFFIXES = tuple(f"{m}.{p}.weight" for m, ps in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                                         ("mlp", ("gate_proj", "up_proj", "down_proj"))) for p in ps)
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+_SHIFTS = np.arange(8, dtype=np.uint32) * 4
+_CHUNK = 1 << 21   # elements quantized at a time (bounds temporary memory on big matrices)
+
+
+# **** packing ****
+
+def pack(q: np.ndarray) -> np.ndarray:
+  """Codes `[N, K]` (integers 0..15) -> uint32 `[N, K/8]`, lowest k in the lowest nibble."""
+  q = np.asarray(q)
+  if q.shape[-1] % 8: raise ValueError(f"the last dimension ({q.shape[-1]}) must be a multiple of 8 to pack 4-bit codes")
+  words = q.astype(np.uint32).reshape(*q.shape[:-1], q.shape[-1] // 8, 8) << _SHIFTS
+  return np.bitwise_or.reduce(words, axis=-1)
+
+
+def unpack(packed: np.ndarray) -> np.ndarray:
+  """uint32 `[N, K/8]` -> codes uint8 `[N, K]`."""
+  packed = np.asarray(packed, dtype=np.uint32)
+  return ((packed[..., None] >> _SHIFTS) & 0xF).astype(np.uint8).reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+
+
+# **** quantize / dequantize ****
+
+def _check(w: np.ndarray, group_size: int) -> None:
+  if w.ndim != 2: raise ValueError(f"expected a 2-D weight [N, K], got shape {w.shape}")
+  if group_size not in GROUP_SIZES: raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+  if w.shape[1] % group_size: raise ValueError(f"K={w.shape[1]} is not a multiple of group_size {group_size}")
+
+
+def _round_fp16(v: np.ndarray, direction: int) -> np.ndarray:
+  """float64 -> float16, rounded down (direction -1) or up (+1) instead of to nearest."""
+  h = v.astype(np.float16)
+  wrong = (h.astype(np.float64) > v) if direction < 0 else (h.astype(np.float64) < v)
+  return np.where(wrong, np.nextafter(h, np.float16(-np.inf if direction < 0 else np.inf)), h)
+
+
+def _covering_grid(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """fp16 (scale, bias) per group with bias <= lo and bias + 15*scale >= hi (exactly, in real arithmetic)."""
+  b = _round_fp16(lo, -1)
+  s = _round_fp16((hi - b.astype(np.float64)) / QMAX, +1)
+  return s, b
+
+
+def _codes(w: np.ndarray, s: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """Nearest codes of w `[R, NG, G]` on the grids (s, b) `[R, NG]` (float16); a zero scale gives code 0."""
+  s64, b64 = s.astype(np.float64)[..., None], b.astype(np.float64)[..., None]
+  with np.errstate(divide="ignore", invalid="ignore"):
+    q = np.rint((w - b64) / s64)
+  return np.clip(np.nan_to_num(q, nan=0.0, posinf=QMAX, neginf=0.0), 0, QMAX).astype(np.uint8)
+
+
+def _sq_error(w: np.ndarray, q: np.ndarray, s: np.ndarray, b: np.ndarray) -> np.ndarray:
+  d = s.astype(np.float64)[..., None] * q + b.astype(np.float64)[..., None] - w
+  return np.einsum("...i,...i->...", d, d)
+
+
+def _rtn(wg: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  s, b = _covering_grid(wg.min(-1), wg.max(-1))
+  return _codes(wg, s, b), s, b
+
+
+_CLIP_GRID = ((0.0, 0.0), (0.0, 0.04), (0.04, 0.0), (0.04, 0.04), (0.0, 0.08), (0.08, 0.0), (0.08, 0.08),
+              (0.04, 0.12), (0.12, 0.04), (0.12, 0.12), (0.0, 0.16), (0.16, 0.0), (0.16, 0.16), (0.24, 0.24))
+
+
+def _clip(wg: np.ndarray, refits: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  lo, hi = wg.min(-1), wg.max(-1)
+  r = hi - lo
+  best_q, best_s, best_b = _rtn(wg)
+  best_e = _sq_error(wg, best_q, best_s, best_b)
+
+  def consider(q, s, b):
+    nonlocal best_e
+    e = _sq_error(wg, q, s, b)
+    better = e < best_e
+    best_e = np.where(better, e, best_e)
+    best_q[better], best_s[better], best_b[better] = q[better], s[better], b[better]
+
+  for a, c in _CLIP_GRID[1:]:
+    s, b = _covering_grid(lo + a * r, hi - c * r)
+    consider(_codes(wg, s, b), s, b)
+  # least squares: for fixed codes q the best (s, b) solves a 2x2 system; re-round codes, repeat
+  n = wg.shape[-1]
+  for _ in range(refits):
+    q = best_q.astype(np.float64)
+    sq, sw = q.sum(-1), wg.sum(-1)
+    sqq, sqw = np.einsum("...i,...i->...", q, q), np.einsum("...i,...i->...", q, wg)
+    det = n * sqq - sq * sq
+    ok = det > 0
+    s = np.where(ok, (n * sqw - sq * sw) / np.where(ok, det, 1), 0.0)
+    b = (sw - s * sq) / n
+    s16, b16 = s.astype(np.float16), b.astype(np.float16)
+    consider(_codes(wg, s16, b16), s16, b16)
+  return best_q, best_s, best_b
+
+
+def quantize(w: np.ndarray, group_size: int = 64, method: str = "rtn") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Quantize W `[N, K]` to (packed uint32 `[N, K/8]`, scales float16 `[N, K/G]`, biases float16 `[N, K/G]`)."""
+  w = np.asarray(w)
+  _check(w, group_size)
+  if method not in METHODS: raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+  if not np.all(np.isfinite(w)): raise ValueError("the weight has non-finite values")
+  if np.abs(w).max(initial=0) > 60000: raise ValueError("the weight has values beyond float16 range (|w| > 60000)")
+  N, K = w.shape
+  fn = _rtn if method == "rtn" else _clip
+  packed = np.empty((N, K // 8), np.uint32)
+  scales, biases = np.empty((N, K // group_size), np.float16), np.empty((N, K // group_size), np.float16)
+  rows = max(1, _CHUNK // K)
+  for r0 in range(0, N, rows):
+    wg = w[r0:r0 + rows].astype(np.float64).reshape(-1, K // group_size, group_size)
+    q, s, b = fn(wg)
+    packed[r0:r0 + rows], scales[r0:r0 + rows], biases[r0:r0 + rows] = pack(q.reshape(-1, K)), s, b
+  return packed, scales, biases
+
+
+def dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int | None = None,
+               dtype=np.float32) -> np.ndarray:
+  """(packed `[N, K/8]`, scales, biases `[N, K/G]`) -> W `[N, K]`. G defaults to K / scales.shape[1]."""
+  q = unpack(packed)
+  N, K = q.shape
+  G = group_size or K // scales.shape[1]
+  if scales.shape != (N, K // G) or biases.shape != (N, K // G):
+    raise ValueError(f"scales {scales.shape} / biases {biases.shape} do not match packed {packed.shape} with group_size {G}")
+  s, b = scales.astype(dtype)[..., None], biases.astype(dtype)[..., None]
+  return (s * q.reshape(N, K // G, G).astype(dtype) + b).reshape(N, K)
+
+
+def int4_matmul_reference(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int) -> np.ndarray:
+  """y = x @ W^T in float64, W dequantized from the packed form: the reference every backend is tested against."""
+  return np.asarray(x, np.float64) @ dequantize(packed, scales, biases, group_size, dtype=np.float64).T
+
+
+# **** GGUF Q4_0 / Q4_1 ****
+
+def from_ggml_q4(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """GGUF Q4_0/Q4_1 blocks of a `[N, K]` weight -> (packed, scales, biases) with group size 32, losslessly.
+
+  The 4-bit codes move as they are (ggml stores element j and j+16 of a block in one byte; they are re-spelled
+  in MLX's order). Q4_1's fp16 d and m become the scale and bias; Q4_0's w = d*(q-8) gives scale d and bias -8d,
+  exact in fp16 (a multiplication by a power of two)."""
+  if qtype not in ("Q4_0", "Q4_1"): raise ValueError(f"from_ggml_q4 takes Q4_0 or Q4_1 blocks, got {qtype}")
+  N, K = shape
+  if K % ggml.BLOCK: raise ValueError(f"K={K} is not a multiple of the ggml block size {ggml.BLOCK}")
+  raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, -1)
+  if raw.shape[1] != K // ggml.BLOCK * ggml.BLOCK_BYTES[qtype]:
+    raise ValueError(f"{qtype} data of {raw.shape[1]} bytes per row does not match K={K}")
+  blocks = raw.reshape(N, K // ggml.BLOCK, ggml.BLOCK_BYTES[qtype])
+  d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+  if qtype == "Q4_0":
+    codes, bias = ggml.unpack_q4_codes(blocks, 2), (d.astype(np.float32) * -8).astype(np.float16)
+  else:
+    codes, bias = ggml.unpack_q4_codes(blocks, 4), blocks[..., 2:4].copy().view(np.float16)[..., 0]
+  return pack(codes.reshape(N, K)), d.copy(), bias
+
+
+# **** state dicts ****
+
+def is_linear_weight(name: str) -> bool:
+  return name.endswith(LINEAR_SUFFIXES)
+
+
+def quantize_state_dict(tensors: dict[str, np.ndarray], group_size: int = 64, method: str = "rtn",
+                        quantize_embeddings: bool = False, *,
+                        ggml_q4: dict[str, tuple[np.ndarray, str, tuple[int, int]]] | None = None,
+                        progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, np.ndarray]:
+  """Quantize the Linear weights of a Llama state dict (HF names) to the 4-bit layout above.
+
+  Every q/k/v/o/gate/up/down `.weight` becomes `.weight` (uint32), `.scales` and `.biases` (float16). A weight
+  whose K is not a multiple of group_size stays as it is (as mlx-lm does), so a checkpoint may mix quantized
+  and float linears: the presence of `<name>.scales` marks a quantized one.
+  quantize_embeddings: also quantize `model.embed_tokens.weight` and `lm_head.weight` to 4 bits in the same
+  layout (mlx-lm does the same). With tied embeddings the quantized embedding is the LM head too.
+  ggml_q4: name -> (raw blocks, "Q4_0"|"Q4_1", shape) for weights that arrive as GGUF Q4 blocks; with
+  group_size 32 they are repacked losslessly instead of requantized from `tensors[name]`.
+  Everything else (norms, biases, unquantized embeddings) is passed through unchanged.
+  """
+  if group_size not in GROUP_SIZES: raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+  if method not in METHODS: raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+  already = [n for n in tensors if n.endswith(".scales")]
+  if already: raise ValueError(f"the state dict is already quantized ({already[0]})")
+  ggml_q4 = ggml_q4 or {}
+  names = [n for n in tensors if tensors[n].ndim == 2 and (is_linear_weight(n) or (quantize_embeddings and n in EMBEDDING_NAMES))]
+  todo = set(names)
+  out = {n: t for n, t in tensors.items() if n not in todo}
+  for name in (progress(names) if progress else names):
+    w, base = tensors[name], name[:-len(".weight")]
+    if w.shape[1] % group_size:
+      out[name] = w
+      continue
+    if group_size == ggml.BLOCK and name in ggml_q4: p, s, b = from_ggml_q4(*ggml_q4[name])
+    else: p, s, b = quantize(w, group_size, method)
+    out[f"{base}.weight"], out[f"{base}.scales"], out[f"{base}.biases"] = p, s, b
+  return out
+
+
+def quantized_bytes(tensors: dict[str, np.ndarray]) -> int:
+  """Bytes the tensors of a (possibly quantized) state dict take."""
+  return sum(t.nbytes for t in tensors.values())
