@@ -69,3 +69,14 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
   e = (scores - scores.max(-1, keepdim=True)).exp().contiguous()
   out = ((e.cast(v.dtype) @ v).float() / e.sum(-1, keepdim=True)).cast(q.dtype).contiguous()  # (P, KVH, G*C, D)
   return out.reshape(P, KVH, G, C, D).permute(0, 3, 1, 2, 4).reshape(P, C, H, D)
+
+
+def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group_size: int) -> Tensor:
+  """x `[M, K]` @ W^T with W `[N, K]` in 4-bit affine groups (packed uint32 `[N, K/8]`, scales and biases
+  `[N, K/group_size]`, w = scale * q + bias; layout in docs/kernels.md). The codes are unpacked and scaled
+  inside the matmul expression, which tinygrad fuses into one kernel: no float copy of W is ever stored."""
+  K, N = x.shape[1], packed.shape[0]
+  q = Tensor.stack(*[(packed >> (4 * i)) & 0xF for i in range(8)], dim=-1)          # (N, K/8, 8) codes in k order
+  w = q.reshape(N, K // group_size, group_size).cast(x.dtype) * scales.cast(x.dtype).reshape(N, -1, 1) \
+      + biases.cast(x.dtype).reshape(N, -1, 1)                                         # (N, K/G, G)
+  return x @ w.reshape(N, K).T
