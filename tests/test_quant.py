@@ -1,0 +1,302 @@
+"""4-bit quantization: packing, quantizers, GGUF repack, every int4 matmul backend, the quantize CLI.
+
+Every backend is compared with `int4_matmul_reference` (float64 numpy on the same packed weights). Tolerance:
+an output is a float32 sum of K products (plus one scale/bias term per group); any summation order errs by at
+most about K * 2^-24 times the sum of the magnitudes of the terms, so we allow
+  |y - ref| <= 4 * K * 2^-24 * (|x| @ (|s*q| + |b|)^T)
+elementwise, a worst-case bound with a factor 4 of slack for the per-group products.
+"""
+from __future__ import annotations
+import json, subprocess, sys
+from pathlib import Path
+import numpy as np
+import pytest
+from tinygrad import Tensor, TinyJit, GlobalCounters, dtypes
+from tinyvllm.quant import int4, ggml
+
+RNG = np.random.default_rng(1234)
+
+
+def random_weight(n: int, k: int, rng=RNG) -> np.ndarray:
+  """Gaussian rows with per-row scale and offset: groups whose range does not straddle zero occur too."""
+  w = rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1)) + rng.uniform(-0.5, 0.5, (n, 1))
+  return w.astype(np.float32)
+
+
+def gaussian_with_outliers(n: int, k: int, rng=RNG) -> np.ndarray:
+  w = rng.standard_normal((n, k)) * 0.02
+  mask = rng.random((n, k)) < 0.01
+  w[mask] = rng.standard_normal(mask.sum()) * 0.3
+  return w.astype(np.float32)
+
+
+def error_bound(x: np.ndarray, packed, scales, biases, G: int) -> np.ndarray:
+  q = int4.unpack(packed).astype(np.float64)
+  N, K = q.shape
+  mag = np.abs(scales.astype(np.float64)).repeat(G, axis=1) * q + np.abs(biases.astype(np.float64)).repeat(G, axis=1)
+  return 4 * K * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ mag.T) + 1e-30
+
+
+def check_matmul(y: np.ndarray, x, packed, scales, biases, G):
+  ref = int4.int4_matmul_reference(x, packed, scales, biases, G)
+  bound = error_bound(x, packed, scales, biases, G)
+  assert y.shape == ref.shape
+  worst = np.max(np.abs(y - ref) / bound)
+  assert worst <= 1, f"error {worst:.2f}x the float32 summation bound"
+
+
+# **** packing, quantizers ****
+
+@pytest.mark.parametrize("shape", [(1, 8), (7, 64), (33, 256)])
+def test_pack_unpack_roundtrip(shape):
+  q = RNG.integers(0, 16, shape, dtype=np.uint8)
+  packed = int4.pack(q)
+  assert packed.dtype == np.uint32 and packed.shape == (shape[0], shape[1] // 8)
+  np.testing.assert_array_equal(int4.unpack(packed), q)
+  # the documented bit order: code of k = 8j + i in bits 4i..4i+3 of word j
+  assert int(packed[0, 0]) == sum(int(q[0, i]) << (4 * i) for i in range(8))
+
+
+def test_pack_rejects_partial_words():
+  with pytest.raises(ValueError, match="multiple of 8"): int4.pack(np.zeros((2, 12), np.uint8))
+
+
+@pytest.mark.parametrize("G", int4.GROUP_SIZES)
+def test_rtn_error_within_half_a_step(G):
+  w = random_weight(37, 4 * G, np.random.default_rng(G))
+  packed, scales, biases = int4.quantize(w, G, "rtn")
+  assert scales.dtype == biases.dtype == np.float16 and scales.shape == (37, 4)
+  deq = int4.dequantize(packed, scales, biases, G, dtype=np.float64)
+  half_step = scales.astype(np.float64).repeat(G, axis=1) / 2
+  assert np.all(np.abs(w - deq) <= half_step * (1 + 1e-12))
+  assert np.all(scales > 0)
+
+
+def test_rtn_constant_group_is_exact():
+  w = np.full((2, 32), 0.375, np.float32)
+  deq = int4.dequantize(*int4.quantize(w, 32, "rtn"), 32)
+  np.testing.assert_array_equal(deq, w)
+
+
+@pytest.mark.parametrize("G", [32, 64])
+def test_clip_beats_rtn(G):
+  w = gaussian_with_outliers(64, 512, np.random.default_rng(7))
+  err = {}
+  for method in int4.METHODS:
+    p, s, b = int4.quantize(w, G, method)
+    err[method] = (int4.dequantize(p, s, b, G, dtype=np.float64) - w).reshape(64, -1, G) ** 2
+  assert err["clip"].mean() < 0.95 * err["rtn"].mean()
+  assert np.all(err["clip"].sum(-1) <= err["rtn"].sum(-1) * (1 + 1e-9))   # per group, never worse
+
+
+def test_quantize_rejects_bad_input():
+  with pytest.raises(ValueError, match="multiple of group_size"): int4.quantize(np.ones((2, 96)), 64)
+  with pytest.raises(ValueError, match="group_size"): int4.quantize(np.ones((2, 96)), 48)
+  with pytest.raises(ValueError, match="method"): int4.quantize(np.ones((2, 64)), 64, "gptq")
+  with pytest.raises(ValueError, match="non-finite"): int4.quantize(np.full((2, 64), np.nan), 64)
+
+
+# **** GGUF Q4_0 / Q4_1 ****
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_ggml_q4_repack_is_lossless(qtype):
+  from gguf import GGMLQuantizationType, quants
+  w = random_weight(12, 256, np.random.default_rng(3))
+  t = getattr(GGMLQuantizationType, qtype)
+  raw = quants.quantize(w, t)                                                 # [12, bytes per row] uint8
+  expect = quants.dequantize(raw, t).astype(np.float32)                       # gguf's own decoder
+  packed, scales, biases = int4.from_ggml_q4(raw, qtype, w.shape)
+  assert packed.shape == (12, 32) and scales.dtype == biases.dtype == np.float16 and scales.shape == (12, 8)
+  np.testing.assert_array_equal(int4.dequantize(packed, scales, biases, 32), expect)
+  np.testing.assert_array_equal(int4.dequantize(packed, scales, biases, 32), ggml.dequantize(raw, qtype, w.shape))
+
+
+def test_quantize_state_dict_names_and_passthrough():
+  sd = {"model.embed_tokens.weight": random_weight(50, 64), "model.norm.weight": np.ones(64, np.float32),
+        "model.layers.0.self_attn.q_proj.weight": random_weight(64, 64),
+        "model.layers.0.mlp.down_proj.weight": random_weight(64, 96),           # K=96: not a multiple of 64
+        "model.layers.0.input_layernorm.weight": np.ones(64, np.float32)}
+  q = int4.quantize_state_dict(sd, 64)
+  assert q["model.layers.0.self_attn.q_proj.weight"].dtype == np.uint32
+  assert q["model.layers.0.self_attn.q_proj.scales"].shape == (64, 1)
+  assert q["model.layers.0.mlp.down_proj.weight"] is sd["model.layers.0.mlp.down_proj.weight"]  # kept, like mlx-lm
+  assert q["model.embed_tokens.weight"] is sd["model.embed_tokens.weight"] and "model.embed_tokens.scales" not in q
+  qe = int4.quantize_state_dict(sd, 32, quantize_embeddings=True)
+  assert qe["model.embed_tokens.weight"].shape == (50, 8) and qe["model.embed_tokens.biases"].shape == (50, 2)
+  with pytest.raises(ValueError, match="already quantized"): int4.quantize_state_dict(qe)
+
+
+# **** matmul backends vs the float64 reference ****
+
+SHAPES = [(37, 64, 32), (29, 256, 64), (13, 384, 128)]   # (N odd, K, G)
+
+
+def quantized(N, K, G, seed=0):
+  rng = np.random.default_rng(seed)
+  p, s, b = int4.quantize(random_weight(N, K, rng), G)
+  return p, s, b, [Tensor(a).realize() for a in (p, s, b)]
+
+
+@pytest.mark.parametrize("N,K,G", SHAPES)
+@pytest.mark.parametrize("M", [1, 3, 8, 33])
+def test_cpu_kernel_matches_reference(N, K, G, M):
+  from tinyvllm.kernels import cpu
+  p, s, b, (tp, ts, tb) = quantized(N, K, G, seed=M)
+  x = np.random.default_rng(M).standard_normal((M, K)).astype(np.float32)
+  y = cpu.int4_linear(Tensor(x), tp, ts, tb, G).numpy()
+  check_matmul(y, x, p, s, b, G)
+
+
+@pytest.mark.parametrize("N,K,G", SHAPES)
+@pytest.mark.parametrize("M", [1, 5])
+def test_portable_matches_reference_in_one_kernel(N, K, G, M):
+  from tinyvllm.kernels import portable
+  p, s, b, (tp, ts, tb) = quantized(N, K, G)
+  x = np.random.default_rng(M).standard_normal((M, K)).astype(np.float32)
+  tx = Tensor(x).realize()
+  GlobalCounters.reset()
+  y = portable.int4_linear(tx, tp, ts, tb, G).realize()
+  assert GlobalCounters.kernel_count == 1, "the dequantize must fuse into the matmul (no float W materialised)"
+  check_matmul(y.numpy(), x, p, s, b, G)
+
+
+@pytest.mark.parametrize("N,K,G", [(37, 64, 32), (13, 256, 128)])
+@pytest.mark.parametrize("M", [1, 9])
+def test_metal_emulator_matches_reference(N, K, G, M):
+  from tinyvllm.kernels import metal
+  p, s, b, (tp, ts, tb) = quantized(N, K, G)
+  x = np.random.default_rng(M).standard_normal((M, K)).astype(np.float32)
+  y = metal.int4_matmul(Tensor(x), tp, ts, tb, G, backend="emulator").numpy()
+  check_matmul(y, x, p, s, b, G)
+
+
+def test_cpu_kernel_under_tinyjit_replays_with_new_inputs():
+  from tinyvllm.kernels import cpu
+  N, K, G, M = 37, 128, 32, 2
+  step = TinyJit(lambda x, p, s, b: cpu.int4_linear(x, p, s, b, G).realize())
+  for i in range(5):   # call 0 runs, call 1 captures, calls 2.. replay: inputs (x and weights) change every call
+    p, s, b, (tp, ts, tb) = quantized(N, K, G, seed=100 + i)
+    x = np.random.default_rng(i).standard_normal((M, K)).astype(np.float32)
+    y = step(Tensor(x).realize(), tp, ts, tb).numpy()
+    check_matmul(y, x, p, s, b, G)
+  assert step.cnt >= 3
+
+
+def test_cpu_kernel_rejects_mismatched_shapes():
+  from tinyvllm.kernels import cpu
+  _, _, _, (tp, ts, tb) = quantized(5, 64, 32)
+  with pytest.raises(ValueError, match="does not match"): cpu.int4_linear(Tensor.zeros(1, 128), tp, ts, tb, 32)
+  with pytest.raises(ValueError, match="group_size"): cpu.int4_linear(Tensor.zeros(1, 64), tp, ts, tb, 64)
+
+
+def test_portable_fallback_c_source_compiles_and_matches():
+  """The non-AVX2 branch of the C kernel (what arm64 compiles), run here by compiling with AVX2 disabled."""
+  import ctypes, shutil, tempfile
+  from tinyvllm.kernels import cpu
+  if shutil.which("clang") is None: pytest.skip("clang not found")
+  N, K, G, M = 7, 64, 32, 3
+  p, s, b, _ = quantized(N, K, G)
+  x = np.random.default_rng(0).standard_normal((M, K)).astype(np.float32)
+  with tempfile.TemporaryDirectory() as d:
+    src, so = Path(d) / "k.c", Path(d) / "k.so"
+    src.write_text(cpu._int4_linear_source("k", M, N, K, G))
+    subprocess.run(["clang", "-O2", "-mno-avx2", "-mno-f16c", "-ffreestanding", "-nostdlib", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
+    y = np.zeros((M, N), np.float32)
+    ctypes.CDLL(str(so)).k(*[a.ctypes.data_as(ctypes.c_void_p) for a in (y, x, p, s.view(np.uint16), b.view(np.uint16))])
+  check_matmul(y, x, p, s, b, G)
+
+
+# **** the quantize CLI ****
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "tinyvllm.quantize", *map(str, args)], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("method", ["rtn", "clip"])
+def test_cli_roundtrip(tiny_model_factory, tmp_path, method):
+  from tinyvllm.model.weights import load_checkpoint, read_safetensors
+  from tinyvllm.model.tokenizer import load_tokenizer
+  src = tiny_model_factory("tied")
+  out = tmp_path / "q"
+  r = run_cli("--model", src, "--out", out, "--group-size", 32, "--method", method, "--quantize-embeddings")
+  assert r.returncode == 0, r.stderr
+  cfg = json.loads((out / "config.json").read_text())
+  assert cfg["quantization"] == {"group_size": 32, "bits": 4} == cfg["quantization_config"]
+  assert cfg["hidden_size"] == 64 and cfg["tie_word_embeddings"] is True
+  orig, q = load_checkpoint(src).tensors, read_safetensors(out / "model.safetensors")
+  quantized_names = [n for n in orig if int4.is_linear_weight(n)] + ["model.embed_tokens.weight"]
+  for name in quantized_names:
+    base = name[:-len(".weight")]
+    assert q[name].dtype == np.uint32 and q[f"{base}.scales"].dtype == np.float16
+    deq = int4.dequantize(q[name], q[f"{base}.scales"], q[f"{base}.biases"], 32, dtype=np.float64)
+    step = q[f"{base}.scales"].astype(np.float64).repeat(32, axis=1)
+    assert np.all(np.abs(deq - orig[name]) <= step * (0.5 if method == "rtn" else 15) + 1e-12), name
+  for name in orig.keys() - set(quantized_names):
+    np.testing.assert_array_equal(q[name], orig[name])
+  assert (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists()
+  assert load_tokenizer(out).encode("hello world") == load_tokenizer(src).encode("hello world")
+
+
+def test_cli_keeps_embeddings_by_default(tiny_model_factory, tmp_path):
+  from tinyvllm.model.weights import read_safetensors
+  out = tmp_path / "q"
+  assert run_cli("--model", tiny_model_factory("gqa"), "--out", out).returncode == 0
+  q = read_safetensors(out / "model.safetensors")
+  assert q["model.embed_tokens.weight"].dtype == np.float32 and q["lm_head.weight"].dtype == np.float32
+  assert q["model.layers.0.mlp.up_proj.weight"].dtype == np.uint32 and q["model.layers.0.mlp.up_proj.scales"].shape == (96, 1)
+
+
+def test_cli_errors(tiny_model_factory, tmp_path):
+  r = run_cli("--model", tmp_path / "nope", "--out", tmp_path / "o")
+  assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "nope" in r.stderr and "Traceback" not in r.stderr
+  a_file = tmp_path / "file"
+  a_file.write_text("x")
+  r = run_cli("--model", tiny_model_factory("gqa"), "--out", a_file)
+  assert r.returncode == 2 and "--out" in r.stderr and "Traceback" not in r.stderr
+  r = run_cli("--model", tiny_model_factory("gqa"), "--out", tmp_path / "o", "--group-size", 48)
+  assert r.returncode == 2 and "--group-size" in r.stderr
+  done = tmp_path / "done"
+  assert run_cli("--model", tiny_model_factory("gqa"), "--out", done).returncode == 0
+  r = run_cli("--model", done, "--out", tmp_path / "again")
+  assert r.returncode == 2 and "already quantized" in r.stderr
+
+
+def write_tiny_q4_gguf(path: Path, rng) -> Path:
+  """A one-layer Llama GGUF: Q4_0 attention, Q4_1 MLP, F32 norms and embedding, a 3-token gpt2 vocab."""
+  import gguf
+  from gguf import GGMLQuantizationType as T, quants
+  H, F, heads, kv, V = 64, 96, 4, 2, 40
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_block_count(1); w.add_context_length(128); w.add_embedding_length(H); w.add_feed_forward_length(F)
+  w.add_head_count(heads); w.add_head_count_kv(kv); w.add_layer_norm_rms_eps(1e-5); w.add_rope_freq_base(10000.0)
+  w.add_vocab_size(V)
+  w.add_tokenizer_model("gpt2"); w.add_token_list([f"t{i}" for i in range(V)]); w.add_token_types([1] * V); w.add_token_merges([])
+  w.add_tensor("token_embd.weight", random_weight(V, H, rng))
+  w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+  w.add_tensor("blk.0.attn_norm.weight", np.ones(H, np.float32))
+  w.add_tensor("blk.0.ffn_norm.weight", np.ones(H, np.float32))
+  for name, (n, k), t in [("attn_q", (H, H), T.Q4_0), ("attn_k", (kv * 16, H), T.Q4_0), ("attn_v", (kv * 16, H), T.Q4_0),
+                          ("attn_output", (H, H), T.Q4_0), ("ffn_gate", (F, H), T.Q4_1), ("ffn_up", (F, H), T.Q4_1),
+                          ("ffn_down", (H, F), T.Q4_1)]:
+    w.add_tensor(f"blk.0.{name}.weight", quants.quantize(random_weight(n, k, rng), t), raw_dtype=t)
+  w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+  return path
+
+
+def test_cli_repacks_gguf_q4_blocks_exactly(tmp_path):
+  """Q4_0/Q4_1 blocks go straight into the packed layout (Q/K rows un-permuted like the float loader does)."""
+  from tinyvllm.model.weights import load_checkpoint, read_safetensors
+  from tinyvllm.quantize import quantize_checkpoint
+  src = write_tiny_q4_gguf(tmp_path / "tiny.gguf", np.random.default_rng(5))
+  logs = []
+  quantize_checkpoint(str(src), tmp_path / "q32", 32, log=logs.append)
+  assert any("7 GGUF Q4_0/Q4_1 weights repacked losslessly" in m for m in logs)
+  ref, q = load_checkpoint(src).tensors, read_safetensors(tmp_path / "q32" / "model.safetensors")
+  for name in [n for n in ref if int4.is_linear_weight(n)]:
+    base = name[:-len(".weight")]
+    np.testing.assert_array_equal(int4.dequantize(q[name], q[f"{base}.scales"], q[f"{base}.biases"], 32), ref[name], err_msg=name)
+  cfg = json.loads((tmp_path / "q32" / "config.json").read_text())
+  assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] and cfg["rms_norm_eps"] == 1e-5
+  logs.clear()
+  quantize_checkpoint(str(src), tmp_path / "q64", 64, log=logs.append)
+  assert any("requantized" in m and "64" in m for m in logs)
