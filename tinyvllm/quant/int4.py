@@ -225,3 +225,9 @@ def quantize_state_dict(tensors: dict[str, np.ndarray], group_size: int = 64, me
 def quantized_bytes(tensors: dict[str, np.ndarray]) -> int:
   """Bytes the tensors of a (possibly quantized) state dict take."""
   return sum(t.nbytes for t in tensors.values())
+
+
+def float16_params(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """The contract's dtypes for a loaded quantized state dict: mlx-lm writes `.scales`/`.biases` in the source
+  model's dtype (float32, or bf16 which our safetensors reader returns as float32); cast them to float16."""
+  return {k: v.astype(np.float16) if k.endswith((".scales", ".biases")) and v.dtype != np.float16 else v for k, v in tensors.items()}
