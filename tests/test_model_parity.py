@@ -10,11 +10,8 @@ import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM
-from tinygrad import Device, Tensor
+from conftest import our_prefill_logits
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.kernels import AttentionGroup, Kernels
-from tinyvllm.model.llama import Llama, ModelInputs
-from tinyvllm.model.weights import load_checkpoint
 
 TOL = 1e-4
 
@@ -30,22 +27,9 @@ def hf_logits(path, ids: list[int]) -> np.ndarray:
 @pytest.mark.parametrize("name", ["gqa", "mha", "tied", "llama3", "linear_rope", "head_dim"])
 def test_prefill_logits_every_position(tiny_model_factory, name):
   path = tiny_model_factory(name)
-  ckpt = load_checkpoint(path)
-  cfg = ckpt.config
-  dev = Device.DEFAULT
-  model = Llama(cfg, ckpt.tensors, "float32", dev, Kernels("portable", dev), cfg.max_position_embeddings)
-  bs, T = 16, 150 if name == "llama3" else 40   # llama3: run past original_max_position_embeddings (64) so scaling matters
-  rng = np.random.default_rng(1)
-  ids = rng.integers(0, cfg.vocab_size, T).tolist()
-  table = rng.permutation(64)[:-(-T // bs)].astype(np.int32)          # scattered, out-of-order blocks
-  kv = [(Tensor.zeros(64, bs, cfg.num_key_value_heads, cfg.head_dim).contiguous().realize(),
-         Tensor.zeros(64, bs, cfg.num_key_value_heads, cfg.head_dim).contiguous().realize()) for _ in range(cfg.num_hidden_layers)]
-  pos = np.arange(T)
-  i32 = lambda a: Tensor(np.asarray(a, np.int32))
-  group = AttentionGroup(1, T, i32(table[None]), len(table), i32(pos[None]), i32([T]))
-  inp = ModelInputs(i32(ids), i32(pos), i32(table[pos // bs] * bs + pos % bs), [group], i32(pos))
-  ours = model(inp, kv).numpy()
-  ref = hf_logits(path, ids)
+  T = 150 if name == "llama3" else 40   # llama3: run past original_max_position_embeddings (64) so scaling matters
+  ids = np.random.default_rng(1).integers(0, 380, T).tolist()
+  ours, ref = our_prefill_logits(path, ids), hf_logits(path, ids)
   assert rel_err(ours, ref) < TOL
   assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.97
 

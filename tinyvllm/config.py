@@ -1,7 +1,6 @@
 """Configuration: what the model is (ModelConfig) and how the engine runs it (EngineConfig). Both frozen, built once."""
 from __future__ import annotations
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -67,8 +66,8 @@ class ModelConfig:
       theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
       scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
       if scaling is not None:
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-        scaling["rope_type"] = scaling.get("rope_type", scaling.get("type"))
+        scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | \
+                  {"rope_type": scaling.get("rope_type", scaling.get("type"))}   # transformers 4 spelled it "type"
         if scaling["rope_type"] == "default": scaling = None
       quant = d.get("quantization") or d.get("quantization_config")
       return ModelConfig(
@@ -118,7 +117,7 @@ class EngineConfig:
   max_num_seqs: int = 32
   max_num_batched_tokens: int = 512
   kernel_backend: str = "auto"              # "auto" | "portable" | "metal" | "emulator"
-  gpu_memory_utilization: float = 0.5       # share of free memory the KV cache may take when num_kv_blocks is None
+  kv_cache_memory_fraction: float = 0.1     # share of free memory (after weights) the KV cache takes when num_kv_blocks is None
   watermark: float = 0.01                   # share of KV blocks kept free when admitting new sequences
   seed: int = 0
 
@@ -135,8 +134,8 @@ class EngineConfig:
       raise ConfigError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
     if self.kernel_backend not in ("auto", "portable", "metal", "emulator"):
       raise ConfigError(f"kernel_backend must be 'auto', 'portable', 'metal' or 'emulator', got {self.kernel_backend!r}")
-    if not 0 < self.gpu_memory_utilization <= 1:
-      raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+    if not 0 < self.kv_cache_memory_fraction <= 1:
+      raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
     if not 0 <= self.watermark < 1: raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
 
   @classmethod

@@ -73,7 +73,7 @@ class LLMEngine:
     try: available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):  # macOS has no SC_AVPHYS_PAGES: take the physical memory minus the weights
       available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-    by_memory = int(self.config.gpu_memory_utilization * max(0, available - weight_bytes)) // block_bytes
+    by_memory = int(self.config.kv_cache_memory_fraction * max(0, available - weight_bytes)) // block_bytes
     by_need = self.config.max_num_seqs * -(-max_model_len // self.config.block_size)
     blocks = min(by_memory, by_need)
     if blocks < 2: raise ConfigError(f"not enough free memory for a KV cache ({available >> 20} MiB available); "

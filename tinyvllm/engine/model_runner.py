@@ -34,23 +34,40 @@ class StepShape:
   def num_rows(self) -> int: return self.num_decodes + self.num_prefills   # logits rows
 
 
+class Replay:
+  """A TinyJit captured on its first call and replayed directly afterwards.
+
+  TinyJit checks every input on every call (~25 us each); a layer takes a dozen inputs and runs 30 times a
+  step, so replays go straight to the captured graph. Callers pass the same kinds of buffers in the same
+  order each time, which is what those checks verify."""
+  def __init__(self, fn):
+    self.jit = TinyJit(lambda *args: fn(*args).realize())
+    self.jit.cnt = 1   # capture on the first call: weights and caches are realized, a warm-up run would only cost time
+
+  def __call__(self, *args: Tensor, bound: tuple[UOp, ...] = ()) -> Tensor:
+    if self.jit.captured is None: return self.jit(*args, *bound)
+    return self.jit.captured([a.uop.base for a in args], {var.expr: val for var, val in (b.unbind() for b in bound)})
+
+
 class ModelRunner:
   """Runs steps of one model over its paged KV cache.
 
-  Decode-only steps replay one whole-model TinyJit per batch bucket: the hot path, with the least Python
-  per step. Steps that read prompt chunks replay one captured *layer* per shape, once per layer with that
-  layer's weights: capturing a 30-layer graph costs seconds of scheduling for every new prompt shape, one
-  layer a thirtieth of it, and the extra Python per layer is small beside a prefill's arithmetic."""
+  Each step shape gets one captured *layer*, replayed once per layer with that layer's weights and cache,
+  between a captured embedding and a captured LM head. Capturing a whole 30-layer model instead costs
+  seconds of tinygrad scheduling for every new shape; one layer costs a thirtieth of that, and a direct
+  replay about 50 us."""
   def __init__(self, model: Llama, num_blocks: int, block_size: int, max_model_len: int, device: str):
     self.model, self.device, self.block_size, self.num_blocks = model, device, block_size, num_blocks
     self.max_blocks = -(-max_model_len // block_size)   # block-table width; the used extent is a Variable
+    self.kv_extent = UOp.variable("kv_blocks", 1, self.max_blocks)
     cfg = model.cfg
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     # zero-filled: attention multiplies masked-out cache entries by 0, and 0 * NaN garbage would be NaN
     self.kv_caches = [(Tensor.zeros(*shape, dtype=model.dtype, device=device).contiguous().realize(),
                        Tensor.zeros(*shape, dtype=model.dtype, device=device).contiguous().realize())
                       for _ in range(cfg.num_hidden_layers)]
-    self.jits: OrderedDict[tuple, TinyJit] = OrderedDict()
+    self.layer_weights = [layer.tensors() for layer in model.layers]
+    self.jits: OrderedDict[StepShape, tuple[Replay, Replay, Replay]] = OrderedDict()
 
   @staticmethod
   def kv_bytes_per_block(cfg, block_size: int, dtype_size: int) -> int:
@@ -61,16 +78,12 @@ class ModelRunner:
     (the row of a chunk that does not complete its prompt is meaningless and ignored by the caller)."""
     shape, packed, used_blocks = self.prepare(sched)
     packed = Tensor(packed, device=self.device).realize()
-    extent = UOp.variable("kv_blocks", 1, self.max_blocks).bind(used_blocks)
-    if shape.num_prefills == 0:
-      logits = self._jit(("model", shape), lambda p, e: self._forward(shape, p, e))(packed, extent)
-    else:
-      h = self._jit(("embed", shape), lambda p: self.model.embed(self._inputs(shape, p, None).tokens).contiguous())(packed)
-      layer_fn = self._jit(("layer", shape), lambda h, p, e, kc, vc, *w: self._layer(shape, h, p, e, kc, vc, w))
-      for layer, (k_cache, v_cache) in zip(self.model.layers, self.kv_caches):
-        h = layer_fn(h, packed, extent, k_cache, v_cache, *layer.tensors())
-      logits = self._jit(("logits", shape), lambda h, p: self.model.logits(h, self._inputs(shape, p, None).logits_index))(h, packed)
-    logits = logits.numpy()
+    extent = (self.kv_extent.bind(used_blocks),)
+    embed, layer, head = self._replays(shape)
+    h = embed(packed)
+    for weights, (k_cache, v_cache) in zip(self.layer_weights, self.kv_caches):
+      h = layer(h, packed, k_cache, v_cache, *weights, bound=extent)
+    logits = head(h, packed).numpy()
     D = shape.num_decodes
     return np.concatenate([logits[:len(sched.decodes)], logits[D:D + len(sched.prefills)]])
 
@@ -85,6 +98,7 @@ class ModelRunner:
     shape = StepShape(D, P, C)
     T, R, MB = shape.num_tokens, shape.num_rows, self.max_blocks
     tokens, positions, q_pos = np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32)
+    token_seq = np.full(T, -1, np.int32)          # each token's row within its attention group
     slots = np.full(T, -1, np.int32)              # padding tokens write no K/V
     rows, ctx_lens = np.zeros(R, np.int32), np.zeros(R, np.int32)
     tables = np.zeros((R, MB), np.int32)
@@ -94,6 +108,7 @@ class ModelRunner:
       table = np.asarray(seq.block_table, np.int32)
       tokens[start:start + n] = seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]
       positions[start:start + n] = q_pos[start:start + n] = pos
+      token_seq[start:start + n] = row if row < D else row - D
       slots[start:start + n] = table[pos // bs] * bs + pos % bs
       tables[row, :len(table)] = table
       ctx_lens[row] = pos[-1] + 1
@@ -102,34 +117,33 @@ class ModelRunner:
     for i, seq in enumerate(decodes): place(seq, i, 1, i)
     for j, chunk in enumerate(prefills): place(chunk.seq, D + j * C, chunk.num_tokens, D + j)
     used = max(-(-int(ctx_lens.max()) // bs), 1)
-    return shape, np.concatenate([tokens, positions, slots, q_pos, rows, ctx_lens, tables.reshape(-1)]), used
+    return shape, np.concatenate([tokens, positions, slots, q_pos, token_seq, rows, ctx_lens, tables.reshape(-1)]), used
 
-  def _jit(self, key: tuple, fn) -> TinyJit:
-    if key in self.jits:
-      self.jits.move_to_end(key)
-      return self.jits[key]
-    jit = TinyJit(lambda *args: fn(*args).realize())
-    # capture on the first call: weights and caches are already realized, so TinyJit's warm-up run
-    # would only double the cost of every new shape
-    jit.cnt = 1
-    self.jits[key] = jit
+  def _replays(self, shape: StepShape) -> tuple[Replay, Replay, Replay]:
+    if shape in self.jits:
+      self.jits.move_to_end(shape)
+      return self.jits[shape]
+    template = self.model.layers[0]
+    def layer(h, packed, k_cache, v_cache, *weights_and_extent):
+      *weights, extent = weights_and_extent
+      return template.with_tensors(weights)(h, self._inputs(shape, packed, extent), self.model.cos_sin, k_cache, v_cache)
+    replays = (Replay(lambda packed: self.model.embed(self._inputs(shape, packed, None).tokens).contiguous()),
+               Replay(layer),
+               Replay(lambda h, packed: self.model.logits(h, self._inputs(shape, packed, None).logits_index)))
+    self.jits[shape] = replays
     if len(self.jits) > MAX_JITS: self.jits.popitem(last=False)
-    return jit
+    return replays
 
   def _inputs(self, shape: StepShape, packed: Tensor, extent) -> ModelInputs:
     D, P, C, T, R, MB = shape.num_decodes, shape.num_prefills, shape.chunk_len, shape.num_tokens, shape.num_rows, self.max_blocks
     fields, at = {}, 0
-    for name, size in (("tokens", T), ("positions", T), ("slots", T), ("q_pos", T), ("rows", R), ("ctx", R), ("tables", R * MB)):
+    for name, size in (("tokens", T), ("positions", T), ("slots", T), ("q_pos", T), ("token_seq", T), ("rows", R), ("ctx", R),
+                       ("tables", R * MB)):
       fields[name], at = packed[at:at + size], at + size
     tables = fields["tables"].reshape(R, MB)
     groups = []
     if D: groups.append(AttentionGroup(D, 1, tables[:D], extent, fields["q_pos"][:D].reshape(D, 1), fields["ctx"][:D]))
-    if P: groups.append(AttentionGroup(P, C, tables[D:], extent, fields["q_pos"][D:].reshape(P, C), fields["ctx"][D:]))
+    if P: groups.append(AttentionGroup(P, C, tables[D:], extent, fields["q_pos"][D:].reshape(P, C), fields["ctx"][D:],
+                                       fields["token_seq"][D:]))
     return ModelInputs(fields["tokens"], fields["positions"], fields["slots"], groups, fields["rows"])
 
-  def _forward(self, shape: StepShape, packed: Tensor, extent) -> Tensor:
-    return self.model(self._inputs(shape, packed, extent), self.kv_caches)
-
-  def _layer(self, shape: StepShape, h: Tensor, packed: Tensor, extent, k_cache: Tensor, v_cache: Tensor, weights) -> Tensor:
-    layer = self.model.layers[0].with_tensors(list(weights))
-    return layer(h, self._inputs(shape, packed, extent), self.model.cos_sin, k_cache, v_cache)

@@ -22,6 +22,7 @@ class AttentionGroup:
   used_blocks: object        # int or bound Variable: table columns any sequence of the step uses
   q_pos: Tensor              # int32 [P, C]: absolute position of each query slot (padding: 0)
   context_lens: Tensor       # int32 [P]: keys visible to the sequence's last real query
+  token_seq: Tensor | None = None   # int32 [P*C]: each slot's row p, -1 on padding slots (the Metal prefill kernel's input)
 
   @property
   def num_tokens(self) -> int: return self.num_seqs * self.query_len
@@ -86,8 +87,7 @@ class Kernels:
       from tinyvllm.kernels import metal
       if C == 1:
         return metal.paged_attention_decode(q, k_cache, v_cache, group.block_tables, group.context_lens, scale, backend=self.shaders)
-      token_seq = Tensor.arange(P, device=q.device).reshape(P, 1).expand(P, C).reshape(P * C).cast(dtypes.int32)
-      return metal.paged_attention_prefill(q, k_cache, v_cache, group.block_tables, token_seq, group.q_pos.reshape(P * C),
+      return metal.paged_attention_prefill(q, k_cache, v_cache, group.block_tables, group.token_seq, group.q_pos.reshape(P * C),
                                            scale, backend=self.shaders)
     tables = group.block_tables[:, :group.used_blocks]   # portable attention's cost follows the columns it reads
     out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), k_cache, v_cache, tables, group.q_pos, scale)

@@ -1,0 +1,154 @@
+"""The LLM API end to end on a tiny random checkpoint: vLLM's shapes, stop rules, seeds, logprobs, streaming,
+batch invariance (with and without preemption) and errors that name their cause."""
+from __future__ import annotations
+import json
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+from tinyvllm import LLM, Logprob, SamplingParams
+from tinyvllm.config import ConfigError
+from tinyvllm.model.weights import ModelLoadError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+  return LLM(str(tiny_model), block_size=8, num_kv_blocks=128, max_num_batched_tokens=64)
+
+
+def prompts_of_lengths(lengths, vocab, seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"prompt_token_ids": rng.integers(4, vocab, n).tolist()} for n in lengths]
+
+
+def test_output_shapes_and_order(llm):
+  outs = llm.generate(["Hello world", "The quick brown fox", {"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+  assert [o.prompt for o in outs] == ["Hello world", "The quick brown fox", None]
+  assert outs[2].prompt_token_ids == [5, 6, 7]
+  tok = llm.get_tokenizer()
+  assert outs[0].prompt_token_ids == tok.encode("Hello world")
+  for o in outs:
+    c = o.outputs[0]
+    assert o.finished and c.finish_reason == "length" and len(c.token_ids) == 12
+    assert c.text == tok.decode(c.token_ids)
+    assert o.metrics.time_to_first_token > 0 and o.metrics.num_generated_tokens == 12
+
+
+def test_greedy_matches_hf_and_logprobs_are_the_models(llm, tiny_model):
+  ids = [9, 40, 77, 120, 3, 250]
+  out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+                     use_tqdm=False)[0].outputs[0]
+  hf = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+  with torch.no_grad():
+    logits = hf(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1].double()
+  ref = torch.log_softmax(logits, -1).numpy()
+  assert out.token_ids == ref.argmax(-1).tolist()
+  assert len(out.logprobs) == 6
+  for step, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+    assert token in lp and len(lp) == 3 and isinstance(lp[token], Logprob) and lp[token].rank == 1
+    top = np.argsort(-ref[step])[:3]
+    assert list(lp) == top.tolist()
+    for t, entry in lp.items():
+      assert abs(entry.logprob - ref[step, t]) < 1e-4 and entry.decoded_token == llm.get_tokenizer().token_to_str(t)
+  assert abs(out.cumulative_logprob - sum(ref[i, t] for i, t in enumerate(out.token_ids))) < 1e-3
+
+
+def test_stop_token_ids_and_stop_strings(llm):
+  prompt = {"prompt_token_ids": [11, 22, 33, 44]}
+  base = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+  stop_tok = base.token_ids[4]
+  out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+  first = base.token_ids.index(stop_tok)
+  assert out.token_ids == base.token_ids[:first + 1] and (out.finish_reason, out.stop_reason) == ("stop", stop_tok)
+  text = base.text
+  stop = text[len(text) // 2:len(text) // 2 + 2]
+  out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False)[0].outputs[0]
+  assert out.text == text[:text.index(stop)] and (out.finish_reason, out.stop_reason) == ("stop", stop)
+  out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[stop], include_stop_str_in_output=True),
+                     use_tqdm=False)[0].outputs[0]
+  assert out.text == text[:text.index(stop) + len(stop)]
+
+
+def test_seed_is_independent_of_batch(llm):
+  vocab = llm.llm_engine.model_config.vocab_size
+  seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+  target = prompts_of_lengths([7], vocab, seed=3)[0]
+  alone = llm.generate(target, seeded, use_tqdm=False)[0].outputs[0].token_ids
+  others = prompts_of_lengths([3, 20, 9], vocab, seed=4)
+  batch = llm.generate(others[:2] + [target] + others[2:], [SamplingParams(temperature=1.0, max_tokens=10)] * 2 + [seeded] +
+                       [SamplingParams(temperature=1.0, max_tokens=10)], use_tqdm=False)
+  assert batch[2].outputs[0].token_ids == alone
+  assert llm.generate(target, SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True),
+                      use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_n_completions(llm):
+  out = llm.generate("Hello", SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+  assert [c.index for c in out.outputs] == [0, 1, 2]
+  assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_stream_equals_generate(llm):
+  pieces = list(llm.generate_stream("The quick brown fox", GREEDY))
+  assert "".join(pieces) == llm.generate("The quick brown fox", GREEDY, use_tqdm=False)[0].outputs[0].text
+  assert len(pieces) > 1
+
+
+def test_chat_applies_the_template(llm):
+  msgs = [{"role": "user", "content": "Hi"}]
+  out = llm.chat(msgs, GREEDY, use_tqdm=False)[0]
+  text = llm.get_tokenizer().apply_chat_template(msgs, add_generation_prompt=True)
+  assert out.prompt == text and text.endswith("<|im_start|>assistant\n")
+  assert out.prompt_token_ids == llm.get_tokenizer().encode(text, add_special_tokens=False)
+
+
+def test_batch_invariance_with_and_without_preemption(tiny_model):
+  big = LLM(str(tiny_model), block_size=8, num_kv_blocks=256, max_num_batched_tokens=64)
+  vocab = big.llm_engine.model_config.vocab_size
+  prompts = prompts_of_lengths([3, 17, 40, 9, 64, 1, 25, 33], vocab)
+  params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+  alone = [big.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+  together = [o.outputs[0].token_ids for o in big.generate(prompts, params, use_tqdm=False)]
+  assert together == alone
+  # 8 sequences need up to 11 blocks each (88 tokens): 24 blocks force preemption and recomputation
+  small = LLM(str(tiny_model), block_size=8, num_kv_blocks=24, max_num_batched_tokens=64)
+  squeezed = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+  assert small.llm_engine.scheduler.num_preemptions > 0
+  assert squeezed == alone
+  bm = small.llm_engine.block_manager
+  assert bm.num_free == bm.num_blocks                      # everything returned once all finished
+
+
+def test_overlong_prompt_is_rejected_alone(tiny_model, capsys):
+  llm = LLM(str(tiny_model), max_model_len=64, num_kv_blocks=32, block_size=8)
+  outs = llm.generate([{"prompt_token_ids": [5] * 10}, {"prompt_token_ids": [5] * 80}, "Hello"],
+                      SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+  assert outs[0].outputs[0].finish_reason == "length" and outs[2].outputs[0].finish_reason == "length"
+  assert outs[1].outputs[0].finish_reason == "error" and "max_model_len is 64" in outs[1].error
+  assert "prompt 1 rejected" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="80 tokens"): llm.llm_engine.add_request([5] * 80)
+  with pytest.raises(ValueError, match="outside the vocabulary"): llm.llm_engine.add_request([10**6])
+  with pytest.raises(ValueError, match="empty"): llm.llm_engine.add_request([])
+
+
+def test_generation_stops_at_max_model_len(tiny_model):
+  llm = LLM(str(tiny_model), max_model_len=32, num_kv_blocks=8, block_size=8)
+  out = llm.generate({"prompt_token_ids": [5] * 28}, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True),
+                     use_tqdm=False)[0].outputs[0]
+  assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_bad_configuration_errors(tiny_model, tmp_path):
+  with pytest.raises(ModelLoadError, match="does not exist"): LLM(str(tmp_path / "missing"))
+  with pytest.raises(ModelLoadError, match="no config.json"): LLM(str(tmp_path))
+  with pytest.raises(ConfigError, match="block_size"): LLM(str(tiny_model), block_size=7)
+  with pytest.raises(ConfigError, match="max_model_len=4096 exceeds"): LLM(str(tiny_model), max_model_len=4096)
+  with pytest.raises(ConfigError, match="raise num_kv_blocks"): LLM(str(tiny_model), max_model_len=256, num_kv_blocks=4, block_size=8)
+  with pytest.raises(TypeError, match="gpu_memory_utilization"): LLM(str(tiny_model), gpu_memory_utilization=0.9)
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  cfg = json.loads((tiny_model / "config.json").read_text())
+  (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["MambaForCausalLM"], "model_type": "mamba"}))
+  with pytest.raises(ConfigError, match="MambaForCausalLM"): LLM(str(bad))

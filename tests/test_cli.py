@@ -1,0 +1,53 @@
+"""`python -m tinyvllm.generate` in a subprocess: streams text, prints one stats line, and turns bad input into
+a one-line error with a non-zero exit status (never a traceback)."""
+from __future__ import annotations
+import os, subprocess, sys
+import pytest
+
+
+def run(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
+  env = {**os.environ, "DEV": "CPU"}
+  return subprocess.run([sys.executable, "-m", "tinyvllm.generate", *args], input=stdin, capture_output=True, text=True,
+                        env=env, timeout=600)
+
+
+def test_generates_and_prints_stats(tiny_model):
+  r = run("--model", str(tiny_model), "--prompt", "Hello world", "--max-tokens", "6", "--num-kv-blocks", "32", "--block-size", "8")
+  assert r.returncode == 0, r.stderr
+  stats = [line for line in r.stderr.splitlines() if line.startswith("[prompt:")]
+  assert len(stats) == 1 and "generated: 6 tokens" in stats[0] and "TTFT" in stats[0] and "decode" in stats[0]
+  from tinyvllm import LLM, SamplingParams
+  want = LLM(str(tiny_model), num_kv_blocks=32, block_size=8).generate("Hello world", SamplingParams(max_tokens=6, temperature=0),
+                                                                     use_tqdm=False)[0].outputs[0].text
+  assert r.stdout == want + "\n"
+  assert "Traceback" not in r.stderr
+
+
+def test_prompts_from_stdin_and_chat(tiny_model):
+  r = run("--model", str(tiny_model), "--chat", "--max-tokens", "3", "--num-kv-blocks", "32", "--block-size", "8",
+          stdin="first question\nsecond question\n")
+  assert r.returncode == 0, r.stderr
+  assert len([line for line in r.stderr.splitlines() if line.startswith("[prompt:")]) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+  (["--model", "/no/such/model.gguf", "--prompt", "x"], "model path does not exist: /no/such/model.gguf"),
+  (["--prompt", "x", "--temperature", "-1"], "temperature"),
+  (["--prompt", "x", "--max-tokens", "0"], "max_tokens"),
+  (["--prompt", "x", "--block-size", "7"], "block_size"),
+])
+def test_bad_input_is_one_line(tiny_model, args, message):
+  if "--model" not in args: args = ["--model", str(tiny_model), *args]
+  r = run(*args)
+  assert r.returncode == 2
+  assert "Traceback" not in r.stderr and message in r.stderr.strip().splitlines()[-1]
+
+
+def test_prompt_longer_than_context(tiny_model):
+  r = run("--model", str(tiny_model), "--prompt", "word " * 300, "--max-model-len", "64", "--num-kv-blocks", "16", "--block-size", "8")
+  assert r.returncode == 2 and "max_model_len is 64" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_flag_value_from_argparse():
+  r = run("--max-tokens", "many")
+  assert r.returncode == 2 and "invalid int value" in r.stderr

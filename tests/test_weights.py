@@ -1,0 +1,134 @@
+"""Checkpoint loading: GGUF tensor types (against the `gguf` package's own dequantizer), llama.cpp's Q/K row
+order, sharded bf16 safetensors, both config layouts, and the errors for what we do not support."""
+from __future__ import annotations
+import json
+from pathlib import Path
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import our_prefill_logits
+from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.model.weights import ModelLoadError, load_checkpoint
+
+GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+# one tensor type per projection, so a single file covers every type the loader supports
+GGUF_TYPES = {"token_embd": "Q8_0", "output": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "F16", "attn_output": "BF16",
+              "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q8_0"}
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """What llama.cpp's converter does to Q/K rows (pairs interleaved per head), written from its description."""
+  return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str) -> str:
+  parts = hf.split(".")
+  if parts[0] == "model" and parts[1] == "layers":
+    return f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+  return f"{GGUF_NAMES['.'.join(parts[:-1])]}.{parts[-1]}"
+
+
+def write_gguf(hf_dir: Path, out: Path) -> dict[str, np.ndarray]:
+  """Convert a tiny HF checkpoint (and its byte-level BPE tokenizer) to GGUF with mixed tensor types.
+  Returns the weights as HF names expect them after the round trip (dequantized by the gguf package)."""
+  cfg = json.loads((hf_dir / "config.json").read_text())
+  tok = json.loads((hf_dir / "tokenizer.json").read_text())
+  w = gguf.GGUFWriter(out, "llama")
+  w.add_block_count(cfg["num_hidden_layers"]); w.add_context_length(cfg["max_position_embeddings"])
+  w.add_embedding_length(cfg["hidden_size"]); w.add_feed_forward_length(cfg["intermediate_size"])
+  w.add_head_count(cfg["num_attention_heads"]); w.add_head_count_kv(cfg["num_key_value_heads"])
+  w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"]); w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+  w.add_vocab_size(cfg["vocab_size"])
+  vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+  specials = {t["content"] for t in tok["added_tokens"]}
+  w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("gpt-2")
+  w.add_token_list([t for t, _ in vocab]); w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
+  w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+  w.add_bos_token_id(0); w.add_eos_token_id(1)
+  expected = {}
+  for name, arr in load_file(hf_dir / "model.safetensors").items():
+    arr = arr.astype(np.float32)
+    gname = gguf_name(name)
+    if name.endswith("q_proj.weight"): arr_g = llama_cpp_permute(arr, cfg["num_attention_heads"])
+    elif name.endswith("k_proj.weight"): arr_g = llama_cpp_permute(arr, cfg["num_key_value_heads"])
+    else: arr_g = arr
+    kind = "F32" if arr.ndim == 1 else GGUF_TYPES[gname.split(".")[-2]]
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    data = gguf.quants.quantize(arr_g, qtype)
+    w.add_tensor(gname, data, raw_dtype=qtype)
+    back = gguf.quants.dequantize(data, qtype).reshape(arr.shape).astype(np.float32)
+    if name.endswith("q_proj.weight"): back = llama_cpp_permute_inverse(back, cfg["num_attention_heads"])
+    if name.endswith("k_proj.weight"): back = llama_cpp_permute_inverse(back, cfg["num_key_value_heads"])
+    expected[name] = back
+  w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+  return expected
+
+
+def llama_cpp_permute_inverse(w: np.ndarray, n_heads: int) -> np.ndarray:
+  return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_gguf_tensor_types_and_row_order(tiny_model, tmp_path):
+  expected = write_gguf(tiny_model, tmp_path / "tiny.gguf")
+  ckpt = load_checkpoint(tmp_path / "tiny.gguf")
+  assert ckpt.config.num_key_value_heads == 2 and ckpt.config.rope_theta == 10000.0 and not ckpt.config.tie_word_embeddings
+  assert set(ckpt.tensors) == set(expected)
+  for name, want in expected.items():
+    np.testing.assert_array_equal(np.asarray(ckpt.tensors[name], np.float32), want, err_msg=name)
+
+
+def test_gguf_model_logits_match_hf_on_the_same_weights(tiny_model, tmp_path):
+  expected = write_gguf(tiny_model, tmp_path / "tiny.gguf")
+  hf = LlamaForCausalLM(LlamaConfig.from_pretrained(tiny_model)).eval()
+  hf.load_state_dict({k: torch.from_numpy(v) for k, v in expected.items()})
+  ids = list(range(5, 40))
+  with torch.no_grad(): ref = hf(torch.tensor([ids])).logits[0].double().numpy()
+  ours = our_prefill_logits(tmp_path / "tiny.gguf", ids)
+  assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-4   # same weights, float32 maths: see test_model_parity
+
+
+def test_sharded_bf16_safetensors(tiny_model_factory, tmp_path):
+  src = tiny_model_factory("gqa")
+  model = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.bfloat16)
+  model.save_pretrained(tmp_path, max_shard_size="40KB")
+  assert (tmp_path / "model.safetensors.index.json").exists() and len(list(tmp_path.glob("*.safetensors"))) > 2
+  ckpt = load_checkpoint(tmp_path)
+  for name, param in model.state_dict().items():
+    np.testing.assert_array_equal(ckpt.tensors[name], param.float().numpy(), err_msg=name)
+
+
+def test_config_layouts_both_read_rope():
+  base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+              num_attention_heads=2)
+  v4 = ModelConfig.from_hf({**base, "rope_theta": 100000.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
+  v5 = ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "linear", "factor": 2.0}})
+  assert v4.rope_theta == v5.rope_theta == 100000.0
+  assert v4.rope_scaling == v5.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+  assert ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}).rope_scaling is None
+  with pytest.raises(ConfigError, match="yarn"):
+    ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}})
+  with pytest.raises(ConfigError, match="num_attention_heads"): ModelConfig.from_hf({**base, "num_key_value_heads": 3})
+  with pytest.raises(ConfigError, match="lacks the required field 'hidden_size'"):
+    ModelConfig.from_hf({k: v for k, v in base.items() if k != "hidden_size"})
+
+
+def test_unsupported_gguf_contents(tmp_path):
+  w = gguf.GGUFWriter(tmp_path / "k.gguf", "llama")
+  for k, v in dict(block_count=1, context_length=64, embedding_length=256, feed_forward_length=256, head_count=2, vocab_size=64).items():
+    getattr(w, f"add_{k}")(v)
+  q5k = gguf.GGMLQuantizationType.Q5_K   # any bytes of the right size: the loader must refuse the type, not decode it
+  raw = np.random.default_rng(0).integers(0, 255, gguf.quants.quant_shape_to_byte_shape((256, 256), q5k), dtype=np.uint8)
+  w.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=q5k)
+  w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+  with pytest.raises(ModelLoadError, match="blk.0.attn_q.weight has GGUF type Q5_K"): load_checkpoint(tmp_path / "k.gguf")
+  w = gguf.GGUFWriter(tmp_path / "g.gguf", "gemma")
+  w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+  with pytest.raises(ConfigError, match="unsupported GGUF architecture 'gemma'"): load_checkpoint(tmp_path / "g.gguf")
+  (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+  with pytest.raises(ModelLoadError, match="junk.gguf"): load_checkpoint(tmp_path / "junk.gguf")
