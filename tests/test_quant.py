@@ -299,3 +299,43 @@ def test_cli_repacks_gguf_q4_blocks_exactly(tmp_path):
   logs.clear()
   quantize_checkpoint(str(src), tmp_path / "q64", 64, log=logs.append)
   assert any("requantized" in m and "64" in m for m in logs)
+
+
+# **** activation-aware clip ****
+
+def test_importance_weighted_clip_lowers_the_weighted_error():
+  rng = np.random.default_rng(11)
+  w = gaussian_with_outliers(32, 256, rng)
+  imp = np.ones(256)
+  imp[rng.choice(256, 8, replace=False)] = 200.0     # a few input channels carry large activations
+  def weighted_error(p, s, b):
+    return (((int4.dequantize(p, s, b, 64, dtype=np.float64) - w) ** 2) * imp).sum()
+  plain, aware = int4.quantize(w, 64, "clip"), int4.quantize(w, 64, "clip", importance=imp)
+  assert weighted_error(*aware) < 0.9 * weighted_error(*plain)
+  np.testing.assert_array_equal(int4.quantize(w, 64, "rtn", importance=imp)[0], int4.quantize(w, 64, "rtn")[0])
+  with pytest.raises(ValueError, match="importance"): int4.quantize(w, 64, "clip", importance=np.ones(5))
+
+
+def test_input_second_moments_of_a_tiny_model(tiny_model_factory):
+  from tinyvllm.model.weights import load_checkpoint
+  from tinyvllm.quant.calibrate import input_second_moments
+  ck = load_checkpoint(tiny_model_factory("tied"))
+  stats = input_second_moments(ck.config, ck.tensors, np.arange(40) % ck.config.vocab_size, window=16)
+  p = "model.layers.0"
+  assert stats[f"{p}.mlp.down_proj.weight"].shape == (ck.config.intermediate_size,)
+  np.testing.assert_array_equal(stats[f"{p}.self_attn.q_proj.weight"], stats[f"{p}.self_attn.k_proj.weight"])  # same input
+  np.testing.assert_array_equal(stats["model.embed_tokens.weight"], stats["lm_head.weight"])                 # tied
+  assert all(np.all(v >= 0) and np.any(v > 0) for v in stats.values())
+
+
+def test_cli_calibration(tiny_model_factory, tmp_path):
+  text = tmp_path / "calib.txt"
+  text.write_text("The quick brown fox jumps over the lazy dog. Hello world, hello tinyvllm! " * 20)
+  src = tiny_model_factory("gqa")
+  r = run_cli("--model", src, "--out", tmp_path / "q", "--group-size", 32, "--method", "clip", "--calibration", text)
+  assert r.returncode == 0, r.stderr
+  assert "calibrating on" in r.stderr and (tmp_path / "q" / "model.safetensors").exists()
+  r = run_cli("--model", src, "--out", tmp_path / "q2", "--calibration", text)             # default method rtn
+  assert r.returncode == 2 and "--calibration" in r.stderr
+  r = run_cli("--model", src, "--out", tmp_path / "q3", "--method", "clip", "--calibration", tmp_path / "missing.txt")
+  assert r.returncode == 2 and "missing.txt" in r.stderr

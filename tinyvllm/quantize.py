@@ -1,6 +1,7 @@
 """Quantize a Llama checkpoint to 4-bit affine groups (MLX's layout) and write it as an HF-style directory.
 
   python -m tinyvllm.quantize --model SRC --out DIR [--group-size 64] [--method rtn|clip] [--quantize-embeddings]
+                              [--calibration TEXT_FILE [--calibration-tokens 4096]]
 
 SRC is anything the engine loads: an HF directory, a GGUF file, a hub id, or nothing for the default SmolLM2
 GGUF. DIR receives model.safetensors, config.json (HF Llama keys plus "quantization": {"group_size", "bits"})
@@ -72,11 +73,29 @@ def write_tokenizer(src: Path, out: Path) -> str:
   return "converted the GGUF's embedded tokenizer with transformers (tokenizer.json, tokenizer_config.json, chat_template.jinja)"
 
 
+def calibration_importance(ckpt, text_file: Path, n_tokens: int, log=print) -> dict[str, np.ndarray]:
+  """Mean x^2 per input channel of every linear, from the first n_tokens of a text file (needs transformers)."""
+  try: text = text_file.read_text(encoding="utf-8")
+  except (OSError, UnicodeDecodeError) as e: raise QuantizeError(f"--calibration {text_file}: cannot read it ({e})") from None
+  try:
+    import torch, transformers  # noqa: F401
+  except ImportError:
+    raise QuantizeError("--calibration needs torch and transformers (pip install torch transformers)") from None
+  from tinyvllm.model.tokenizer import load_tokenizer
+  from tinyvllm.quant.calibrate import input_second_moments
+  tokens = load_tokenizer(ckpt.path).encode(text, add_special_tokens=False)[:n_tokens]
+  if len(tokens) < 2: raise QuantizeError(f"--calibration {text_file}: too little text ({len(tokens)} tokens)")
+  log(f"calibrating on {len(tokens)} tokens of {text_file}")
+  return input_second_moments(ckpt.config, ckpt.tensors, np.array(tokens))
+
+
 def quantize_checkpoint(model: str | None, out: Path, group_size: int = 64, method: str = "rtn",
-                        quantize_embeddings: bool = False, log=print) -> dict[str, np.ndarray]:
+                        quantize_embeddings: bool = False, calibration: Path | None = None, calibration_tokens: int = 4096,
+                        log=print) -> dict[str, np.ndarray]:
   from safetensors.numpy import save_file
   from tinyvllm.model.weights import load_checkpoint, ModelLoadError
   if out.exists() and not out.is_dir(): raise QuantizeError(f"--out {out} exists and is not a directory")
+  if calibration is not None and method != "clip": raise QuantizeError("--calibration only applies to --method clip")
   try: ckpt = load_checkpoint(model)
   except (ModelLoadError, ConfigError) as e: raise QuantizeError(f"--model: {e}") from None
   if ckpt.config.quantization or any(n.endswith(".scales") for n in ckpt.tensors):
@@ -86,7 +105,8 @@ def quantize_checkpoint(model: str | None, out: Path, group_size: int = 64, meth
   if q4:
     how = "repacked losslessly" if group_size == 32 else f"requantized from their decoded values (--group-size {group_size} != 32)"
     log(f"{len(q4)} GGUF Q4_0/Q4_1 weights {how}")
-  tensors = int4.quantize_state_dict(ckpt.tensors, group_size, method, quantize_embeddings, ggml_q4=q4,
+  importance = calibration_importance(ckpt, calibration, calibration_tokens, log) if calibration is not None else None
+  tensors = int4.quantize_state_dict(ckpt.tensors, group_size, method, quantize_embeddings, ggml_q4=q4, importance=importance,
                                      progress=lambda names: tqdm(names, desc=f"quantizing ({method}, group {group_size})", unit="tensor", file=sys.stderr))
   kept = [n for n, t in tensors.items() if t.dtype != np.uint32 and (int4.is_linear_weight(n) or (quantize_embeddings and n in int4.EMBEDDING_NAMES))]
   if kept: log(f"{len(kept)} weights kept unquantized: their input dimension is not a multiple of {group_size} (e.g. {kept[0]})")
@@ -109,10 +129,13 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--method", default="rtn", choices=int4.METHODS, help="rtn: round to nearest; clip: range search + least-squares refit")
   p.add_argument("--quantize-embeddings", action="store_true",
                  help="also quantize the token embedding (and lm_head) to 4 bits; with tied embeddings it is the LM head too")
+  p.add_argument("--calibration", type=Path, default=None, metavar="TEXT_FILE",
+                 help="with --method clip: weight each input channel's error by its mean x^2 on this text (needs transformers)")
+  p.add_argument("--calibration-tokens", type=int, default=4096, help="tokens of --calibration to use")
   args = p.parse_args(argv)
   try:
     quantize_checkpoint(args.model, args.out, args.group_size, args.method, args.quantize_embeddings,
-                        log=lambda m: print(m, file=sys.stderr))
+                        args.calibration, args.calibration_tokens, log=lambda m: print(m, file=sys.stderr))
   except QuantizeError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -78,9 +78,10 @@ def _codes(w: np.ndarray, s: np.ndarray, b: np.ndarray) -> np.ndarray:
   return np.clip(np.nan_to_num(q, nan=0.0, posinf=QMAX, neginf=0.0), 0, QMAX).astype(np.uint8)
 
 
-def _sq_error(w: np.ndarray, q: np.ndarray, s: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _sq_error(w: np.ndarray, q: np.ndarray, s: np.ndarray, b: np.ndarray, imp: np.ndarray | None = None) -> np.ndarray:
+  """Per-group squared reconstruction error, each k weighted by imp (None: all 1)."""
   d = s.astype(np.float64)[..., None] * q + b.astype(np.float64)[..., None] - w
-  return np.einsum("...i,...i->...", d, d)
+  return np.einsum("...i,...i->...", d, d if imp is None else d * imp)
 
 
 def _rtn(wg: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -92,15 +93,16 @@ _CLIP_GRID = ((0.0, 0.0), (0.0, 0.04), (0.04, 0.0), (0.04, 0.04), (0.0, 0.08), (
               (0.04, 0.12), (0.12, 0.04), (0.12, 0.12), (0.0, 0.16), (0.16, 0.0), (0.16, 0.16), (0.24, 0.24))
 
 
-def _clip(wg: np.ndarray, refits: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _clip(wg: np.ndarray, imp: np.ndarray | None = None, refits: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   lo, hi = wg.min(-1), wg.max(-1)
   r = hi - lo
   best_q, best_s, best_b = _rtn(wg)
-  best_e = _sq_error(wg, best_q, best_s, best_b)
+  best_e = _sq_error(wg, best_q, best_s, best_b, imp)
+  u = np.ones_like(wg) if imp is None else np.broadcast_to(imp, wg.shape)
 
   def consider(q, s, b):
     nonlocal best_e
-    e = _sq_error(wg, q, s, b)
+    e = _sq_error(wg, q, s, b, imp)
     better = e < best_e
     best_e = np.where(better, e, best_e)
     best_q[better], best_s[better], best_b[better] = q[better], s[better], b[better]
@@ -108,12 +110,13 @@ def _clip(wg: np.ndarray, refits: int = 2) -> tuple[np.ndarray, np.ndarray, np.n
   for a, c in _CLIP_GRID[1:]:
     s, b = _covering_grid(lo + a * r, hi - c * r)
     consider(_codes(wg, s, b), s, b)
-  # least squares: for fixed codes q the best (s, b) solves a 2x2 system; re-round codes, repeat
-  n = wg.shape[-1]
+  # (weighted) least squares: for fixed codes q the best (s, b) solves a 2x2 system; re-round codes, repeat
+  n = u.sum(-1)
   for _ in range(refits):
     q = best_q.astype(np.float64)
-    sq, sw = q.sum(-1), wg.sum(-1)
-    sqq, sqw = np.einsum("...i,...i->...", q, q), np.einsum("...i,...i->...", q, wg)
+    uq = u * q
+    sq, sw = uq.sum(-1), np.einsum("...i,...i->...", u, wg)
+    sqq, sqw = np.einsum("...i,...i->...", uq, q), np.einsum("...i,...i->...", uq, wg)
     det = n * sqq - sq * sq
     ok = det > 0
     s = np.where(ok, (n * sqw - sq * sw) / np.where(ok, det, 1), 0.0)
@@ -123,15 +126,26 @@ def _clip(wg: np.ndarray, refits: int = 2) -> tuple[np.ndarray, np.ndarray, np.n
   return best_q, best_s, best_b
 
 
-def quantize(w: np.ndarray, group_size: int = 64, method: str = "rtn") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Quantize W `[N, K]` to (packed uint32 `[N, K/8]`, scales float16 `[N, K/G]`, biases float16 `[N, K/G]`)."""
+def quantize(w: np.ndarray, group_size: int = 64, method: str = "rtn",
+             importance: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Quantize W `[N, K]` to (packed uint32 `[N, K/8]`, scales float16 `[N, K/G]`, biases float16 `[N, K/G]`).
+
+  importance: optional `[K]` non-negative weights of the input channels, typically the mean x^2 each channel
+  sees on calibration text (`tinyvllm.quant.calibrate`). "clip" then minimises the error of the layer's output
+  sum_k x_k (w_k - w'_k) on average over x, instead of the plain weight error; "rtn" ignores it."""
   w = np.asarray(w)
   _check(w, group_size)
   if method not in METHODS: raise ValueError(f"method must be one of {METHODS}, got {method!r}")
   if not np.all(np.isfinite(w)): raise ValueError("the weight has non-finite values")
   if np.abs(w).max(initial=0) > 60000: raise ValueError("the weight has values beyond float16 range (|w| > 60000)")
   N, K = w.shape
-  fn = _rtn if method == "rtn" else _clip
+  imp = None
+  if importance is not None:
+    imp = np.asarray(importance, np.float64)
+    if imp.shape != (K,) or not np.all(np.isfinite(imp)) or np.any(imp < 0):
+      raise ValueError(f"importance must be {K} finite non-negative values, got shape {imp.shape}")
+    imp = (imp / (imp.mean() or 1.0) + 1e-6).reshape(K // group_size, group_size)   # never exactly 0: keeps the LS solvable
+  fn = _rtn if method == "rtn" else (lambda wg: _clip(wg, imp))
   packed = np.empty((N, K // 8), np.uint32)
   scales, biases = np.empty((N, K // group_size), np.float16), np.empty((N, K // group_size), np.float16)
   rows = max(1, _CHUNK // K)
@@ -191,6 +205,7 @@ def is_linear_weight(name: str) -> bool:
 def quantize_state_dict(tensors: dict[str, np.ndarray], group_size: int = 64, method: str = "rtn",
                         quantize_embeddings: bool = False, *,
                         ggml_q4: dict[str, tuple[np.ndarray, str, tuple[int, int]]] | None = None,
+                        importance: dict[str, np.ndarray] | None = None,
                         progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, np.ndarray]:
   """Quantize the Linear weights of a Llama state dict (HF names) to the 4-bit layout above.
 
@@ -201,6 +216,8 @@ def quantize_state_dict(tensors: dict[str, np.ndarray], group_size: int = 64, me
   layout (mlx-lm does the same). With tied embeddings the quantized embedding is the LM head too.
   ggml_q4: name -> (raw blocks, "Q4_0"|"Q4_1", shape) for weights that arrive as GGUF Q4 blocks; with
   group_size 32 they are repacked losslessly instead of requantized from `tensors[name]`.
+  importance: weight name -> `[K]` input-channel importance for "clip" (see `quantize`); with tied embeddings
+  give the LM head's under `model.embed_tokens.weight`.
   Everything else (norms, biases, unquantized embeddings) is passed through unchanged.
   """
   if group_size not in GROUP_SIZES: raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
@@ -217,7 +234,7 @@ def quantize_state_dict(tensors: dict[str, np.ndarray], group_size: int = 64, me
       out[name] = w
       continue
     if group_size == ggml.BLOCK and name in ggml_q4: p, s, b = from_ggml_q4(*ggml_q4[name])
-    else: p, s, b = quantize(w, group_size, method)
+    else: p, s, b = quantize(w, group_size, method, (importance or {}).get(name))
     out[f"{base}.weight"], out[f"{base}.scales"], out[f"{base}.biases"] = p, s, b
   return out
 
