@@ -1,0 +1,1 @@
+"""`python -m tinyvllm.bench`: the bandwidth-roofline benchmark."""
