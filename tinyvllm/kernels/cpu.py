@@ -158,64 +158,44 @@ def _int4_gemv_body(N: int, K: int, G: int) -> str:
   }}"""
 
 
-def _tile_signature(mt: int, nr: int) -> str:
-  return (f"static inline void tile_{mt}x{nr}(float *restrict y, const float *restrict x, const unsigned *restrict w, "
-          f"const float *restrict sf, const float *restrict bf, int n0, int m0)")
-
-
-def _int4_tile(mt: int, nr: int, N: int, K: int, G: int) -> str:
-  """M > 1 micro-kernel: `mt` rows of x against `nr` weight rows. Each code word is dequantized once to
-  w = s*q + b (one FMA) and used by all mt rows; sf/bf hold the nr rows' scales and biases as float."""
+def _int4_gemm_body(M: int, N: int, K: int, G: int) -> str:
+  """M > 1: a tile of 4 weight rows is dequantized once (w = s*q + b, one FMA per 8 codes) into a float buffer
+  that stays in L1, then pairs of x rows pass over it as in the float32 kernel: 2 x 4 accumulators, each x and
+  w vector load feeding 4 and 2 FMAs. Rows of x go in chunks of 64 (L2-resident) so the dequantization is
+  shared by up to 64 rows; for M <= 64 every weight byte comes from memory once per call."""
   NG, WPR, WPG = K // G, K // 8, G // 8
   return f"""
-{_tile_signature(mt, nr)} {{
   {_CONSTS}
-  __m256 acc[{mt}][{nr}];
-  for (int i = 0; i < {mt}; i++) for (int r = 0; r < {nr}; r++) acc[i][r] = _mm256_setzero_ps();
-  const unsigned *wr[{nr}];
-  for (int r = 0; r < {nr}; r++) wr[r] = w + (long)(n0 + r < {N} ? n0 + r : {N} - 1) * {WPR};
-  const float *xm = x + (long)m0 * {K};
-  for (int g = 0; g < {NG}; g++) {{
-    for (int j = 0; j < {WPG}; j++) {{
-      __m256 wf[{nr}];
-      for (int r = 0; r < {nr}; r++)
-        wf[r] = _mm256_fmadd_ps({_UNPACK.format(word=f"wr[r][g * {WPG} + j]")},
-                                _mm256_broadcast_ss(sf + r * {NG} + g), _mm256_broadcast_ss(bf + r * {NG} + g));
-      for (int i = 0; i < {mt}; i++) {{
-        __m256 xv = _mm256_loadu_ps(xm + i * {K} + g * {G} + j * 8);
-        for (int r = 0; r < {nr}; r++) acc[i][r] = _mm256_fmadd_ps(xv, wf[r], acc[i][r]);
-      }}
-    }}
-  }}
-  for (int i = 0; i < {mt}; i++) for (int r = 0; r < {nr} && n0 + r < {N}; r++) y[(long)(m0 + i) * {N} + n0 + r] = hsum8(acc[i][r]);
-}}
-"""
-
-
-def _int4_gemm_body(M: int, N: int, K: int, G: int) -> tuple[str, list[tuple[int, int]]]:
-  """M > 1: rows of x in chunks of 64 (L2-resident); inside a chunk the scales of a tile of weight rows are
-  converted once and the tile's codes stay in L1 while tiles of up to 8 x rows pass over it. For M <= 8 that
-  is a single pass: every weight byte comes from memory once per call."""
-  NG = K // G
-  mt = min(M, 8)
-  nr = 2 if mt <= 4 else 1
-  rest = M % mt
-  shapes = [(mt, nr)] + ([(rest, nr)] if rest else [])
-  body = f"""
+  float wf[4][{K}] __attribute__((aligned(32)));
   for (int c0 = 0; c0 < {M}; c0 += 64) {{
     int mend = c0 + 64 < {M} ? c0 + 64 : {M};
-    for (int n0 = 0; n0 < {N}; n0 += {nr}) {{
-      float sf[{nr * NG}], bf[{nr * NG}];
-      for (int r = 0; r < {nr}; r++) {{
-        int n = n0 + r < {N} ? n0 + r : {N} - 1;
-        for (int g = 0; g < {NG}; g++) {{ sf[r * {NG} + g] = h2f(s[(long)n * {NG} + g]); bf[r * {NG} + g] = h2f(b[(long)n * {NG} + g]); }}
+    for (int n0 = 0; n0 < {N}; n0 += 4) {{
+      for (int r = 0; r < 4; r++) {{
+        long n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: a copy, never stored */
+        const unsigned *wr = w + n * {WPR};
+        for (int g = 0; g < {NG}; g++) {{
+          __m256 sv = _mm256_set1_ps(h2f(s[n * {NG} + g])), bv = _mm256_set1_ps(h2f(b[n * {NG} + g]));
+          for (int j = 0; j < {WPG}; j++)
+            _mm256_store_ps(&wf[r][g * {G} + j * 8], _mm256_fmadd_ps({_UNPACK.format(word=f"wr[g * {WPG} + j]")}, sv, bv));
+        }}
       }}
-      int m = c0;
-      for (; m + {mt} <= mend; m += {mt}) tile_{mt}x{nr}(y, x, w, sf, bf, n0, m);
-      {f"if (m < mend) tile_{rest}x{nr}(y, x, w, sf, bf, n0, m);" if rest else ""}
+      for (int m = c0; m < mend; m += 2) {{
+        const float *x0 = x + (long)m * {K}, *x1 = x + (long)(m + 1 < mend ? m + 1 : m) * {K};
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+        for (int k = 0; k < {K}; k += 8) {{
+          __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
+          __m256 w0 = _mm256_load_ps(&wf[0][k]), w1 = _mm256_load_ps(&wf[1][k]), w2 = _mm256_load_ps(&wf[2][k]), w3 = _mm256_load_ps(&wf[3][k]);
+          a00 = _mm256_fmadd_ps(u, w0, a00); a01 = _mm256_fmadd_ps(u, w1, a01); a02 = _mm256_fmadd_ps(u, w2, a02); a03 = _mm256_fmadd_ps(u, w3, a03);
+          a10 = _mm256_fmadd_ps(v, w0, a10); a11 = _mm256_fmadd_ps(v, w1, a11); a12 = _mm256_fmadd_ps(v, w2, a12); a13 = _mm256_fmadd_ps(v, w3, a13);
+        }}
+        float r0[4] = {{hsum8(a00), hsum8(a01), hsum8(a02), hsum8(a03)}}, r1[4] = {{hsum8(a10), hsum8(a11), hsum8(a12), hsum8(a13)}};
+        for (int r = 0; r < 4 && n0 + r < {N}; r++) {{
+          y[(long)m * {N} + n0 + r] = r0[r];
+          if (m + 1 < mend) y[(long)(m + 1) * {N} + n0 + r] = r1[r];
+        }}
+      }}
     }}
   }}"""
-  return body, shapes
 
 
 def _int4_fallback_body(M: int, N: int, K: int, G: int) -> str:
@@ -240,12 +220,8 @@ def _int4_linear_source(name: str, M: int, N: int, K: int, G: int) -> str:
   """y[M,N] = x[M,K] @ W^T with W [N,K] in 4-bit affine groups of G: packed uint32 [N,K/8], fp16 scales and
   biases [N,K/G] (docs/kernels.md, "INT4 weight layout"). Exact float arithmetic on the stored values (x is
   never rounded). The AVX2 path needs AVX2+FMA+F16C; other CPUs (arm64 included) compile the plain C loop.
-  Unpacking keeps k in order, so x is read as it is: no scratch buffer."""
-  shapes: list[tuple[int, int]] = []
-  if M == 1: body = _int4_gemv_body(N, K, G)
-  else: body, shapes = _int4_gemm_body(M, N, K, G)
-  protos = "".join(_tile_signature(mt, nr) + ";\n" for mt, nr in shapes)
-  tiles = "".join(_int4_tile(mt, nr, N, K, G) for mt, nr in shapes)
+  Unpacking keeps k in order, so x is read as it is. M > 1 needs 16*K bytes of stack for a dequantized tile."""
+  body = _int4_gemv_body(N, K, G) if M == 1 else _int4_gemm_body(M, N, K, G)
   return f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TV_AVX2 1
@@ -254,7 +230,6 @@ void {name}({_INT4_ARGS});
 static inline float h2f(unsigned short h);
 #ifdef TV_AVX2
 static inline float hsum8(__m256 v);
-{protos}
 #endif
 
 void {name}({_INT4_ARGS}) {{
@@ -267,7 +242,6 @@ void {name}({_INT4_ARGS}) {{
 {_HALF}
 #ifdef TV_AVX2
 {_HSUM8}
-{tiles}
 #endif
 """
 
