@@ -7,7 +7,7 @@ from tinygrad import Device
 from tinyvllm import sampler
 from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
-from tinyvllm.engine.model_runner import ModelRunner
+from tinyvllm.engine.model_runner import ModelRunner, WorkItem
 from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
 from tinyvllm.kernels import Kernels, default_dtype, resolve_backend
@@ -133,16 +133,19 @@ class LLMEngine:
     now = time.time()
     for seq in sched.decodes + [c.seq for c in sched.prefills]:
       if seq.metrics.first_scheduled_time is None: seq.metrics.first_scheduled_time = now
-    logits = self.runner.execute(sched)
+    decode_logits, prefill_logits, _ = self.runner.execute(
+      [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:]) for s in sched.decodes],
+      [WorkItem(c.seq.block_table, c.seq.num_computed_tokens, c.seq.token_ids[c.seq.num_computed_tokens:][:c.num_tokens])
+       for c in sched.prefills])
     touched = {}
-    for i, seq in enumerate(sched.decodes):
+    for seq, logits in zip(sched.decodes, decode_logits):
       seq.num_computed_tokens += 1
-      self._append_token(seq, logits[i])
+      self._append_token(seq, logits)
       touched[seq.request_id] = None
-    for j, chunk in enumerate(sched.prefills):
+    for chunk, logits in zip(sched.prefills, prefill_logits):
       complete = chunk.completes_prompt
       chunk.seq.num_computed_tokens += chunk.num_tokens
-      if complete: self._append_token(chunk.seq, logits[len(sched.decodes) + j])
+      if complete: self._append_token(chunk.seq, logits)
       touched[chunk.seq.request_id] = None
     return [self._output(self.requests[rid]) for rid in touched if rid in self.requests]
 

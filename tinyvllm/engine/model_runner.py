@@ -9,7 +9,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp
-from tinyvllm.engine.scheduler import SchedulerOutput
 from tinyvllm.kernels import AttentionGroup
 from tinyvllm.model.llama import Llama, ModelInputs
 
@@ -21,17 +20,35 @@ def bucket(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
+@dataclass
+class WorkItem:
+  """Tokens of one sequence to read in a step: their K/V are written at positions start, start+1, ..."""
+  block_table: list[int]
+  start: int
+  tokens: list[int]
+
+
 @dataclass(frozen=True)
-class StepShape:
-  """What fixes the tensor shapes of a step (the KV extent is a bound Variable instead): one TinyJit each."""
-  num_decodes: int          # D (bucketed; padding rows included)
-  num_prefills: int         # P
-  chunk_len: int            # C
+class GroupShape:
+  num_seqs: int             # bucketed; padding rows included
+  query_len: int            # query slots per sequence
+  all_logits: bool          # logits for every slot (speculative verification) or only each sequence's last
 
   @property
-  def num_tokens(self) -> int: return self.num_decodes + self.num_prefills * self.chunk_len
+  def num_tokens(self) -> int: return self.num_seqs * self.query_len
   @property
-  def num_rows(self) -> int: return self.num_decodes + self.num_prefills   # logits rows
+  def num_rows(self) -> int: return self.num_tokens if self.all_logits else self.num_seqs
+
+
+@dataclass(frozen=True)
+class StepShape:
+  """What fixes the tensor shapes of a step (the KV extent is a bound Variable instead): one capture each."""
+  groups: tuple[GroupShape, ...]
+
+  @property
+  def num_tokens(self) -> int: return sum(g.num_tokens for g in self.groups)
+  @property
+  def num_rows(self) -> int: return sum(g.num_rows for g in self.groups)
 
 
 class Replay:
@@ -73,10 +90,15 @@ class ModelRunner:
   def kv_bytes_per_block(cfg, block_size: int, dtype_size: int) -> int:
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype_size
 
-  def execute(self, sched: SchedulerOutput) -> np.ndarray:
-    """Run the scheduled tokens; returns float32 logits, one row per decode then one per prefill chunk
-    (the row of a chunk that does not complete its prompt is meaningless and ignored by the caller)."""
-    shape, packed, used_blocks = self.prepare(sched)
+  def execute(self, decodes: list[WorkItem], prefills: list[WorkItem] = (), verifies: list[WorkItem] = ()) \
+      -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One forward pass. Returns float32 logits: `[len(decodes), V]` (one token each), `[len(prefills), V]` (each
+    chunk's last token) and `[len(verifies), K, V]` (every token of each verified run; all runs have K tokens)."""
+    groups = [(items, query_len, all_logits) for items, query_len, all_logits in (
+      (decodes, 1, False),
+      (prefills, bucket(max((len(w.tokens) for w in prefills), default=1), minimum=8), False),
+      (verifies, max((len(w.tokens) for w in verifies), default=1), True)) if items]
+    shape, packed, used_blocks = self.prepare(groups)
     packed = Tensor(packed, device=self.device).realize()
     extent = (self.kv_extent.bind(used_blocks),)
     embed, layer, head = self._replays(shape)
@@ -84,38 +106,42 @@ class ModelRunner:
     for weights, (k_cache, v_cache) in zip(self.layer_weights, self.kv_caches):
       h = layer(h, packed, k_cache, v_cache, *weights, bound=extent)
     logits = head(h, packed).numpy()
-    D = shape.num_decodes
-    return np.concatenate([logits[:len(sched.decodes)], logits[D:D + len(sched.prefills)]])
+    out, row, vocab = {}, 0, logits.shape[-1]
+    for (items, query_len, all_logits), g in zip(groups, shape.groups):
+      rows = logits[row:row + g.num_rows]
+      out[(query_len == 1 and not all_logits, all_logits)] = \
+        rows.reshape(g.num_seqs, query_len, vocab)[:len(items)] if all_logits else rows[:len(items)]
+      row += g.num_rows
+    empty = np.zeros((0, vocab), np.float32)
+    return out.get((True, False), empty), out.get((False, False), empty), out.get((False, True), empty.reshape(0, 0, vocab))
 
-  def prepare(self, sched: SchedulerOutput) -> tuple[StepShape, np.ndarray, int]:
+  def prepare(self, groups: list[tuple[list[WorkItem], int, bool]]) -> tuple[StepShape, np.ndarray, int]:
     """Pack every integer input of the step into one int32 array (one host->device copy per step).
     Returns the shape, the array and the number of KV blocks the longest block table uses."""
-    bs = self.block_size
-    decodes, prefills = sched.decodes, sched.prefills
-    D = bucket(len(decodes)) if decodes else 0
-    P = bucket(len(prefills)) if prefills else 0
-    C = bucket(max(c.num_tokens for c in prefills), minimum=8) if prefills else 0
-    shape = StepShape(D, P, C)
-    T, R, MB = shape.num_tokens, shape.num_rows, self.max_blocks
+    bs, MB = self.block_size, self.max_blocks
+    shape = StepShape(tuple(GroupShape(bucket(len(items)), query_len, all_logits) for items, query_len, all_logits in groups))
+    T, R = shape.num_tokens, shape.num_rows
     tokens, positions, q_pos = np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32)
     token_seq = np.full(T, -1, np.int32)          # each token's row within its attention group
     slots = np.full(T, -1, np.int32)              # padding tokens write no K/V
-    rows, ctx_lens = np.zeros(R, np.int32), np.zeros(R, np.int32)
-    tables = np.zeros((R, MB), np.int32)
-
-    def place(seq, start: int, n: int, row: int):
-      pos = np.arange(seq.num_computed_tokens, seq.num_computed_tokens + n)
-      table = np.asarray(seq.block_table, np.int32)
-      tokens[start:start + n] = seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]
-      positions[start:start + n] = q_pos[start:start + n] = pos
-      token_seq[start:start + n] = row if row < D else row - D
-      slots[start:start + n] = table[pos // bs] * bs + pos % bs
-      tables[row, :len(table)] = table
-      ctx_lens[row] = pos[-1] + 1
-      rows[row] = start + n - 1
-
-    for i, seq in enumerate(decodes): place(seq, i, 1, i)
-    for j, chunk in enumerate(prefills): place(chunk.seq, D + j * C, chunk.num_tokens, D + j)
+    rows = np.zeros(R, np.int32)                  # flat index of the token whose logits each row wants
+    ctx_lens = np.zeros(sum(g.num_seqs for g in shape.groups), np.int32)
+    tables = np.zeros((len(ctx_lens), MB), np.int32)
+    tok_at = row_at = seq_at = 0
+    for (items, _, _), g in zip(groups, shape.groups):
+      for i, w in enumerate(items):
+        n, start = len(w.tokens), tok_at + i * g.query_len
+        pos = np.arange(w.start, w.start + n)
+        table = np.asarray(w.block_table, np.int32)
+        tokens[start:start + n] = w.tokens
+        positions[start:start + n] = q_pos[start:start + n] = pos
+        token_seq[start:start + n] = i
+        slots[start:start + n] = table[pos // bs] * bs + pos % bs
+        tables[seq_at + i, :len(table)] = table
+        ctx_lens[seq_at + i] = pos[-1] + 1
+        if g.all_logits: rows[row_at + i * g.query_len:row_at + i * g.query_len + n] = np.arange(start, start + n)
+        else: rows[row_at + i] = start + n - 1
+      tok_at, row_at, seq_at = tok_at + g.num_tokens, row_at + g.num_rows, seq_at + g.num_seqs
     used = max(-(-int(ctx_lens.max()) // bs), 1)
     return shape, np.concatenate([tokens, positions, slots, q_pos, token_seq, rows, ctx_lens, tables.reshape(-1)]), used
 
@@ -135,15 +161,16 @@ class ModelRunner:
     return replays
 
   def _inputs(self, shape: StepShape, packed: Tensor, extent) -> ModelInputs:
-    D, P, C, T, R, MB = shape.num_decodes, shape.num_prefills, shape.chunk_len, shape.num_tokens, shape.num_rows, self.max_blocks
+    T, R, S, MB = shape.num_tokens, shape.num_rows, sum(g.num_seqs for g in shape.groups), self.max_blocks
     fields, at = {}, 0
-    for name, size in (("tokens", T), ("positions", T), ("slots", T), ("q_pos", T), ("token_seq", T), ("rows", R), ("ctx", R),
-                       ("tables", R * MB)):
+    for name, size in (("tokens", T), ("positions", T), ("slots", T), ("q_pos", T), ("token_seq", T), ("rows", R), ("ctx", S),
+                       ("tables", S * MB)):
       fields[name], at = packed[at:at + size], at + size
-    tables = fields["tables"].reshape(R, MB)
-    groups = []
-    if D: groups.append(AttentionGroup(D, 1, tables[:D], extent, fields["q_pos"][:D].reshape(D, 1), fields["ctx"][:D]))
-    if P: groups.append(AttentionGroup(P, C, tables[D:], extent, fields["q_pos"][D:].reshape(P, C), fields["ctx"][D:],
-                                       fields["token_seq"][D:]))
+    tables = fields["tables"].reshape(S, MB)
+    groups, tok_at, seq_at = [], 0, 0
+    for g in shape.groups:
+      P, C = g.num_seqs, g.query_len
+      groups.append(AttentionGroup(P, C, tables[seq_at:seq_at + P], extent, fields["q_pos"][tok_at:tok_at + P * C].reshape(P, C),
+                                   fields["ctx"][seq_at:seq_at + P], fields["token_seq"][tok_at:tok_at + P * C]))
+      tok_at, seq_at = tok_at + P * C, seq_at + P
     return ModelInputs(fields["tokens"], fields["positions"], fields["slots"], groups, fields["rows"])
-
