@@ -1,0 +1,114 @@
+"""tinyvllm.bench: the byte/FLOP accounting against hand counts, the chip table, and one end-to-end run on a tiny
+random checkpoint (tiny sizes, no timing asserts)."""
+from __future__ import annotations
+import dataclasses, json
+import pytest
+from tinyvllm.bench import accounting, device
+from tinyvllm.bench.accounting import TensorInfo
+from tinyvllm.config import ModelConfig
+
+# A made-up model small enough to count by hand: 2 layers, hidden 8, FFN 12, 2 heads of 4, 1 KV head, vocab 10.
+CFG = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=4, rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=True)
+
+
+def tensors_fp32() -> list[TensorInfo]:
+  out = [TensorInfo("model.embed_tokens.weight", (10, 8), 10 * 8 * 4), TensorInfo("model.norm.weight", (8,), 32)]
+  for i in range(2):
+    p = f"model.layers.{i}."
+    out += [TensorInfo(p + "input_layernorm.weight", (8,), 32), TensorInfo(p + "post_attention_layernorm.weight", (8,), 32),
+            TensorInfo(p + "self_attn.qkv_proj.weight", (16, 8), 16 * 8 * 4), TensorInfo(p + "self_attn.o_proj.weight", (8, 8), 256),
+            TensorInfo(p + "mlp.gate_up_proj.weight", (24, 8), 24 * 8 * 4), TensorInfo(p + "mlp.down_proj.weight", (8, 12), 384)]
+  return out
+
+
+def test_decode_bytes_and_flops_by_hand():
+  # batch 2, each sequence attends to 5 tokens, fp32 cache and activations
+  t = accounting.decode_traffic(CFG, tensors_fp32(), batch=2, context=5, kv_dtype_bytes=4, act_dtype_bytes=4)
+  per_layer = 32 + 32 + 512 + 256 + 768 + 384                   # norms, qkv, o, gate_up, down
+  weights = 2 * per_layer + 32 + 320 + 2 * 32                    # layers, final norm, tied head (whole), 2 gathered rows
+  assert t.weight_bytes == weights == 4384
+  kv_row = 2 * 2 * 1 * 4 * 4                                     # layers x (K,V) x kv heads x head_dim x 4 bytes = 64
+  assert t.kv_read_bytes == 2 * 5 * kv_row == 640
+  assert t.kv_write_bytes == 2 * kv_row == 128
+  # activations: per token per layer 14*8 + 4*8 + 2*4 + 6*12 = 224 values, + the embedding row; per logits row h + vocab
+  assert t.activation_bytes == 2 * (2 * 224 + 8) * 4 + 2 * (8 * 4 + 10 * 4) == 3792
+  linear = 8 * 16 + 8 * 8 + 2 * 8 * 12 + 12 * 8                 # multiply-adds of one layer's linears = 480
+  assert t.flops == 2 * 2 * 2 * linear + 2 * 2 * 10 * 8 + 4 * 2 * 2 * 4 * 5 * 2 == 4800
+  assert t.total_bytes == 4384 + 640 + 128 + 3792
+  assert t.tokens == 2
+
+
+def test_prefill_in_chunks_by_hand():
+  # a 6-token prompt read in chunks of 4 then 2: weights read twice, keys 4 then 6, causal attention pairs 10 + 11
+  t = accounting.prefill_traffic(CFG, tensors_fp32(), prompt_len=6, chunk_len=4, kv_dtype_bytes=4, act_dtype_bytes=4)
+  head_and_layers = 2 * 1984 + 32 + 320
+  assert t.weight_bytes == 2 * head_and_layers + 6 * 32
+  assert t.kv_read_bytes == (4 + 6) * 64 and t.kv_write_bytes == 6 * 64
+  pairs = (1 + 2 + 3 + 4) + (5 + 6)
+  assert t.flops == 2 * 6 * 2 * 480 + 2 * 2 * 10 * 8 + 4 * 2 * 2 * 4 * pairs
+  assert t.tokens == 6
+
+
+def test_quantized_tensors_count_their_real_bytes():
+  """Packed int4 codes, scales and biases each count; an untied head is read whole, the embedding by rows."""
+  cfg = dataclasses.replace(CFG, tie_word_embeddings=False)
+  tensors = [TensorInfo("model.embed_tokens.weight", (10, 1), 40), TensorInfo("model.embed_tokens.scales", (10, 1), 20),
+             TensorInfo("lm_head.weight", (10, 1), 40), TensorInfo("lm_head.scales", (10, 1), 20), TensorInfo("lm_head.biases", (10, 1), 20),
+             TensorInfo("model.layers.0.mlp.down_proj.weight", (8, 2), 64), TensorInfo("model.layers.0.mlp.down_proj.scales", (8, 1), 16)]
+  assert accounting.weight_bytes(cfg, tensors, num_tokens=3) == 3 * 4 + 3 * 2 + 80 + 80
+
+
+def test_published_bandwidth_table():
+  assert device.published_bandwidth("Apple M2 Pro") == (200.0, device.APPLE_CHIPS["M2 Pro"]["source"], False)
+  assert device.published_bandwidth("Apple M4 Max", 14)[0] == 410.0
+  assert device.published_bandwidth("Apple M4 Max", 16)[0] == 546.0
+  assert device.published_bandwidth("Apple M3 Max", 0)[0] == 400.0       # unknown bin: the highest
+  assert device.published_bandwidth("Apple M5 Max")[2] is True           # marked unsure
+  assert device.published_bandwidth("Intel(R) Xeon(R)") == (None, None, False)
+  assert device.published_bandwidth(None) == (None, None, False)
+
+
+REQUIRED = ("device", "model", "quantization", "batch_size", "context_len", "tokens_per_s", "bytes_per_token",
+            "achieved_gbps", "measured_bandwidth_gbps", "roofline_fraction", "kind", "ms_per_step")
+
+
+def test_bench_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
+  from tinyvllm.bench.cli import main
+  out = tmp_path / "bench.json"
+  main(["--model", str(tiny_model), "--batch-sizes", "1,2", "--context-lens", "8", "--steps", "2", "--warmup", "1",
+        "--prefill-lens", "8", "--serving-requests", "3", "--serving-rate", "100", "--serving-prompt-lens", "4,8",
+        "--serving-output-lens", "2,3", "--bandwidth-sizes", "1,2", "--bandwidth-reps", "1", "--matmul-size", "32",
+        "--peers", "hf,llamacpp", "--json", str(out)])
+  printed = capsys.readouterr().out
+  assert "measured bandwidth" in printed and "decode" in printed
+  data = json.loads(out.read_text())
+  assert data["command"].startswith("python -m tinyvllm.bench")
+  ours = [r for r in data["records"] if r["engine"] == "tinyvllm"]
+  assert [(r["kind"], r["batch_size"], r["context_len"]) for r in ours] == \
+         [("decode", 1, 8), ("decode", 2, 8), ("prefill", 1, 8), ("serving", ours[-1]["batch_size"], ours[-1]["context_len"])]
+  for r in ours:
+    for key in REQUIRED: assert r[key] is not None, key
+    assert r["tokens_per_s"] > 0 and r["bytes_per_token"] > 0 and r["quantization"] == "none"
+  serving = ours[-1]
+  assert serving["tokens"] > 0 and serving["ttft_p50_ms"] is not None and serving["itl_p99_ms"] is not None
+
+  # the tiny "gqa" model: vocab V, hidden 64, FFN 96, 2 layers, 4 heads / 2 KV heads of 16, untied head, float32
+  V = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+  layer = 4 * (64 + 64 + (64 + 2 * 32) * 64 + 64 * 64 + 2 * 96 * 64 + 96 * 64)
+  for r in ours[:2]:
+    B = r["batch_size"]
+    assert r["weight_bytes_per_step"] == 2 * layer + 4 * 64 + 4 * V * 64 + B * 4 * 64
+    assert r["kv_write_bytes_per_step"] == B * 2 * 2 * 2 * 16 * 4
+
+  # peers: transformers ran on the same shapes; llama.cpp needs a GGUF and said so
+  hf = [r for r in data["records"] if r["engine"] == "transformers"]
+  assert {(r["kind"], r["batch_size"]) for r in hf} == {("decode", 1), ("decode", 2), ("prefill", 1)}
+  assert ours[0]["peers"]["transformers"]["tinyvllm_over_peer"] > 0
+  assert any(n.startswith("llama.cpp skipped") for n in data["notes"])
+
+
+def test_bench_refuses_bad_arguments():
+  from tinyvllm.bench.cli import main
+  with pytest.raises(SystemExit): main(["--batch-sizes", "0"])
+  with pytest.raises(SystemExit): main(["--runs", "decode,bogus"])

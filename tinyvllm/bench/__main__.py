@@ -1,0 +1,3 @@
+from tinyvllm.bench.cli import main
+
+main()

@@ -1,0 +1,211 @@
+"""`python -m tinyvllm.bench`: tok/s and the fraction of the memory-bandwidth roofline, on this machine.
+
+Measures the device's ceilings, then decode at each batch size x context length, prefill at each prompt
+length and a serving scenario (Poisson arrivals, continuous batching), and the same decode and prefill
+runs in installed peers (transformers, llama.cpp). Prints a table; --json writes one record per run,
+--plot a roofline chart.
+"""
+from __future__ import annotations
+import argparse, gc, os, shlex, sys
+from pathlib import Path
+import numpy as np
+from tqdm import tqdm
+
+DEFAULTS_NOTE = ("The defaults (batch 1 and 8 at context 128, 32 timed steps, prefill 128 and 512, 16 serving "
+                 "requests) finish in a few minutes on a 2-core x86 CPU with the default model, peers included.")
+
+
+def _ints(s: str) -> list[int]:
+  try: vals = [int(x) for x in s.split(",") if x.strip()]
+  except ValueError: raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+  if any(v < 1 for v in vals): raise argparse.ArgumentTypeError(f"values must be positive, got {s!r}")
+  return vals
+
+
+def _range(s: str) -> tuple[int, int]:
+  vals = _ints(s)
+  if len(vals) != 2 or vals[0] > vals[1]: raise argparse.ArgumentTypeError(f"expected LO,HI with LO <= HI, got {s!r}")
+  return vals[0], vals[1]
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m tinyvllm.bench", description=__doc__.split("\n\n")[0],
+                              epilog=DEFAULTS_NOTE, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  m = p.add_argument_group("model (passed to tinyvllm.LLM)")
+  m.add_argument("--model", default=None, help="HF directory, GGUF file or hub id (default: SmolLM2-135M-Instruct Q4_1 GGUF)")
+  m.add_argument("--dtype", default="auto", help="auto, float32 or float16")
+  m.add_argument("--quantization", default=None, help="e.g. int4 (passed through when given)")
+  m.add_argument("--kernel-backend", default="auto", help="auto, portable, metal or emulator")
+  m.add_argument("--draft-model", default=None, help="speculative decoding: runs go with speculation off and on")
+  m.add_argument("--num-speculative-tokens", type=int, default=None)
+  m.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (prefill chunk length)")
+  r = p.add_argument_group("runs")
+  r.add_argument("--runs", default="decode,prefill,serving", help="which of decode, prefill, serving")
+  r.add_argument("--batch-sizes", type=_ints, default=[1, 8], help="decode batch sizes, e.g. 1,2,4,8,16,32")
+  r.add_argument("--context-lens", type=_ints, default=[128], help="decode context lengths (prompt tokens), e.g. 128,1024,4096")
+  r.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
+  r.add_argument("--warmup", type=int, default=3, help="decode steps before timing (the first captures the shape)")
+  r.add_argument("--prefill-lens", type=_ints, default=[128, 512], help="prefill prompt lengths")
+  r.add_argument("--serving-requests", type=int, default=16)
+  r.add_argument("--serving-rate", type=float, default=2.0, help="mean arrivals per second (Poisson)")
+  r.add_argument("--serving-prompt-lens", type=_range, default=(16, 256), help="LO,HI uniform prompt lengths")
+  r.add_argument("--serving-output-lens", type=_range, default=(16, 64), help="LO,HI uniform output lengths")
+  r.add_argument("--seed", type=int, default=0)
+  c = p.add_argument_group("device ceilings")
+  c.add_argument("--bandwidth-sizes", type=_ints, default=[64, 256, 1024], help="MiB per buffer of the bandwidth kernel")
+  c.add_argument("--bandwidth-reps", type=int, default=5, help="best of this many runs")
+  c.add_argument("--matmul-size", type=int, default=1024, help="n of the n x n x n matmul")
+  q = p.add_argument_group("peers")
+  q.add_argument("--peers", default="hf,llamacpp", help="hf (transformers, float32) and/or llamacpp (llama-cpp-python)")
+  q.add_argument("--no-peers", action="store_true")
+  q.add_argument("--llamacpp-gguf", type=Path, default=None, help="GGUF for llama.cpp (default: --model when it is a GGUF)")
+  o = p.add_argument_group("output")
+  o.add_argument("--json", type=Path, default=None, help="write one record per run")
+  o.add_argument("--plot", type=Path, default=None, help="draw the roofline chart (needs matplotlib)")
+  return p
+
+
+def _engine_kwargs(args, speculative: bool, max_len: int, num_blocks: int, max_seqs: int) -> dict:
+  kw = dict(dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=max_len, num_kv_blocks=num_blocks,
+            max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+  if args.quantization: kw["quantization"] = args.quantization
+  if speculative:
+    kw["draft_model"] = args.draft_model
+    if args.num_speculative_tokens is not None: kw["num_speculative_tokens"] = args.num_speculative_tokens
+  return kw
+
+
+def _cache_plan(args, runs: set[str]) -> tuple[int, int, int]:
+  """(max_model_len, KV blocks, max sequences) that hold the largest run at once, with room for the tokens
+  decoded while warming up and timing (speculation may run several ahead)."""
+  spec = (args.num_speculative_tokens or 4) + 1 if args.draft_model else 1
+  extra = (args.warmup + args.steps + 2) * spec + 16
+  need, max_len, max_seqs = [], 64, 1
+  if "decode" in runs:
+    need += [b * (c + extra) for b in args.batch_sizes for c in args.context_lens]
+    max_len = max(max_len, max(args.context_lens) + extra)
+    max_seqs = max(max_seqs, max(args.batch_sizes))
+  if "prefill" in runs:
+    need.append(max(args.prefill_lens) + 16)
+    max_len = max(max_len, max(args.prefill_lens) + 16)
+  if "serving" in runs:
+    per = args.serving_prompt_lens[1] + args.serving_output_lens[1] + 16 * spec
+    need.append(args.serving_requests * per)
+    max_len, max_seqs = max(max_len, per), max(max_seqs, min(args.serving_requests, 32))
+  return max_len, -(-max(need) // 16) + 2 * max_seqs + 8, max_seqs
+
+
+def _model_name(path: Path) -> str: return path.name if path.name else str(path)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+  args = parser().parse_args(argv)
+  runs = {x.strip() for x in args.runs.split(",") if x.strip()}
+  if runs - {"decode", "prefill", "serving"}: sys.exit(f"--runs: unknown run kind(s) {', '.join(sorted(runs - {'decode', 'prefill', 'serving'}))}")
+  peer_keys = [] if args.no_peers else [x.strip() for x in args.peers.split(",") if x.strip()]
+  from tinyvllm.bench import device, peers as peers_mod, report, runs as runs_mod
+  from tinyvllm.model.weights import resolve_model
+  bad = [k for k in peer_keys if k not in peers_mod.PEERS]
+  if bad: sys.exit(f"--peers: unknown peer(s) {', '.join(bad)}; choose from {', '.join(peers_mod.PEERS)}")
+
+  configs = [False] + ([True] if args.draft_model else [])
+  n_decode = len(args.batch_sizes) * len(args.context_lens) if "decode" in runs else 0
+  n_prefill = len(args.prefill_lens) if "prefill" in runs else 0
+  n_tasks = 1 + len(configs) * (1 + n_decode + n_prefill + ("serving" in runs)) + len(peer_keys) * (1 + n_decode + n_prefill)
+  bar = tqdm(total=n_tasks, desc="tinyvllm.bench", file=sys.stderr, unit="run")
+  notes: list[str] = []
+  rng = np.random.default_rng(args.seed)
+
+  bar.set_postfix_str("device ceilings")
+  ceilings = device.measure(args.bandwidth_sizes, args.bandwidth_reps, args.matmul_size)
+  bar.update()
+
+  model_path = resolve_model(args.model)
+  max_len, num_blocks, max_seqs = _cache_plan(args, runs)
+  records: list[dict] = []
+  from tinyvllm import LLM
+  for speculative in configs:
+    bar.set_postfix_str("loading the model" + (" with its draft" if speculative else ""))
+    try:
+      llm = LLM(args.model, **_engine_kwargs(args, speculative, max_len, num_blocks, max_seqs))
+    except TypeError as e:   # an engine argument this version of tinyvllm does not know (e.g. quantization)
+      sys.exit(f"tinyvllm.LLM refused the arguments: {e}")
+    bar.update()
+    engine = llm.llm_engine
+    drv = runs_mod.Driver(engine)
+    quant = args.quantization or ((engine.model_config.quantization or {}).get("bits") and
+                                  f"int{engine.model_config.quantization['bits']}") or "none"
+    common = {"engine": "tinyvllm", "device": ceilings.device, "machine": device.machine_description(),
+              "model": _model_name(model_path), "quantization": quant, "dtype": "float32" if engine.runner.model.dtype.itemsize == 4 else "float16",
+              "kernel_backend": engine.kernel_backend, "speculative": speculative,
+              "draft_model": args.draft_model if speculative else None,
+              "num_speculative_tokens": args.num_speculative_tokens if speculative else None}
+    max_tokens = max_len   # decode requests are aborted after timing; they must not finish before
+    for b in args.batch_sizes if "decode" in runs else []:
+      for ctx in args.context_lens:
+        bar.set_postfix_str(f"decode B={b} ctx={ctx}")
+        rec = runs_mod.decode_run(drv, b, ctx, args.steps, args.warmup, rng, max_tokens - ctx - 1)
+        records.append(report.finalize(rec, ceilings, common))
+        bar.update()
+    for n in args.prefill_lens if "prefill" in runs else []:
+      bar.set_postfix_str(f"prefill {n}")
+      records.append(report.finalize(runs_mod.prefill_run(drv, n, rng), ceilings, common))
+      bar.update()
+    if "serving" in runs:
+      bar.set_postfix_str("serving (a warm-up pass, then the timed pass)")
+      workload = runs_mod.Workload(args.serving_requests, args.serving_rate, args.serving_prompt_lens, args.serving_output_lens)
+      runs_mod.serving_run(drv, workload, np.random.default_rng(args.seed + 1))
+      records.append(report.finalize(runs_mod.serving_run(drv, workload, np.random.default_rng(args.seed + 1)), ceilings, common))
+      bar.update()
+    del llm, engine, drv
+    gc.collect()
+
+  peer_results: dict[str, dict[tuple, dict]] = {}
+  peer_records: list[dict] = []
+  for key in peer_keys:
+    name = peers_mod.PEER_NAMES[key]
+    bar.set_postfix_str(f"loading {name}")
+    try:
+      peer = peers_mod.load_peer(key, model_path, args.llamacpp_gguf, max(args.batch_sizes), max_len)
+    except peers_mod.PeerUnavailable as e:
+      notes.append(f"{name} skipped: {e}")
+      bar.update(1 + n_decode + n_prefill)
+      continue
+    bar.update()
+    results, extra = {}, {"precision": peer.precision, "threads": peer.threads}
+    for b in args.batch_sizes if "decode" in runs else []:
+      for ctx in args.context_lens:
+        bar.set_postfix_str(f"{name} decode B={b} ctx={ctx}")
+        results[("decode", b, ctx)] = peer.decode(b, ctx, args.steps, args.warmup, rng) | extra
+        bar.update()
+    for n in args.prefill_lens if "prefill" in runs else []:
+      bar.set_postfix_str(f"{name} prefill {n}")
+      results[("prefill", 1, n)] = peer.prefill(n, rng) | extra
+      bar.update()
+    peer_results[name] = results
+    peer_records += [{"engine": name, "device": ceilings.device, "machine": device.machine_description(),
+                      "model": _model_name(model_path), "kind": k, "batch_size": b, "context_len": ctx} | r
+                     for (k, b, ctx), r in results.items()]
+    notes.append(f"{name}: {peer.precision} weights, {peer.threads} threads")
+    del peer
+    gc.collect()
+  bar.close()
+
+  report.attach_peers(records, peer_results)
+  if ceilings.device.split(":")[0] == "CPU":
+    notes.append("tinygrad's CPU device runs each kernel on one thread: the measured bandwidth is one core's; "
+                 "the numpy copy uses every core")
+  if args.draft_model:
+    notes.append("speculative runs: bytes count the target model's steps only (the draft's reads are not counted)")
+  print(file=sys.stdout)
+  report.print_ceilings(ceilings)
+  report.print_table(records)
+  for n in notes: print(f"note: {n}")
+  command = "python -m tinyvllm.bench " + shlex.join(argv if argv is not None else sys.argv[1:])
+  if args.json:
+    report.write_json(args.json, records + peer_records, ceilings, notes, command)
+    print(f"wrote {args.json}")
+  if args.plot:
+    report.plot_roofline(args.plot, records, ceilings)
+    print(f"wrote {args.plot}")
+  return records

@@ -1,0 +1,156 @@
+"""The device's ceilings: measured memory bandwidth and matmul rate, and an Apple chip's published bandwidth.
+
+Bandwidth is what tinygrad itself achieves on a large read+write kernel (`y = x + 1`, bytes read plus written),
+best of several runs at sizes well beyond the caches. On the CPU device tinygrad runs each kernel on one
+thread, so that is one core's bandwidth; numpy's copy on every core is reported beside it for reference.
+"""
+from __future__ import annotations
+import os, platform, subprocess, sys, time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+import numpy as np
+
+# Published unified-memory bandwidth of Apple silicon in GB/s (decimal), from Apple's newsroom announcements and
+# tech-spec pages. Keys are `sysctl -n machdep.cpu.brand_string` minus "Apple "; where bins of one chip differ, the
+# CPU core count (`hw.ncpu`) selects the value. `unsure` marks figures taken from press coverage of the announcement
+# and not checked against Apple's own spec page.
+APPLE_CHIPS: dict[str, dict] = {
+  "M1":       {"gbps": 68.25, "source": "Apple M1 tech specs (LPDDR4X-4266, 128-bit)"},
+  "M1 Pro":   {"gbps": 200, "source": "Apple newsroom, Oct 2021"},
+  "M1 Max":   {"gbps": 400, "source": "Apple newsroom, Oct 2021"},
+  "M1 Ultra": {"gbps": 800, "source": "Apple newsroom, Mar 2022"},
+  "M2":       {"gbps": 100, "source": "Apple newsroom, Jun 2022"},
+  "M2 Pro":   {"gbps": 200, "source": "Apple newsroom, Jan 2023"},
+  "M2 Max":   {"gbps": 400, "source": "Apple newsroom, Jan 2023"},
+  "M2 Ultra": {"gbps": 800, "source": "Apple newsroom, Jun 2023"},
+  "M3":       {"gbps": 100, "source": "Apple MacBook Pro (M3) tech specs, Oct 2023"},
+  "M3 Pro":   {"gbps": 150, "source": "Apple MacBook Pro (M3 Pro) tech specs, Oct 2023"},
+  "M3 Max":   {"gbps": {14: 300, 16: 400}, "source": "Apple MacBook Pro tech specs, Oct 2023 (14-core CPU 300, 16-core 400)"},
+  "M3 Ultra": {"gbps": 819, "source": "Apple newsroom, Mar 2025 (Mac Studio)"},
+  "M4":       {"gbps": 120, "source": "Apple newsroom, May 2024"},
+  "M4 Pro":   {"gbps": 273, "source": "Apple newsroom, Oct 2024"},
+  "M4 Max":   {"gbps": {14: 410, 16: 546}, "source": "Apple newsroom and tech specs, Oct 2024 (14-core CPU 410, 16-core 546)"},
+  "M5":       {"gbps": 153, "source": "Apple newsroom, Oct 2025"},
+  "M5 Pro":   {"gbps": 307, "source": "press coverage of Apple's Mar 2026 announcement", "unsure": True},
+  "M5 Max":   {"gbps": 614, "source": "press coverage of Apple's Mar 2026 announcement ('up to'; lower bins may be less)",
+               "unsure": True},
+}
+# No M4 Ultra or M5 Ultra had been announced when this table was written.
+
+BANDWIDTH_SIZES_MIB = (64, 256, 1024)
+
+
+@dataclass
+class Ceilings:
+  device: str
+  chip: str | None = None                      # e.g. "Apple M2 Pro"; None off macOS
+  published_gbps: float | None = None
+  published_source: str | None = None
+  published_unsure: bool = False
+  bandwidth_gbps: float = 0.0                  # tinygrad read+write kernel, best size and run
+  bandwidth_by_size: dict[int, float] = field(default_factory=dict)
+  numpy_copy_gbps: float | None = None         # numpy copy on every core (read + write), reference only
+  numpy_threads: int = 0
+  matmul_gflops: float = 0.0                   # compute ceiling: the best of the two below
+  tinygrad_matmul_gflops: float = 0.0
+  engine_linear_gflops: float = 0.0            # the engine's own linear kernel on this device
+
+  def as_dict(self) -> dict: return dict(vars(self))
+
+
+def apple_chip() -> tuple[str | None, int]:
+  """(brand string, logical CPU count) on macOS, (None, 0) elsewhere."""
+  if sys.platform != "darwin": return None, 0
+  try:
+    brand = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5).stdout.strip()
+    ncpu = int(subprocess.run(["sysctl", "-n", "hw.ncpu"], capture_output=True, text=True, timeout=5).stdout.strip() or 0)
+  except (OSError, ValueError, subprocess.SubprocessError):
+    return None, 0
+  return brand or None, ncpu
+
+
+def published_bandwidth(brand: str | None, ncpu: int = 0) -> tuple[float | None, str | None, bool]:
+  """(GB/s, source, unsure) for an Apple brand string such as "Apple M3 Max"; Nones for an unknown chip."""
+  if not brand: return None, None, False
+  entry = APPLE_CHIPS.get(brand.removeprefix("Apple ").strip())
+  if entry is None: return None, None, False
+  gbps = entry["gbps"]
+  if isinstance(gbps, dict):   # bins: pick by CPU core count, the highest bin when the count is unknown
+    gbps = gbps.get(ncpu, max(gbps.values()))
+  return float(gbps), entry["source"], bool(entry.get("unsure"))
+
+
+def _best_time(fn, sync, reps: int) -> float:
+  best = float("inf")
+  for _ in range(reps):
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def tinygrad_bandwidth(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5) -> dict[int, float]:
+  """GB/s of `y = x + 1` on float32 buffers of each size (bytes read + written), best of `reps` replays."""
+  from tinygrad import Device, Tensor, TinyJit
+  dev = Device.DEFAULT
+  sync = Device[dev].synchronize
+  out = {}
+  for mib in sizes_mib:
+    n = (mib << 20) // 4
+    x = Tensor.ones(n, device=dev).contiguous().realize()
+    jit = TinyJit(lambda x: (x + 1).realize())
+    for _ in range(2): jit(x)     # run, then capture
+    out[mib] = 2 * n * 4 / _best_time(lambda: jit(x), sync, reps) / 1e9
+    del x, jit
+  return out
+
+
+def numpy_copy_bandwidth(mib: int = 1024, reps: int = 5, threads: int | None = None) -> tuple[float, int]:
+  """GB/s (read + written) of numpy copies of `mib` MiB split across `threads` threads (numpy releases the GIL)."""
+  threads = threads or os.cpu_count() or 1
+  n = (mib << 20) // 4
+  src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
+  edges = np.linspace(0, n, threads + 1).astype(int)
+  parts = [(dst[a:b], src[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+  with ThreadPoolExecutor(threads) as pool:
+    run = lambda: list(pool.map(lambda p: np.copyto(*p), parts))
+    run()
+    t = _best_time(run, lambda: None, reps)
+  return 2 * n * 4 / t / 1e9, threads
+
+
+def matmul_rates(n: int = 1024, reps: int = 5) -> tuple[float, float]:
+  """GFLOP/s of an n x n x n float32 matmul in tinygrad, and of the engine's linear kernel (y = x @ W^T)
+  with the same sizes (on the CPU device that is our C kernel, elsewhere tinygrad's matmul)."""
+  from tinygrad import Device, Tensor, TinyJit
+  from tinyvllm.kernels import Kernels
+  dev = Device.DEFAULT
+  sync = Device[dev].synchronize
+  a, b = Tensor.rand(n, n, device=dev).realize(), Tensor.rand(n, n, device=dev).realize()
+  rates = []
+  kernels = Kernels("portable", dev)
+  for fn in (lambda a, b: (a @ b).realize(), lambda a, b: kernels.linear(a, b).realize()):
+    jit = TinyJit(fn)
+    for _ in range(2): jit(a, b)
+    rates.append(2 * n ** 3 / _best_time(lambda: jit(a, b), sync, reps) / 1e9)
+  return rates[0], rates[1]
+
+
+def measure(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5, matmul_n: int = 1024, numpy_mib: int | None = None) -> Ceilings:
+  from tinygrad import Device
+  brand, ncpu = apple_chip()
+  gbps, source, unsure = published_bandwidth(brand, ncpu)
+  c = Ceilings(device=Device.DEFAULT, chip=brand, published_gbps=gbps, published_source=source, published_unsure=unsure)
+  c.bandwidth_by_size = tinygrad_bandwidth(sizes_mib, reps)
+  c.bandwidth_gbps = max(c.bandwidth_by_size.values())
+  c.numpy_copy_gbps, c.numpy_threads = numpy_copy_bandwidth(numpy_mib or max(sizes_mib), reps)
+  c.tinygrad_matmul_gflops, c.engine_linear_gflops = matmul_rates(matmul_n, reps)
+  c.matmul_gflops = max(c.tinygrad_matmul_gflops, c.engine_linear_gflops)
+  return c
+
+
+def machine_description() -> str:
+  brand, _ = apple_chip()
+  return brand or f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"

@@ -1,0 +1,146 @@
+"""Other engines on the same model, same prompts and same step counts, so their speed can be read as a ratio.
+
+  transformers   HF transformers on torch, float32 (a GGUF is dequantized by transformers' loader), the model
+                 called step by step with its KV cache; torch uses every core.
+  llama.cpp      llama-cpp-python on a GGUF file (the default model is the original Q4_1 GGUF); several
+                 sequences decode together in one llama_batch; every core.
+Each peer is optional: an import failure turns into a note, never an error.
+"""
+from __future__ import annotations
+import os, time
+from pathlib import Path
+import numpy as np
+
+PEERS = ("hf", "llamacpp")
+PEER_NAMES = {"hf": "transformers", "llamacpp": "llama.cpp"}
+
+
+class PeerUnavailable(RuntimeError):
+  """The peer is not installed or cannot run this model; the message says why."""
+
+
+def _random_ids(rng, vocab: int, shape) -> np.ndarray:
+  return rng.integers(min(100, vocab // 4), vocab, shape)
+
+
+class HFPeer:
+  name = "transformers"
+
+  def __init__(self, model_path: Path, threads: int | None = None):
+    try:
+      import torch
+      from transformers import AutoModelForCausalLM
+    except ImportError as e:
+      raise PeerUnavailable(f"transformers/torch not installed ({e.name}); pip install torch transformers") from None
+    self.torch = torch
+    if threads: torch.set_num_threads(threads)
+    kw = dict(dtype=torch.float32)
+    if model_path.is_file(): self.model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, **kw)
+    else: self.model = AutoModelForCausalLM.from_pretrained(model_path, **kw)
+    self.model.eval()
+    self.vocab = self.model.config.vocab_size
+    self.precision = "float32"
+    self.threads = torch.get_num_threads()
+
+  def decode(self, batch: int, context: int, steps: int, warmup: int, rng) -> dict:
+    torch = self.torch
+    ids = torch.tensor(_random_ids(rng, self.vocab, (batch, context)))
+    with torch.no_grad():
+      out = self.model(ids, use_cache=True)
+      past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+      for i in range(warmup + steps):
+        if i == warmup: t = time.perf_counter()
+        out = self.model(nxt, past_key_values=past, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    dt = time.perf_counter() - t
+    return {"tokens_per_s": batch * steps / dt, "ms_per_step": 1e3 * dt / steps}
+
+  def prefill(self, prompt_len: int, rng) -> dict:
+    torch = self.torch
+    with torch.no_grad():
+      for _ in range(2):
+        ids = torch.tensor(_random_ids(rng, self.vocab, (1, prompt_len)))
+        t = time.perf_counter()
+        self.model(ids, use_cache=True)
+        dt = time.perf_counter() - t
+    return {"tokens_per_s": prompt_len / dt, "ms_per_step": 1e3 * dt}
+
+
+class LlamaCppPeer:
+  name = "llama.cpp"
+
+  def __init__(self, gguf: Path, max_batch: int, max_context: int, threads: int | None = None):
+    try:
+      import llama_cpp
+    except ImportError:
+      raise PeerUnavailable("llama-cpp-python not installed; pip install llama-cpp-python (compiles llama.cpp, ~12 min)") from None
+    if not (gguf.is_file() and gguf.suffix == ".gguf"):
+      raise PeerUnavailable(f"llama.cpp needs a GGUF file and the model is {gguf}; pass --llamacpp-gguf")
+    self.lc = llama_cpp
+    self.threads = threads or os.cpu_count() or 1
+    self.max_batch = max_batch
+    self.n_batch = 512
+    self.llm = llama_cpp.Llama(str(gguf), n_ctx=max_batch * (max_context + 8), n_batch=self.n_batch, n_ubatch=self.n_batch,
+                               n_seq_max=max_batch, n_threads=self.threads, n_threads_batch=self.threads,
+                               logits_all=False, verbose=False)
+    self.ctx = self.llm.ctx
+    self.vocab = self.llm.n_vocab()
+    types = {t.name for t in _gguf_tensor_types(gguf)}
+    self.precision = "+".join(sorted(types - {"F32"})) or "F32"
+    self.batch = llama_cpp.llama_batch_init(max(self.n_batch, max_batch), 0, max_batch)
+
+  def __del__(self):
+    if getattr(self, "batch", None) is not None: self.lc.llama_batch_free(self.batch)
+
+  def _decode(self, tokens: list[tuple[int, int, int, bool]]) -> None:
+    """tokens: (token id, position, sequence id, wants logits)."""
+    b = self.batch
+    for i, (tok, pos, seq, logits) in enumerate(tokens):
+      b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, logits
+      b.seq_id[i][0] = seq
+    b.n_tokens = len(tokens)
+    if self.lc.llama_decode(self.ctx, b) != 0: raise RuntimeError("llama_decode failed")
+
+  def _clear(self) -> None:
+    mem = self.lc.llama_get_memory(self.ctx)
+    self.lc.llama_memory_clear(mem, True)
+
+  def _prefill(self, prompts: np.ndarray) -> None:
+    flat = [(int(t), p, s, p == prompts.shape[1] - 1) for s in range(prompts.shape[0]) for p, t in enumerate(prompts[s])]
+    for i in range(0, len(flat), self.n_batch): self._decode(flat[i:i + self.n_batch])
+
+  def _argmax(self, row: int) -> int:
+    ptr = self.lc.llama_get_logits_ith(self.ctx, row)
+    return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.vocab,))))
+
+  def decode(self, batch: int, context: int, steps: int, warmup: int, rng) -> dict:
+    self._clear()
+    prompts = _random_ids(rng, self.vocab, (batch, context))
+    self._prefill(prompts)
+    nxt = [int(t) for t in prompts[:, -1]]
+    for i in range(warmup + steps):
+      if i == warmup: t = time.perf_counter()
+      self._decode([(nxt[s], context + i, s, True) for s in range(batch)])
+      nxt = [self._argmax(s) for s in range(batch)]
+    dt = time.perf_counter() - t
+    return {"tokens_per_s": batch * steps / dt, "ms_per_step": 1e3 * dt / steps}
+
+  def prefill(self, prompt_len: int, rng) -> dict:
+    for _ in range(2):
+      self._clear()
+      prompts = _random_ids(rng, self.vocab, (1, prompt_len))
+      t = time.perf_counter()
+      self._prefill(prompts)
+      dt = time.perf_counter() - t
+    return {"tokens_per_s": prompt_len / dt, "ms_per_step": 1e3 * dt}
+
+
+def _gguf_tensor_types(path: Path):
+  from gguf import GGUFReader
+  return [t.tensor_type for t in GGUFReader(path).tensors]
+
+
+def load_peer(key: str, model_path: Path, llamacpp_gguf: Path | None, max_batch: int, max_context: int):
+  if key == "hf": return HFPeer(model_path)
+  if key == "llamacpp": return LlamaCppPeer(llamacpp_gguf or model_path, max_batch, max_context)
+  raise ValueError(f"unknown peer {key!r}; choose from {', '.join(PEERS)}")

@@ -1,0 +1,130 @@
+"""Turn timed runs into records (tok/s, GB/s, fraction of the roofline), print them, write JSON, draw the roofline."""
+from __future__ import annotations
+import json, sys
+from pathlib import Path
+from tinyvllm.bench.accounting import Traffic
+from tinyvllm.bench.device import Ceilings
+
+
+def finalize(run: dict, ceilings: Ceilings, common: dict) -> dict:
+  """Add the roofline figures to a run from runs.py. Bytes per token divides the step traffic by the tokens
+  the run produced (generated tokens for decode and serving, prompt tokens for prefill)."""
+  rec = dict(common) | run
+  tr: Traffic = rec.pop("traffic")
+  steps, tokens = max(1, rec["steps"]), max(1, rec["tokens"])
+  busy = rec.get("busy_seconds") or rec["seconds"]
+  bw, peak = ceilings.bandwidth_gbps * 1e9, ceilings.matmul_gflops * 1e9
+  ideal = max(tr.total_bytes / bw if bw else 0.0, tr.flops / peak if peak else 0.0)
+  achieved = tr.total_bytes / busy / 1e9
+  rec.update({
+    "bytes_per_step": tr.total_bytes / steps, "bytes_per_token": tr.total_bytes / tokens,
+    "weight_bytes_per_step": tr.weight_bytes / steps, "kv_read_bytes_per_step": tr.kv_read_bytes / steps,
+    "kv_write_bytes_per_step": tr.kv_write_bytes / steps, "activation_bytes_per_step": tr.activation_bytes / steps,
+    "flops_per_step": tr.flops / steps, "arithmetic_intensity": tr.intensity,
+    "achieved_gbps": achieved, "achieved_gflops": tr.flops / busy / 1e9,
+    "measured_bandwidth_gbps": ceilings.bandwidth_gbps, "published_bandwidth_gbps": ceilings.published_gbps,
+    "measured_gflops": ceilings.matmul_gflops,
+    "bandwidth_fraction": achieved / ceilings.bandwidth_gbps if ceilings.bandwidth_gbps else None,
+    "published_bandwidth_fraction": achieved / ceilings.published_gbps if ceilings.published_gbps else None,
+    # time the roofline allows (bytes at the measured bandwidth or FLOPs at the measured matmul rate, whichever is
+    # longer) over the time taken: 1.0 is the ceiling
+    "roofline_fraction": ideal / busy if busy else None,
+    "roofline_tokens_per_s": tokens / ideal if ideal else None,
+  })
+  return rec
+
+
+def attach_peers(records: list[dict], peer_results: dict[str, dict[tuple, dict]]) -> None:
+  """Give each tinyvllm record its peers' speed on the same (kind, batch, context) and the ratio tinyvllm / peer."""
+  for rec in records:
+    key = (rec["kind"], rec["batch_size"], rec["context_len"])
+    rec["peers"] = {}
+    for name, results in peer_results.items():
+      if key in results and results[key].get("tokens_per_s"):
+        r = results[key]
+        rec["peers"][name] = {"tokens_per_s": r["tokens_per_s"], "ms_per_step": r.get("ms_per_step"),
+                              "precision": r.get("precision"), "threads": r.get("threads"),
+                              "tinyvllm_over_peer": rec["tokens_per_s"] / r["tokens_per_s"]}
+
+
+def _fmt(x, spec: str, none: str = "-") -> str: return none if x is None else format(x, spec)
+
+
+def print_ceilings(c: Ceilings, file=sys.stdout) -> None:
+  sizes = ", ".join(f"{m} MiB {g:.1f}" for m, g in c.bandwidth_by_size.items())
+  print(f"device {c.device}" + (f", chip {c.chip}" if c.chip else ""), file=file)
+  print(f"  measured bandwidth (tinygrad, read+write): {c.bandwidth_gbps:.1f} GB/s  [{sizes}]", file=file)
+  if c.numpy_copy_gbps: print(f"  numpy copy on {c.numpy_threads} threads (reference): {c.numpy_copy_gbps:.1f} GB/s", file=file)
+  if c.published_gbps:
+    print(f"  published bandwidth: {c.published_gbps:g} GB/s{' (unsure)' if c.published_unsure else ''} - {c.published_source}", file=file)
+  print(f"  matmul: tinygrad {c.tinygrad_matmul_gflops:.1f} GFLOP/s, engine linear {c.engine_linear_gflops:.1f} GFLOP/s", file=file)
+
+
+def print_table(records: list[dict], file=sys.stdout) -> None:
+  peers = sorted({p for r in records for p in r.get("peers", {})})
+  head = (f"{'kind':<8}{'spec':>5}{'B':>4}{'ctx':>6}{'tok/s':>9}{'ms/step':>9}{'MB/tok':>8}{'GB/s':>7}"
+          f"{'%meas':>7}{'%pub':>6}{'%roof':>7}" + "".join(f"{'vs ' + p:>16}" for p in peers))
+  print(head, file=file)
+  for r in records:
+    pct = lambda x: _fmt(None if x is None else 100 * x, ".0f")
+    row = (f"{r['kind']:<8}{'on' if r.get('speculative') else 'off':>5}{r['batch_size']:>4}{r['context_len']:>6}"
+           f"{r['tokens_per_s']:>9.1f}{r['ms_per_step']:>9.1f}{r['bytes_per_token'] / 1e6:>8.1f}{r['achieved_gbps']:>7.2f}"
+           f"{pct(r['bandwidth_fraction']):>7}{pct(r['published_bandwidth_fraction']):>6}{pct(r['roofline_fraction']):>7}")
+    for p in peers:
+      info = r.get("peers", {}).get(p)
+      cell = f"{info['tokens_per_s']:.1f} ({info['tinyvllm_over_peer']:.2f}x)" if info else "-"
+      row += f"{cell:>16}"
+    print(row, file=file)
+  serving = [r for r in records if r["kind"] == "serving"]
+  for r in serving:
+    print(f"serving: {r['num_requests']} requests at {r['request_rate']:g}/s, prompts {r['prompt_lens'][0]}-{r['prompt_lens'][1]}, "
+          f"outputs {r['output_lens'][0]}-{r['output_lens'][1]} tokens: {r['tokens_per_s']:.1f} output tok/s, "
+          f"TTFT p50 {_fmt(r['ttft_p50_ms'], '.0f')} / p99 {_fmt(r['ttft_p99_ms'], '.0f')} ms, "
+          f"ITL p50 {_fmt(r['itl_p50_ms'], '.0f')} / p99 {_fmt(r['itl_p99_ms'], '.0f')} ms, peak batch {r['batch_size']}", file=file)
+  print("ratios are tinyvllm / peer (above 1: tinyvllm is faster); %meas and %pub: achieved GB/s over the measured and "
+        "the published bandwidth; %roof: the roofline's time over the time taken", file=file)
+
+
+def write_json(path: Path, records: list[dict], ceilings: Ceilings, notes: list[str], command: str) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps({"command": command, "ceilings": ceilings.as_dict(), "notes": notes, "records": records},
+                             indent=2, default=str))
+
+
+def plot_roofline(path: Path, records: list[dict], ceilings: Ceilings) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    raise SystemExit("--plot needs matplotlib: pip install 'tinyvllm[bench]' (or pip install matplotlib)") from None
+  xs = [r["arithmetic_intensity"] for r in records if r["arithmetic_intensity"] > 0]
+  lo, hi = min(xs + [0.1]) / 3, max(xs + [ceilings.matmul_gflops / max(ceilings.bandwidth_gbps, 1e-9)]) * 10
+  grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+  fig, ax = plt.subplots(figsize=(8, 5.5))
+  roof = [min(ceilings.bandwidth_gbps * x, ceilings.matmul_gflops) for x in grid]
+  ax.plot(grid, roof, "k-", label=f"measured: {ceilings.bandwidth_gbps:.1f} GB/s, {ceilings.matmul_gflops:.1f} GFLOP/s")
+  if ceilings.published_gbps:
+    ax.plot(grid, [ceilings.published_gbps * x for x in grid], "k--", lw=0.8,
+            label=f"published bandwidth {ceilings.published_gbps:g} GB/s ({ceilings.chip})")
+  if ceilings.numpy_copy_gbps:
+    ax.plot(grid, [ceilings.numpy_copy_gbps * x for x in grid], "k:", lw=0.8,
+            label=f"numpy copy, {ceilings.numpy_threads} threads: {ceilings.numpy_copy_gbps:.1f} GB/s")
+  markers = {"decode": "o", "prefill": "s", "serving": "^"}
+  for kind, marker in markers.items():
+    pts = [r for r in records if r["kind"] == kind and r["arithmetic_intensity"] > 0]
+    if not pts: continue
+    ax.scatter([r["arithmetic_intensity"] for r in pts], [r["achieved_gflops"] for r in pts], marker=marker, s=40, label=kind, zorder=3)
+    for r in pts:
+      label = f"B{r['batch_size']} L{r['context_len']}" + (" spec" if r.get("speculative") else "")
+      ax.annotate(label, (r["arithmetic_intensity"], r["achieved_gflops"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+  ax.set_xscale("log"); ax.set_yscale("log")
+  ax.set_xlabel("arithmetic intensity (FLOP / byte)"); ax.set_ylabel("achieved GFLOP/s")
+  model = records[0]["model"] if records else ""
+  ax.set_title(f"tinyvllm roofline: {model} on {ceilings.chip or ceilings.device}", fontsize=10)
+  ax.grid(True, which="both", lw=0.3)
+  ax.legend(fontsize=8, loc="lower right")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

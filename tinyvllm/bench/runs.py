@@ -1,0 +1,169 @@
+"""Timed runs of tinyvllm's engine, driven only through its public surface (`add_request`, `step`,
+`abort_request`, `scheduler.running/waiting`).
+
+Every step is timed and its work recorded as `(cached, new)` tokens per sequence, read from the sequences'
+`num_computed_tokens` before and after it, so the byte and FLOP accounting follows what the engine really did
+(chunked prefill, speculative verification) rather than what was asked for.
+"""
+from __future__ import annotations
+import time
+from collections import deque
+from dataclasses import dataclass, field
+import numpy as np
+from tinyvllm.bench.accounting import TensorInfo, Traffic, step_traffic
+from tinyvllm.sampling_params import SamplingParams
+
+
+def model_tensors(model) -> list[TensorInfo]:
+  """Every device tensor the model reads, with HF-style names: each layer's `weights` dict (packed codes, scales and
+  biases included when quantized), then the model's own tensor attributes (embedding, norm, LM head, and whatever
+  quantization adds beside them). The RoPE table is left out (a few rows are read per token); a tensor held
+  twice (a tied LM head) is listed once."""
+  from tinygrad import Tensor
+  out, seen = [], set()
+
+  def add(name: str, t: Tensor):
+    if id(t) in seen: return
+    seen.add(id(t))
+    out.append(TensorInfo(name, tuple(int(s) for s in t.shape), int(t.nbytes())))
+
+  for i, layer in enumerate(model.layers):
+    for name, t in layer.weights.items(): add(f"model.layers.{i}.{name}", t)
+  for attr, val in vars(model).items():
+    items = val.items() if isinstance(val, dict) else [("weight", val)]
+    for suffix, t in items:
+      if not isinstance(t, Tensor) or attr == "cos_sin": continue
+      if attr.startswith("embed"): add(f"model.embed_tokens.{suffix}" if attr == "embed_tokens" else f"model.embed_tokens.{attr}", t)
+      elif attr.startswith("lm_head"): add(f"lm_head.{suffix}" if attr == "lm_head" else f"lm_head.{attr}", t)
+      else: add(f"model.{attr}.{suffix}", t)
+  return out
+
+
+@dataclass
+class StepLog:
+  """Wall time and accounted traffic of the steps taken through `run_step`."""
+  seconds: float = 0.0
+  steps: int = 0
+  traffic: Traffic = field(default_factory=Traffic)
+
+
+class Driver:
+  """Steps an LLMEngine, timing each step and accounting its traffic."""
+  def __init__(self, engine):
+    self.engine = engine
+    model = engine.runner.model
+    self.cfg = model.cfg
+    self.tensors = model_tensors(model)
+    self.dtype_bytes = model.dtype.itemsize       # KV cache and activations share the model dtype
+
+  def live(self) -> list:
+    sch = self.engine.scheduler
+    return list(sch.running) + list(sch.waiting)
+
+  def run_step(self, log: StepLog | None = None) -> list:
+    before = {id(s): (s, s.num_computed_tokens) for s in self.live()}
+    t = time.perf_counter()
+    outs = self.engine.step()
+    dt = time.perf_counter() - t
+    if log is not None:
+      work = [(c, s.num_computed_tokens - c) for s, c in before.values() if s.num_computed_tokens > c]
+      log.seconds += dt
+      log.steps += 1
+      if work: log.traffic = log.traffic + step_traffic(self.cfg, self.tensors, work, self.dtype_bytes, self.dtype_bytes)
+    return outs
+
+  def random_prompt(self, rng: np.random.Generator, n: int) -> list[int]:
+    vocab = self.cfg.vocab_size
+    return rng.integers(min(100, vocab // 4), vocab, n).tolist()
+
+  def finish_all(self, request_ids) -> None:
+    for rid in request_ids: self.engine.abort_request(rid)
+
+
+def decode_run(drv: Driver, batch: int, context: int, steps: int, warmup: int, rng, max_tokens: int) -> dict:
+  """`batch` requests with `context`-token prompts; prefill them all, warm up, then time `steps` decode steps."""
+  params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+  ids = [drv.engine.add_request(drv.random_prompt(rng, context), params) for _ in range(batch)]
+  seqs = [s for rid in ids for s in drv.engine.requests[rid].seqs]
+  while any(s.is_prefilling or s.status.name == "WAITING" for s in seqs): drv.run_step()
+  for _ in range(warmup): drv.run_step()
+  start_tokens = [s.num_tokens for s in seqs]
+  log = StepLog()
+  for _ in range(steps): drv.run_step(log)
+  generated = sum(s.num_tokens - n for s, n in zip(seqs, start_tokens))
+  finished_early = sum(s.is_finished for s in seqs)
+  drv.finish_all(ids)
+  return {"kind": "decode", "batch_size": batch, "context_len": context,
+          "mean_context_len": float(np.mean([(n + s.num_tokens - 1) / 2 for s, n in zip(seqs, start_tokens)])),
+          "steps": log.steps, "seconds": log.seconds, "tokens": generated,
+          "tokens_per_s": generated / log.seconds, "ms_per_step": 1e3 * log.seconds / log.steps,
+          "finished_early": finished_early, "traffic": log.traffic}
+
+
+def prefill_run(drv: Driver, prompt_len: int, rng) -> dict:
+  """Time one prompt from admission to its first token; an identical-length prompt first captures the shapes."""
+  params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+  for measured in (False, True):
+    log = StepLog()
+    rid = drv.engine.add_request(drv.random_prompt(rng, prompt_len), params)
+    while rid in drv.engine.requests: drv.run_step(log)
+  return {"kind": "prefill", "batch_size": 1, "context_len": prompt_len, "mean_context_len": prompt_len / 2,
+          "steps": log.steps, "seconds": log.seconds, "tokens": prompt_len,
+          "tokens_per_s": prompt_len / log.seconds, "ms_per_step": 1e3 * log.seconds / log.steps,
+          "traffic": log.traffic}
+
+
+@dataclass(frozen=True)
+class Workload:
+  """Poisson arrivals with prompt and output lengths drawn uniformly from the given ranges."""
+  num_requests: int
+  rate: float                      # requests per second
+  prompt_lens: tuple[int, int]     # inclusive range
+  output_lens: tuple[int, int]
+
+  def draw(self, rng) -> list[tuple[float, int, int]]:
+    """[(arrival seconds, prompt length, output length)] in arrival order."""
+    arrivals = np.cumsum(rng.exponential(1 / self.rate, self.num_requests))
+    prompts = rng.integers(self.prompt_lens[0], self.prompt_lens[1] + 1, self.num_requests)
+    outputs = rng.integers(self.output_lens[0], self.output_lens[1] + 1, self.num_requests)
+    return [(float(a), int(p), int(o)) for a, p, o in zip(arrivals, prompts, outputs)]
+
+
+def serving_run(drv: Driver, workload: Workload, rng) -> dict:
+  """Replay the workload in real time: requests join as they arrive (continuous batching). TTFT counts from the
+  scheduled arrival, inter-token latency between consecutive tokens of one request."""
+  requests = [(a, drv.random_prompt(rng, p), o) for a, p, o in workload.draw(rng)]
+  pending = deque(requests)
+  arrival, times, counts = {}, {}, {}
+  log, peak_batch = StepLog(), 0
+  shapes_before = len(drv.engine.runner.jits)
+  start = time.perf_counter()
+  while pending or drv.engine.has_unfinished_requests():
+    now = time.perf_counter() - start
+    while pending and pending[0][0] <= now:
+      at, prompt, out_len = pending.popleft()
+      rid = drv.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+      arrival[rid], times[rid], counts[rid] = start + at, [], 0
+    if not drv.engine.has_unfinished_requests():
+      time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - start)))
+      continue
+    peak_batch = max(peak_batch, len(drv.engine.scheduler.running) + len(drv.engine.scheduler.waiting))
+    outs = drv.run_step(log)
+    t = time.perf_counter()
+    for out in outs:
+      n = len(out.outputs[0].token_ids)
+      times[out.request_id] += [t] * (n - counts[out.request_id])
+      counts[out.request_id] = n
+  wall = time.perf_counter() - start
+  ttft = [times[r][0] - arrival[r] for r in times if times[r]]
+  itl = [b - a for r in times for a, b in zip(times[r], times[r][1:])]
+  generated = sum(counts.values())
+  pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else None
+  return {"kind": "serving", "batch_size": peak_batch,
+          "context_len": int(np.mean([len(p) for _, p, _ in requests])), "mean_context_len": None,
+          "num_requests": workload.num_requests, "request_rate": workload.rate,
+          "prompt_lens": list(workload.prompt_lens), "output_lens": list(workload.output_lens),
+          "steps": log.steps, "seconds": wall, "busy_seconds": log.seconds, "tokens": generated,
+          "tokens_per_s": generated / wall, "ms_per_step": 1e3 * log.seconds / max(1, log.steps),
+          "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+          "shapes_captured_while_timed": len(drv.engine.runner.jits) - shapes_before, "traffic": log.traffic}
