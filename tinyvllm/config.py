@@ -120,6 +120,9 @@ class EngineConfig:
   kv_cache_memory_fraction: float = 0.1     # share of free memory (after weights) the KV cache takes when num_kv_blocks is None
   watermark: float = 0.01                   # share of KV blocks kept free when admitting new sequences
   seed: int = 0
+  draft_model: str | None = None            # speculative decoding: a draft checkpoint with the same vocabulary, or "self:N"
+  num_speculative_tokens: int = 4           # tokens the draft proposes per step
+  speculation: str = "auto"                 # "auto": per step, when measured to pay (docs/speculative.md); "always"
 
   def __post_init__(self):
     if self.dtype not in ("auto", "float32", "float16"):
@@ -137,6 +140,10 @@ class EngineConfig:
     if not 0 < self.kv_cache_memory_fraction <= 1:
       raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
     if not 0 <= self.watermark < 1: raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+    if self.speculation not in ("auto", "always"):
+      raise ConfigError(f"speculation must be 'auto' or 'always', got {self.speculation!r}")
+    if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+      raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
 
   @classmethod
   def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -89,3 +89,25 @@ def top_logprobs(logprobs: np.ndarray, token: int, k: int) -> list[tuple[int, fl
   if token not in top:
     out.insert(0, (token, float(logprobs[token]), int((logprobs > logprobs[token]).sum()) + 1))
   return out
+
+
+def speculative_accept(p: np.ndarray, q: np.ndarray, drafts: list[int], generator: np.random.Generator) -> list[int]:
+  """Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+  p `[k+1, V]`: the target's sampling distributions at each drafted position and one past them; q `[k, V]`:
+  the draft's distributions the drafts were drawn from. Accept draft i with probability min(1, p_i/q_i); at
+  the first rejection draw from max(0, p_i - q_i) normalised and stop; if all k pass, draw a bonus from p_k.
+  Returns the tokens to append (accepted drafts, then one more), distributed exactly as sampling from p."""
+  for i, d in enumerate(drafts):
+    if generator.random() * q[i, d] < p[i, d]: continue      # u < p/q without dividing by q
+    residual = np.maximum(p[i] - q[i], 0.0)
+    # a rejection is only possible where p < q somewhere, so the residual has mass; guard float round-off anyway
+    return drafts[:i] + [draw(residual if residual.sum() > 0 else p[i], generator)]
+  return list(drafts) + [draw(p[len(drafts)], generator)]
+
+
+def speculative_accept_greedy(target_argmax: list[int], drafts: list[int]) -> list[int]:
+  """Greedy: keep drafts while they equal the target's argmax, then the target's own token."""
+  for i, d in enumerate(drafts):
+    if d != target_argmax[i]: return list(drafts[:i]) + [target_argmax[i]]
+  return list(drafts) + [target_argmax[len(drafts)]]

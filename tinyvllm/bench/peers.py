@@ -78,19 +78,27 @@ class LlamaCppPeer:
       raise PeerUnavailable(f"llama.cpp needs a GGUF file and the model is {gguf}; pass --llamacpp-gguf")
     self.lc = llama_cpp
     self.threads = threads or os.cpu_count() or 1
-    self.max_batch = max_batch
     self.n_batch = 512
-    self.llm = llama_cpp.Llama(str(gguf), n_ctx=max_batch * (max_context + 8), n_batch=self.n_batch, n_ubatch=self.n_batch,
-                               n_seq_max=max_batch, n_threads=self.threads, n_threads_batch=self.threads,
-                               logits_all=False, verbose=False)
-    self.ctx = self.llm.ctx
+    # the high-level object loads the model quietly; decoding goes through a context of our own that holds
+    # `max_batch` sequences in one KV cache (the high-level API runs one sequence)
+    self.llm = llama_cpp.Llama(str(gguf), n_ctx=64, n_threads=self.threads, verbose=False)
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = max_batch * (max_context + 8)
+    params.n_batch = params.n_ubatch = self.n_batch
+    params.n_seq_max, params.kv_unified = max_batch, True
+    params.n_threads = params.n_threads_batch = self.threads
+    self.ctx = llama_cpp.llama_init_from_model(self.llm.model, params)
+    if not self.ctx: raise PeerUnavailable("llama.cpp could not create a context")
     self.vocab = self.llm.n_vocab()
+    self.batch = llama_cpp.llama_batch_init(max(self.n_batch, max_batch), 0, max_batch)
     types = {t.name for t in _gguf_tensor_types(gguf)}
     self.precision = "+".join(sorted(types - {"F32"})) or "F32"
-    self.batch = llama_cpp.llama_batch_init(max(self.n_batch, max_batch), 0, max_batch)
 
-  def __del__(self):
-    if getattr(self, "batch", None) is not None: self.lc.llama_batch_free(self.batch)
+  def close(self) -> None:
+    if self.batch is not None: self.lc.llama_batch_free(self.batch)
+    if self.ctx: self.lc.llama_free(self.ctx)
+    self.batch, self.ctx = None, None
+    self.llm.close()
 
   def _decode(self, tokens: list[tuple[int, int, int, bool]]) -> None:
     """tokens: (token id, position, sequence id, wants logits)."""
@@ -102,8 +110,7 @@ class LlamaCppPeer:
     if self.lc.llama_decode(self.ctx, b) != 0: raise RuntimeError("llama_decode failed")
 
   def _clear(self) -> None:
-    mem = self.lc.llama_get_memory(self.ctx)
-    self.lc.llama_memory_clear(mem, True)
+    self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
 
   def _prefill(self, prompts: np.ndarray) -> None:
     flat = [(int(t), p, s, p == prompts.shape[1] - 1) for s in range(prompts.shape[0]) for p, t in enumerate(prompts[s])]
@@ -144,3 +151,31 @@ def load_peer(key: str, model_path: Path, llamacpp_gguf: Path | None, max_batch:
   if key == "hf": return HFPeer(model_path)
   if key == "llamacpp": return LlamaCppPeer(llamacpp_gguf or model_path, max_batch, max_context)
   raise ValueError(f"unknown peer {key!r}; choose from {', '.join(PEERS)}")
+
+
+def float32_gguf(src: Path) -> Path:
+  """A copy of a quantized GGUF with every tensor dequantized to F32 (same metadata, llama.cpp's own row order), so
+  llama.cpp can run the exact weights tinyvllm runs in float32. Written once into tinyvllm's cache."""
+  from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+  from gguf.quants import dequantize
+  from tinyvllm.model.fetch import cache_dir
+  dest = cache_dir() / "bench" / f"{src.stem}.F32.gguf"
+  if dest.exists(): return dest
+  dest.parent.mkdir(parents=True, exist_ok=True)
+  reader = GGUFReader(src)
+  part = dest.with_name(dest.name + ".part")
+  writer = GGUFWriter(part, str(reader.fields["general.architecture"].contents()))
+  for key, f in reader.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture": continue
+    if key == "general.file_type": writer.add_file_type(0); continue        # ALL_F32
+    sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
+    writer.add_key_value(key, f.contents(), f.types[0], sub)
+  for t in reader.tensors:
+    arr = dequantize(t.data, t.tensor_type).astype(np.float32)
+    writer.add_tensor(t.name, arr.reshape(tuple(int(x) for x in reversed(t.shape))), raw_dtype=GGMLQuantizationType.F32)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  part.replace(dest)
+  return dest

@@ -10,6 +10,7 @@ from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.model_runner import ModelRunner, WorkItem
 from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
+from tinyvllm.engine.spec_decode import SpeculativeDecoder
 from tinyvllm.kernels import Kernels, default_dtype, resolve_backend
 from tinyvllm.model.llama import Llama
 from tinyvllm.model.tokenizer import load_tokenizer
@@ -55,18 +56,48 @@ class LLMEngine:
       max_model_len = capacity   # one sequence must always fit alone, or preemption could not make progress
     self.max_model_len = max_model_len
     self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
-    kernels = Kernels(self.kernel_backend, self.device)
-    cfg = ckpt.config
-    kernels.check_model(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, config.block_size)
-    model = Llama(cfg, ckpt.tensors, dtype, self.device, kernels, max_model_len)
-    del ckpt
+    self.kernels = Kernels(self.kernel_backend, self.device)
+    model = self._build_model(ckpt.config, ckpt.tensors, dtype)
     self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.device)
     self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark)
-    self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+    self.spec: SpeculativeDecoder | None = None
+    if config.draft_model is not None:
+      draft = self._load_draft(config.draft_model, ckpt, dtype)
+      # as many draft blocks as target blocks: a draft table never outgrows its target table, so the draft pool
+      # cannot run dry while the target's has room
+      self.spec = SpeculativeDecoder(ModelRunner(draft, num_blocks, config.block_size, max_model_len, self.device),
+                                     BlockManager(num_blocks, config.block_size, 0.0), config.num_speculative_tokens,
+                                     always=config.speculation == "always")
+    del ckpt
+    self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                               lookahead_tokens=config.num_speculative_tokens if self.spec else 0)
     self.requests: dict[str, Request] = {}
     self._request_counter = itertools.count()
     self._seed_stream = np.random.default_rng(config.seed)
     self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+
+  def _build_model(self, cfg, tensors, dtype: str) -> Llama:
+    self.kernels.check_model(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, self.config.block_size)
+    return Llama(cfg, tensors, dtype, self.device, self.kernels, self.max_model_len)
+
+  def _load_draft(self, name: str, target, dtype: str) -> Llama:
+    """The draft model: any checkpoint LLM loads with the same vocabulary, or "self:N", the target's first N layers
+    (with its final norm and LM head): a cheap draft that needs no second checkpoint."""
+    if name.startswith("self:"):
+      n = int(name[5:]) if name[5:].isdigit() else 0
+      if not 0 < n < target.config.num_hidden_layers:
+        raise ConfigError(f"draft_model={name!r}: N must be between 1 and {target.config.num_hidden_layers - 1}")
+      keep = {k: v for k, v in target.tensors.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
+      return self._build_model(dataclasses.replace(target.config, num_hidden_layers=n), keep, dtype)
+    draft = load_checkpoint(name)
+    draft_tok = load_tokenizer(draft.path)
+    same = draft.config.vocab_size == target.config.vocab_size and draft_tok.vocab_size == self.tokenizer.vocab_size and \
+      all(draft_tok.piece(i) == self.tokenizer.piece(i) for i in range(self.tokenizer.vocab_size))
+    if not same:
+      raise ConfigError(f"draft model {name} has a different vocabulary from the target "
+                        f"({draft.config.vocab_size} vs {target.config.vocab_size} tokens or different token strings); "
+                        f"speculative decoding needs the same tokenizer")
+    return self._build_model(draft.config, draft.tensors, dtype)
 
   def _blocks_from_memory(self, block_bytes: int, weight_bytes: int, max_model_len: int) -> int:
     """A share of the memory left after the weights, but no more than max_num_seqs full-length sequences."""
@@ -118,43 +149,89 @@ class LLMEngine:
   def abort_request(self, request_id: str) -> None:
     req = self.requests.pop(request_id, None)
     for seq in req.seqs if req else []:
-      if not seq.is_finished: self.scheduler.finish(seq, "abort")
+      if not seq.is_finished: self._finish(seq, "abort", None)
 
   def has_unfinished_requests(self) -> bool: return self.scheduler.has_unfinished()
 
   # ---- the loop ----
 
   def step(self) -> list[RequestOutput]:
-    """One model forward pass over the scheduled batch. Returns the outputs of the requests it advanced."""
+    """One target forward pass over the scheduled batch (with speculation: preceded by the draft's passes).
+    Returns the outputs of the requests it advanced."""
     sched = self.scheduler.schedule()
+    if self.spec:
+      for seq in sched.preempted: self.spec.release(seq)   # a preempted sequence recomputes both caches
     if sched.is_empty:
       if self.scheduler.has_unfinished(): raise RuntimeError("scheduler made no progress with requests waiting")
       return []
-    now = time.time()
+    now = time.perf_counter()
     for seq in sched.decodes + [c.seq for c in sched.prefills]:
-      if seq.metrics.first_scheduled_time is None: seq.metrics.first_scheduled_time = now
-    decode_logits, prefill_logits, _ = self.runner.execute(
-      [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:]) for s in sched.decodes],
+      if seq.metrics.first_scheduled_time is None: seq.metrics.first_scheduled_time = time.time()
+    decodes, speculated, proposals = sched.decodes, [], []
+    if self.spec and decodes and self.spec.policy.should_speculate(len(decodes)):
+      proposals = self.spec.propose(decodes, self._penalized) or []
+      if proposals: decodes, speculated = [], decodes
+    decode_logits, prefill_logits, verify_logits = self.runner.execute(
+      [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:]) for s in decodes],
       [WorkItem(c.seq.block_table, c.seq.num_computed_tokens, c.seq.token_ids[c.seq.num_computed_tokens:][:c.num_tokens])
-       for c in sched.prefills])
+       for c in sched.prefills],
+      [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:] + p.drafts) for s, p in zip(speculated, proposals)])
     touched = {}
-    for seq, logits in zip(sched.decodes, decode_logits):
+    for seq, logits in zip(decodes, decode_logits):
       seq.num_computed_tokens += 1
+      seq.metrics.num_target_steps += 1
       self._append_token(seq, logits)
       touched[seq.request_id] = None
     for chunk, logits in zip(sched.prefills, prefill_logits):
       complete = chunk.completes_prompt
       chunk.seq.num_computed_tokens += chunk.num_tokens
-      if complete: self._append_token(chunk.seq, logits)
+      if complete:
+        chunk.seq.metrics.num_target_steps += 1
+        self._append_token(chunk.seq, logits)
       touched[chunk.seq.request_id] = None
+    accepted = 0
+    for seq, proposal, logits in zip(speculated, proposals, verify_logits):
+      accepted += self._accept(seq, proposal, logits)
+      touched[seq.request_id] = None
+    if self.spec and sched.decodes:
+      seconds = time.perf_counter() - now
+      if speculated: self.spec.policy.record_spec(len(speculated), len(speculated) * self.spec.k, accepted, seconds)
+      elif not sched.prefills: self.spec.policy.record_plain(len(decodes), seconds)
     return [self._output(self.requests[rid]) for rid in touched if rid in self.requests]
 
-  def _append_token(self, seq: Sequence, logits: np.ndarray) -> None:
+  def _penalized(self, seq: Sequence, logits: np.ndarray, extra: list[int] = ()) -> np.ndarray:
+    """Logits after penalties, as if `extra` tokens had already been appended to seq."""
     p = seq.params
-    banned = sorted(self.eos_token_ids | set(p.stop_token_ids or [])) if seq.num_output_tokens < p.min_tokens else None
-    processed = sampler.apply_penalties(logits, seq.token_ids, seq.num_prompt_tokens, p, banned)
-    token = sampler.sample(processed, p, seq.generator)
-    self._record(seq, token, logits)
+    banned = sorted(self.eos_token_ids | set(p.stop_token_ids or [])) if seq.num_output_tokens + len(extra) < p.min_tokens else None
+    return sampler.apply_penalties(logits, seq.token_ids + list(extra), seq.num_prompt_tokens, p, banned)
+
+  def _append_token(self, seq: Sequence, logits: np.ndarray) -> None:
+    self._record(seq, sampler.sample(self._penalized(seq, logits), seq.params, seq.generator), logits)
+
+  def _accept(self, seq: Sequence, proposal, logits: np.ndarray) -> int:
+    """Verify one speculated run: logits `[k+1, V]` are the target's at the last token and at each draft.
+    Appends the accepted drafts and one more token, stops at any stop rule, rolls both caches back to the
+    tokens that stand. Returns the number of drafts accepted."""
+    drafts, k, start = proposal.drafts, len(proposal.drafts), seq.num_computed_tokens
+    processed = [self._penalized(seq, logits[i], drafts[:i]) for i in range(k + 1)]
+    if seq.params.greedy:
+      tokens = sampler.speculative_accept_greedy([int(np.argmax(x)) for x in processed], drafts)
+    else:
+      p = np.stack([sampler.probabilities(x, seq.params) for x in processed])
+      tokens = sampler.speculative_accept(p, proposal.q, drafts, seq.generator)
+    m = seq.metrics
+    m.num_draft_tokens, m.num_accepted_tokens, m.num_target_steps = m.num_draft_tokens + k, m.num_accepted_tokens + len(tokens) - 1, m.num_target_steps + 1
+    recorded = 0
+    for i, token in enumerate(tokens):
+      self._record(seq, token, logits[i])
+      recorded += 1
+      if seq.is_finished: break
+    if not seq.is_finished:
+      # K/V stand for the last token and the drafts that were kept; the newest token has none yet
+      seq.num_computed_tokens = start + recorded
+      self.block_manager.truncate(seq.block_table, seq.num_computed_tokens)
+      self.spec.rollback(seq, seq.num_computed_tokens)
+    return len(tokens) - 1
 
   def _record(self, seq: Sequence, token: int, logits: np.ndarray | None) -> None:
     """Append a sampled token and apply every stop rule. Shared with speculative decoding."""
@@ -186,6 +263,7 @@ class LLMEngine:
   def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
     if reason != "stop" or not isinstance(stop_reason, str): seq.text += seq.detokenizer.flush()
     self.scheduler.finish(seq, reason, stop_reason)
+    if self.spec: self.spec.release(seq)
     seq.metrics.finished_time = time.time()
 
   def _output(self, req: Request) -> RequestOutput:

@@ -92,28 +92,32 @@ class ModelRunner:
 
   def execute(self, decodes: list[WorkItem], prefills: list[WorkItem] = (), verifies: list[WorkItem] = ()) \
       -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One forward pass. Returns float32 logits: `[len(decodes), V]` (one token each), `[len(prefills), V]` (each
-    chunk's last token) and `[len(verifies), K, V]` (every token of each verified run; all runs have K tokens)."""
-    groups = [(items, query_len, all_logits) for items, query_len, all_logits in (
-      (decodes, 1, False),
-      (prefills, bucket(max((len(w.tokens) for w in prefills), default=1), minimum=8), False),
-      (verifies, max((len(w.tokens) for w in verifies), default=1), True)) if items]
-    shape, packed, used_blocks = self.prepare(groups)
+    """Read the given tokens. Returns float32 logits: `[len(decodes), V]` (one token each), `[len(prefills), V]`
+    (each chunk's last token) and `[len(verifies), K, V]` (every token of each verified run; all runs have K tokens).
+
+    Each kind runs as its own forward pass. One pass over all three would read the weights once instead of
+    up to three times, but every combination of bucket sizes would be a shape to capture; separate passes
+    keep the shapes to the sum of the kinds' buckets, not their product."""
+    vocab = self.model.cfg.vocab_size
+    out = [np.zeros((0, vocab), np.float32), np.zeros((0, vocab), np.float32), np.zeros((0, 0, vocab), np.float32)]
+    for i, (items, query_len, all_logits) in enumerate((
+        (decodes, 1, False),
+        (prefills, bucket(max((len(w.tokens) for w in prefills), default=1), minimum=8), False),
+        (verifies, max((len(w.tokens) for w in verifies), default=1), True))):
+      if not items: continue
+      shape, packed, used_blocks = self.prepare([(items, query_len, all_logits)])
+      logits = self._forward(shape, packed, used_blocks)
+      out[i] = logits.reshape(-1, query_len, vocab)[:len(items)] if all_logits else logits[:len(items)]
+    return out[0], out[1], out[2]
+
+  def _forward(self, shape: StepShape, packed: np.ndarray, used_blocks: int) -> np.ndarray:
     packed = Tensor(packed, device=self.device).realize()
     extent = (self.kv_extent.bind(used_blocks),)
     embed, layer, head = self._replays(shape)
     h = embed(packed)
     for weights, (k_cache, v_cache) in zip(self.layer_weights, self.kv_caches):
       h = layer(h, packed, k_cache, v_cache, *weights, bound=extent)
-    logits = head(h, packed).numpy()
-    out, row, vocab = {}, 0, logits.shape[-1]
-    for (items, query_len, all_logits), g in zip(groups, shape.groups):
-      rows = logits[row:row + g.num_rows]
-      out[(query_len == 1 and not all_logits, all_logits)] = \
-        rows.reshape(g.num_seqs, query_len, vocab)[:len(items)] if all_logits else rows[:len(items)]
-      row += g.num_rows
-    empty = np.zeros((0, vocab), np.float32)
-    return out.get((True, False), empty), out.get((False, False), empty), out.get((False, True), empty.reshape(0, 0, vocab))
+    return head(h, packed).numpy()
 
   def prepare(self, groups: list[tuple[list[WorkItem], int, bool]]) -> tuple[StepShape, np.ndarray, int]:
     """Pack every integer input of the step into one int32 array (one host->device copy per step).

@@ -24,6 +24,8 @@ class Sequence:
     self.status = SequenceStatus.WAITING
     self.block_table: list[int] = []
     self.num_computed_tokens = 0               # tokens whose K/V are in the cache
+    self.draft_block_table: list[int] = []     # speculative decoding: the draft model's cache
+    self.draft_num_computed = 0
     self.generator = generator                 # this sequence's own random stream: batch composition never changes it
     self.detokenizer = detokenizer
     self.text = ""                             # output text released so far (stop strings removed)

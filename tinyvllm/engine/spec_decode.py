@@ -1,0 +1,110 @@
+"""Speculative decoding: a draft model proposes k tokens per sequence, the target checks them in one pass.
+
+The draft has its own model runner, KV cache and block manager (the same allocator code); each sequence keeps
+a draft block table and how many of its tokens the draft has read. The draft catches up lazily: its first
+pass of a step reads every token it has not seen (1 normally, 2 after a fully accepted run, more after steps
+without speculation or after preemption), the next k-1 passes read one drafted token each.
+
+Whether a step speculates is decided per step by `SpecPolicy` from measured acceptance and step times.
+"""
+from __future__ import annotations
+from dataclasses import dataclass, field
+import numpy as np
+from tinyvllm import sampler
+from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.model_runner import ModelRunner, WorkItem, bucket
+from tinyvllm.engine.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+  drafts: list[int]
+  q: np.ndarray | None          # [k, V] draft sampling distributions (None when greedy)
+
+
+class SpeculativeDecoder:
+  def __init__(self, runner: ModelRunner, block_manager: BlockManager, num_tokens: int, always: bool = False):
+    self.runner, self.blocks, self.k = runner, block_manager, num_tokens
+    self.policy = SpecPolicy(num_tokens, always=always)
+
+  def release(self, seq: Sequence) -> None:
+    """Forget seq's draft cache (finished or preempted: a preempted sequence recomputes both caches)."""
+    self.blocks.free(seq.draft_block_table)
+    seq.draft_num_computed = 0
+
+  def rollback(self, seq: Sequence, num_valid: int) -> None:
+    """Keep only draft K/V of the first `num_valid` tokens; empty blocks go back to the pool at once."""
+    seq.draft_num_computed = min(seq.draft_num_computed, num_valid)
+    self.blocks.truncate(seq.draft_block_table, seq.draft_num_computed)
+
+  def propose(self, seqs: list[Sequence], penalize) -> list[Proposal] | None:
+    """k drafted tokens per sequence, sampled from the draft with each sequence's own parameters and stream.
+    `penalize(seq, logits, extra_tokens)` applies the sampling penalties as the target's sampler does.
+    Returns None when the draft cache has no room (the step then decodes without speculation)."""
+    k = self.k
+    for seq in seqs:
+      if not self.blocks.can_grow(seq.draft_block_table, seq.num_tokens + k - 1): return None
+    for seq in seqs: self.blocks.grow(seq.draft_block_table, seq.num_tokens + k - 1)
+    # catch-up pass: every token the draft has not read yet, the newest last; its logits give draft 1
+    items = [WorkItem(s.draft_block_table, s.draft_num_computed, s.token_ids[s.draft_num_computed:]) for s in seqs]
+    singles = [i for i, w in enumerate(items) if len(w.tokens) == 1]
+    chunks = [i for i, w in enumerate(items) if len(w.tokens) > 1]
+    one, many, _ = self.runner.execute([items[i] for i in singles], [items[i] for i in chunks])
+    logits = np.empty((len(seqs), one.shape[-1] if len(one) else many.shape[-1]), np.float32)
+    logits[singles], logits[chunks] = one, many
+    for s in seqs: s.draft_num_computed = s.num_tokens
+    drafts: list[list[int]] = [[] for _ in seqs]
+    qs: list[list[np.ndarray]] = [[] for _ in seqs]
+    for step in range(k):
+      for i, seq in enumerate(seqs):
+        processed = penalize(seq, logits[i], drafts[i])
+        if seq.params.greedy: drafts[i].append(int(np.argmax(processed)))
+        else:
+          q = sampler.probabilities(processed, seq.params)
+          qs[i].append(q)
+          drafts[i].append(sampler.draw(q, seq.generator))
+      if step == k - 1: break   # the last draft is only verified, never read by the draft
+      logits, _, _ = self.runner.execute([WorkItem(s.draft_block_table, s.num_tokens + step, [d[-1]]) for s, d in zip(seqs, drafts)])
+      for s in seqs: s.draft_num_computed += 1
+    return [Proposal(d, None if s.params.greedy else np.stack(q)) for s, d, q in zip(seqs, drafts, qs)]
+
+
+@dataclass
+class SpecPolicy:
+  """Speculate in a step only when it is expected to beat plain decoding at this batch size.
+
+  With acceptance rate a per drafted token, a speculative step yields E = (1 - a^(k+1)) / (1 - a) tokens per
+  sequence. It pays when E / t_spec > 1 / t_plain, where t_spec (k draft passes + one verify pass) and t_plain
+  (one ordinary decode step) are running averages measured at the same batch-size bucket. Until both are
+  measured for a bucket, it tries each once; afterwards it re-measures the option not taken every
+  `probe_every` steps, so a change in acceptance (new prompts) or in cost is noticed."""
+  k: int
+  always: bool = False                         # speculate every step (measurements and tests)
+  probe_every: int = 16
+  smoothing: float = 0.2
+  acceptance: float = 0.7                      # running acceptance rate (prior: a typical self-draft)
+  t_spec: dict[int, float] = field(default_factory=dict)
+  t_plain: dict[int, float] = field(default_factory=dict)
+  steps: dict[int, int] = field(default_factory=dict)
+
+  def expected_tokens(self) -> float:
+    a = min(self.acceptance, 0.999)
+    return (1 - a ** (self.k + 1)) / (1 - a)
+
+  def should_speculate(self, batch: int) -> bool:
+    b = bucket(batch)
+    n = self.steps[b] = self.steps.get(b, 0) + 1
+    if self.always or b not in self.t_spec: return True
+    if b not in self.t_plain: return False
+    choice = self.expected_tokens() / self.t_spec[b] > 1 / self.t_plain[b]
+    return (not choice) if n % self.probe_every == 0 else choice
+
+  def record_spec(self, batch: int, proposed: int, accepted: int, seconds: float) -> None:
+    if proposed: self.acceptance += self.smoothing * (accepted / proposed - self.acceptance)
+    self._average(self.t_spec, bucket(batch), seconds)
+
+  def record_plain(self, batch: int, seconds: float) -> None: self._average(self.t_plain, bucket(batch), seconds)
+
+  def _average(self, table: dict[int, float], b: int, seconds: float) -> None:
+    table[b] = seconds if b not in table else table[b] + self.smoothing * (seconds - table[b])
+
