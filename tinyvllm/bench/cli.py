@@ -38,6 +38,7 @@ def parser() -> argparse.ArgumentParser:
   m.add_argument("--kernel-backend", default="auto", help="auto, portable, metal or emulator")
   m.add_argument("--draft-model", default=None, help="speculative decoding: runs go with speculation off and on")
   m.add_argument("--num-speculative-tokens", type=int, default=None)
+  m.add_argument("--speculation", default=None, help="auto or always (passed through when given)")
   m.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (prefill chunk length)")
   r = p.add_argument_group("runs")
   r.add_argument("--runs", default="decode,prefill,serving", help="which of decode, prefill, serving")
@@ -45,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
   r.add_argument("--context-lens", type=_ints, default=[128], help="decode context lengths (prompt tokens), e.g. 128,1024,4096")
   r.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
   r.add_argument("--warmup", type=int, default=3, help="decode steps before timing (the first captures the shape)")
+  r.add_argument("--repeats", type=int, default=1, help="time each decode/prefill run this many times in a row; "
+                 "the median is reported and every repeat is kept in the JSON (a noise measure)")
   r.add_argument("--prefill-lens", type=_ints, default=[128, 512], help="prefill prompt lengths")
   r.add_argument("--serving-requests", type=int, default=16)
   r.add_argument("--serving-rate", type=float, default=2.0, help="mean arrivals per second (Poisson)")
@@ -56,8 +59,10 @@ def parser() -> argparse.ArgumentParser:
   c.add_argument("--bandwidth-reps", type=int, default=5, help="best of this many runs")
   c.add_argument("--matmul-size", type=int, default=1024, help="n of the n x n x n matmul")
   q = p.add_argument_group("peers")
-  q.add_argument("--peers", default="hf,llamacpp", help="hf (transformers, float32) and/or llamacpp (llama-cpp-python)")
+  q.add_argument("--peers", default="hf,llamacpp", help="hf (transformers, float32), llamacpp (llama-cpp-python on the GGUF as it is), "
+                                                         "llamacpp-f32 (the GGUF dequantized to F32, written once to the cache)")
   q.add_argument("--no-peers", action="store_true")
+  q.add_argument("--peer-threads", type=int, default=None, help="threads for the peers (default: every core)")
   q.add_argument("--llamacpp-gguf", type=Path, default=None, help="GGUF for llama.cpp (default: --model when it is a GGUF)")
   o = p.add_argument_group("output")
   o.add_argument("--json", type=Path, default=None, help="write one record per run")
@@ -72,6 +77,7 @@ def _engine_kwargs(args, speculative: bool, max_len: int, num_blocks: int, max_s
   if speculative:
     kw["draft_model"] = args.draft_model
     if args.num_speculative_tokens is not None: kw["num_speculative_tokens"] = args.num_speculative_tokens
+    if args.speculation is not None: kw["speculation"] = args.speculation
   return kw
 
 
@@ -79,7 +85,7 @@ def _cache_plan(args, runs: set[str]) -> tuple[int, int, int]:
   """(max_model_len, KV blocks, max sequences) that hold the largest run at once, with room for the tokens
   decoded while warming up and timing (speculation may run several ahead)."""
   spec = (args.num_speculative_tokens or 4) + 1 if args.draft_model else 1
-  extra = (args.warmup + args.steps + 2) * spec + 16
+  extra = (args.warmup + args.steps * args.repeats + 2) * spec + 16
   need, max_len, max_seqs = [], 64, 1
   if "decode" in runs:
     need += [b * (c + extra) for b in args.batch_sizes for c in args.context_lens]
@@ -93,6 +99,12 @@ def _cache_plan(args, runs: set[str]) -> tuple[int, int, int]:
     need.append(args.serving_requests * per)
     max_len, max_seqs = max(max_len, per), max(max_seqs, min(args.serving_requests, 32))
   return max_len, -(-max(need) // 16) + 2 * max_seqs + 8, max_seqs
+
+
+def _median(results: list[dict]) -> dict:
+  """The repeat with the median tok/s, with every repeat's tok/s beside it."""
+  mid = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
+  return mid | {"tokens_per_s_repeats": [r["tokens_per_s"] for r in results]}
 
 
 def _model_name(path: Path) -> str: return path.name if path.name else str(path)
@@ -144,12 +156,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for b in args.batch_sizes if "decode" in runs else []:
       for ctx in args.context_lens:
         bar.set_postfix_str(f"decode B={b} ctx={ctx}")
-        rec = runs_mod.decode_run(drv, b, ctx, args.steps, args.warmup, rng, max_tokens - ctx - 1)
+        rec = runs_mod.decode_run(drv, b, ctx, args.steps, args.warmup, rng, max_tokens - ctx - 1, args.repeats)
         records.append(report.finalize(rec, ceilings, common))
         bar.update()
     for n in args.prefill_lens if "prefill" in runs else []:
       bar.set_postfix_str(f"prefill {n}")
-      records.append(report.finalize(runs_mod.prefill_run(drv, n, rng), ceilings, common))
+      records.append(report.finalize(runs_mod.prefill_run(drv, n, rng, args.repeats), ceilings, common))
       bar.update()
     if "serving" in runs:
       bar.set_postfix_str("serving (a warm-up pass, then the timed pass)")
@@ -166,7 +178,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     name = peers_mod.PEER_NAMES[key]
     bar.set_postfix_str(f"loading {name}")
     try:
-      peer = peers_mod.load_peer(key, model_path, args.llamacpp_gguf, max(args.batch_sizes), max_len)
+      peer = peers_mod.load_peer(key, model_path, args.llamacpp_gguf, max(args.batch_sizes), max_len, args.peer_threads)
     except peers_mod.PeerUnavailable as e:
       notes.append(f"{name} skipped: {e}")
       bar.update(1 + n_decode + n_prefill)
@@ -176,17 +188,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for b in args.batch_sizes if "decode" in runs else []:
       for ctx in args.context_lens:
         bar.set_postfix_str(f"{name} decode B={b} ctx={ctx}")
-        results[("decode", b, ctx)] = peer.decode(b, ctx, args.steps, args.warmup, rng) | extra
+        results[("decode", b, ctx)] = _median([peer.decode(b, ctx, args.steps, args.warmup, rng) for _ in range(args.repeats)]) | extra
         bar.update()
     for n in args.prefill_lens if "prefill" in runs else []:
       bar.set_postfix_str(f"{name} prefill {n}")
-      results[("prefill", 1, n)] = peer.prefill(n, rng) | extra
+      results[("prefill", 1, n)] = _median([peer.prefill(n, rng) for _ in range(args.repeats)]) | extra
       bar.update()
     peer_results[name] = results
     peer_records += [{"engine": name, "device": ceilings.device, "machine": device.machine_description(),
                       "model": _model_name(model_path), "kind": k, "batch_size": b, "context_len": ctx} | r
                      for (k, b, ctx), r in results.items()]
     notes.append(f"{name}: {peer.precision} weights, {peer.threads} threads")
+    if hasattr(peer, "close"): peer.close()
     del peer
     gc.collect()
   bar.close()

@@ -4,6 +4,8 @@
                  called step by step with its KV cache; torch uses every core.
   llama.cpp      llama-cpp-python on a GGUF file (the default model is the original Q4_1 GGUF); several
                  sequences decode together in one llama_batch; every core.
+  llama.cpp F32  the same GGUF with every tensor dequantized to F32 (written once into the cache): the weights
+                 tinyvllm runs in float32, so the fp32 comparison is like for like.
 Each peer is optional: an import failure turns into a note, never an error.
 """
 from __future__ import annotations
@@ -11,8 +13,8 @@ import os, time
 from pathlib import Path
 import numpy as np
 
-PEERS = ("hf", "llamacpp")
-PEER_NAMES = {"hf": "transformers", "llamacpp": "llama.cpp"}
+PEERS = ("hf", "llamacpp", "llamacpp-f32")
+PEER_NAMES = {"hf": "transformers", "llamacpp": "llama.cpp", "llamacpp-f32": "llama.cpp F32"}
 
 
 class PeerUnavailable(RuntimeError):
@@ -93,6 +95,8 @@ class LlamaCppPeer:
     self.batch = llama_cpp.llama_batch_init(max(self.n_batch, max_batch), 0, max_batch)
     types = {t.name for t in _gguf_tensor_types(gguf)}
     self.precision = "+".join(sorted(types - {"F32"})) or "F32"
+    self._clear()   # one short run first: llama.cpp's thread pool is slow on its first steps
+    self._prefill(np.zeros((1, 16), np.int64))
 
   def close(self) -> None:
     if self.batch is not None: self.lc.llama_batch_free(self.batch)
@@ -147,9 +151,15 @@ def _gguf_tensor_types(path: Path):
   return [t.tensor_type for t in GGUFReader(path).tensors]
 
 
-def load_peer(key: str, model_path: Path, llamacpp_gguf: Path | None, max_batch: int, max_context: int):
-  if key == "hf": return HFPeer(model_path)
-  if key == "llamacpp": return LlamaCppPeer(llamacpp_gguf or model_path, max_batch, max_context)
+def load_peer(key: str, model_path: Path, llamacpp_gguf: Path | None, max_batch: int, max_context: int,
+              threads: int | None = None):
+  if key == "hf": return HFPeer(model_path, threads)
+  if key in ("llamacpp", "llamacpp-f32"):
+    gguf = llamacpp_gguf or model_path
+    if key == "llamacpp-f32" and gguf.suffix == ".gguf":
+      if {t.name for t in _gguf_tensor_types(gguf)} <= {"F32"}: raise PeerUnavailable(f"{gguf.name} is already F32: see llama.cpp")
+      gguf = float32_gguf(gguf)
+    return LlamaCppPeer(gguf, max_batch, max_context, threads)
   raise ValueError(f"unknown peer {key!r}; choose from {', '.join(PEERS)}")
 
 

@@ -7,29 +7,30 @@ from tinyvllm.bench.device import Ceilings
 
 
 def finalize(run: dict, ceilings: Ceilings, common: dict) -> dict:
-  """Add the roofline figures to a run from runs.py. Bytes per token divides the step traffic by the tokens
-  the run produced (generated tokens for decode and serving, prompt tokens for prefill)."""
+  """Add the roofline figures to a run from runs.py. Traffic is averaged over every timed step; the time of a
+  step is the run's `ms_per_step` (the median repeat; for serving, busy time only). Bytes per token divide a step's
+  traffic by the tokens a step produced (generated tokens for decode and serving, prompt tokens for prefill)."""
   rec = dict(common) | run
-  tr: Traffic = rec.pop("traffic")
-  steps, tokens = max(1, rec["steps"]), max(1, rec["tokens"])
-  busy = rec.get("busy_seconds") or rec["seconds"]
+  tr: Traffic = rec.pop("traffic").scaled(1 / max(1, rec["steps"]))     # per step
+  step_s = rec["ms_per_step"] / 1e3
+  tokens_per_step = rec["tokens_per_step"]
   bw, peak = ceilings.bandwidth_gbps * 1e9, ceilings.matmul_gflops * 1e9
   ideal = max(tr.total_bytes / bw if bw else 0.0, tr.flops / peak if peak else 0.0)
-  achieved = tr.total_bytes / busy / 1e9
+  achieved = tr.total_bytes / step_s / 1e9
   rec.update({
-    "bytes_per_step": tr.total_bytes / steps, "bytes_per_token": tr.total_bytes / tokens,
-    "weight_bytes_per_step": tr.weight_bytes / steps, "kv_read_bytes_per_step": tr.kv_read_bytes / steps,
-    "kv_write_bytes_per_step": tr.kv_write_bytes / steps, "activation_bytes_per_step": tr.activation_bytes / steps,
-    "flops_per_step": tr.flops / steps, "arithmetic_intensity": tr.intensity,
-    "achieved_gbps": achieved, "achieved_gflops": tr.flops / busy / 1e9,
+    "bytes_per_step": tr.total_bytes, "bytes_per_token": tr.total_bytes / tokens_per_step,
+    "weight_bytes_per_step": tr.weight_bytes, "kv_read_bytes_per_step": tr.kv_read_bytes,
+    "kv_write_bytes_per_step": tr.kv_write_bytes, "activation_bytes_per_step": tr.activation_bytes,
+    "flops_per_step": tr.flops, "arithmetic_intensity": tr.intensity,
+    "achieved_gbps": achieved, "achieved_gflops": tr.flops / step_s / 1e9,
     "measured_bandwidth_gbps": ceilings.bandwidth_gbps, "published_bandwidth_gbps": ceilings.published_gbps,
     "measured_gflops": ceilings.matmul_gflops,
     "bandwidth_fraction": achieved / ceilings.bandwidth_gbps if ceilings.bandwidth_gbps else None,
     "published_bandwidth_fraction": achieved / ceilings.published_gbps if ceilings.published_gbps else None,
     # time the roofline allows (bytes at the measured bandwidth or FLOPs at the measured matmul rate, whichever is
     # longer) over the time taken: 1.0 is the ceiling
-    "roofline_fraction": ideal / busy if busy else None,
-    "roofline_tokens_per_s": tokens / ideal if ideal else None,
+    "roofline_fraction": ideal / step_s if step_s else None,
+    "roofline_tokens_per_s": tokens_per_step / ideal if ideal else None,
   })
   return rec
 

@@ -80,37 +80,52 @@ class Driver:
     for rid in request_ids: self.engine.abort_request(rid)
 
 
-def decode_run(drv: Driver, batch: int, context: int, steps: int, warmup: int, rng, max_tokens: int) -> dict:
-  """`batch` requests with `context`-token prompts; prefill them all, warm up, then time `steps` decode steps."""
+def _median_run(runs: list[tuple[float, int, int]]) -> tuple[float, int, int]:
+  """The (seconds, tokens, steps) of the repeat with the median tokens/s (the upper median of an even count)."""
+  return sorted(runs, key=lambda r: r[1] / r[0])[len(runs) // 2]
+
+
+def decode_run(drv: Driver, batch: int, context: int, steps: int, warmup: int, rng, max_tokens: int,
+               repeats: int = 1) -> dict:
+  """`batch` requests with `context`-token prompts; prefill them all, warm up, then time `steps` decode steps,
+  `repeats` times in a row (reported: the median repeat, and every repeat's tok/s)."""
   params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
   ids = [drv.engine.add_request(drv.random_prompt(rng, context), params) for _ in range(batch)]
   seqs = [s for rid in ids for s in drv.engine.requests[rid].seqs]
   while any(s.is_prefilling or s.status.name == "WAITING" for s in seqs): drv.run_step()
   for _ in range(warmup): drv.run_step()
-  start_tokens = [s.num_tokens for s in seqs]
-  log = StepLog()
-  for _ in range(steps): drv.run_step(log)
-  generated = sum(s.num_tokens - n for s, n in zip(seqs, start_tokens))
+  first_tokens = [s.num_tokens for s in seqs]
+  log, runs = StepLog(), []
+  for _ in range(repeats):
+    start_tokens, start_seconds = [s.num_tokens for s in seqs], log.seconds
+    for _ in range(steps): drv.run_step(log)
+    runs.append((log.seconds - start_seconds, sum(s.num_tokens - n for s, n in zip(seqs, start_tokens)), steps))
   finished_early = sum(s.is_finished for s in seqs)
   drv.finish_all(ids)
+  seconds, tokens, n = _median_run(runs)
   return {"kind": "decode", "batch_size": batch, "context_len": context,
-          "mean_context_len": float(np.mean([(n + s.num_tokens - 1) / 2 for s, n in zip(seqs, start_tokens)])),
-          "steps": log.steps, "seconds": log.seconds, "tokens": generated,
-          "tokens_per_s": generated / log.seconds, "ms_per_step": 1e3 * log.seconds / log.steps,
-          "finished_early": finished_early, "traffic": log.traffic}
+          "mean_context_len": float(np.mean([(a + s.num_tokens - 1) / 2 for s, a in zip(seqs, first_tokens)])),
+          "steps": log.steps, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+          "ms_per_step": 1e3 * seconds / n, "tokens_per_step": tokens / n,
+          "tokens_per_s_repeats": [t / sec for sec, t, _ in runs], "finished_early": finished_early, "traffic": log.traffic}
 
 
-def prefill_run(drv: Driver, prompt_len: int, rng) -> dict:
-  """Time one prompt from admission to its first token; an identical-length prompt first captures the shapes."""
+def prefill_run(drv: Driver, prompt_len: int, rng, repeats: int = 1) -> dict:
+  """Time prompts from admission to their first token, `repeats` times; a first prompt of the same length,
+  not timed, captures the shapes."""
   params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-  for measured in (False, True):
-    log = StepLog()
+  log, runs = StepLog(), []
+  for i in range(1 + repeats):
+    this = StepLog() if i == 0 else log
+    start_seconds, start_steps = log.seconds, log.steps
     rid = drv.engine.add_request(drv.random_prompt(rng, prompt_len), params)
-    while rid in drv.engine.requests: drv.run_step(log)
+    while rid in drv.engine.requests: drv.run_step(this)
+    if i: runs.append((log.seconds - start_seconds, prompt_len, log.steps - start_steps))
+  seconds, tokens, n = _median_run(runs)
   return {"kind": "prefill", "batch_size": 1, "context_len": prompt_len, "mean_context_len": prompt_len / 2,
-          "steps": log.steps, "seconds": log.seconds, "tokens": prompt_len,
-          "tokens_per_s": prompt_len / log.seconds, "ms_per_step": 1e3 * log.seconds / log.steps,
-          "traffic": log.traffic}
+          "steps": log.steps, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+          "ms_per_step": 1e3 * seconds / n, "tokens_per_step": tokens / n,
+          "tokens_per_s_repeats": [t / sec for sec, t, _ in runs], "traffic": log.traffic}
 
 
 @dataclass(frozen=True)
@@ -136,7 +151,7 @@ def serving_run(drv: Driver, workload: Workload, rng) -> dict:
   pending = deque(requests)
   arrival, times, counts = {}, {}, {}
   log, peak_batch = StepLog(), 0
-  shapes_before = len(drv.engine.runner.jits)
+  shapes_before = len(getattr(drv.engine.runner, "jits", ()))
   start = time.perf_counter()
   while pending or drv.engine.has_unfinished_requests():
     now = time.perf_counter() - start
@@ -165,5 +180,6 @@ def serving_run(drv: Driver, workload: Workload, rng) -> dict:
           "prompt_lens": list(workload.prompt_lens), "output_lens": list(workload.output_lens),
           "steps": log.steps, "seconds": wall, "busy_seconds": log.seconds, "tokens": generated,
           "tokens_per_s": generated / wall, "ms_per_step": 1e3 * log.seconds / max(1, log.steps),
+          "tokens_per_step": generated / max(1, log.steps),
           "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
-          "shapes_captured_while_timed": len(drv.engine.runner.jits) - shapes_before, "traffic": log.traffic}
+          "shapes_captured_while_timed": len(getattr(drv.engine.runner, "jits", ())) - shapes_before, "traffic": log.traffic}
