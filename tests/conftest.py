@@ -72,14 +72,15 @@ def tiny_model_factory(tmp_path_factory):
 def tiny_model(tiny_model_factory) -> Path: return tiny_model_factory("gqa")
 
 
-def our_prefill_logits(path: Path, ids: list[int], kernel_backend: str = "portable", block_size: int = 16) -> "np.ndarray":
+def our_prefill_logits(path: Path, ids: list[int], kernel_backend: str = "portable", block_size: int = 16,
+                       quantization: str | None = None) -> "np.ndarray":
   """Our model's logits at every position of `ids`, read through a scattered block table (no engine)."""
   import numpy as np
   from tinygrad import Device, Tensor
   from tinyvllm.kernels import AttentionGroup, Kernels
   from tinyvllm.model.llama import Llama, ModelInputs
   from tinyvllm.model.weights import load_checkpoint
-  ckpt = load_checkpoint(path)
+  ckpt = load_checkpoint(path, quantization)
   cfg, dev, T = ckpt.config, Device.DEFAULT, len(ids)
   model = Llama(cfg, ckpt.tensors, "float32", dev, Kernels(kernel_backend, dev), cfg.max_position_embeddings)
   n_blocks = -(-T // block_size)

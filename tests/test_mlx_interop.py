@@ -113,3 +113,20 @@ def test_our_checkpoint_runs_in_mlx_lm(tiny_model_factory, tmp_path, embeddings)
     save_file({k: v.astype(np.float32) if k.endswith((".scales", ".biases")) else np.ascontiguousarray(v) for k, v in q.items()},
               str(out32 / "model.safetensors"))
     np.testing.assert_allclose(mlx_logits(out32, tokens), ours, rtol=0, atol=2e-4 * np.abs(ours).max())
+
+
+def test_mlx_checkpoint_runs_in_tinyvllm(mlx_quantized):
+  """An mlx_lm.convert -q checkpoint through our loader and kernels: logits vs mlx-lm's own, and vs transformers
+  on the same dequantized weights."""
+  from conftest import our_prefill_logits
+  src, out = mlx_quantized
+  tokens = np.random.default_rng(3).integers(4, 380, 24).tolist()
+  ours = our_prefill_logits(out, tokens)
+  ref = mlx_logits(out, tokens)
+  # mlx keeps scales/biases in the source dtype (float32 here); our layout stores them in float16, which moves a
+  # weight by up to 2^-11 of its scale: about 1e-3 relative on the logits of this tiny model, hence 1e-2
+  assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-2
+  q = {}
+  for f in sorted(out.glob("*.safetensors")): q.update(read_safetensors(f))
+  exact = hf_logits(out, dequantize_all(int4.float16_params(q), 32), tokens)   # the same float16 scales as ours
+  assert np.linalg.norm(ours - exact) / np.linalg.norm(exact) < 1e-4            # exact float maths in our int4 kernels

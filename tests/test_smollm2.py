@@ -53,3 +53,11 @@ def test_chat_answer_matches_transformers(hf):
   assert out.prompt_token_ids == ids                      # our tokenizer and chat template agree with transformers'
   assert out.outputs[0].token_ids == want
   assert out.outputs[0].text == tok.decode(want)
+
+
+def test_int4_weights_under_a_third_of_fp16(gguf_path):
+  from tinyvllm.model.weights import load_checkpoint
+  fp = load_checkpoint(gguf_path, quantization="none")
+  q4 = load_checkpoint(gguf_path, quantization="int4")
+  fp16_bytes = sum(t.size for t in fp.tensors.values()) * 2
+  assert sum(t.nbytes for t in q4.tensors.values()) < fp16_bytes / 3

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import our_prefill_logits
 from tinyvllm.config import ConfigError, ModelConfig
 from tinyvllm.model.weights import ModelLoadError, load_checkpoint
+from tinyvllm.quant import int4
 
 GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -76,11 +77,19 @@ def llama_cpp_permute_inverse(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def test_gguf_tensor_types_and_row_order(tiny_model, tmp_path):
   expected = write_gguf(tiny_model, tmp_path / "tiny.gguf")
-  ckpt = load_checkpoint(tmp_path / "tiny.gguf")
+  ckpt = load_checkpoint(tmp_path / "tiny.gguf", quantization="none")     # everything dequantized to float
   assert ckpt.config.num_key_value_heads == 2 and ckpt.config.rope_theta == 10000.0 and not ckpt.config.tie_word_embeddings
-  assert set(ckpt.tensors) == set(expected)
+  assert set(ckpt.tensors) == set(expected) and ckpt.config.quantization is None
   for name, want in expected.items():
     np.testing.assert_array_equal(np.asarray(ckpt.tensors[name], np.float32), want, err_msg=name)
+  packed = load_checkpoint(tmp_path / "tiny.gguf")                        # default: Q4_0/Q4_1 linears stay 4-bit
+  assert packed.config.quantization == {"group_size": 32, "bits": 4}
+  q4 = [n for n in expected if n.endswith(("q_proj.weight", "k_proj.weight", "gate_proj.weight", "up_proj.weight"))]
+  assert q4 and all(packed.tensors[n].dtype == np.uint32 for n in q4)
+  for name in q4:   # code for code: the packed form dequantizes to exactly what gguf's own dequantizer gives
+    base = name[:-len(".weight")]
+    np.testing.assert_array_equal(int4.dequantize(packed.tensors[name], packed.tensors[f"{base}.scales"], packed.tensors[f"{base}.biases"]),
+                                  expected[name], err_msg=name)
 
 
 def test_gguf_model_logits_match_hf_on_the_same_weights(tiny_model, tmp_path):

@@ -120,6 +120,7 @@ class EngineConfig:
   kv_cache_memory_fraction: float = 0.1     # share of free memory (after weights) the KV cache takes when num_kv_blocks is None
   watermark: float = 0.01                   # share of KV blocks kept free when admitting new sequences
   seed: int = 0
+  quantization: str | None = None           # None: as the checkpoint is; "int4": quantize floats at load; "none": dequantize
   draft_model: str | None = None            # speculative decoding: a draft checkpoint with the same vocabulary, or "self:N"
   num_speculative_tokens: int = 4           # tokens the draft proposes per step
   speculation: str = "auto"                 # "auto": per step, when measured to pay (docs/speculative.md); "always"
@@ -140,6 +141,8 @@ class EngineConfig:
     if not 0 < self.kv_cache_memory_fraction <= 1:
       raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
     if not 0 <= self.watermark < 1: raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+    if self.quantization not in (None, "int4", "none"):
+      raise ConfigError(f"quantization must be None, 'int4' or 'none', got {self.quantization!r}")
     if self.speculation not in ("auto", "always"):
       raise ConfigError(f"speculation must be 'auto' or 'always', got {self.speculation!r}")
     if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:

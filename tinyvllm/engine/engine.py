@@ -35,7 +35,7 @@ class LLMEngine:
   def __init__(self, config: EngineConfig):
     self.config = config
     self.device = Device.DEFAULT
-    ckpt = load_checkpoint(config.model)
+    ckpt = load_checkpoint(config.model, config.quantization)
     self.model_config = ckpt.config
     self.tokenizer = load_tokenizer(ckpt.path)
     dtype = default_dtype(self.device) if config.dtype == "auto" else config.dtype

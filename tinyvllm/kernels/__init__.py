@@ -64,7 +64,18 @@ class Kernels:
   def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return portable.rms_norm(x, weight, eps)
 
-  def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+  def linear(self, x: Tensor, w: dict[str, Tensor]) -> Tensor:
+    """x `[T, in]` @ W^T (+ bias). `w`: "weight" (float `[out, in]`, or packed 4-bit `[out, in/8]` with
+    "scales"/"biases" `[out, in/G]`), optional "bias"."""
+    weight, bias = w["weight"], w.get("bias")
+    if "scales" in w:
+      group = x.shape[-1] // w["scales"].shape[-1]
+      if self.shaders is not None:
+        from tinyvllm.kernels import metal
+        y = metal.int4_matmul(x, weight, w["scales"], w["biases"], group, backend=self.shaders)
+      elif self.cpu and x.dtype == dtypes.float32: y = cpu.int4_linear(x, weight, w["scales"], w["biases"], group)
+      else: y = portable.int4_linear(x, weight, w["scales"], w["biases"], group)
+      return y if bias is None else y + bias
     if self.cpu and x.dtype == weight.dtype == dtypes.float32: return cpu.linear_f32(x, weight, bias)
     return portable.linear(x, weight, bias)
 

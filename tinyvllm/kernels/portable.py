@@ -80,3 +80,11 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group
   w = q.reshape(N, K // group_size, group_size).cast(x.dtype) * scales.cast(x.dtype).reshape(N, -1, 1) \
       + biases.cast(x.dtype).reshape(N, -1, 1)                                         # (N, K/G, G)
   return x @ w.reshape(N, K).T
+
+
+def int4_rows(packed: Tensor, scales: Tensor, biases: Tensor) -> Tensor:
+  """Dequantize gathered rows: packed `[T, K/8]` uint32, scales/biases `[T, K/G]` -> float32 `[T, K]`
+  (an embedding lookup into a 4-bit table)."""
+  T, words = packed.shape
+  q = Tensor.stack(*[(packed >> (4 * i)) & 0xF for i in range(8)], dim=-1).reshape(T, scales.shape[1], -1)   # (T, K/G, G)
+  return (q.cast(dtypes.float32) * scales.float().reshape(T, -1, 1) + biases.float().reshape(T, -1, 1)).reshape(T, words * 8)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 from tinygrad import Tensor, dtypes
 from tinyvllm.config import ModelConfig
-from tinyvllm.kernels import AttentionGroup, Kernels
+from tinyvllm.kernels import AttentionGroup, Kernels, portable
+from tinyvllm.quant import int4
 from tinyvllm.model.rope import cos_sin_table, inverse_frequencies
 from tinyvllm.model.weights import ModelLoadError
 
@@ -34,8 +35,7 @@ class LlamaLayer:
   def with_tensors(self, tensors: list[Tensor]) -> LlamaLayer:
     return LlamaLayer(self.cfg, dict(zip(self.weights, tensors, strict=True)), self.kernels)
 
-  def linear(self, name: str, x: Tensor) -> Tensor:
-    return self.kernels.linear(x, self.weights[f"{name}.weight"], self.weights.get(f"{name}.bias"))
+  def linear(self, name: str, x: Tensor) -> Tensor: return self.kernels.linear(x, linear_params(self.weights, name))
 
   def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
     cfg, kn, w = self.cfg, self.kernels, self.weights
@@ -58,15 +58,23 @@ class LlamaLayer:
     return (h + self.linear("mlp.down_proj", act)).contiguous()
 
 
+LINEAR_PARTS = ("weight", "bias", "scales", "biases")   # a linear: its weight, optional bias, and 4-bit group params
+
+
+def linear_params(w: dict[str, Tensor], name: str) -> dict[str, Tensor]:
+  """The tensors of linear `name` in a flat weight dict: weight (float, or packed 4-bit with scales/biases), bias."""
+  return {part: w[f"{name}.{part}"] for part in LINEAR_PARTS if f"{name}.{part}" in w}
+
+
 class Llama:
   def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str, kernels: Kernels,
                max_positions: int):
     self.cfg, self.kernels, self.device = cfg, kernels, device
     self.dtype = dtypes.float32 if dtype == "float32" else dtypes.float16
     w = {name: Tensor(arr, device=device).realize() for name, arr in self._prepare(cfg, tensors, dtype).items()}
-    self.embed_tokens = w["model.embed_tokens.weight"]
+    self.embed_tokens = linear_params(w, "model.embed_tokens")       # 4-bit in MLX checkpoints with quantized embeddings
     self.norm = w["model.norm.weight"]
-    self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else w["lm_head.weight"]
+    self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else linear_params(w, "lm_head")
     self.layers = [LlamaLayer(cfg, {k[len(f"model.layers.{i}."):]: t for k, t in w.items() if k.startswith(f"model.layers.{i}.")}, kernels)
                    for i in range(cfg.num_hidden_layers)]
     inv_freq = inverse_frequencies(cfg, tensors.get("rope_freqs.weight"))
@@ -74,39 +82,52 @@ class Llama:
 
   @staticmethod
   def _prepare(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
-    """Check every tensor's shape, fuse q/k/v and gate/up, cast to the model dtype."""
+    """Check every tensor's shape, fuse q/k/v and gate/up, cast floats to the model dtype. 4-bit linears
+    (`.weight` packed uint32 `[N, K/8]`, `.scales`/`.biases` float16 `[N, K/G]`) stay packed."""
     np_dtype = np.float32 if dtype == "float32" else np.float16
-    expect = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "model.norm.weight": (cfg.hidden_size,)}
-    if not cfg.tie_word_embeddings: expect["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    linears = {"model.embed_tokens": (cfg.vocab_size, cfg.hidden_size)}
+    if not cfg.tie_word_embeddings: linears["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
+    vectors = {"model.norm.weight": cfg.hidden_size}
+    for i in range(cfg.num_hidden_layers):
+      p = f"model.layers.{i}"
+      vectors.update({f"{p}.input_layernorm.weight": cfg.hidden_size, f"{p}.post_attention_layernorm.weight": cfg.hidden_size})
+      shapes = {"self_attn.q_proj": (cfg.q_size, cfg.hidden_size), "self_attn.k_proj": (cfg.kv_size, cfg.hidden_size),
+                "self_attn.v_proj": (cfg.kv_size, cfg.hidden_size), "self_attn.o_proj": (cfg.hidden_size, cfg.q_size),
+                "mlp.gate_proj": (cfg.intermediate_size, cfg.hidden_size), "mlp.up_proj": (cfg.intermediate_size, cfg.hidden_size),
+                "mlp.down_proj": (cfg.hidden_size, cfg.intermediate_size)}
+      linears.update({f"{p}.{n}": s for n, s in shapes.items()})
+      biased = (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"] if cfg.attention_bias else []) + \
+               (["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"] if cfg.mlp_bias else [])
+      vectors.update({f"{p}.{n}.bias": shapes[n][0] for n in biased})
+    out = {}
+    for name, size in vectors.items():
+      _check(tensors, name, (size,), cfg)
+      out[name] = np.ascontiguousarray(tensors[name], dtype=np_dtype)
+    for name, (n, k) in linears.items():
+      if f"{name}.scales" in tensors:                       # packed 4-bit
+        groups = tensors[f"{name}.scales"].shape[-1]
+        _check(tensors, f"{name}.weight", (n, k // 8), cfg)
+        for part in ("scales", "biases"): _check(tensors, f"{name}.{part}", (n, groups), cfg)
+        if k % groups: raise ModelLoadError(f"{name}: {groups} quantization groups do not divide its {k} inputs")
+        out[f"{name}.weight"] = np.ascontiguousarray(tensors[f"{name}.weight"]).view(np.uint32)
+        out.update({f"{name}.{part}": np.ascontiguousarray(tensors[f"{name}.{part}"], dtype=np.float16) for part in ("scales", "biases")})
+      else:
+        _check(tensors, f"{name}.weight", (n, k), cfg)
+        out[f"{name}.weight"] = np.ascontiguousarray(tensors[f"{name}.weight"], dtype=np_dtype)
     fuse = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
     for i in range(cfg.num_hidden_layers):
-      p = f"model.layers.{i}"
-      expect.update({f"{p}.input_layernorm.weight": (cfg.hidden_size,), f"{p}.post_attention_layernorm.weight": (cfg.hidden_size,),
-                     f"{p}.self_attn.q_proj.weight": (cfg.q_size, cfg.hidden_size),
-                     f"{p}.self_attn.k_proj.weight": (cfg.kv_size, cfg.hidden_size),
-                     f"{p}.self_attn.v_proj.weight": (cfg.kv_size, cfg.hidden_size),
-                     f"{p}.self_attn.o_proj.weight": (cfg.hidden_size, cfg.q_size),
-                     f"{p}.mlp.gate_proj.weight": (cfg.intermediate_size, cfg.hidden_size),
-                     f"{p}.mlp.up_proj.weight": (cfg.intermediate_size, cfg.hidden_size),
-                     f"{p}.mlp.down_proj.weight": (cfg.hidden_size, cfg.intermediate_size)})
-      if cfg.attention_bias:
-        expect.update({f"{p}.self_attn.q_proj.bias": (cfg.q_size,), f"{p}.self_attn.k_proj.bias": (cfg.kv_size,),
-                       f"{p}.self_attn.v_proj.bias": (cfg.kv_size,)})
-      if cfg.mlp_bias:
-        expect.update({f"{p}.mlp.{n}.bias": (s,) for n, s in (("gate_proj", cfg.intermediate_size),
-                       ("up_proj", cfg.intermediate_size), ("down_proj", cfg.hidden_size))})
-    for name, shape in expect.items():
-      if name not in tensors: raise ModelLoadError(f"checkpoint {cfg.source or ''} lacks the tensor {name}")
-      if tuple(tensors[name].shape) != shape:
-        raise ModelLoadError(f"tensor {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
-    out = {name: np.ascontiguousarray(tensors[name], dtype=np_dtype) for name in expect}
-    for i in range(cfg.num_hidden_layers):
-      p = f"model.layers.{i}"
       for fused, parts in fuse.items():
-        for kind in ("weight", "bias"):
-          names = [f"{p}.{part}.{kind}" for part in parts]
-          if names[0] in out: out[f"{p}.{fused}.{kind}"] = np.concatenate([out.pop(n) for n in names], axis=0)
+        names = [f"model.layers.{i}.{part}" for part in parts]
+        quantized = [f"{n}.scales" in out for n in names]
+        if any(quantized) and not all(quantized) or len({out[f"{n}.scales"].shape[1] * 8 // out[f"{n}.weight"].shape[1]
+                                                          for n in names if f"{n}.scales" in out}) > 1:
+          for n in names:   # mixed formats or group sizes cannot share one matmul: fuse as floats
+            if f"{n}.scales" in out:
+              out[f"{n}.weight"] = int4.dequantize(out[f"{n}.weight"], out.pop(f"{n}.scales"), out.pop(f"{n}.biases")).astype(np_dtype)
+        for part in LINEAR_PARTS:
+          if f"{names[0]}.{part}" in out:
+            out[f"model.layers.{i}.{fused}.{part}"] = np.concatenate([out.pop(f"{n}.{part}") for n in names], axis=0)
     return out
 
   def __call__(self, inp: ModelInputs, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
@@ -118,8 +139,18 @@ class Llama:
       h = layer(h, inp, self.cos_sin, k_cache, v_cache).realize()
     return self.logits(h, inp.logits_index)
 
-  def embed(self, tokens: Tensor) -> Tensor: return self.embed_tokens[tokens]       # (T, hidden)
+  def embed(self, tokens: Tensor) -> Tensor:
+    """(T, hidden): table rows, dequantized on the fly when the table is 4-bit."""
+    e = self.embed_tokens
+    if "scales" not in e: return e["weight"][tokens]
+    return portable.int4_rows(e["weight"][tokens], e["scales"][tokens], e["biases"][tokens]).cast(self.dtype)
 
   def logits(self, h: Tensor, rows: Tensor) -> Tensor:
     h = self.kernels.rms_norm(h[rows], self.norm, self.cfg.rms_norm_eps)            # (R, hidden)
     return self.kernels.linear(h, self.lm_head).float()
+
+
+def _check(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...], cfg: ModelConfig) -> None:
+  if name not in tensors: raise ModelLoadError(f"checkpoint {cfg.source or ''} lacks the tensor {name}")
+  if tuple(tensors[name].shape) != shape:
+    raise ModelLoadError(f"tensor {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")

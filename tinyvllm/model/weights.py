@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 from tinyvllm.config import ModelConfig, ConfigError
-from tinyvllm.quant import ggml
+from tinyvllm.quant import ggml, int4
 
 
 class ModelLoadError(ValueError):
@@ -44,12 +44,32 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def load_checkpoint(model: str | os.PathLike | None) -> Checkpoint:
+QUANTIZATION = (None, "int4", "none")
+
+
+def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = None) -> Checkpoint:
+  """quantization: None keeps the checkpoint as it is (4-bit weights stay packed: MLX 4-bit, GGUF Q4_0/Q4_1);
+  "int4" also quantizes every float linear and the embedding table (MLX-style, group 64, round-to-nearest: fast
+  enough to do at load; `python -m tinyvllm.quantize --method clip` writes better ones ahead of time);
+  "none" dequantizes everything to float."""
+  if quantization not in QUANTIZATION: raise ValueError(f"quantization must be None, 'int4' or 'none', got {quantization!r}")
   path = resolve_model(model)
   if path.is_file():
     if path.suffix != ".gguf" and not _is_gguf(path): raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
-    return load_gguf(path)
-  return load_hf_dir(path)
+    ckpt = load_gguf(path, keep_q4=quantization != "none")
+  else:
+    ckpt = load_hf_dir(path)
+  if quantization == "none" and any(k.endswith(".scales") for k in ckpt.tensors):
+    ckpt = dataclasses.replace(ckpt, tensors=int4.dequantize_state_dict(ckpt.tensors), config=dataclasses.replace(ckpt.config, quantization=None))
+  if quantization == "int4":
+    tensors, group = dict(ckpt.tensors), (ckpt.config.quantization or {}).get("group_size", 64)
+    for name, w in ckpt.tensors.items():
+      base = name[:-len(".weight")]
+      if w.ndim == 2 and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES) and f"{base}.scales" not in tensors \
+         and w.shape[1] % group == 0:
+        tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = int4.quantize(np.asarray(w, np.float32), group, "rtn")
+    ckpt = dataclasses.replace(ckpt, tensors=tensors, config=dataclasses.replace(ckpt.config, quantization={"group_size": group, "bits": 4}))
+  return ckpt
 
 
 # ---- HF directories ----
@@ -71,6 +91,11 @@ def load_hf_dir(path: Path) -> Checkpoint:
     if not (path / name).exists(): raise ModelLoadError(f"{path / name} is listed in {index.name} but missing")
     tensors.update(read_safetensors(path / name))
   tensors = {k: v for k, v in tensors.items() if "rotary_emb.inv_freq" not in k}
+  if config.quantization is not None:
+    if config.quantization.get("bits") != 4 or config.quantization.get("group_size") not in int4.GROUP_SIZES:
+      raise ModelLoadError(f"{cfg_file}: unsupported quantization {config.quantization}; tinyvllm reads 4-bit affine "
+                           f"groups of {', '.join(map(str, int4.GROUP_SIZES))}")
+    tensors = int4.float16_params(tensors)   # mlx-lm stores scales/biases in the source dtype
   return Checkpoint(config, tensors, path)
 
 
@@ -135,7 +160,8 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
   return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: Path) -> Checkpoint:
+def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
+  """keep_q4: Q4_0/Q4_1 linear weights become packed 4-bit groups of 32 (exactly, code for code) instead of floats."""
   from gguf import GGUFReader
   try: reader = GGUFReader(path)
   except Exception as e: raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
@@ -147,12 +173,20 @@ def load_gguf(path: Path) -> Checkpoint:
     if qtype not in GGUF_TENSOR_TYPES:
       raise ModelLoadError(f"{path}: tensor {t.name} has GGUF type {qtype}; supported: {', '.join(GGUF_TENSOR_TYPES)}")
     shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dimensions innermost first
-    if qtype in ggml.BLOCK_BYTES: arr = ggml.dequantize(t.data, qtype, shape)
+    name = hf_name(t.name)
+    packed = keep_q4 and qtype in ("Q4_0", "Q4_1") and int4.is_linear_weight(name)
+    if packed: arr = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
+    elif qtype in ggml.BLOCK_BYTES: arr = ggml.dequantize(t.data, qtype, shape)
     elif qtype == "BF16": arr = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
     else: arr = np.asarray(t.data).reshape(shape)
-    name = hf_name(t.name)
+    # rows move as whole rows, so raw quantized blocks are un-permuted just like floats
     if name.endswith("self_attn.q_proj.weight"): arr = unpermute_rope_rows(arr, config.num_attention_heads)
     if name.endswith("self_attn.k_proj.weight"): arr = unpermute_rope_rows(arr, config.num_key_value_heads)
-    tensors[name] = arr
+    if packed:
+      base = name[:-len(".weight")]
+      tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = int4.from_ggml_q4(arr, qtype, shape)
+    else:
+      tensors[name] = arr
   if "lm_head.weight" not in tensors: config = dataclasses.replace(config, tie_word_embeddings=True)
+  if any(k.endswith(".scales") for k in tensors): config = dataclasses.replace(config, quantization={"group_size": ggml.BLOCK, "bits": 4})
   return Checkpoint(config, tensors, path, gguf_meta=meta)

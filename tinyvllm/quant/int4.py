@@ -248,3 +248,13 @@ def float16_params(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """The contract's dtypes for a loaded quantized state dict: mlx-lm writes `.scales`/`.biases` in the source
   model's dtype (float32, or bf16 which our safetensors reader returns as float32); cast them to float16."""
   return {k: v.astype(np.float16) if k.endswith((".scales", ".biases")) and v.dtype != np.float16 else v for k, v in tensors.items()}
+
+
+def dequantize_state_dict(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Every quantized `<name>.weight/.scales/.biases` triple back to one float32 `<name>.weight`."""
+  out = {k: v for k, v in tensors.items() if not k.endswith((".scales", ".biases"))}
+  for k in tensors:
+    if k.endswith(".scales"):
+      base = k[:-len(".scales")]
+      out[f"{base}.weight"] = dequantize(tensors[f"{base}.weight"], tensors[k], tensors[f"{base}.biases"])
+  return out
