@@ -131,7 +131,7 @@ def matmul_rates(n: int = 1024, reps: int = 5) -> tuple[float, float]:
   a, b = Tensor.rand(n, n, device=dev).realize(), Tensor.rand(n, n, device=dev).realize()
   rates = []
   kernels = Kernels("portable", dev)
-  for fn in (lambda a, b: (a @ b).realize(), lambda a, b: kernels.linear(a, b).realize()):
+  for fn in (lambda a, b: (a @ b).realize(), lambda a, b: kernels.linear(a, {"weight": b}).realize()):
     jit = TinyJit(fn)
     for _ in range(2): jit(a, b)
     rates.append(2 * n ** 3 / _best_time(lambda: jit(a, b), sync, reps) / 1e9)
