@@ -121,8 +121,8 @@ def plot_roofline(path: Path, records: list[dict], ceilings: Ceilings) -> None:
       ax.annotate(label, (r["arithmetic_intensity"], r["achieved_gflops"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
   ax.set_xscale("log"); ax.set_yscale("log")
   ax.set_xlabel("arithmetic intensity (FLOP / byte)"); ax.set_ylabel("achieved GFLOP/s")
-  model = records[0]["model"] if records else ""
-  ax.set_title(f"tinyvllm roofline: {model} on {ceilings.chip or ceilings.device}", fontsize=10)
+  what = f"{records[0]['model']} ({records[0]['quantization']}, {records[0]['dtype']})" if records else ""
+  ax.set_title(f"tinyvllm roofline: {what} on {ceilings.chip or ceilings.device}", fontsize=10)
   ax.grid(True, which="both", lw=0.3)
   ax.legend(fontsize=8, loc="lower right")
   path.parent.mkdir(parents=True, exist_ok=True)
