@@ -6,11 +6,13 @@ runs in installed peers (transformers, llama.cpp). Prints a table; --json writes
 --plot a roofline chart.
 """
 from __future__ import annotations
-import argparse, gc, os, shlex, sys
+import argparse, gc, shlex, sys
 from pathlib import Path
 import numpy as np
 from tqdm import tqdm
+from tinyvllm.model.weights import resolve_model
 
+RUN_KINDS = {"decode", "prefill", "serving"}
 DEFAULTS_NOTE = ("The defaults (decode at batch 1 and 8 with 128-token prompts, 32 timed steps; prefill of 128 and 512 "
                  "tokens; 8 serving requests) finish in about 5 minutes on a 2-core x86 CPU with the default model, "
                  "transformers and llama.cpp included; on a Mac in less. Larger grids take longer: decode at batch B "
@@ -112,53 +114,34 @@ def _median(results: list[dict]) -> dict:
 def _model_name(path: Path) -> str: return path.name if path.name else str(path)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-  args = parser().parse_args(argv)
-  runs = {x.strip() for x in args.runs.split(",") if x.strip()}
-  if runs - {"decode", "prefill", "serving"}: sys.exit(f"--runs: unknown run kind(s) {', '.join(sorted(runs - {'decode', 'prefill', 'serving'}))}")
-  peer_keys = [] if args.no_peers else [x.strip() for x in args.peers.split(",") if x.strip()]
-  from tinyvllm.bench import device, peers as peers_mod, report, runs as runs_mod
-  from tinyvllm.model.weights import resolve_model
-  bad = [k for k in peer_keys if k not in peers_mod.PEERS]
-  if bad: sys.exit(f"--peers: unknown peer(s) {', '.join(bad)}; choose from {', '.join(peers_mod.PEERS)}")
-
-  configs = [False] + ([True] if args.draft_model else [])
-  n_decode = len(args.batch_sizes) * len(args.context_lens) if "decode" in runs else 0
-  n_prefill = len(args.prefill_lens) if "prefill" in runs else 0
-  n_tasks = 1 + len(configs) * (1 + n_decode + n_prefill + ("serving" in runs)) + len(peer_keys) * (1 + n_decode + n_prefill)
-  bar = tqdm(total=n_tasks, desc="tinyvllm.bench", file=sys.stderr, unit="run")
-  notes: list[str] = []
-  rng = np.random.default_rng(args.seed)
-
-  bar.set_postfix_str("device ceilings")
-  ceilings = device.measure(args.bandwidth_sizes, args.bandwidth_reps, args.matmul_size)
-  bar.update()
-
-  model_path = resolve_model(args.model)
-  max_len, num_blocks, max_seqs = _cache_plan(args, runs)
-  records: list[dict] = []
+def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> list[dict]:
+  """Every requested run on tinyvllm, once per configuration (speculation off, and on when a draft is given)."""
   from tinyvllm import LLM
-  for speculative in configs:
+  from tinyvllm.bench import device, report, runs as runs_mod
+  from tinyvllm.config import ConfigError
+  max_len, num_blocks, max_seqs = _cache_plan(args, runs)
+  records = []
+  for speculative in [False] + ([True] if args.draft_model else []):
     bar.set_postfix_str("loading the model" + (" with its draft" if speculative else ""))
     try:
       llm = LLM(args.model, **_engine_kwargs(args, speculative, max_len, num_blocks, max_seqs))
-    except TypeError as e:   # an engine argument this version of tinyvllm does not know (e.g. quantization)
+    except (TypeError, ConfigError) as e:   # e.g. an engine argument this version of tinyvllm does not know
       sys.exit(f"tinyvllm.LLM refused the arguments: {e}")
     bar.update()
     engine = llm.llm_engine
     drv = runs_mod.Driver(engine)
-    quant = args.quantization or ((engine.model_config.quantization or {}).get("bits") and
-                                  f"int{engine.model_config.quantization['bits']}") or "none"
+    bits = (engine.model_config.quantization or {}).get("bits")
     common = {"engine": "tinyvllm", "device": ceilings.device, "machine": device.machine_description(),
-              "model": _model_name(model_path), "quantization": quant, "dtype": "float32" if engine.runner.model.dtype.itemsize == 4 else "float16",
+              "model": _model_name(model_path), "quantization": args.quantization or (f"int{bits}" if bits else "none"),
+              "dtype": "float32" if engine.runner.model.dtype.itemsize == 4 else "float16",
               "kernel_backend": engine.kernel_backend, "speculative": speculative,
               "draft_model": args.draft_model if speculative else None,
               "num_speculative_tokens": args.num_speculative_tokens if speculative else None}
-    max_tokens = max_len   # decode requests are aborted after timing; they must not finish before
     for b in args.batch_sizes if "decode" in runs else []:
       for ctx in args.context_lens:
         bar.set_postfix_str(f"decode B={b} ctx={ctx}")
-        rec = runs_mod.decode_run(drv, b, ctx, args.steps, args.warmup, rng, max_tokens - ctx - 1, args.repeats)
+        # the requests are aborted after timing: they must not finish before, so they may run to max_model_len
+        rec = runs_mod.decode_run(drv, b, ctx, args.steps, args.warmup, rng, max_len - ctx - 1, args.repeats)
         records.append(report.finalize(rec, ceilings, common))
         bar.update()
     for n in args.prefill_lens if "prefill" in runs else []:
@@ -173,9 +156,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
       bar.update()
     del llm, engine, drv
     gc.collect()
+  return records
 
-  peer_results: dict[str, dict[tuple, dict]] = {}
-  peer_records: list[dict] = []
+
+def run_peers(args, runs: set[str], peer_keys: list[str], model_path: Path, rng, bar, notes: list[str]) -> dict[str, dict[tuple, dict]]:
+  """The decode and prefill runs in each peer: {peer name: {(kind, batch, context): result}}."""
+  from tinyvllm.bench import peers as peers_mod
+  max_len = _cache_plan(args, runs)[0]
+  decodes = [(b, c) for b in args.batch_sizes for c in args.context_lens] if "decode" in runs else []
+  prefills = args.prefill_lens if "prefill" in runs else []
+  out = {}
   for key in peer_keys:
     name = peers_mod.PEER_NAMES[key]
     bar.set_postfix_str(f"loading {name}")
@@ -183,41 +173,66 @@ def main(argv: list[str] | None = None) -> list[dict]:
       peer = peers_mod.load_peer(key, model_path, args.llamacpp_gguf, max(args.batch_sizes), max_len, args.peer_threads)
     except peers_mod.PeerUnavailable as e:
       notes.append(f"{name} skipped: {e}")
-      bar.update(1 + n_decode + n_prefill)
+      bar.update(1 + len(decodes) + len(prefills))
       continue
     bar.update()
     results, extra = {}, {"precision": peer.precision, "threads": peer.threads}
-    for b in args.batch_sizes if "decode" in runs else []:
-      for ctx in args.context_lens:
-        bar.set_postfix_str(f"{name} decode B={b} ctx={ctx}")
-        results[("decode", b, ctx)] = _median([peer.decode(b, ctx, args.steps, args.warmup, rng) for _ in range(args.repeats)]) | extra
-        bar.update()
-    for n in args.prefill_lens if "prefill" in runs else []:
+    for b, ctx in decodes:
+      bar.set_postfix_str(f"{name} decode B={b} ctx={ctx}")
+      results[("decode", b, ctx)] = _median([peer.decode(b, ctx, args.steps, args.warmup, rng) for _ in range(args.repeats)]) | extra
+      bar.update()
+    for n in prefills:
       bar.set_postfix_str(f"{name} prefill {n}")
       results[("prefill", 1, n)] = _median([peer.prefill(n, rng) for _ in range(args.repeats)]) | extra
       bar.update()
-    peer_results[name] = results
-    peer_records += [{"engine": name, "device": ceilings.device, "machine": device.machine_description(),
-                      "model": _model_name(model_path), "kind": k, "batch_size": b, "context_len": ctx} | r
-                     for (k, b, ctx), r in results.items()]
+    out[name] = results
     notes.append(f"{name}: {peer.precision} weights, {peer.threads} threads")
     if hasattr(peer, "close"): peer.close()
     del peer
     gc.collect()
+  return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+  """Run the benchmark; returns tinyvllm's records (peer runs are in the JSON too)."""
+  args = parser().parse_args(argv)
+  runs = {x.strip() for x in args.runs.split(",") if x.strip()}
+  if runs - RUN_KINDS: sys.exit(f"--runs: unknown run kind(s) {', '.join(sorted(runs - RUN_KINDS))}; choose from {', '.join(RUN_KINDS)}")
+  peer_keys = [] if args.no_peers else [x.strip() for x in args.peers.split(",") if x.strip()]
+  from tinyvllm.bench import device, peers as peers_mod, report
+  bad = [k for k in peer_keys if k not in peers_mod.PEERS]
+  if bad: sys.exit(f"--peers: unknown peer(s) {', '.join(bad)}; choose from {', '.join(peers_mod.PEERS)}")
+  if args.plot: report.require_matplotlib()   # fail now, not after minutes of measuring
+
+  n_configs = 2 if args.draft_model else 1
+  n_decode = len(args.batch_sizes) * len(args.context_lens) if "decode" in runs else 0
+  n_prefill = len(args.prefill_lens) if "prefill" in runs else 0
+  n_tasks = 1 + n_configs * (1 + n_decode + n_prefill + ("serving" in runs)) + len(peer_keys) * (1 + n_decode + n_prefill)
+  bar = tqdm(total=n_tasks, desc="tinyvllm.bench", file=sys.stderr, unit="run")
+  rng, notes = np.random.default_rng(args.seed), []
+  bar.set_postfix_str("device ceilings")
+  ceilings = device.measure(args.bandwidth_sizes, args.bandwidth_reps, args.matmul_size)
+  bar.update()
+  model_path = resolve_model(args.model)
+  records = run_tinyvllm(args, runs, model_path, ceilings, rng, bar)
+  peer_results = run_peers(args, runs, peer_keys, model_path, rng, bar, notes)
   bar.close()
 
   report.attach_peers(records, peer_results)
+  peer_records = [{"engine": name, "device": ceilings.device, "machine": device.machine_description(),
+                   "model": _model_name(model_path), "kind": k, "batch_size": b, "context_len": ctx} | r
+                  for name, results in peer_results.items() for (k, b, ctx), r in results.items()]
   if ceilings.device.split(":")[0] == "CPU":
     notes.append("tinygrad's CPU device runs each kernel on one thread: the measured bandwidth is one core's; "
                  "the numpy copy uses every core")
   if args.draft_model:
     notes.append("speculative runs: bytes count the target model's steps only (the draft's reads are not counted)")
-  print(file=sys.stdout)
+  print()
   report.print_ceilings(ceilings)
   report.print_table(records)
   for n in notes: print(f"note: {n}")
-  command = "python -m tinyvllm.bench " + shlex.join(argv if argv is not None else sys.argv[1:])
   if args.json:
+    command = "python -m tinyvllm.bench " + shlex.join(argv if argv is not None else sys.argv[1:])
     report.write_json(args.json, records + peer_records, ceilings, notes, command)
     print(f"wrote {args.json}")
   if args.plot:

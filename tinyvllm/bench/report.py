@@ -92,13 +92,18 @@ def write_json(path: Path, records: list[dict], ceilings: Ceilings, notes: list[
                              indent=2, default=str))
 
 
-def plot_roofline(path: Path, records: list[dict], ceilings: Ceilings) -> None:
+def require_matplotlib():
   try:
     import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
   except ImportError:
     raise SystemExit("--plot needs matplotlib: pip install 'tinyvllm[bench]' (or pip install matplotlib)") from None
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def plot_roofline(path: Path, records: list[dict], ceilings: Ceilings) -> None:
+  plt = require_matplotlib()
   xs = [r["arithmetic_intensity"] for r in records if r["arithmetic_intensity"] > 0]
   lo, hi = min(xs + [0.1]) / 3, max(xs + [ceilings.matmul_gflops / max(ceilings.bandwidth_gbps, 1e-9)]) * 10
   grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
