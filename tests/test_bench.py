@@ -1,7 +1,7 @@
 """tinyvllm.bench: the byte/FLOP accounting against hand counts, the chip table, and one end-to-end run on a tiny
 random checkpoint (tiny sizes, no timing asserts)."""
 from __future__ import annotations
-import dataclasses, json
+import dataclasses, importlib.util, json
 import pytest
 from tinyvllm.bench import accounting, device
 from tinyvllm.bench.accounting import TensorInfo
@@ -75,13 +75,15 @@ REQUIRED = ("device", "model", "quantization", "batch_size", "context_len", "tok
 
 def test_bench_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
   from tinyvllm.bench.cli import main
-  out = tmp_path / "bench.json"
+  out, plot = tmp_path / "bench.json", tmp_path / "roofline.png"
+  has_matplotlib = importlib.util.find_spec("matplotlib") is not None
   main(["--model", str(tiny_model), "--batch-sizes", "1,2", "--context-lens", "8", "--steps", "2", "--warmup", "1",
         "--prefill-lens", "8", "--serving-requests", "3", "--serving-rate", "100", "--serving-prompt-lens", "4,8",
         "--serving-output-lens", "2,3", "--bandwidth-sizes", "1,2", "--bandwidth-reps", "1", "--matmul-size", "32",
-        "--peers", "hf,llamacpp", "--json", str(out)])
+        "--peers", "hf,llamacpp", "--json", str(out)] + (["--plot", str(plot)] if has_matplotlib else []))
   printed = capsys.readouterr().out
   assert "measured bandwidth" in printed and "decode" in printed
+  assert plot.exists() == has_matplotlib
   data = json.loads(out.read_text())
   assert data["command"].startswith("python -m tinyvllm.bench")
   ours = [r for r in data["records"] if r["engine"] == "tinyvllm"]

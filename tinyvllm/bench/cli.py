@@ -32,40 +32,46 @@ def _range(s: str) -> tuple[int, int]:
   return vals[0], vals[1]
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows defaults, except the None/False ones whose help already says what happens."""
+  def _get_help_string(self, action):
+    return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m tinyvllm.bench", description=__doc__.split("\n\n")[0],
-                              epilog=DEFAULTS_NOTE, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              epilog=DEFAULTS_NOTE, formatter_class=_Help)
   m = p.add_argument_group("model (passed to tinyvllm.LLM)")
   m.add_argument("--model", default=None, help="HF directory, GGUF file or hub id (default: SmolLM2-135M-Instruct Q4_1 GGUF)")
   m.add_argument("--dtype", default="auto", help="auto, float32 or float16")
-  m.add_argument("--quantization", default=None, help="e.g. int4 (passed through when given)")
+  m.add_argument("--quantization", default=None, help="int4 (quantize float weights at load) or none (dequantize 4-bit checkpoints); default: the checkpoint as it is (the default model stays 4-bit)")
   m.add_argument("--kernel-backend", default="auto", help="auto, portable, metal or emulator")
   m.add_argument("--draft-model", default=None, help="speculative decoding: runs go with speculation off and on")
-  m.add_argument("--num-speculative-tokens", type=int, default=None)
+  m.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per step (engine default when not given)")
   m.add_argument("--speculation", default=None, help="auto or always (passed through when given)")
   m.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (prefill chunk length)")
   r = p.add_argument_group("runs")
   r.add_argument("--runs", default="decode,prefill,serving", help="which of decode, prefill, serving")
-  r.add_argument("--batch-sizes", type=_ints, default=[1, 8], help="decode batch sizes, e.g. 1,2,4,8,16,32")
-  r.add_argument("--context-lens", type=_ints, default=[128], help="decode context lengths (prompt tokens), e.g. 128,1024,4096")
+  r.add_argument("--batch-sizes", type=_ints, default="1,8", help="decode batch sizes, e.g. 1,2,4,8,16,32")
+  r.add_argument("--context-lens", type=_ints, default="128", help="decode context lengths (prompt tokens), e.g. 128,1024,4096")
   r.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
   r.add_argument("--warmup", type=int, default=3, help="decode steps before timing (the first captures the shape)")
   r.add_argument("--repeats", type=int, default=1, help="time each decode/prefill run this many times in a row; "
                  "the median is reported and every repeat is kept in the JSON (a noise measure)")
-  r.add_argument("--prefill-lens", type=_ints, default=[128, 512], help="prefill prompt lengths")
-  r.add_argument("--serving-requests", type=int, default=8)
+  r.add_argument("--prefill-lens", type=_ints, default="128,512", help="prefill prompt lengths")
+  r.add_argument("--serving-requests", type=int, default=8, help="requests in the serving scenario")
   r.add_argument("--serving-rate", type=float, default=4.0, help="mean arrivals per second (Poisson)")
-  r.add_argument("--serving-prompt-lens", type=_range, default=(16, 128), help="LO,HI uniform prompt lengths")
-  r.add_argument("--serving-output-lens", type=_range, default=(16, 32), help="LO,HI uniform output lengths")
-  r.add_argument("--seed", type=int, default=0)
+  r.add_argument("--serving-prompt-lens", type=_range, default="16,128", help="LO,HI uniform prompt lengths")
+  r.add_argument("--serving-output-lens", type=_range, default="16,32", help="LO,HI uniform output lengths")
+  r.add_argument("--seed", type=int, default=0, help="seeds the random prompts and the serving workload")
   c = p.add_argument_group("device ceilings")
-  c.add_argument("--bandwidth-sizes", type=_ints, default=[64, 256, 1024], help="MiB per buffer of the bandwidth kernel")
+  c.add_argument("--bandwidth-sizes", type=_ints, default="64,256,1024", help="MiB per buffer of the bandwidth kernel")
   c.add_argument("--bandwidth-reps", type=int, default=5, help="best of this many runs")
   c.add_argument("--matmul-size", type=int, default=1024, help="n of the n x n x n matmul")
   q = p.add_argument_group("peers")
   q.add_argument("--peers", default="hf,llamacpp", help="hf (transformers, float32), llamacpp (llama-cpp-python on the GGUF as it is), "
                                                          "llamacpp-f32 (the GGUF dequantized to F32, written once to the cache)")
-  q.add_argument("--no-peers", action="store_true")
+  q.add_argument("--no-peers", action="store_true", help="tinyvllm only")
   q.add_argument("--peer-threads", type=int, default=None, help="threads for the peers (default: every core)")
   q.add_argument("--llamacpp-gguf", type=Path, default=None, help="GGUF for llama.cpp (default: --model when it is a GGUF)")
   o = p.add_argument_group("output")
