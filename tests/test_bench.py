@@ -80,7 +80,7 @@ def test_bench_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
   main(["--model", str(tiny_model), "--batch-sizes", "1,2", "--context-lens", "8", "--steps", "2", "--warmup", "1",
         "--prefill-lens", "8", "--serving-requests", "3", "--serving-rate", "100", "--serving-prompt-lens", "4,8",
         "--serving-output-lens", "2,3", "--bandwidth-sizes", "1,2", "--bandwidth-reps", "1", "--matmul-size", "32",
-        "--peers", "hf,llamacpp", "--json", str(out)] + (["--plot", str(plot)] if has_matplotlib else []))
+        "--prompts", "text", "--peers", "hf,llamacpp", "--json", str(out)] + (["--plot", str(plot)] if has_matplotlib else []))
   printed = capsys.readouterr().out
   assert "measured bandwidth" in printed and "decode" in printed
   assert plot.exists() == has_matplotlib
@@ -91,7 +91,7 @@ def test_bench_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
          [("decode", 1, 8), ("decode", 2, 8), ("prefill", 1, 8), ("serving", ours[-1]["batch_size"], ours[-1]["context_len"])]
   for r in ours:
     for key in REQUIRED: assert r[key] is not None, key
-    assert r["tokens_per_s"] > 0 and r["bytes_per_token"] > 0 and r["quantization"] == "none"
+    assert r["tokens_per_s"] > 0 and r["bytes_per_token"] > 0 and r["quantization"] == "none" and r["prompts"] == "text"
   serving = ours[-1]
   assert serving["tokens"] > 0 and serving["ttft_p50_ms"] is not None and serving["itl_p99_ms"] is not None
 

@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
   r.add_argument("--serving-rate", type=float, default=4.0, help="mean arrivals per second (Poisson)")
   r.add_argument("--serving-prompt-lens", type=_range, default="16,128", help="LO,HI uniform prompt lengths")
   r.add_argument("--serving-output-lens", type=_range, default="16,32", help="LO,HI uniform output lengths")
+  r.add_argument("--prompts", choices=("random", "text"), default="random",
+                 help="prompt tokens: random ids, or windows of a built-in English text (speculative decoding accepts "
+                      "almost no drafts on random tokens)")
   r.add_argument("--seed", type=int, default=0, help="seeds the random prompts and the serving workload")
   c = p.add_argument_group("device ceilings")
   c.add_argument("--bandwidth-sizes", type=_ints, default="64,256,1024", help="MiB per buffer of the bandwidth kernel")
@@ -135,14 +138,14 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
       sys.exit(f"tinyvllm.LLM refused the arguments: {e}")
     bar.update()
     engine = llm.llm_engine
-    drv = runs_mod.Driver(engine)
+    drv = runs_mod.Driver(engine, text=args.prompts == "text")
     bits = (engine.model_config.quantization or {}).get("bits")
     common = {"engine": "tinyvllm", "device": ceilings.device, "machine": device.machine_description(),
               "model": _model_name(model_path), "quantization": args.quantization or (f"int{bits}" if bits else "none"),
               "dtype": "float32" if engine.runner.model.dtype.itemsize == 4 else "float16",
               "kernel_backend": engine.kernel_backend, "speculative": speculative,
               "draft_model": args.draft_model if speculative else None,
-              "num_speculative_tokens": args.num_speculative_tokens if speculative else None}
+              "num_speculative_tokens": args.num_speculative_tokens if speculative else None, "prompts": args.prompts}
     for b in args.batch_sizes if "decode" in runs else []:
       for ctx in args.context_lens:
         bar.set_postfix_str(f"decode B={b} ctx={ctx}")
