@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 import numpy as np
 from tinyvllm.bench.accounting import TensorInfo, Traffic, step_traffic
+from tinyvllm.engine.sequence import SequenceStatus
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -109,7 +110,7 @@ def decode_run(drv: Driver, batch: int, context: int, steps: int, warmup: int, r
   params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
   ids = [drv.engine.add_request(drv.prompt(rng, context), params) for _ in range(batch)]
   seqs = [s for rid in ids for s in drv.engine.requests[rid].seqs]
-  while any(s.is_prefilling or s.status.name == "WAITING" for s in seqs): drv.run_step()
+  while any(s.is_prefilling or s.status is SequenceStatus.WAITING for s in seqs): drv.run_step()
   for _ in range(warmup): drv.run_step()
   first_tokens = [s.num_tokens for s in seqs]
   log, runs = StepLog(), []
@@ -133,10 +134,9 @@ def prefill_run(drv: Driver, prompt_len: int, rng, repeats: int = 1) -> dict:
   params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
   log, runs = StepLog(), []
   for i in range(1 + repeats):
-    this = StepLog() if i == 0 else log
     start_seconds, start_steps = log.seconds, log.steps
     rid = drv.engine.add_request(drv.prompt(rng, prompt_len), params)
-    while rid in drv.engine.requests: drv.run_step(this)
+    while rid in drv.engine.requests: drv.run_step(log if i else None)
     if i: runs.append((log.seconds - start_seconds, prompt_len, log.steps - start_steps))
   seconds, tokens, n = _median_run(runs)
   return {"kind": "prefill", "batch_size": 1, "context_len": prompt_len, "mean_context_len": prompt_len / 2,
