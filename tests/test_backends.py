@@ -8,26 +8,28 @@ from tinyvllm import LLM, SamplingParams
 from tinyvllm.kernels import resolve_backend
 
 
-def test_emulator_prefill_logits_match_portable(tiny_model_factory):
+@pytest.mark.parametrize("backend", ["emulator", "cpu"])
+def test_prefill_logits_match_portable(tiny_model_factory, backend):
   """float32 storage and accumulation on both paths; only the order of additions differs (online softmax in
   chunks vs one softmax), so 1e-5 relative is ample while any indexing mistake is O(1)."""
   path = tiny_model_factory("metal")
   ids = np.random.default_rng(0).integers(4, 380, 45).tolist()
-  ours = our_prefill_logits(path, ids, kernel_backend="emulator", block_size=8)
+  ours = our_prefill_logits(path, ids, kernel_backend=backend, block_size=8)
   ref = our_prefill_logits(path, ids, kernel_backend="portable", block_size=8)
   assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-5
 
 
-def test_emulator_generation_matches_portable(tiny_model_factory):
+@pytest.mark.parametrize("backend", ["emulator", "cpu"])
+def test_generation_matches_portable(tiny_model_factory, backend):
   path = tiny_model_factory("metal")
   rng = np.random.default_rng(1)
   prompts = [{"prompt_token_ids": rng.integers(4, 380, n).tolist()} for n in (5, 23, 11)]
   params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
   runs = {}
-  for backend in ("portable", "emulator"):
-    llm = LLM(str(path), kernel_backend=backend, block_size=8, num_kv_blocks=32, max_num_batched_tokens=32)
-    runs[backend] = llm.generate(prompts, params, use_tqdm=False)
-  for a, b in zip(runs["portable"], runs["emulator"]):
+  for b in ("portable", backend):
+    llm = LLM(str(path), kernel_backend=b, block_size=8, num_kv_blocks=32, max_num_batched_tokens=32)
+    runs[b] = llm.generate(prompts, params, use_tqdm=False)
+  for a, b in zip(runs["portable"], runs[backend]):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
       assert list(lp_a) == list(lp_b)
@@ -35,7 +37,9 @@ def test_emulator_generation_matches_portable(tiny_model_factory):
 
 
 def test_backend_selection():
-  assert resolve_backend("auto", "CPU") == "portable"
+  assert resolve_backend("auto", "CPU") == "cpu"
+  assert resolve_backend("auto", "AMD") == "portable"
+  with pytest.raises(ValueError, match="CPU device"): resolve_backend("cpu", "METAL")
   assert resolve_backend("auto", "METAL") == "metal"
   with pytest.raises(ValueError, match="needs the METAL device"): resolve_backend("metal", "CPU")
   with pytest.raises(ValueError, match="unknown kernel_backend"): resolve_backend("cuda", "CPU")

@@ -116,7 +116,7 @@ class EngineConfig:
   num_kv_blocks: int | None = None          # None: size the KV cache from available memory
   max_num_seqs: int = 32
   max_num_batched_tokens: int = 512
-  kernel_backend: str = "auto"              # "auto" | "portable" | "metal" | "emulator"
+  kernel_backend: str = "auto"              # "auto" | "portable" | "cpu" | "metal" | "emulator"
   kv_cache_memory_fraction: float = 0.1     # share of free memory (after weights) the KV cache takes when num_kv_blocks is None
   watermark: float = 0.01                   # share of KV blocks kept free when admitting new sequences
   seed: int = 0
@@ -136,8 +136,8 @@ class EngineConfig:
       raise ConfigError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
     if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
       raise ConfigError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
-    if self.kernel_backend not in ("auto", "portable", "metal", "emulator"):
-      raise ConfigError(f"kernel_backend must be 'auto', 'portable', 'metal' or 'emulator', got {self.kernel_backend!r}")
+    if self.kernel_backend not in ("auto", "portable", "cpu", "metal", "emulator"):
+      raise ConfigError(f"kernel_backend must be 'auto', 'portable', 'cpu', 'metal' or 'emulator', got {self.kernel_backend!r}")
     if not 0 < self.kv_cache_memory_fraction <= 1:
       raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
     if not 0 <= self.watermark < 1: raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")

@@ -27,8 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--block-size", type=int, default=16)
   p.add_argument("--max-num-seqs", type=int, default=32)
   p.add_argument("--max-num-batched-tokens", type=int, default=512)
-  p.add_argument("--kernel-backend", default="auto", choices=["auto", "portable", "metal", "emulator"])
-  p.add_argument("--quantization", default=None, choices=["int4"], help="quantize a float checkpoint at load")
+  p.add_argument("--kernel-backend", default="auto", choices=["auto", "portable", "cpu", "metal", "emulator"])
+  p.add_argument("--quantization", default=None, choices=["int4", "none"],
+                 help="int4: quantize float weights at load; none: dequantize a 4-bit checkpoint (default: as stored)")
   p.add_argument("--draft-model", default=None, help="draft model for speculative decoding")
   p.add_argument("--num-speculative-tokens", type=int, default=None)
   return p.parse_args(argv)

@@ -96,9 +96,10 @@ def quantize_checkpoint(model: str | None, out: Path, group_size: int = 64, meth
   from tinyvllm.model.weights import load_checkpoint, ModelLoadError
   if out.exists() and not out.is_dir(): raise QuantizeError(f"--out {out} exists and is not a directory")
   if calibration is not None and method != "clip": raise QuantizeError("--calibration only applies to --method clip")
-  try: ckpt = load_checkpoint(model)
+  # floats everywhere; a GGUF's Q4 blocks are read again raw below and repacked code for code
+  try: ckpt = load_checkpoint(model, quantization="none")
   except (ModelLoadError, ConfigError) as e: raise QuantizeError(f"--model: {e}") from None
-  if ckpt.config.quantization or any(n.endswith(".scales") for n in ckpt.tensors):
+  if ckpt.path.is_dir() and json.loads((ckpt.path / "config.json").read_text()).get("quantization"):
     raise QuantizeError(f"--model {ckpt.path} is already quantized")
   gguf = ckpt.path.is_file()
   q4 = ggml_q4_tensors(ckpt.path, ckpt.config) if gguf else {}

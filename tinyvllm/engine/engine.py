@@ -77,7 +77,7 @@ class LLMEngine:
     self.eos_token_ids = set(self.tokenizer.eos_token_ids)
 
   def _build_model(self, cfg, tensors, dtype: str) -> Llama:
-    self.kernels.check_model(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, self.config.block_size)
+    self.kernels.check_model(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, self.config.block_size, dtype)
     return Llama(cfg, tensors, dtype, self.device, self.kernels, self.max_model_len)
 
   def _load_draft(self, name: str, target, dtype: str) -> Llama:

@@ -1,8 +1,9 @@
-"""SchedulerOutput -> one model forward pass -> logits. The only engine module that touches tinygrad.
+"""Work items -> model forward passes -> logits. The only engine module that touches tinygrad.
 
-A step's flat batch is laid out as [decode tokens][prefill chunks, each padded to the longest], so that
-attention sees a dense [sequences, query slots] block per group. Every shape is rounded up to a bucket and
-each bucket gets its own TinyJit: replaying a captured step costs a fraction of scheduling it anew.
+A pass reads one kind of work: decodes (one token per sequence), prefill chunks (padded to the longest) or
+speculative runs (every token's logits wanted). Its tokens form a dense [sequences, query slots] block, so
+attention sees one AttentionGroup. Shapes are rounded up to buckets; each shape is captured once and
+replayed after that (see `Replay`).
 """
 from __future__ import annotations
 from collections import OrderedDict
@@ -12,7 +13,8 @@ from tinygrad import Tensor, TinyJit, UOp
 from tinyvllm.kernels import AttentionGroup
 from tinyvllm.model.llama import Llama, ModelInputs
 
-MAX_JITS = 64   # captured step shapes kept; the least recently used one is dropped beyond this
+MAX_SHAPES = 64   # captured pass shapes kept; the least recently used one is dropped beyond this
+FIELDS = ("tokens", "positions", "slots", "q_pos", "token_seq", "rows", "ctx", "tables")
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -22,14 +24,15 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 @dataclass
 class WorkItem:
-  """Tokens of one sequence to read in a step: their K/V are written at positions start, start+1, ..."""
+  """Tokens of one sequence to read: their K/V are written at positions start, start+1, ..."""
   block_table: list[int]
   start: int
   tokens: list[int]
 
 
 @dataclass(frozen=True)
-class GroupShape:
+class PassShape:
+  """What fixes a pass's tensor shapes (the KV extent read is a bound Variable instead): one capture each."""
   num_seqs: int             # bucketed; padding rows included
   query_len: int            # query slots per sequence
   all_logits: bool          # logits for every slot (speculative verification) or only each sequence's last
@@ -39,40 +42,39 @@ class GroupShape:
   @property
   def num_rows(self) -> int: return self.num_tokens if self.all_logits else self.num_seqs
 
-
-@dataclass(frozen=True)
-class StepShape:
-  """What fixes the tensor shapes of a step (the KV extent is a bound Variable instead): one capture each."""
-  groups: tuple[GroupShape, ...]
-
-  @property
-  def num_tokens(self) -> int: return sum(g.num_tokens for g in self.groups)
-  @property
-  def num_rows(self) -> int: return sum(g.num_rows for g in self.groups)
+  def sizes(self, max_blocks: int) -> tuple[int, ...]:
+    T, P = self.num_tokens, self.num_seqs
+    return (T, T, T, T, T, self.num_rows, P, P * max_blocks)   # in FIELDS order
 
 
 class Replay:
   """A TinyJit captured on its first call and replayed directly afterwards.
 
   TinyJit checks every input on every call (~25 us each); a layer takes a dozen inputs and runs 30 times a
-  step, so replays go straight to the captured graph. Callers pass the same kinds of buffers in the same
-  order each time, which is what those checks verify."""
+  pass, so replays go straight to the captured graph. Callers pass the same kinds of buffers in the same
+  order each time, which is what those checks verify. Inputs are whole buffers, never views: a view input
+  costs a graph rewrite per replay to find its buffer."""
   def __init__(self, fn):
-    self.jit = TinyJit(lambda *args: fn(*args).realize())
+    def run(*args):
+      out = fn(*args)
+      if isinstance(out, Tensor): return out.realize()
+      Tensor.realize(*out)
+      return out
+    self.jit = TinyJit(run)
     self.jit.cnt = 1   # capture on the first call: weights and caches are realized, a warm-up run would only cost time
 
-  def __call__(self, *args: Tensor, bound: tuple[UOp, ...] = ()) -> Tensor:
+  def __call__(self, *args: Tensor, bound: tuple[UOp, ...] = ()):
     if self.jit.captured is None: return self.jit(*args, *bound)
     return self.jit.captured([a.uop.base for a in args], {var.expr: val for var, val in (b.unbind() for b in bound)})
 
 
 class ModelRunner:
-  """Runs steps of one model over its paged KV cache.
+  """Runs passes of one model over its paged KV cache.
 
-  Each step shape gets one captured *layer*, replayed once per layer with that layer's weights and cache,
-  between a captured embedding and a captured LM head. Capturing a whole 30-layer model instead costs
-  seconds of tinygrad scheduling for every new shape; one layer costs a thirtieth of that, and a direct
-  replay about 50 us."""
+  Each pass shape gets three captures: an input pass (unpacks the step's integers into separate buffers and
+  looks up the embeddings), one decoder *layer*, replayed once per layer with that layer's weights and
+  cache, and the LM head. Capturing a whole 30-layer model instead costs seconds of tinygrad scheduling for
+  every new shape; one layer costs a thirtieth of that, and a direct replay about 50 us."""
   def __init__(self, model: Llama, num_blocks: int, block_size: int, max_model_len: int, device: str):
     self.model, self.device, self.block_size, self.num_blocks = model, device, block_size, num_blocks
     self.max_blocks = -(-max_model_len // block_size)   # block-table width; the used extent is a Variable
@@ -84,7 +86,7 @@ class ModelRunner:
                        Tensor.zeros(*shape, dtype=model.dtype, device=device).contiguous().realize())
                       for _ in range(cfg.num_hidden_layers)]
     self.layer_weights = [layer.tensors() for layer in model.layers]
-    self.jits: OrderedDict[StepShape, tuple[Replay, Replay, Replay]] = OrderedDict()
+    self.replays: OrderedDict[PassShape, tuple[Replay, Replay, Replay]] = OrderedDict()
 
   @staticmethod
   def kv_bytes_per_block(cfg, block_size: int, dtype_size: int) -> int:
@@ -95,9 +97,9 @@ class ModelRunner:
     """Read the given tokens. Returns float32 logits: `[len(decodes), V]` (one token each), `[len(prefills), V]`
     (each chunk's last token) and `[len(verifies), K, V]` (every token of each verified run; all runs have K tokens).
 
-    Each kind runs as its own forward pass. One pass over all three would read the weights once instead of
-    up to three times, but every combination of bucket sizes would be a shape to capture; separate passes
-    keep the shapes to the sum of the kinds' buckets, not their product."""
+    Each kind runs as its own pass. One pass over all three would read the weights once instead of up to
+    three times, but every combination of bucket sizes would be a shape to capture; separate passes keep the
+    shapes to the sum of the kinds' buckets, not their product."""
     vocab = self.model.cfg.vocab_size
     out = [np.zeros((0, vocab), np.float32), np.zeros((0, vocab), np.float32), np.zeros((0, 0, vocab), np.float32)]
     for i, (items, query_len, all_logits) in enumerate((
@@ -105,76 +107,61 @@ class ModelRunner:
         (prefills, bucket(max((len(w.tokens) for w in prefills), default=1), minimum=8), False),
         (verifies, max((len(w.tokens) for w in verifies), default=1), True))):
       if not items: continue
-      shape, packed, used_blocks = self.prepare([(items, query_len, all_logits)])
+      shape = PassShape(bucket(len(items)), query_len, all_logits)
+      packed, used_blocks = self.prepare(shape, items)
       logits = self._forward(shape, packed, used_blocks)
       out[i] = logits.reshape(-1, query_len, vocab)[:len(items)] if all_logits else logits[:len(items)]
     return out[0], out[1], out[2]
 
-  def _forward(self, shape: StepShape, packed: np.ndarray, used_blocks: int) -> np.ndarray:
-    packed = Tensor(packed, device=self.device).realize()
+  def prepare(self, shape: PassShape, items: list[WorkItem]) -> tuple[np.ndarray, int]:
+    """Pack every integer input of a pass into one int32 array (one host->device copy), fields in FIELDS
+    order. Returns it and the number of KV blocks the longest block table uses."""
+    bs, C = self.block_size, shape.query_len
+    tokens, positions, slots, q_pos, token_seq, rows, ctx, tables = (np.zeros(n, np.int32) for n in shape.sizes(self.max_blocks))
+    slots[:], token_seq[:] = -1, -1                  # padding tokens write no K/V and read nothing
+    tables = tables.reshape(shape.num_seqs, self.max_blocks)
+    for i, w in enumerate(items):
+      n, start = len(w.tokens), i * C
+      pos = np.arange(w.start, w.start + n)
+      table = np.asarray(w.block_table, np.int32)
+      tokens[start:start + n] = w.tokens
+      positions[start:start + n] = q_pos[start:start + n] = pos
+      token_seq[start:start + n] = i
+      slots[start:start + n] = table[pos // bs] * bs + pos % bs
+      tables[i, :len(table)] = table
+      ctx[i] = pos[-1] + 1
+      if shape.all_logits: rows[start:start + n] = np.arange(start, start + n)
+      else: rows[i] = start + n - 1
+    return np.concatenate([tokens, positions, slots, q_pos, token_seq, rows, ctx, tables.reshape(-1)]), max(-(-int(ctx.max()) // bs), 1)
+
+  def _forward(self, shape: PassShape, packed: np.ndarray, used_blocks: int) -> np.ndarray:
+    inputs, layer, head = self._replays(shape)
+    h, positions, slots, q_pos, token_seq, rows, ctx, tables = inputs(Tensor(packed, device=self.device).realize())
     extent = (self.kv_extent.bind(used_blocks),)
-    embed, layer, head = self._replays(shape)
-    h = embed(packed)
     for weights, (k_cache, v_cache) in zip(self.layer_weights, self.kv_caches):
-      h = layer(h, packed, k_cache, v_cache, *weights, bound=extent)
-    return head(h, packed).numpy()
+      h = layer(h, positions, slots, q_pos, token_seq, ctx, tables, k_cache, v_cache, *weights, bound=extent)
+    return head(h, rows).numpy()
 
-  def prepare(self, groups: list[tuple[list[WorkItem], int, bool]]) -> tuple[StepShape, np.ndarray, int]:
-    """Pack every integer input of the step into one int32 array (one host->device copy per step).
-    Returns the shape, the array and the number of KV blocks the longest block table uses."""
-    bs, MB = self.block_size, self.max_blocks
-    shape = StepShape(tuple(GroupShape(bucket(len(items)), query_len, all_logits) for items, query_len, all_logits in groups))
-    T, R = shape.num_tokens, shape.num_rows
-    tokens, positions, q_pos = np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32)
-    token_seq = np.full(T, -1, np.int32)          # each token's row within its attention group
-    slots = np.full(T, -1, np.int32)              # padding tokens write no K/V
-    rows = np.zeros(R, np.int32)                  # flat index of the token whose logits each row wants
-    ctx_lens = np.zeros(sum(g.num_seqs for g in shape.groups), np.int32)
-    tables = np.zeros((len(ctx_lens), MB), np.int32)
-    tok_at = row_at = seq_at = 0
-    for (items, _, _), g in zip(groups, shape.groups):
-      for i, w in enumerate(items):
-        n, start = len(w.tokens), tok_at + i * g.query_len
-        pos = np.arange(w.start, w.start + n)
-        table = np.asarray(w.block_table, np.int32)
-        tokens[start:start + n] = w.tokens
-        positions[start:start + n] = q_pos[start:start + n] = pos
-        token_seq[start:start + n] = i
-        slots[start:start + n] = table[pos // bs] * bs + pos % bs
-        tables[seq_at + i, :len(table)] = table
-        ctx_lens[seq_at + i] = pos[-1] + 1
-        if g.all_logits: rows[row_at + i * g.query_len:row_at + i * g.query_len + n] = np.arange(start, start + n)
-        else: rows[row_at + i] = start + n - 1
-      tok_at, row_at, seq_at = tok_at + g.num_tokens, row_at + g.num_rows, seq_at + g.num_seqs
-    used = max(-(-int(ctx_lens.max()) // bs), 1)
-    return shape, np.concatenate([tokens, positions, slots, q_pos, token_seq, rows, ctx_lens, tables.reshape(-1)]), used
+  def _replays(self, shape: PassShape) -> tuple[Replay, Replay, Replay]:
+    if shape in self.replays:
+      self.replays.move_to_end(shape)
+      return self.replays[shape]
+    P, C, MB = shape.num_seqs, shape.query_len, self.max_blocks
 
-  def _replays(self, shape: StepShape) -> tuple[Replay, Replay, Replay]:
-    if shape in self.jits:
-      self.jits.move_to_end(shape)
-      return self.jits[shape]
+    def unpack(packed: Tensor):
+      fields, at = {}, 0
+      for name, size in zip(FIELDS, shape.sizes(MB)):
+        fields[name], at = packed[at:at + size].clone(), at + size   # clone: a real buffer, not a view of packed
+      return (self.model.embed(fields["tokens"]).contiguous(), *(fields[n] for n in FIELDS[1:]))
+
     template = self.model.layers[0]
-    def layer(h, packed, k_cache, v_cache, *weights_and_extent):
+    def layer(h, positions, slots, q_pos, token_seq, ctx, tables, k_cache, v_cache, *weights_and_extent):
       *weights, extent = weights_and_extent
-      return template.with_tensors(weights)(h, self._inputs(shape, packed, extent), self.model.cos_sin, k_cache, v_cache)
-    replays = (Replay(lambda packed: self.model.embed(self._inputs(shape, packed, None).tokens).contiguous()),
-               Replay(layer),
-               Replay(lambda h, packed: self.model.logits(h, self._inputs(shape, packed, None).logits_index)))
-    self.jits[shape] = replays
-    if len(self.jits) > MAX_JITS: self.jits.popitem(last=False)
-    return replays
+      group = AttentionGroup(P, C, tables.reshape(P, MB), extent, q_pos.reshape(P, C), ctx, token_seq)
+      return template.with_tensors(weights)(h, ModelInputs(None, positions, slots, [group], None), self.model.cos_sin,
+                                            k_cache, v_cache)
 
-  def _inputs(self, shape: StepShape, packed: Tensor, extent) -> ModelInputs:
-    T, R, S, MB = shape.num_tokens, shape.num_rows, sum(g.num_seqs for g in shape.groups), self.max_blocks
-    fields, at = {}, 0
-    for name, size in (("tokens", T), ("positions", T), ("slots", T), ("q_pos", T), ("token_seq", T), ("rows", R), ("ctx", S),
-                       ("tables", S * MB)):
-      fields[name], at = packed[at:at + size], at + size
-    tables = fields["tables"].reshape(S, MB)
-    groups, tok_at, seq_at = [], 0, 0
-    for g in shape.groups:
-      P, C = g.num_seqs, g.query_len
-      groups.append(AttentionGroup(P, C, tables[seq_at:seq_at + P], extent, fields["q_pos"][tok_at:tok_at + P * C].reshape(P, C),
-                                   fields["ctx"][seq_at:seq_at + P], fields["token_seq"][tok_at:tok_at + P * C]))
-      tok_at, seq_at = tok_at + P * C, seq_at + P
-    return ModelInputs(fields["tokens"], fields["positions"], fields["slots"], groups, fields["rows"])
+    replays = (Replay(unpack), Replay(layer), Replay(lambda h, rows: self.model.logits(h, rows)))
+    self.replays[shape] = replays
+    if len(self.replays) > MAX_SHAPES: self.replays.popitem(last=False)
+    return replays

@@ -1,14 +1,15 @@
 """The kernel layer: one entry point per operation the model needs, dispatched to a backend.
 
-Backends: "portable" (tinygrad tensor ops, any device), "metal" (our .metal shaders on DEV=METAL) and
-"emulator" (the same shaders run on the CPU by our MSL emulator; slow, for tests and debugging).
+Backends: "portable" (tinygrad tensor ops, any device), "cpu" (hand-written C on tinygrad's CPU device),
+"metal" (our .metal shaders on DEV=METAL) and "emulator" (the same shaders run on the CPU by our MSL
+emulator; slow, for tests and debugging). On the CPU device the linears always use the C kernels.
 """
 from __future__ import annotations
 from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
 from tinyvllm.kernels import cpu, portable
 
-BACKENDS = ("portable", "metal", "emulator")
+BACKENDS = ("portable", "cpu", "metal", "emulator")
 
 
 @dataclass
@@ -29,7 +30,9 @@ class AttentionGroup:
 
 
 def resolve_backend(name: str, device: str) -> str:
-  if name == "auto": return "metal" if device.split(":")[0] == "METAL" else "portable"
+  if name == "auto": return {"METAL": "metal", "CPU": "cpu"}.get(device.split(":")[0], "portable")
+  if name == "cpu" and device.split(":")[0] != "CPU":
+    raise ValueError(f"kernel_backend='cpu' needs tinygrad's CPU device (DEV=CPU), but the device is {device}")
   if name == "metal" and device.split(":")[0] != "METAL":
     raise ValueError(f"kernel_backend='metal' needs the METAL device, but tinygrad's device is {device}; "
                      f"use 'portable', or 'emulator' to run the Metal kernels on the CPU")
@@ -52,8 +55,11 @@ class Kernels:
       from tinyvllm.kernels import metal
       self.shaders = metal.MetalBackend() if backend == "metal" else metal.EmulatorBackend()
 
-  def check_model(self, head_dim: int, n_heads: int, n_kv_heads: int, block_size: int) -> None:
+  def check_model(self, head_dim: int, n_heads: int, n_kv_heads: int, block_size: int, dtype: str) -> None:
     """Refuse, with the reason, a model the chosen backend's kernels cannot run."""
+    if self.backend == "cpu" and (dtype != "float32" or head_dim % 8):
+      raise ValueError(f"kernel_backend='cpu' runs float32 models with head_dim divisible by 8 (got {dtype}, head_dim "
+                       f"{head_dim}): use dtype='float32' or kernel_backend='portable'")
     if self.shaders is None: return
     from tinyvllm.kernels import metal
     if head_dim not in metal.HEAD_DIMS or block_size not in metal.BLOCK_SIZES or n_heads // n_kv_heads > 8:
@@ -79,11 +85,18 @@ class Kernels:
     if self.cpu and x.dtype == weight.dtype == dtypes.float32: return cpu.linear_f32(x, weight, bias)
     return portable.linear(x, weight, bias)
 
-  def rope_and_cache_write(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor,
+  def rope_and_cache_write(self, qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor,
                            k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Rotate q `[T, H, D]` and k `[T, KVH, D]`, write k and v into their cache slots.
+    """qkv `[T, (H + 2 KVH) D]`: rotate q and k, write k and v into their cache slots.
 
-    Returns (rotated q, k_cache, v_cache), the caches ordered after the write."""
+    Returns (rotated q `[T, H, D]`, k_cache, v_cache), the caches ordered after the write."""
+    if self.backend == "cpu":
+      from tinyvllm.kernels import cpu_attention
+      return cpu_attention.rope_and_cache_write(qkv, n_heads, n_kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    T, D = qkv.shape[0], k_cache.shape[-1]
+    q = qkv[:, :n_heads * D].reshape(T, n_heads, D)
+    k = qkv[:, n_heads * D:(n_heads + n_kv_heads) * D].reshape(T, n_kv_heads, D)
+    v = qkv[:, (n_heads + n_kv_heads) * D:].reshape(T, n_kv_heads, D)
     if self.shaders is not None:
       from tinyvllm.kernels import metal
       return metal.rope_and_cache_write(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, backend=self.shaders)
@@ -94,6 +107,9 @@ class Kernels:
   def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, group: AttentionGroup, scale: float) -> Tensor:
     """q `[P*C, H, D]` of one group -> attention output `[P*C, H, D]`."""
     P, C = group.num_seqs, group.query_len
+    if self.backend == "cpu":
+      from tinyvllm.kernels import cpu_attention
+      return cpu_attention.paged_attention(q, k_cache, v_cache, group.block_tables, group.token_seq, group.q_pos.reshape(P * C), scale)
     if self.shaders is not None:
       from tinyvllm.kernels import metal
       if C == 1:

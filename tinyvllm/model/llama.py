@@ -41,10 +41,7 @@ class LlamaLayer:
     cfg, kn, w = self.cfg, self.kernels, self.weights
     T, H, KVH, D = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qkv = self.linear("self_attn.qkv_proj", kn.rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps))
-    q = qkv[:, :H * D].reshape(T, H, D)
-    k = qkv[:, H * D:(H + KVH) * D].reshape(T, KVH, D)
-    v = qkv[:, (H + KVH) * D:].reshape(T, KVH, D)
-    q, k_cache, v_cache = kn.rope_and_cache_write(q, k, v, inp.positions, cos_sin, k_cache, v_cache, inp.slot_mapping)
+    q, k_cache, v_cache = kn.rope_and_cache_write(qkv, H, KVH, inp.positions, cos_sin, k_cache, v_cache, inp.slot_mapping)
     outs, start = [], 0
     for g in inp.groups:
       outs.append(kn.attention(q[start:start + g.num_tokens], k_cache, v_cache, g, D ** -0.5))
