@@ -1,4 +1,5 @@
-"""Other engines on the same model, same prompts and same step counts, so their speed can be read as a ratio.
+"""Other engines on the same model, prompt lengths, batch sizes and step counts (random-token prompts), so their
+speed can be read as a ratio.
 
   transformers   HF transformers on torch, float32 (a GGUF is dequantized by transformers' loader), the model
                  called step by step with its KV cache; torch uses every core.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os, time
 from pathlib import Path
 import numpy as np
+from tinyvllm.bench.runs import random_ids
 
 PEERS = ("hf", "llamacpp", "llamacpp-f32")
 PEER_NAMES = {"hf": "transformers", "llamacpp": "llama.cpp", "llamacpp-f32": "llama.cpp F32"}
@@ -19,10 +21,6 @@ PEER_NAMES = {"hf": "transformers", "llamacpp": "llama.cpp", "llamacpp-f32": "ll
 
 class PeerUnavailable(RuntimeError):
   """The peer is not installed or cannot run this model; the message says why."""
-
-
-def _random_ids(rng, vocab: int, shape) -> np.ndarray:
-  return rng.integers(min(100, vocab // 4), vocab, shape)
 
 
 class HFPeer:
@@ -46,7 +44,7 @@ class HFPeer:
 
   def decode(self, batch: int, context: int, steps: int, warmup: int, rng) -> dict:
     torch = self.torch
-    ids = torch.tensor(_random_ids(rng, self.vocab, (batch, context)))
+    ids = torch.tensor(random_ids(rng, self.vocab, (batch, context)))
     with torch.no_grad():
       out = self.model(ids, use_cache=True, logits_to_keep=1)
       past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
@@ -61,7 +59,7 @@ class HFPeer:
     torch = self.torch
     with torch.no_grad():
       for _ in range(2):
-        ids = torch.tensor(_random_ids(rng, self.vocab, (1, prompt_len)))
+        ids = torch.tensor(random_ids(rng, self.vocab, (1, prompt_len)))
         t = time.perf_counter()
         self.model(ids, use_cache=True, logits_to_keep=1)   # as generate() does: logits of the last position only
         dt = time.perf_counter() - t
@@ -126,7 +124,7 @@ class LlamaCppPeer:
 
   def decode(self, batch: int, context: int, steps: int, warmup: int, rng) -> dict:
     self._clear()
-    prompts = _random_ids(rng, self.vocab, (batch, context))
+    prompts = random_ids(rng, self.vocab, (batch, context))
     self._prefill(prompts)
     nxt = [int(t) for t in prompts[:, -1]]
     for i in range(warmup + steps):
@@ -139,7 +137,7 @@ class LlamaCppPeer:
   def prefill(self, prompt_len: int, rng) -> dict:
     for _ in range(2):
       self._clear()
-      prompts = _random_ids(rng, self.vocab, (1, prompt_len))
+      prompts = random_ids(rng, self.vocab, (1, prompt_len))
       t = time.perf_counter()
       self._prefill(prompts)
       dt = time.perf_counter() - t

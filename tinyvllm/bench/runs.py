@@ -40,6 +40,11 @@ def model_tensors(model) -> list[TensorInfo]:
   return out
 
 
+def random_ids(rng: np.random.Generator, vocab: int, shape) -> np.ndarray:
+  """Random token ids, skipping the lowest ids (where tokenizers keep their special tokens)."""
+  return rng.integers(min(100, vocab // 4), vocab, shape)
+
+
 @dataclass
 class StepLog:
   """Wall time and accounted traffic of the steps taken through `run_step`."""
@@ -91,8 +96,7 @@ class Driver:
     if self.text_ids:
       start = int(rng.integers(len(self.text_ids)))
       return [self.text_ids[(start + i) % len(self.text_ids)] for i in range(n)]
-    vocab = self.cfg.vocab_size
-    return rng.integers(min(100, vocab // 4), vocab, n).tolist()
+    return random_ids(rng, self.cfg.vocab_size, n).tolist()
 
   def finish_all(self, request_ids) -> None:
     for rid in request_ids: self.engine.abort_request(rid)
