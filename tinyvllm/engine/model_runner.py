@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 import numpy as np
-from tinygrad import Tensor, TinyJit, UOp
+from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 from tinyvllm.kernels import AttentionGroup
 from tinyvllm.model.llama import Llama, ModelInputs
 
@@ -87,6 +87,8 @@ class ModelRunner:
                       for _ in range(cfg.num_hidden_layers)]
     self.layer_weights = [layer.tensors() for layer in model.layers]
     self.replays: OrderedDict[PassShape, tuple[Replay, Replay, Replay]] = OrderedDict()
+    self.input_buffers: dict[PassShape, Tensor] = {}
+    self.hidden_buffers: dict[PassShape, tuple[Tensor, Tensor]] = {}
 
   @staticmethod
   def kv_bytes_per_block(cfg, block_size: int, dtype_size: int) -> int:
@@ -136,11 +138,31 @@ class ModelRunner:
 
   def _forward(self, shape: PassShape, packed: np.ndarray, used_blocks: int) -> np.ndarray:
     inputs, layer, head = self._replays(shape)
-    h, positions, slots, q_pos, token_seq, rows, ctx, tables = inputs(Tensor(packed, device=self.device).realize())
+    h, positions, slots, q_pos, token_seq, rows, ctx, tables = inputs(self._upload(shape, packed))
     extent = (self.kv_extent.bind(used_blocks),)
-    for weights, (k_cache, v_cache) in zip(self.layer_weights, self.kv_caches):
-      h = layer(h, positions, slots, q_pos, token_seq, ctx, tables, k_cache, v_cache, *weights, bound=extent)
-    return head(h, rows).numpy()
+    hidden = self._hidden_buffers(shape)
+    for i, (weights, (k_cache, v_cache)) in enumerate(zip(self.layer_weights, self.kv_caches)):
+      # layers write into two buffers in turn (a replay whose output buffer is also its input would copy it
+      # first); the output is read from the buffer passed, as a replay returns the tensor of its capture
+      layer(h, hidden[i % 2], positions, slots, q_pos, token_seq, ctx, tables, k_cache, v_cache, *weights, bound=extent)
+      h = hidden[i % 2]
+    logits = head(h, rows).uop.buffer
+    return np.frombuffer(logits.as_memoryview(allow_zero_copy=True), np.float32).reshape(-1, self.model.cfg.vocab_size).copy()
+
+  def _hidden_buffers(self, shape: PassShape) -> tuple[Tensor, Tensor]:
+    if shape not in self.hidden_buffers:
+      self.hidden_buffers[shape] = tuple(Tensor.zeros(shape.num_tokens, self.model.cfg.hidden_size, dtype=self.model.dtype,
+                                                      device=self.device).contiguous().realize() for _ in range(2))
+    return self.hidden_buffers[shape]
+
+  def _upload(self, shape: PassShape, packed: np.ndarray) -> Tensor:
+    """Copy the step's integers into this shape's input buffer directly. Realizing a new Tensor each step would
+    cost milliseconds: tinygrad's scheduler walks every live tensor (the weights included) on each realize."""
+    if shape not in self.input_buffers:
+      self.input_buffers[shape] = Tensor.zeros(len(packed), dtype=dtypes.int32, device=self.device).contiguous().realize()
+    buf = self.input_buffers[shape].uop.buffer.ensure_allocated()
+    Device[buf.device].allocator._copyin(buf._buf, memoryview(np.ascontiguousarray(packed, np.int32)).cast("B"))
+    return self.input_buffers[shape]
 
   def _replays(self, shape: PassShape) -> tuple[Replay, Replay, Replay]:
     if shape in self.replays:
@@ -155,11 +177,11 @@ class ModelRunner:
       return (self.model.embed(fields["tokens"]).contiguous(), *(fields[n] for n in FIELDS[1:]))
 
     template = self.model.layers[0]
-    def layer(h, positions, slots, q_pos, token_seq, ctx, tables, k_cache, v_cache, *weights_and_extent):
+    def layer(h, out, positions, slots, q_pos, token_seq, ctx, tables, k_cache, v_cache, *weights_and_extent):
       *weights, extent = weights_and_extent
       group = AttentionGroup(P, C, tables.reshape(P, MB), extent, q_pos.reshape(P, C), ctx, token_seq)
       return template.with_tensors(weights)(h, ModelInputs(None, positions, slots, [group], None), self.model.cos_sin,
-                                            k_cache, v_cache)
+                                            k_cache, v_cache, out)
 
     replays = (Replay(unpack), Replay(layer), Replay(lambda h, rows: self.model.logits(h, rows)))
     self.replays[shape] = replays

@@ -60,12 +60,22 @@ class Kernels:
     if self.backend == "cpu" and (dtype != "float32" or head_dim % 8):
       raise ValueError(f"kernel_backend='cpu' runs float32 models with head_dim divisible by 8 (got {dtype}, head_dim "
                        f"{head_dim}): use dtype='float32' or kernel_backend='portable'")
+
     if self.shaders is None: return
     from tinyvllm.kernels import metal
     if head_dim not in metal.HEAD_DIMS or block_size not in metal.BLOCK_SIZES or n_heads // n_kv_heads > 8:
       raise ValueError(f"kernel_backend={self.backend!r} supports head_dim {metal.HEAD_DIMS}, block_size {metal.BLOCK_SIZES} "
                        f"and up to 8 query heads per KV head; this model has head_dim {head_dim}, "
                        f"{n_heads // n_kv_heads} query heads per KV head (block_size {block_size}): use kernel_backend='portable'")
+
+  def decoder_layer(self, h: Tensor, weights: dict[str, Tensor], cfg, group: AttentionGroup, positions: Tensor,
+                    slot_mapping: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None) -> Tensor | None:
+    """A whole decoder layer as one kernel, where the backend has one (`cpu`), written into `out` if given;
+    None means: compose it from the operations below."""
+    if self.backend != "cpu": return None
+    from tinyvllm.kernels import cpu_layer
+    return cpu_layer.decoder_layer(h, weights, cfg, positions, slot_mapping, group.block_tables, group.token_seq,
+                                   group.q_pos.reshape(group.num_tokens), cos_sin, k_cache, v_cache, out)
 
   def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return portable.rms_norm(x, weight, eps)
@@ -90,9 +100,6 @@ class Kernels:
     """qkv `[T, (H + 2 KVH) D]`: rotate q and k, write k and v into their cache slots.
 
     Returns (rotated q `[T, H, D]`, k_cache, v_cache), the caches ordered after the write."""
-    if self.backend == "cpu":
-      from tinyvllm.kernels import cpu_attention
-      return cpu_attention.rope_and_cache_write(qkv, n_heads, n_kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping)
     T, D = qkv.shape[0], k_cache.shape[-1]
     q = qkv[:, :n_heads * D].reshape(T, n_heads, D)
     k = qkv[:, n_heads * D:(n_heads + n_kv_heads) * D].reshape(T, n_kv_heads, D)
@@ -107,9 +114,6 @@ class Kernels:
   def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, group: AttentionGroup, scale: float) -> Tensor:
     """q `[P*C, H, D]` of one group -> attention output `[P*C, H, D]`."""
     P, C = group.num_seqs, group.query_len
-    if self.backend == "cpu":
-      from tinyvllm.kernels import cpu_attention
-      return cpu_attention.paged_attention(q, k_cache, v_cache, group.block_tables, group.token_seq, group.q_pos.reshape(P * C), scale)
     if self.shaders is not None:
       from tinyvllm.kernels import metal
       if C == 1:

@@ -37,7 +37,17 @@ class LlamaLayer:
 
   def linear(self, name: str, x: Tensor) -> Tensor: return self.kernels.linear(x, linear_params(self.weights, name))
 
-  def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+  def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+               out: Tensor | None = None) -> Tensor:
+    """h `[T, hidden]` -> the layer's output, written into `out` when given (a realized buffer)."""
+    cfg, kn, w = self.cfg, self.kernels, self.weights
+    if len(inp.groups) == 1 and (fused := kn.decoder_layer(h, w, cfg, inp.groups[0], inp.positions, inp.slot_mapping, cos_sin,
+                                                           k_cache, v_cache, out)) is not None:
+      return fused
+    result = self._compose(h, inp, cos_sin, k_cache, v_cache)
+    return result if out is None else out.assign(result)
+
+  def _compose(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
     cfg, kn, w = self.cfg, self.kernels, self.weights
     T, H, KVH, D = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qkv = self.linear("self_attn.qkv_proj", kn.rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps))

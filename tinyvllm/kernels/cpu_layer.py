@@ -1,0 +1,314 @@
+"""A whole Llama decoder layer as one C kernel for tinygrad's CPU device (the `cpu` kernel backend).
+
+tinygrad spells a layer as about twenty small kernels (norms, gathers, softmax passes, residual adds); on the
+CPU each costs tens of microseconds of dispatch, and every new shape costs a compile of each. One kernel per
+layer leaves the weight stream as the cost: RMSNorm -> q/k/v projection -> RoPE + K/V cache write -> paged
+attention -> output projection + residual -> RMSNorm -> gate/up projection -> SiLU * up -> down projection +
+residual. Projections are float32 or 4-bit (docs/quantization.md), each with an optional bias.
+
+Same conventions as kernels/cpu.py: the kernel is the first function of its source, helpers are `static`,
+shapes are compile-time constants, and the C is freestanding. No libm: tinygrad's loader links external calls
+with 32-bit relative offsets, which break (a crash far from the cause) once the kernel's code lands more than
+2 GB from libm, so exp and sqrt are our own.
+"""
+from __future__ import annotations
+from dataclasses import dataclass
+from tinygrad import Tensor, dtypes
+from tinyvllm.kernels.cpu import _HALF, _HSUM8, _VEC, _int4_fallback_body, _int4_gemm_body, _int4_gemv_body, _program
+
+TILE = 32   # keys scored at once in attention: one max and one rescale per tile instead of per key
+
+_MATH = r"""
+/* e^x = 2^k e^r, k = round(x / ln 2), |r| <= ln(2)/2: degree-6 Taylor polynomial, within 2.3e-7 relative */
+static inline float exp_f32(float x) {
+  if (x < -87.0f) return 0.0f;                 /* e^x underflows below this */
+  if (x > 88.0f) x = 88.0f;
+  int k = (int)(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f));
+  float r = (x - (float)k * 0.693145751953125f) - (float)k * 1.428606765330187e-06f;   /* ln 2 in two parts */
+  float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.008333334f + r * 0.0013888889f)))));
+  union { int i; float f; } scale = { .i = (k + 127) << 23 };
+  return p * scale.f;
+}
+static inline float sqrt_f32(float x) {
+#if defined(__SSE__)
+  return _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(x)));
+#elif defined(__aarch64__)
+  float r; __asm__("fsqrt %s0, %s1" : "=w"(r) : "w"(x)); return r;
+#else
+  float r = x > 1 ? x : 1; for (int i = 0; i < 40; i++) r = 0.5f * (r + x / r); return r;
+#endif
+}
+"""
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+  """How one projection is stored: float32 `[N, K]`, or 4-bit with `group` inputs per scale."""
+  n: int
+  k: int
+  group: int = 0            # 0: float32
+  bias: bool = False
+
+  def args(self, name: str) -> list[str]:
+    w = [f"const float *restrict {name}_w"] if not self.group else \
+        [f"const unsigned *restrict {name}_w", f"const unsigned short *restrict {name}_s", f"const unsigned short *restrict {name}_b"]
+    return w + ([f"const float *restrict {name}_bias"] if self.bias else [])
+
+
+def _linear_fn(name: str, spec: LinearSpec, M: int) -> str:
+  """`static void name(y, x, weights...)`: y[M, N] = x[M, K] @ W^T (+ bias)."""
+  N, K = spec.n, spec.k
+  bias = f"for (int m = 0; m < {M}; m++) for (int n = 0; n < {N}; n++) y[(long)m * {N} + n] += {name}_bias[n];" if spec.bias else ""
+  if spec.group:
+    body = _int4_gemv_body(N, K, spec.group) if M == 1 else _int4_gemm_body(M, N, K, spec.group)
+    return f"""static void {name}(float *restrict y, const float *restrict x, {", ".join(spec.args(name))}) {{
+  const unsigned *restrict w = {name}_w; const unsigned short *restrict s = {name}_s, *restrict b = {name}_b;
+#ifdef TV_AVX2
+{body}
+#else
+{_int4_fallback_body(M, N, K, spec.group)}
+#endif
+  {bias}
+}}
+"""
+  return f"""static void {name}(float *restrict y, const float *restrict x, {", ".join(spec.args(name))}) {{
+  mm_f32(y, x, {name}_w, {M}, {N}, {K});
+  {bias}
+}}
+"""
+
+
+# float32 y[M,N] = x[M,K] @ w[N,K]^T: tiles of 4 weight rows stay in L1 while pairs of x rows pass over them
+_MM_F32 = r"""
+static void mm_f32(float *restrict y, const float *restrict x, const float *restrict w, int M, int N, int K) {
+  for (int n0 = 0; n0 < N; n0 += 4) {
+    int nr = N - n0 < 4 ? N - n0 : 4;
+    for (int m0 = 0; m0 < M; m0 += 2) {
+      int mr = M - m0 < 2 ? M - m0 : 2;
+      vf acc[2][4] = {{0}};
+      const float *x0 = x + (long)m0 * K, *x1 = x + (long)(m0 + (mr > 1)) * K;
+      const float *ws[4];
+      for (int j = 0; j < 4; j++) ws[j] = w + (long)(n0 + (j < nr ? j : 0)) * K;
+      int k = 0;
+      for (; k + VW <= K; k += VW) {
+        vf a0 = vload(x0 + k), a1 = vload(x1 + k);
+        vf b0 = vload(ws[0] + k), b1 = vload(ws[1] + k), b2 = vload(ws[2] + k), b3 = vload(ws[3] + k);
+        acc[0][0] += a0 * b0; acc[0][1] += a0 * b1; acc[0][2] += a0 * b2; acc[0][3] += a0 * b3;
+        acc[1][0] += a1 * b0; acc[1][1] += a1 * b1; acc[1][2] += a1 * b2; acc[1][3] += a1 * b3;
+      }
+      const float *xs[2] = {x0, x1};
+      for (int i = 0; i < mr; i++) for (int j = 0; j < nr; j++) {
+        float s = hsum(acc[i][j]);
+        for (int kk = k; kk < K; kk++) s += xs[i][kk] * ws[j][kk];
+        y[(long)(m0 + i) * N + n0 + j] = s;
+      }
+    }
+  }
+}
+"""
+
+
+@dataclass(frozen=True)
+class LayerShape:
+  tokens: int               # T (bucketed)
+  hidden: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  intermediate: int
+  block_size: int
+  num_blocks: int           # KV cache blocks
+  table_width: int          # block-table columns (full width)
+  max_pos: int              # rows of the cos/sin table
+  eps: float
+  qkv: LinearSpec
+  o: LinearSpec
+  gate_up: LinearSpec
+  down: LinearSpec
+
+  @property
+  def scratch(self) -> int:
+    """floats of working memory: normed x, qkv, rotated q, attention output, gate/up, activation, one product"""
+    T, qd = self.tokens, self.n_heads * self.head_dim
+    return T * (self.hidden + self.qkv.n + 2 * qd + self.gate_up.n + self.intermediate + self.hidden)
+
+
+def _source(name: str, s: LayerShape, scale: float) -> str:
+  T, E, H, KVH, D, I = s.tokens, s.hidden, s.n_heads, s.n_kv_heads, s.head_dim, s.intermediate
+  G, DV, half, QKV = H // KVH, D // 8, D // 2, s.qkv.n
+  n_slots = s.num_blocks * s.block_size
+  params = ["float *restrict out", "float *restrict kc", "float *restrict vc", "float *restrict scratch", "const float *restrict h",
+            "const int *restrict pos", "const int *restrict slots", "const int *restrict tables", "const int *restrict token_seq",
+            "const int *restrict token_pos", "const float *restrict cs", "const float *restrict ln1", "const float *restrict ln2",
+            *s.qkv.args("qkv"), *s.o.args("o"), *s.gate_up.args("gate_up"), *s.down.args("down")]
+  call = lambda lin, spec, y, x: f"{lin}({y}, {x}, {', '.join(a.split()[-1] for a in spec.args(lin))});"
+  return f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TV_AVX2 1
+#elif defined(__SSE__)
+#include <immintrin.h>
+#endif
+void {name}({", ".join(params)});
+{_VEC}
+{_MATH}
+static inline float h2f(unsigned short h);
+#ifdef TV_AVX2
+static inline float hsum8(__m256 v);
+#endif
+{_MM_F32}
+{_linear_fn("qkv", s.qkv, T)}
+{_linear_fn("o", s.o, T)}
+{_linear_fn("gate_up", s.gate_up, T)}
+{_linear_fn("down", s.down, T)}
+
+static void rms_norm(float *restrict y, const float *restrict x, const float *restrict w) {{
+  for (int t = 0; t < {T}; t++) {{
+    const float *xr = x + (long)t * {E};
+    vf acc = (vf){{0}};
+    for (int i = 0; i < {E}; i += 8) {{ vf v = vload(xr + i); acc += v * v; }}
+    float inv = 1.0f / sqrt_f32(hsum(acc) / {E} + {s.eps!r}f);
+    for (int i = 0; i < {E}; i++) y[(long)t * {E} + i] = xr[i] * inv * w[i];
+  }}
+}}
+
+static inline void rope(float *restrict dst, const float *restrict x, const float *restrict c, const float *restrict sn) {{
+  for (int i = 0; i < {half}; i++) {{
+    float x1 = x[i], x2 = x[i + {half}];
+    dst[i] = x1 * c[i] - x2 * sn[i];
+    dst[i + {half}] = x2 * c[i] + x1 * sn[i];
+  }}
+}}
+
+/* rotate q and k, write k and v into their cache slots (slot -1: a padding token, nothing written) */
+static void rope_write(float *restrict q, float *restrict kc, float *restrict vc, const float *restrict qkv,
+                       const int *restrict pos, const float *restrict cs, const int *restrict slots) {{
+  for (int t = 0; t < {T}; t++) {{
+    const float *row = qkv + (long)t * {QKV};
+    int p = pos[t] < 0 ? 0 : pos[t] >= {s.max_pos} ? {s.max_pos - 1} : pos[t];
+    const float *c = cs + (long)p * {D}, *sn = c + {half};
+    for (int hd = 0; hd < {H}; hd++) rope(q + ((long)t * {H} + hd) * {D}, row + hd * {D}, c, sn);
+    int slot = slots[t];
+    if (slot < 0 || slot >= {n_slots}) continue;
+    for (int hd = 0; hd < {KVH}; hd++) {{
+      rope(kc + ((long)slot * {KVH} + hd) * {D}, row + ({H} + hd) * {D}, c, sn);
+      const float *v = row + ({H + KVH} + hd) * {D};
+      float *dst = vc + ((long)slot * {KVH} + hd) * {D};
+      for (int i = 0; i < {D}; i++) dst[i] = v[i];
+    }}
+  }}
+}}
+
+/* token t attends to keys 0..token_pos[t] of block-table row token_seq[t] (-1: padding, zeros): causal in a
+   chunk and the whole cached prefix. The {G} query heads of a KV head share each K/V row read; online softmax. */
+static void attention(float *restrict out, const float *restrict q, const float *restrict kc, const float *restrict vc,
+                      const int *restrict tables, const int *restrict token_seq, const int *restrict token_pos) {{
+  for (int t = 0; t < {T}; t++) {{
+    float *o = out + (long)t * {H * D};
+    int seq = token_seq[t];
+    if (seq < 0) {{ for (int i = 0; i < {H * D}; i++) o[i] = 0; continue; }}
+    const int *table = tables + (long)seq * {s.table_width};
+    int n = token_pos[t] + 1;
+    for (int g = 0; g < {KVH}; g++) {{
+      const float *qg = q + ((long)t * {H} + g * {G}) * {D};
+      float m[{G}], l[{G}], sc[{G}][{TILE}];
+      vf acc[{G}][{DV}];
+      for (int hd = 0; hd < {G}; hd++) {{ m[hd] = -1e30f; l[hd] = 0; for (int i = 0; i < {DV}; i++) acc[hd][i] = (vf){{0}}; }}
+      for (int j0 = 0; j0 < n; j0 += {TILE}) {{
+        int nt = n - j0 < {TILE} ? n - j0 : {TILE};
+        const float *krow[{TILE}], *vrow[{TILE}];
+        for (int j = 0; j < nt; j++) {{
+          int key = j0 + j;
+          long slot = (long)table[key / {s.block_size}] * {s.block_size} + key % {s.block_size};
+          krow[j] = kc + (slot * {KVH} + g) * {D};
+          vrow[j] = vc + (slot * {KVH} + g) * {D};
+        }}
+        for (int hd = 0; hd < {G}; hd++) {{
+          float mt = m[hd];
+          for (int j = 0; j < nt; j++) {{
+            vf d = (vf){{0}};
+            for (int i = 0; i < {DV}; i++) d += vload(qg + hd * {D} + i * 8) * vload(krow[j] + i * 8);
+            sc[hd][j] = hsum(d) * {scale!r}f;
+            if (sc[hd][j] > mt) mt = sc[hd][j];
+          }}
+          float corr = exp_f32(m[hd] - mt);
+          l[hd] *= corr;
+          for (int i = 0; i < {DV}; i++) acc[hd][i] *= corr;
+          m[hd] = mt;
+          for (int j = 0; j < nt; j++) {{
+            float p = exp_f32(sc[hd][j] - mt);
+            l[hd] += p;
+            for (int i = 0; i < {DV}; i++) acc[hd][i] += p * vload(vrow[j] + i * 8);
+          }}
+        }}
+      }}
+      for (int hd = 0; hd < {G}; hd++) {{
+        float inv = 1.0f / l[hd];
+        float *oh = o + (g * {G} + hd) * {D};
+        for (int i = 0; i < {DV}; i++) {{ vf r = acc[hd][i] * inv; for (int e = 0; e < 8; e++) oh[i * 8 + e] = r[e]; }}
+      }}
+    }}
+  }}
+}}
+
+void {name}({", ".join(params)}) {{
+  float *xn = scratch, *qkv_out = xn + {T * E}, *q = qkv_out + {T * QKV}, *att = q + {T * H * D};
+  float *gu = att + {T * H * D}, *act = gu + {T * s.gate_up.n}, *prod = act + {T * I};
+  rms_norm(xn, h, ln1);
+  {call("qkv", s.qkv, "qkv_out", "xn")}
+  rope_write(q, kc, vc, qkv_out, pos, cs, slots);
+  attention(att, q, kc, vc, tables, token_seq, token_pos);
+  {call("o", s.o, "prod", "att")}
+  for (long i = 0; i < {T * E}; i++) out[i] = h[i] + prod[i];
+  rms_norm(xn, out, ln2);
+  {call("gate_up", s.gate_up, "gu", "xn")}
+  for (int t = 0; t < {T}; t++) for (int i = 0; i < {I}; i++) {{
+    float g = gu[(long)t * {2 * I} + i], u = gu[(long)t * {2 * I} + {I} + i];
+    act[(long)t * {I} + i] = g / (1.0f + exp_f32(-g)) * u;    /* SiLU(gate) * up */
+  }}
+  {call("down", s.down, "prod", "act")}
+  for (long i = 0; i < {T * E}; i++) out[i] += prod[i];
+}}
+{_HALF}
+#ifdef TV_AVX2
+{_HSUM8}
+#endif
+"""
+
+
+def _spec(w: dict, name: str, k: int) -> LinearSpec:
+  n = w[f"{name}.weight"].shape[0]
+  group = k // w[f"{name}.scales"].shape[-1] if f"{name}.scales" in w else 0
+  return LinearSpec(n, k, group, f"{name}.bias" in w)
+
+
+def _linear_tensors(w: dict, name: str) -> list[Tensor]:
+  parts = ["weight", "scales", "biases"] if f"{name}.scales" in w else ["weight"]
+  return [w[f"{name}.{p}"] for p in parts] + ([w[f"{name}.bias"]] if f"{name}.bias" in w else [])
+
+
+def supported(weights: dict, head_dim: int, hidden: int) -> bool:
+  """float32 activations, 8-lane vectors along head_dim and hidden; 4-bit groups the AVX2 bodies handle."""
+  floats = [t for k, t in weights.items() if not k.endswith((".scales", ".biases")) and t.dtype != dtypes.uint32]
+  return head_dim % 8 == 0 and hidden % 8 == 0 and all(t.dtype == dtypes.float32 for t in floats)
+
+
+def decoder_layer(h: Tensor, w: dict[str, Tensor], cfg, positions: Tensor, slots: Tensor, tables: Tensor, token_seq: Tensor,
+                  token_pos: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None) -> Tensor:
+  """One decoder layer: h `[T, hidden]` float32 -> `[T, hidden]`, written into `out` when given (a realized buffer,
+  so the caller can alternate two); k/v written into the caches in place. `w` holds the layer's weights under HF
+  names relative to the layer, q/k/v and gate/up fused (see model/llama.py)."""
+  T, E = h.shape
+  D, I = cfg.head_dim, cfg.intermediate_size
+  shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, k_cache.shape[1], k_cache.shape[0],
+                     tables.shape[1], cos_sin.shape[0], float(cfg.rms_norm_eps),
+                     _spec(w, "self_attn.qkv_proj", E), _spec(w, "self_attn.o_proj", cfg.q_size),
+                     _spec(w, "mlp.gate_up_proj", E), _spec(w, "mlp.down_proj", I))
+  name = f"llama_layer_{abs(hash(shape)):x}"
+  src = _source(name, shape, D ** -0.5)
+  if out is None: out = Tensor.invalids(T, E, dtype=dtypes.float32, device=h.device)
+  scratch = Tensor.invalids(shape.scratch, dtype=dtypes.float32, device=h.device)
+  args = [out, k_cache, v_cache, scratch, h.contiguous(), positions, slots, tables.contiguous(), token_seq, token_pos.contiguous(),
+          cos_sin, w["input_layernorm.weight"], w["post_attention_layernorm.weight"],
+          *_linear_tensors(w, "self_attn.qkv_proj"), *_linear_tensors(w, "self_attn.o_proj"),
+          *_linear_tensors(w, "mlp.gate_up_proj"), *_linear_tensors(w, "mlp.down_proj")]
+  return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
