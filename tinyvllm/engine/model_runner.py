@@ -50,10 +50,12 @@ class PassShape:
 class Replay:
   """A TinyJit captured on its first call and replayed directly afterwards.
 
-  TinyJit checks every input on every call (~25 us each); a layer takes a dozen inputs and runs 30 times a
-  pass, so replays go straight to the captured graph. Callers pass the same kinds of buffers in the same
-  order each time, which is what those checks verify. Inputs are whole buffers, never views: a view input
-  costs a graph rewrite per replay to find its buffer."""
+  TinyJit checks every input on every call (~25 us each), and its executor resolves every kernel argument
+  anew; a layer runs 30 times a pass. So after the capture each kernel's runtime and argument buffers are
+  resolved once (`_plan`), and a replay only swaps in the input buffers and calls the programs. Callers pass
+  the same kinds of buffers in the same order each time, which is what TinyJit's checks verify. Inputs are
+  whole buffers, never views (a view would need resolving per call), and never a buffer the graph itself
+  writes (TinyJit copies those; such calls take the general path)."""
   def __init__(self, fn):
     def run(*args):
       out = fn(*args)
@@ -62,10 +64,42 @@ class Replay:
       return out
     self.jit = TinyJit(run)
     self.jit.cnt = 1   # capture on the first call: weights and caches are realized, a warm-up run would only cost time
+    self.plan: list | None = None
 
   def __call__(self, *args: Tensor, bound: tuple[UOp, ...] = ()):
-    if self.jit.captured is None: return self.jit(*args, *bound)
-    return self.jit.captured([a.uop.base for a in args], {var.expr: val for var, val in (b.unbind() for b in bound)})
+    if self.jit.captured is None:
+      out = self.jit(*args, *bound)
+      self.plan = self._plan(self.jit.captured)
+      return out
+    inputs = [a.uop.base for a in args]
+    var_vals = {var.expr: val for var, val in (b.unbind() for b in bound)}
+    if self.plan is None or any(u in self.jit.captured._written_uops for u in inputs):
+      return self.jit.captured(inputs, var_vals)
+    in_bufs = [u.buffer.ensure_allocated() for u in inputs]
+    for rt, device, specs, info in self.plan:
+      bufs = [in_bufs[ref] if isinstance(ref, int) else ref for ref in specs]
+      global_size, local_size = info.launch_dims(var_vals)
+      rt(*[b.get_buf(device) for b in bufs], global_size=global_size, local_size=local_size, vals=info.vals(var_vals))
+    return self.jit.captured.ret
+
+  @staticmethod
+  def _plan(captured) -> list | None:
+    """(runtime, device, argument buffers (input index or Buffer), program info) per kernel, or None when the
+    captured graph holds anything but plain kernels with whole-buffer arguments."""
+    from tinygrad.engine.realize import get_call_arg_uops, get_runtime
+    from tinygrad.uop.ops import Ops
+    plan = []
+    for call in captured.linear.src:
+      ast = call.src[0]
+      if ast.op is not Ops.PROGRAM or not isinstance(call.src[1].device, str): return None
+      args, specs = get_call_arg_uops(call), []
+      for i in ast.arg.globals:
+        u = args[i]
+        if u.op is Ops.PARAM: specs.append(u.arg.slot)
+        elif u.op is Ops.BUFFER: specs.append(u.buffer.ensure_allocated())
+        else: return None
+      plan.append((get_runtime(call.src[1].device, ast), call.src[1].device, specs, ast.arg))
+    return plan
 
 
 class ModelRunner:

@@ -55,6 +55,11 @@ class Kernels:
       from tinyvllm.kernels import metal
       self.shaders = metal.MetalBackend() if backend == "metal" else metal.EmulatorBackend()
 
+  @property
+  def eight_bit(self) -> bool:
+    """8-bit weights (GGUF Q8_0 embeddings) have a kernel on the CPU device only; elsewhere they load as floats."""
+    return self.cpu
+
   def check_model(self, head_dim: int, n_heads: int, n_kv_heads: int, block_size: int, dtype: str) -> None:
     """Refuse, with the reason, a model the chosen backend's kernels cannot run."""
     if self.backend == "cpu" and (dtype != "float32" or head_dim % 8):
@@ -84,6 +89,9 @@ class Kernels:
     """x `[T, in]` @ W^T (+ bias). `w`: "weight" (float `[out, in]`, or packed 4-bit `[out, in/8]` with
     "scales"/"biases" `[out, in/G]`), optional "bias"."""
     weight, bias = w["weight"], w.get("bias")
+    if "scales" in w and "biases" not in w:                # 8-bit: only loaded where eight_bit says so
+      y = cpu.q8_linear(x, weight, w["scales"])
+      return y if bias is None else y + bias
     if "scales" in w:
       group = x.shape[-1] // w["scales"].shape[-1]
       if self.shaders is not None:

@@ -262,3 +262,70 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group
   args = [out, x.cast(dtypes.float32).contiguous(), packed.contiguous(), scales.cast(dtypes.float16).contiguous(),
           biases.cast(dtypes.float16).contiguous()]
   return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
+
+
+# **** 8-bit linear (GGUF Q8_0 blocks: int8 codes, one float16 scale per 32) ****
+
+_Q8_ARGS = "float *restrict y, const float *restrict x, const signed char *restrict w, const unsigned short *restrict s"
+
+
+def _q8_linear_source(name: str, M: int, N: int, K: int) -> str:
+  """y[M,N] = x[M,K] @ W^T, W = s * q per block of 32 along K. Each weight row is converted to float once per
+  call, block by block, and used for all M rows of x: memory-bound for the few rows an LM head sees."""
+  NB = K // 32
+  return f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TV_AVX2 1
+#endif
+void {name}({_Q8_ARGS});
+static inline float h2f(unsigned short h);
+#ifdef TV_AVX2
+static inline float hsum8(__m256 v);
+#endif
+void {name}({_Q8_ARGS}) {{
+  for (int n = 0; n < {N}; n++) {{
+    const signed char *wr = w + (long)n * {K};
+    const unsigned short *sr = s + (long)n * {NB};
+    float acc[{M}];
+    for (int m = 0; m < {M}; m++) acc[m] = 0;
+#ifdef TV_AVX2
+    __m256 av[{M}];                       /* per row: one vector sum over all blocks, one horizontal add at the end */
+    for (int m = 0; m < {M}; m++) av[m] = _mm256_setzero_ps();
+    for (int b = 0; b < {NB}; b++) {{
+      __m256 sc = _mm256_set1_ps(h2f(sr[b])), wv[4];
+      for (int j = 0; j < 4; j++)
+        wv[j] = _mm256_mul_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + b * 32 + j * 8)))));
+      for (int m = 0; m < {M}; m++) {{
+        const float *xr = x + (long)m * {K} + b * 32;
+        for (int j = 0; j < 4; j++) av[m] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(xr + j * 8), av[m]);
+      }}
+    }}
+    for (int m = 0; m < {M}; m++) acc[m] = hsum8(av[m]);
+#else
+    for (int b = 0; b < {NB}; b++) {{
+      float sc = h2f(sr[b]);
+      for (int m = 0; m < {M}; m++) {{
+        float d = 0;
+        for (int k = 0; k < 32; k++) d += (float)wr[b * 32 + k] * x[(long)m * {K} + b * 32 + k];
+        acc[m] += sc * d;
+      }}
+    }}
+#endif
+    for (int m = 0; m < {M}; m++) y[(long)m * {N} + n] = acc[m];
+  }}
+}}
+{_HALF}
+#ifdef TV_AVX2
+{_HSUM8}
+#endif
+"""
+
+
+def q8_linear(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+  """x `[M, K]` float32 @ W^T, W `[N, K]` as int8 codes with float16 scales `[N, K/32]` (w = scale * code)."""
+  (M, K), N = x.shape, codes.shape[0]
+  if K % 32 or tuple(scales.shape) != (N, K // 32): raise ValueError(f"8-bit weight {codes.shape} / scales {scales.shape} do not match x {x.shape}")
+  name = f"q8_linear_{M}_{N}_{K}"
+  src = _q8_linear_source(name, M, N, K)
+  out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
+  return Tensor.custom_kernel(out, x.cast(dtypes.float32).contiguous(), codes, scales, fxn=lambda *p: _program(name, src, *p))[0]

@@ -88,3 +88,9 @@ def int4_rows(packed: Tensor, scales: Tensor, biases: Tensor) -> Tensor:
   T, words = packed.shape
   q = Tensor.stack(*[(packed >> (4 * i)) & 0xF for i in range(8)], dim=-1).reshape(T, scales.shape[1], -1)   # (T, K/G, G)
   return (q.cast(dtypes.float32) * scales.float().reshape(T, -1, 1) + biases.float().reshape(T, -1, 1)).reshape(T, words * 8)
+
+
+def q8_rows(codes: Tensor, scales: Tensor) -> Tensor:
+  """Dequantize gathered 8-bit rows: codes `[T, K]` int8, scales `[T, K/32]` -> float32 `[T, K]`."""
+  T, K = codes.shape
+  return (codes.cast(dtypes.float32).reshape(T, K // 32, 32) * scales.float().reshape(T, -1, 1)).reshape(T, K)

@@ -78,7 +78,7 @@ class Llama:
                max_positions: int):
     self.cfg, self.kernels, self.device = cfg, kernels, device
     self.dtype = dtypes.float32 if dtype == "float32" else dtypes.float16
-    w = {name: Tensor(arr, device=device).realize() for name, arr in self._prepare(cfg, tensors, dtype).items()}
+    w = {name: Tensor(arr, device=device).realize() for name, arr in self._prepare(cfg, tensors, dtype, kernels.eight_bit).items()}
     self.embed_tokens = linear_params(w, "model.embed_tokens")       # 4-bit in MLX checkpoints with quantized embeddings
     self.norm = w["model.norm.weight"]
     self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else linear_params(w, "lm_head")
@@ -88,9 +88,10 @@ class Llama:
     self.cos_sin = Tensor(cos_sin_table(inv_freq, max_positions), device=device).realize()
 
   @staticmethod
-  def _prepare(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+  def _prepare(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, eight_bit: bool) -> dict[str, np.ndarray]:
     """Check every tensor's shape, fuse q/k/v and gate/up, cast floats to the model dtype. 4-bit linears
-    (`.weight` packed uint32 `[N, K/8]`, `.scales`/`.biases` float16 `[N, K/G]`) stay packed."""
+    (`.weight` packed uint32 `[N, K/8]`, `.scales`/`.biases` float16 `[N, K/G]`) stay packed; 8-bit ones
+    (`.weight` int8 `[N, K]`, `.scales` float16 `[N, K/32]`) too where the kernels read them (`eight_bit`)."""
     np_dtype = np.float32 if dtype == "float32" else np.float16
     linears = {"model.embed_tokens": (cfg.vocab_size, cfg.hidden_size)}
     if not cfg.tie_word_embeddings: linears["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
@@ -111,7 +112,16 @@ class Llama:
       _check(tensors, name, (size,), cfg)
       out[name] = np.ascontiguousarray(tensors[name], dtype=np_dtype)
     for name, (n, k) in linears.items():
-      if f"{name}.scales" in tensors:                       # packed 4-bit
+      if f"{name}.scales" in tensors and f"{name}.biases" not in tensors:   # 8-bit
+        _check(tensors, f"{name}.weight", (n, k), cfg)
+        _check(tensors, f"{name}.scales", (n, k // 32), cfg)
+        if eight_bit:
+          out[f"{name}.weight"] = np.ascontiguousarray(tensors[f"{name}.weight"], dtype=np.int8)
+          out[f"{name}.scales"] = np.ascontiguousarray(tensors[f"{name}.scales"], dtype=np.float16)
+        else:
+          out[f"{name}.weight"] = int4.dequantize_state_dict({f"{name}.weight": tensors[f"{name}.weight"],
+                                                              f"{name}.scales": tensors[f"{name}.scales"]})[f"{name}.weight"].astype(np_dtype)
+      elif f"{name}.scales" in tensors:                     # packed 4-bit
         groups = tensors[f"{name}.scales"].shape[-1]
         _check(tensors, f"{name}.weight", (n, k // 8), cfg)
         for part in ("scales", "biases"): _check(tensors, f"{name}.{part}", (n, groups), cfg)
@@ -150,6 +160,7 @@ class Llama:
     """(T, hidden): table rows, dequantized on the fly when the table is 4-bit."""
     e = self.embed_tokens
     if "scales" not in e: return e["weight"][tokens]
+    if "biases" not in e: return portable.q8_rows(e["weight"][tokens], e["scales"][tokens]).cast(self.dtype)
     return portable.int4_rows(e["weight"][tokens], e["scales"][tokens], e["biases"][tokens]).cast(self.dtype)
 
   def logits(self, h: Tensor, rows: Tensor) -> Tensor:

@@ -62,6 +62,12 @@ def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = 
   if quantization == "none" and any(k.endswith(".scales") for k in ckpt.tensors):
     ckpt = dataclasses.replace(ckpt, tensors=int4.dequantize_state_dict(ckpt.tensors), config=dataclasses.replace(ckpt.config, quantization=None))
   if quantization == "int4":
+    # 8-bit tables (a GGUF's Q8_0 embedding) become 4-bit too: 4-bit everywhere is what "int4" asks for
+    eight_bit = {k[:-len(".scales")] for k in ckpt.tensors if k.endswith(".scales") and k[:-len(".scales")] + ".biases" not in ckpt.tensors}
+    tensors = {k: v for k, v in ckpt.tensors.items() if not any(k.startswith(b + ".") for b in eight_bit)}
+    tensors.update({f"{b}.weight": w for b in eight_bit for w in [int4.dequantize_state_dict(
+      {f"{b}.weight": ckpt.tensors[f"{b}.weight"], f"{b}.scales": ckpt.tensors[f"{b}.scales"]})[f"{b}.weight"]]})
+    ckpt = dataclasses.replace(ckpt, tensors=tensors)
     tensors, group = dict(ckpt.tensors), (ckpt.config.quantization or {}).get("group_size", 64)
     for name, w in ckpt.tensors.items():
       base = name[:-len(".weight")]
@@ -161,7 +167,8 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
-  """keep_q4: Q4_0/Q4_1 linear weights become packed 4-bit groups of 32 (exactly, code for code) instead of floats."""
+  """keep_q4: Q4_0/Q4_1 linear weights become packed 4-bit groups of 32 (exactly, code for code), and a Q8_0
+  embedding / LM head stays 8-bit (int8 codes + float16 scales per 32), instead of floats."""
   from gguf import GGUFReader
   try: reader = GGUFReader(path)
   except Exception as e: raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
@@ -175,6 +182,11 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
     shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dimensions innermost first
     name = hf_name(t.name)
     packed = keep_q4 and qtype in ("Q4_0", "Q4_1") and int4.is_linear_weight(name)
+    eight_bit = keep_q4 and qtype == "Q8_0" and name in int4.EMBEDDING_NAMES
+    if eight_bit:
+      codes, d = ggml.q8_0_parts(t.data)
+      tensors[name], tensors[name[:-len(".weight")] + ".scales"] = codes.reshape(shape), d.astype(np.float16)  # d is fp16 in the file
+      continue
     if packed: arr = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
     elif qtype in ggml.BLOCK_BYTES: arr = ggml.dequantize(t.data, qtype, shape)
     elif qtype == "BF16": arr = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)

@@ -251,10 +251,13 @@ def float16_params(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def dequantize_state_dict(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Every quantized `<name>.weight/.scales/.biases` triple back to one float32 `<name>.weight`."""
+  """Every quantized weight back to one float32 `<name>.weight`: 4-bit `.weight/.scales/.biases` triples and
+  8-bit `.weight` (int8 codes) / `.scales` pairs (GGUF Q8_0 blocks of 32, w = scale * code)."""
   out = {k: v for k, v in tensors.items() if not k.endswith((".scales", ".biases"))}
   for k in tensors:
     if k.endswith(".scales"):
       base = k[:-len(".scales")]
-      out[f"{base}.weight"] = dequantize(tensors[f"{base}.weight"], tensors[k], tensors[f"{base}.biases"])
+      w, s = tensors[f"{base}.weight"], tensors[k]
+      if f"{base}.biases" in tensors: out[f"{base}.weight"] = dequantize(w, s, tensors[f"{base}.biases"])
+      else: out[f"{base}.weight"] = (w.reshape(*s.shape, -1).astype(np.float32) * s.astype(np.float32)[..., None]).reshape(w.shape)
   return out
