@@ -339,3 +339,20 @@ def test_cli_calibration(tiny_model_factory, tmp_path):
   assert r.returncode == 2 and "--calibration" in r.stderr
   r = run_cli("--model", src, "--out", tmp_path / "q3", "--method", "clip", "--calibration", tmp_path / "missing.txt")
   assert r.returncode == 2 and "missing.txt" in r.stderr
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_cpu_q8_linear_matches_numpy(M):
+  """8-bit blocks (GGUF Q8_0: int8 codes, one fp16 scale per 32) through the C kernel vs float64 numpy on the
+  same codes and scales: float32 accumulation over K=576 products, so 1e-5 relative is generous."""
+  from tinygrad import Tensor
+  from tinyvllm.kernels.cpu import q8_linear
+  rng = np.random.default_rng(M)
+  N, K = 100, 576
+  codes = rng.integers(-127, 128, (N, K)).astype(np.int8)
+  scales = (rng.random((N, K // 32)) * 0.02 + 0.001).astype(np.float16)
+  x = rng.standard_normal((M, K)).astype(np.float32)
+  y = q8_linear(Tensor(x), Tensor(codes), Tensor(scales)).numpy()
+  w = codes.reshape(N, -1, 32).astype(np.float64) * scales.astype(np.float64)[..., None]
+  ref = x.astype(np.float64) @ w.reshape(N, K).T
+  assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
