@@ -1,8 +1,8 @@
 """The block allocator under arbitrary operation sequences: exact free counts, no leaks, no double frees."""
 from __future__ import annotations
 import pytest
-from hypothesis import given, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, Bundle
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from tinyvllm.engine.block_manager import BlockManager
 
 

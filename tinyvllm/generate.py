@@ -5,7 +5,7 @@ Flags follow vLLM's and mlx-lm's names. Prompts come from --prompt (repeatable) 
 and a one-line message, never a traceback.
 """
 from __future__ import annotations
-import argparse, os, sys, time
+import argparse, sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """What `LLM.generate` returns, in vLLM's shapes."""
 from __future__ import annotations
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass

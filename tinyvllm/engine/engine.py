@@ -1,6 +1,6 @@
 """LLMEngine: requests in, RequestOutputs out. `step()` = schedule -> run the model -> sample and postprocess."""
 from __future__ import annotations
-import dataclasses, itertools, os, sys, time
+import dataclasses, itertools, os, time
 from dataclasses import dataclass
 import numpy as np
 from tinygrad import Device
@@ -8,8 +8,8 @@ from tinyvllm import sampler
 from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.model_runner import ModelRunner, WorkItem
-from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
-from tinyvllm.engine.sequence import Sequence, SequenceStatus
+from tinyvllm.engine.scheduler import Scheduler
+from tinyvllm.engine.sequence import Sequence
 from tinyvllm.engine.spec_decode import SpeculativeDecoder
 from tinyvllm.kernels import Kernels, default_dtype, resolve_backend
 from tinyvllm.model.llama import Llama
@@ -45,7 +45,7 @@ class LLMEngine:
     max_model_len = config.max_model_len or model_max
     dtype_size = 4 if dtype == "float32" else 2
     block_bytes = ModelRunner.kv_bytes_per_block(ckpt.config, config.block_size, dtype_size)
-    weight_bytes = sum(a.size for a in ckpt.tensors.values()) * dtype_size
+    weight_bytes = sum(a.nbytes for a in ckpt.tensors.values())
     num_blocks = config.num_kv_blocks or self._blocks_from_memory(block_bytes, weight_bytes, max_model_len)
     capacity = num_blocks * config.block_size
     if max_model_len > capacity:
@@ -243,17 +243,18 @@ class LLMEngine:
     seq.token_ids.append(token)
     if m.first_token_time is None: m.first_token_time = time.time()
     m.num_generated_tokens += 1
-    seq.text += seq.detokenizer.add(token)
+    delta = seq.detokenizer.add(token)
+    seq.text += delta
     if token in self.eos_token_ids and not p.ignore_eos:
       return self._finish(seq, "stop", None)
     if p.stop_token_ids and token in p.stop_token_ids: return self._finish(seq, "stop", token)
-    if p.stop_strings and self._hit_stop_string(seq): return
+    if p.stop_strings and self._hit_stop_string(seq, len(delta)): return
     if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens: return self._finish(seq, "length", None)
     if seq.num_tokens >= self.max_model_len: return self._finish(seq, "length", None)
 
-  def _hit_stop_string(self, seq: Sequence) -> bool:
-    for stop in seq.params.stop_strings:
-      at = seq.text.find(stop)
+  def _hit_stop_string(self, seq: Sequence, new_chars: int) -> bool:
+    for stop in seq.params.stop_strings:   # only a match that overlaps the new text can be new
+      at = seq.text.find(stop, max(0, len(seq.text) - new_chars - len(stop) + 1))
       if at >= 0:
         seq.text = seq.text[:at + (len(stop) if seq.params.include_stop_str_in_output else 0)]
         self._finish(seq, "stop", stop)

@@ -9,7 +9,7 @@ import dataclasses, json, os, struct, sys
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
-from tinyvllm.config import ModelConfig, ConfigError
+from tinyvllm.config import ModelConfig
 from tinyvllm.quant import ggml, int4
 
 
