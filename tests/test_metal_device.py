@@ -9,9 +9,9 @@ from tinygrad import Device, dtypes
 from tinyvllm.kernels import metal as M
 
 try:
-  from test_metal_kernels import DT_PAIRS, GQA, INT4_SHAPES, decode_case, int4_case, prefill_case, rope_case
+  from test_metal_kernels import DT_PAIRS, INT4_SHAPES, attention_cases, decode_case, int4_case, prefill_case, rope_case
 except ImportError:  # run as a package
-  from tests.test_metal_kernels import DT_PAIRS, GQA, INT4_SHAPES, decode_case, int4_case, prefill_case, rope_case
+  from tests.test_metal_kernels import DT_PAIRS, INT4_SHAPES, attention_cases, decode_case, int4_case, prefill_case, rope_case
 
 
 def _metal_reason() -> str | None:
@@ -26,19 +26,13 @@ REASON = _metal_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 
-@pytest.mark.parametrize("dts", DT_PAIRS, ids=lambda d: f"{d[0].name}-{d[1].name}")
-@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}")
-@pytest.mark.parametrize("bs", M.BLOCK_SIZES)
-@pytest.mark.parametrize("D", M.HEAD_DIMS)
+@attention_cases(DT_PAIRS)
 def test_decode_metal(D, bs, heads, dts):
   decode_case("metal", D, bs, heads, dts)
   decode_case("metal", D, bs, heads, dts, partition_size=2 * bs, seed=1)
 
 
-@pytest.mark.parametrize("dts", DT_PAIRS, ids=lambda d: f"{d[0].name}-{d[1].name}")
-@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}")
-@pytest.mark.parametrize("bs", M.BLOCK_SIZES)
-@pytest.mark.parametrize("D", M.HEAD_DIMS)
+@attention_cases(DT_PAIRS)
 def test_prefill_metal(D, bs, heads, dts):
   prefill_case("metal", D, bs, heads, dts)
 

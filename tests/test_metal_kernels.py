@@ -23,6 +23,13 @@ DT_PAIRS = [(dtypes.float32, dtypes.float32), (dtypes.float16, dtypes.float16), 
             (dtypes.float16, dtypes.float32)]
 GQA = [(4, 4), (6, 2), (8, 2), (8, 1)]  # (n_heads, n_kv_heads): ratios 1, 3, 4, 8
 
+
+def attention_cases(dt_pairs):
+  """Parametrize a test over (D, bs, heads, dts): every head_dim, block size and GQA ratio, with these dtype pairs."""
+  cases = [pytest.param(D, bs, heads, dts, id=f"{D}-{bs}-gqa{heads[0] // heads[1]}-{dts[0].name}-{dts[1].name}")
+           for D in M.HEAD_DIMS for bs in M.BLOCK_SIZES for heads in GQA for dts in dt_pairs]
+  return pytest.mark.parametrize("D,bs,heads,dts", cases)
+
 # **** references (float64) ****
 
 
@@ -236,19 +243,13 @@ INT4_SHAPES = [(1, 72, 256), (3, 64, 512), (8, 40, 384), (9, 40, 256), (40, 72, 
 # **** tests ****
 
 
-@pytest.mark.parametrize("dts", DT_PAIRS[:3], ids=lambda d: f"{d[0].name}-{d[1].name}")
-@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}")
-@pytest.mark.parametrize("bs", M.BLOCK_SIZES)
-@pytest.mark.parametrize("D", M.HEAD_DIMS)
+@attention_cases(DT_PAIRS[:3])
 def test_decode(D, bs, heads, dts):
   decode_case("direct", D, bs, heads, dts)
   decode_case("direct", D, bs, heads, dts, partition_size=2 * bs, seed=1)  # partitioned + reduce, 1..5 partitions
 
 
-@pytest.mark.parametrize("dts", DT_PAIRS[:3], ids=lambda d: f"{d[0].name}-{d[1].name}")
-@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}")
-@pytest.mark.parametrize("bs", M.BLOCK_SIZES)
-@pytest.mark.parametrize("D", M.HEAD_DIMS)
+@attention_cases(DT_PAIRS[:3])
 def test_prefill(D, bs, heads, dts):
   prefill_case("direct", D, bs, heads, dts)
 
