@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tinyvllm.model.fetch import FetchError, default_model_path, fetch_sdist_members
 from tinyvllm.model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
-from tinyvllm.model.tokenizer_gguf import PRE_TOKENIZERS, merge_symbols, read_gguf_metadata
+from tinyvllm.model.gguf_file import read_gguf, read_gguf_metadata
+from tinyvllm.model.tokenizer_gguf import PRE_TOKENIZERS, merge_symbols
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -165,6 +166,16 @@ def test_metadata_reader_matches_gguf_reader(smol_path):
   for key, field in fields.items():
     got = ours[key].tolist() if isinstance(ours[key], np.ndarray) else ours[key]
     assert got == field.contents(), key
+
+
+def test_tensor_table_matches_gguf_reader(smol_path):
+  """Every tensor of the GGUF: name, shape, type and bytes as the gguf package reads them."""
+  ours = read_gguf(smol_path)[1]
+  theirs = gguf.GGUFReader(smol_path).tensors
+  assert [t.name for t in ours] == [t.name for t in theirs]
+  for a, b in zip(ours, theirs):
+    assert a.shape == tuple(int(x) for x in reversed(b.shape)) and a.type_name == b.tensor_type.name, a.name
+    assert a.data.tobytes() == np.asarray(b.data).tobytes(), a.name
 
 
 def test_encode_speed(smol):

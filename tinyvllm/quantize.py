@@ -26,14 +26,12 @@ class QuantizeError(ValueError):
 
 def ggml_q4_tensors(path: Path, cfg: ModelConfig) -> dict[str, tuple[np.ndarray, str, tuple[int, int]]]:
   """The Q4_0/Q4_1 linear weights of a GGUF file as raw blocks, keyed by HF name, rows in HF order."""
-  from gguf import GGUFReader
+  from tinyvllm.model.gguf_file import read_gguf
   from tinyvllm.model.weights import hf_name, unpermute_rope_rows
   out = {}
-  for t in GGUFReader(path).tensors:
-    qtype, name = t.tensor_type.name, hf_name(t.name)
+  for t in read_gguf(path)[1]:
+    qtype, name, shape, raw = t.type_name, hf_name(t.name), t.shape, t.data
     if qtype not in ("Q4_0", "Q4_1") or not int4.is_linear_weight(name): continue
-    shape = tuple(int(x) for x in reversed(t.shape))
-    raw = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
     # llama.cpp permutes Q/K rows for its RoPE; rows move whole, so the raw blocks can be un-permuted too
     if name.endswith("self_attn.q_proj.weight"): raw = unpermute_rope_rows(raw, cfg.num_attention_heads)
     if name.endswith("self_attn.k_proj.weight"): raw = unpermute_rope_rows(raw, cfg.num_key_value_heads)

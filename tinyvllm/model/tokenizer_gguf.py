@@ -10,14 +10,13 @@ Both run on words, so results are cached per word: a 4 MB text has only some ten
 Special tokens are cut out of the text first (control ones only when parse_special, user-defined ones always).
 """
 from __future__ import annotations
-import heapq, mmap, struct
+import heapq
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import regex
-from gguf import GGUFValueType
 
+from tinyvllm.model.gguf_file import GGUFError, read_gguf_metadata
 from tinyvllm.model.tokenizer import (Tokenizer, TokenizerError, byte_level_decoder, decode_byte_level, split_special,
                                       END_OF_TURN_TOKENS)
 
@@ -25,67 +24,6 @@ from tinyvllm.model.tokenizer import (Tokenizer, TokenizerError, byte_level_deco
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 _CACHE_LIMIT = 1 << 18  # words kept per tokenizer; the cache is simply emptied when full
-
-
-# **** metadata ****
-
-_SCALAR_FORMATS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-                   GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-                   GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-                   GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-  """The key/value metadata of a GGUF file (v2/v3, little-endian); tensors are not touched.
-
-  gguf.GGUFReader builds numpy views for every element of every array, which takes 14 s for Llama-3's 128k
-  tokens and 280k merges; reading the strings directly takes well under a second. Numeric arrays come back as
-  numpy arrays, string arrays as lists of str.
-  """
-  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-    if buf[:4] != b"GGUF": raise TokenizerError(f"{path}: not a GGUF file")
-    version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    if version not in (2, 3): raise TokenizerError(f"{path}: GGUF version {version} is not supported (only 2 and 3)")
-    pos, meta = 24, {}
-    try:
-      for _ in range(n_kv):
-        key, pos = _read_string(buf, pos)
-        (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
-        meta[key], pos = _read_value(buf, pos, vtype)
-    except (struct.error, ValueError, KeyError) as e:
-      raise TokenizerError(f"{path}: corrupt GGUF metadata: {e}") from None
-  return meta
-
-
-def _read_string(buf, pos: int) -> tuple[str, int]:
-  (n,) = struct.unpack_from("<Q", buf, pos)
-  return buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
-
-
-def _read_value(buf, pos: int, vtype: int) -> tuple[Any, int]:
-  vtype = GGUFValueType(vtype)
-  if vtype == GGUFValueType.STRING: return _read_string(buf, pos)
-  if vtype != GGUFValueType.ARRAY:
-    fmt = _SCALAR_FORMATS[vtype]
-    return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-  itype, count = struct.unpack_from("<IQ", buf, pos)
-  pos += 12
-  itype = GGUFValueType(itype)
-  if itype in _SCALAR_FORMATS:
-    dtype = np.dtype(_SCALAR_FORMATS[itype])
-    return np.frombuffer(buf, dtype, count, pos).copy(), pos + count * dtype.itemsize
-  items = []
-  if itype == GGUFValueType.STRING:  # the hot loop: one iteration per token / merge
-    length, append = struct.Struct("<Q").unpack_from, items.append
-    for _ in range(count):
-      (n,) = length(buf, pos)
-      append(buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"))
-      pos += 8 + n
-    return items, pos
-  for _ in range(count):
-    item, pos = _read_value(buf, pos, itype)
-    items.append(item)
-  return items, pos
 
 
 # **** merging ****
@@ -249,7 +187,8 @@ class BpeVocab:
 
 def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
   path = Path(path)
-  meta = read_gguf_metadata(path)
+  try: meta = read_gguf_metadata(path)
+  except GGUFError as e: raise TokenizerError(str(e)) from None
   model = meta.get("tokenizer.ggml.model")
   if model is None: raise TokenizerError(f"{path}: the GGUF file has no embedded tokenizer (no tokenizer.ggml.model)")
   tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 from tinyvllm.config import ModelConfig
+from tinyvllm.model.gguf_file import GGUFError, read_gguf
 from tinyvllm.quant import ggml, int4
 
 
@@ -143,14 +144,6 @@ def _is_gguf(path: Path) -> bool:
   with open(path, "rb") as f: return f.read(4) == b"GGUF"
 
 
-def gguf_metadata(reader) -> dict:
-  meta = {}
-  for key, field in reader.fields.items():
-    try: meta[key] = field.contents()
-    except Exception: continue  # fields the gguf package cannot decode are not ones we use
-  return meta
-
-
 def hf_name(gguf_name: str) -> str:
   """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
   parts = gguf_name.split(".")
@@ -169,17 +162,14 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
   """keep_q4: Q4_0/Q4_1 linear weights become packed 4-bit groups of 32 (exactly, code for code), and a Q8_0
   embedding / LM head stays 8-bit (int8 codes + float16 scales per 32), instead of floats."""
-  from gguf import GGUFReader
-  try: reader = GGUFReader(path)
-  except Exception as e: raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
-  meta = gguf_metadata(reader)
+  try: meta, gguf_tensors = read_gguf(path)
+  except GGUFError as e: raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
   config = ModelConfig.from_gguf(meta, source=str(path))
   tensors = {}
-  for t in reader.tensors:
-    qtype = t.tensor_type.name
+  for t in gguf_tensors:
+    qtype, shape = t.type_name, t.shape
     if qtype not in GGUF_TENSOR_TYPES:
       raise ModelLoadError(f"{path}: tensor {t.name} has GGUF type {qtype}; supported: {', '.join(GGUF_TENSOR_TYPES)}")
-    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dimensions innermost first
     name = hf_name(t.name)
     packed = keep_q4 and qtype in ("Q4_0", "Q4_1") and int4.is_linear_weight(name)
     eight_bit = keep_q4 and qtype == "Q8_0" and name in int4.EMBEDDING_NAMES
@@ -187,10 +177,10 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
       codes, d = ggml.q8_0_parts(t.data)
       tensors[name], tensors[name[:-len(".weight")] + ".scales"] = codes.reshape(shape), d.astype(np.float16)  # d is fp16 in the file
       continue
-    if packed: arr = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
+    if packed: arr = t.data
     elif qtype in ggml.BLOCK_BYTES: arr = ggml.dequantize(t.data, qtype, shape)
-    elif qtype == "BF16": arr = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
-    else: arr = np.asarray(t.data).reshape(shape)
+    elif qtype == "BF16": arr = (t.data.astype(np.uint32) << 16).view(np.float32)
+    else: arr = np.array(t.data)   # a copy: the file's memory map is read-only
     # rows move as whole rows, so raw quantized blocks are un-permuted just like floats
     if name.endswith("self_attn.q_proj.weight"): arr = unpermute_rope_rows(arr, config.num_attention_heads)
     if name.endswith("self_attn.k_proj.weight"): arr = unpermute_rope_rows(arr, config.num_key_value_heads)
