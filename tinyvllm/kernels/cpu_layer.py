@@ -117,7 +117,6 @@ class LayerShape:
   head_dim: int
   intermediate: int
   block_size: int
-  num_blocks: int           # KV cache blocks
   table_width: int          # block-table columns (full width)
   max_pos: int              # rows of the cos/sin table
   eps: float
@@ -136,7 +135,6 @@ class LayerShape:
 def _source(name: str, s: LayerShape, scale: float) -> str:
   T, E, H, KVH, D, I = s.tokens, s.hidden, s.n_heads, s.n_kv_heads, s.head_dim, s.intermediate
   G, DV, half, QKV = H // KVH, D // 8, D // 2, s.qkv.n
-  n_slots = s.num_blocks * s.block_size
   params = ["float *restrict out", "float *restrict kc", "float *restrict vc", "float *restrict scratch", "const float *restrict h",
             "const int *restrict pos", "const int *restrict slots", "const int *restrict tables", "const int *restrict token_seq",
             "const int *restrict token_pos", "const float *restrict cs", "const float *restrict ln1", "const float *restrict ln2",
@@ -188,7 +186,7 @@ static void rope_write(float *restrict q, float *restrict kc, float *restrict vc
     const float *c = cs + (long)p * {D}, *sn = c + {half};
     for (int hd = 0; hd < {H}; hd++) rope(q + ((long)t * {H} + hd) * {D}, row + hd * {D}, c, sn);
     int slot = slots[t];
-    if (slot < 0 || slot >= {n_slots}) continue;
+    if (slot < 0) continue;   /* a padding token; the source leaves out the cache size so one binary serves every size */
     for (int hd = 0; hd < {KVH}; hd++) {{
       rope(kc + ((long)slot * {KVH} + hd) * {D}, row + ({H} + hd) * {D}, c, sn);
       const float *v = row + ({H + KVH} + hd) * {D};
@@ -299,7 +297,7 @@ def decoder_layer(h: Tensor, w: dict[str, Tensor], cfg, positions: Tensor, slots
   names relative to the layer, q/k/v and gate/up fused (see model/llama.py)."""
   T, E = h.shape
   D, I = cfg.head_dim, cfg.intermediate_size
-  shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, k_cache.shape[1], k_cache.shape[0],
+  shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, k_cache.shape[1],
                      tables.shape[1], cos_sin.shape[0], float(cfg.rms_norm_eps),
                      _spec(w, "self_attn.qkv_proj", E), _spec(w, "self_attn.o_proj", cfg.q_size),
                      _spec(w, "mlp.gate_up_proj", E), _spec(w, "mlp.down_proj", I))

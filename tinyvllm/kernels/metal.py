@@ -158,7 +158,7 @@ class MetalBackend(_Backend):
   @functools.cache
   def library(self, source: str) -> tuple[str, bytes]:
     src = shader_source(source)
-    return src, Device["METAL"].compiler.compile(src)
+    return src, Device["METAL"].compiler.compile_cached(src)
 
   def program_fxn(self, launch: Launch, sizes: list[int]):
     src, lib = self.library(launch.source)
@@ -206,7 +206,7 @@ class EmulatorBackend(_Backend):
       src = (f"void {name}({', '.join(f'unsigned long long a{i}' for i in range(n))}) {{\n"
              f"  void* b[{n}] = {{{', '.join(f'(void*)a{i}' for i in range(n))}}};\n"
              f"  ((void (*)(const void*, void* const*)){entry:#x}ULL)((const void*){ctypes.addressof(desc):#x}ULL, b);\n}}\n")
-      self._descs[key] = (desc, name, src, Device["CPU"].compiler.compile(src))
+      self._descs[key] = (desc, name, src, Device["CPU"].compiler.compile_cached(src))
     _, name, src, binary = self._descs[key]
     return lambda *args: _program(name, src, binary, list(args), [])
 
