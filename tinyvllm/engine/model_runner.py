@@ -87,6 +87,7 @@ class Replay:
   def _plan(captured) -> list | None:
     """(runtime, device, argument buffers (input index or Buffer), program info) per kernel, or None when the
     captured graph holds anything but plain kernels with whole-buffer arguments."""
+    from tinygrad.device import Buffer
     from tinygrad.engine.realize import get_call_arg_uops, get_runtime
     from tinygrad.uop.ops import Ops
     plan = []
@@ -97,7 +98,8 @@ class Replay:
       for i in ast.arg.globals:
         u = args[i]
         if u.op is Ops.PARAM: specs.append(u.arg.slot)
-        elif u.op is Ops.BUFFER: specs.append(u.buffer.ensure_allocated())
+        elif u.op in (Ops.MSELECT, Ops.SHRINK, Ops.MSTACK): return None   # views of inputs: resolved per call
+        elif isinstance(buf := u.buffer, Buffer): specs.append(buf.ensure_allocated())   # weights, scratch the JIT owns
         else: return None
       plan.append((get_runtime(call.src[1].device, ast), call.src[1].device, specs, ast.arg))
     return plan
