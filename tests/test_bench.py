@@ -114,3 +114,17 @@ def test_bench_refuses_bad_arguments():
   from tinyvllm.bench.cli import main
   with pytest.raises(SystemExit): main(["--batch-sizes", "0"])
   with pytest.raises(SystemExit): main(["--runs", "decode,bogus"])
+
+
+def test_several_quantizations_run_in_one_bench(tiny_model, tmp_path):
+  """`--quantization stored,int4` loads the model twice and labels each record with what was loaded."""
+  from tinyvllm.bench.cli import main
+  out = tmp_path / "bench.json"
+  main(["--model", str(tiny_model), "--quantization", "stored,int4", "--runs", "decode", "--batch-sizes", "1",
+        "--context-lens", "8", "--steps", "2", "--warmup", "1", "--bandwidth-sizes", "1", "--bandwidth-reps", "1",
+        "--matmul-size", "32", "--no-peers", "--json", str(out)])
+  records = json.loads(out.read_text())["records"]
+  assert [r["quantization"] for r in records] == ["none", "int4"]
+  assert records[1]["weight_bytes_per_step"] < 0.5 * records[0]["weight_bytes_per_step"]   # packed: ~1/6 of float32
+  with pytest.raises(SystemExit):
+    main(["--quantization", "int8"])

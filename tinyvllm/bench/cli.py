@@ -26,6 +26,16 @@ def _ints(s: str) -> list[int]:
   return vals
 
 
+QUANTIZATIONS = ("stored", "int4", "none")
+
+
+def _quantizations(s: str) -> list[str]:
+  items = [x.strip() for x in s.split(",") if x.strip()]
+  bad = [x for x in items if x not in QUANTIZATIONS]
+  if bad or not items: raise argparse.ArgumentTypeError(f"{s!r}: choose from {', '.join(QUANTIZATIONS)}, comma-separated")
+  return items
+
+
 def _range(s: str) -> tuple[int, int]:
   vals = _ints(s)
   if len(vals) != 2 or vals[0] > vals[1]: raise argparse.ArgumentTypeError(f"expected LO,HI with LO <= HI, got {s!r}")
@@ -44,7 +54,9 @@ def parser() -> argparse.ArgumentParser:
   m = p.add_argument_group("model (passed to tinyvllm.LLM)")
   m.add_argument("--model", default=None, help="HF directory, GGUF file or hub id (default: SmolLM2-135M-Instruct Q4_1 GGUF)")
   m.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"], help="weight and KV dtype")
-  m.add_argument("--quantization", default=None, choices=["int4", "none"], help="int4 (quantize float weights at load) or none (dequantize 4-bit checkpoints); default: the checkpoint as it is (the default model stays 4-bit)")
+  m.add_argument("--quantization", default="stored", type=_quantizations,
+                 help="stored (the checkpoint as it is: the default model stays 4-bit), int4 (quantize float weights at "
+                      "load) or none (dequantize 4-bit checkpoints); several, comma-separated, compare them in one run")
   m.add_argument("--kernel-backend", default="auto", choices=["auto", "portable", "cpu", "metal", "emulator"],
                  help="which attention/linear kernels run")
   m.add_argument("--draft-model", default=None, help="speculative decoding: runs go with speculation off and on")
@@ -84,10 +96,10 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-def _engine_kwargs(args, speculative: bool, max_len: int, num_blocks: int, max_seqs: int) -> dict:
+def _engine_kwargs(args, quantization: str, speculative: bool, max_len: int, num_blocks: int, max_seqs: int) -> dict:
   kw = dict(dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=max_len, num_kv_blocks=num_blocks,
             max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
-  if args.quantization: kw["quantization"] = args.quantization
+  if quantization != "stored": kw["quantization"] = quantization
   if speculative:
     kw["draft_model"] = args.draft_model
     if args.num_speculative_tokens is not None: kw["num_speculative_tokens"] = args.num_speculative_tokens
@@ -125,16 +137,18 @@ def _model_name(path: Path) -> str: return path.name if path.name else str(path)
 
 
 def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> list[dict]:
-  """Every requested run on tinyvllm, once per configuration (speculation off, and on when a draft is given)."""
+  """Every requested run on tinyvllm, once per configuration: each --quantization, with speculation off (and on
+  when a draft is given)."""
   from tinyvllm import LLM
   from tinyvllm.bench import device, report, runs as runs_mod
   from tinyvllm.config import ConfigError
   max_len, num_blocks, max_seqs = _cache_plan(args, runs)
   records = []
-  for speculative in [False] + ([True] if args.draft_model else []):
-    bar.set_postfix_str("loading the model" + (" with its draft" if speculative else ""))
+  configs = [(q, spec) for q in args.quantization for spec in [False] + ([True] if args.draft_model else [])]
+  for quantization, speculative in configs:
+    bar.set_postfix_str(f"loading the model ({quantization})" + (" with its draft" if speculative else ""))
     try:
-      llm = LLM(args.model, **_engine_kwargs(args, speculative, max_len, num_blocks, max_seqs))
+      llm = LLM(args.model, **_engine_kwargs(args, quantization, speculative, max_len, num_blocks, max_seqs))
     except (TypeError, ConfigError) as e:   # e.g. an engine argument this version of tinyvllm does not know
       sys.exit(f"tinyvllm.LLM refused the arguments: {e}")
     bar.update()
@@ -142,7 +156,7 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
     drv = runs_mod.Driver(engine, text=args.prompts == "text")
     bits = (engine.model_config.quantization or {}).get("bits")
     common = {"engine": "tinyvllm", "device": ceilings.device, "machine": device.machine_description(),
-              "model": _model_name(model_path), "quantization": args.quantization or (f"int{bits}" if bits else "none"),
+              "model": _model_name(model_path), "quantization": f"int{bits}" if bits else "none",
               "dtype": "float32" if engine.runner.model.dtype.itemsize == 4 else "float16",
               "kernel_backend": engine.kernel_backend, "speculative": speculative,
               "draft_model": args.draft_model if speculative else None,
@@ -214,7 +228,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   if bad: sys.exit(f"--peers: unknown peer(s) {', '.join(bad)}; choose from {', '.join(peers_mod.PEERS)}")
   if args.plot: report.require_matplotlib()   # fail now, not after minutes of measuring
 
-  n_configs = 2 if args.draft_model else 1
+  n_configs = len(args.quantization) * (2 if args.draft_model else 1)
   n_decode = len(args.batch_sizes) * len(args.context_lens) if "decode" in runs else 0
   n_prefill = len(args.prefill_lens) if "prefill" in runs else 0
   n_tasks = 1 + n_configs * (1 + n_decode + n_prefill + ("serving" in runs)) + len(peer_keys) * (1 + n_decode + n_prefill)

@@ -51,7 +51,8 @@ def attach_peers(records: list[dict], peer_results: dict[str, dict[tuple, dict]]
 def _fmt(x, spec: str, none: str = "-") -> str: return none if x is None else format(x, spec)
 
 
-def print_ceilings(c: Ceilings, file=sys.stdout) -> None:
+def print_ceilings(c: Ceilings, file=None) -> None:
+  file = file or sys.stdout   # looked up per call: sys.stdout may be replaced after import
   sizes = ", ".join(f"{m} MiB {g:.1f}" for m, g in c.bandwidth_by_size.items())
   print(f"device {c.device}" + (f", chip {c.chip}" if c.chip else ""), file=file)
   print(f"  measured bandwidth (tinygrad, read+write): {c.bandwidth_gbps:.1f} GB/s  [{sizes}]", file=file)
@@ -61,14 +62,15 @@ def print_ceilings(c: Ceilings, file=sys.stdout) -> None:
   print(f"  matmul: tinygrad {c.tinygrad_matmul_gflops:.1f} GFLOP/s, engine linear {c.engine_linear_gflops:.1f} GFLOP/s", file=file)
 
 
-def print_table(records: list[dict], file=sys.stdout) -> None:
+def print_table(records: list[dict], file=None) -> None:
+  file = file or sys.stdout   # looked up per call: sys.stdout may be replaced after import
   peers = sorted({p for r in records for p in r.get("peers", {})})
-  head = (f"{'kind':<8}{'spec':>5}{'B':>4}{'ctx':>6}{'tok/s':>9}{'ms/step':>9}{'MB/tok':>8}{'GB/s':>7}"
+  head = (f"{'kind':<8}{'quant':>6}{'spec':>5}{'B':>4}{'ctx':>6}{'tok/s':>9}{'ms/step':>9}{'MB/tok':>8}{'GB/s':>7}"
           f"{'%meas':>7}{'%pub':>6}{'%roof':>7}" + "".join(f"{'vs ' + p:>16}" for p in peers))
   print(head, file=file)
   for r in records:
     pct = lambda x: _fmt(None if x is None else 100 * x, ".0f")
-    row = (f"{r['kind']:<8}{'on' if r.get('speculative') else 'off':>5}{r['batch_size']:>4}{r['context_len']:>6}"
+    row = (f"{r['kind']:<8}{r['quantization']:>6}{'on' if r.get('speculative') else 'off':>5}{r['batch_size']:>4}{r['context_len']:>6}"
            f"{r['tokens_per_s']:>9.1f}{r['ms_per_step']:>9.1f}{r['bytes_per_token'] / 1e6:>8.1f}{r['achieved_gbps']:>7.2f}"
            f"{pct(r['bandwidth_fraction']):>7}{pct(r['published_bandwidth_fraction']):>6}{pct(r['roofline_fraction']):>7}")
     for p in peers:
@@ -117,16 +119,18 @@ def plot_roofline(path: Path, records: list[dict], ceilings: Ceilings) -> None:
     ax.plot(grid, [ceilings.numpy_copy_gbps * x for x in grid], "k:", lw=0.8,
             label=f"numpy copy, {ceilings.numpy_threads} threads: {ceilings.numpy_copy_gbps:.1f} GB/s")
   markers = {"decode": "o", "prefill": "s", "serving": "^"}
+  quants = list(dict.fromkeys(r["quantization"] for r in records))
   for kind, marker in markers.items():
     pts = [r for r in records if r["kind"] == kind and r["arithmetic_intensity"] > 0]
     if not pts: continue
     ax.scatter([r["arithmetic_intensity"] for r in pts], [r["achieved_gflops"] for r in pts], marker=marker, s=40, label=kind, zorder=3)
     for r in pts:
-      label = f"B{r['batch_size']} L{r['context_len']}" + (" spec" if r.get("speculative") else "")
+      label = f"B{r['batch_size']} L{r['context_len']}" + (f" {r['quantization']}" if len(quants) > 1 else "") + \
+        (" spec" if r.get("speculative") else "")
       ax.annotate(label, (r["arithmetic_intensity"], r["achieved_gflops"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
   ax.set_xscale("log"); ax.set_yscale("log")
   ax.set_xlabel("arithmetic intensity (FLOP / byte)"); ax.set_ylabel("achieved GFLOP/s")
-  what = f"{records[0]['model']} ({records[0]['quantization']}, {records[0]['dtype']})" if records else ""
+  what = f"{records[0]['model']} ({'/'.join(quants)}, {records[0]['dtype']})" if records else ""
   ax.set_title(f"tinyvllm roofline: {what} on {ceilings.chip or ceilings.device}", fontsize=10)
   ax.grid(True, which="both", lw=0.3)
   ax.legend(fontsize=8, loc="lower right")
