@@ -196,3 +196,50 @@ def test_draft_with_another_vocabulary_is_refused(tiny_model, tmp_path):
     LLM(str(tiny_model), draft_model=str(other), num_kv_blocks=32)
   with pytest.raises(ConfigError, match="num_speculative_tokens"):
     LLM(str(tiny_model), draft_model=str(tiny_model), num_speculative_tokens=0)
+
+
+def _simulate_policy(steps: int, t_plain: float, t_spec: float, acceptance: float, k: int = 4, batch: int = 1,
+                     capture: float = 3.0):
+  """Drive SpecPolicy with a simulated clock: plain steps take t_plain, speculative ones t_spec and accept
+  `acceptance` of the drafts; the first step of each kind also pays a capture. Returns (seconds spent in
+  speculative steps, tokens per sequence, seconds) after the two warm-up measurements of each kind."""
+  from tinyvllm.engine.spec_decode import SpecPolicy
+  policy, seen, spec_seconds, tokens, seconds = SpecPolicy(k), set(), 0.0, 0.0, 0.0
+  for i in range(steps + 4):
+    spec = policy.should_speculate(batch)
+    t = (t_spec if spec else t_plain) + (capture if spec not in seen else 0.0)
+    seen.add(spec)
+    if spec: policy.record_spec(batch, batch * k, round(batch * k * acceptance), t)
+    else: policy.record_plain(batch, t)
+    if i >= 4:
+      spec_seconds += t if spec else 0.0
+      tokens += (1 + k * acceptance) if spec else 1   # accepted drafts plus the target's own token
+      seconds += t
+  return spec_seconds, tokens, seconds
+
+
+@pytest.mark.parametrize("t_spec, acceptance, speculates", [
+  (3.0, 1.0, True),     # cheap draft, everything accepted: 5 tokens for the price of 3 plain steps
+  (8.5, 1.0, False),    # a speculative step costs more than the 5 tokens it yields (batch 8 with an INT4 draft here)
+  (3.0, 0.0, False),    # nothing accepted: one token for the price of 3
+])
+def test_policy_picks_the_faster_path_and_probes_stay_cheap(t_spec, acceptance, speculates):
+  steps, t_plain = 2000, 1.0
+  spec_seconds, tokens, seconds = _simulate_policy(steps, t_plain, t_spec, acceptance)
+  best = max(1 / t_plain, (1 + 4 * acceptance) / t_spec)   # tokens per second of the better path alone
+  # probes of the other path take about probe_share (5 %) of the time
+  if speculates: assert spec_seconds > 0.94 * seconds
+  else: assert spec_seconds < 0.06 * seconds
+  # and cost at most a few percent of the throughput of always taking the better path
+  assert tokens / seconds > 0.95 * best, (tokens / seconds, best)
+
+
+def test_policy_notices_when_acceptance_drops():
+  from tinyvllm.engine.spec_decode import SpecPolicy
+  policy = SpecPolicy(4)
+  for _ in range(3):   # measured: plain 1 s, speculative 3 s with everything accepted
+    policy.record_plain(1, 1.0)
+    policy.record_spec(1, 4, 4, 3.0)
+  assert policy.should_speculate(1)
+  for _ in range(10): policy.record_spec(1, 4, 0, 3.0)   # new prompts: the draft stops agreeing
+  assert not policy.should_speculate(1)

@@ -76,16 +76,21 @@ class SpecPolicy:
   With acceptance rate a per drafted token, a speculative step yields E = (1 - a^(k+1)) / (1 - a) tokens per
   sequence. It pays when E / t_spec > 1 / t_plain, where t_spec (k draft passes + one verify pass) and t_plain
   (one ordinary decode step) are running averages measured at the same batch-size bucket. Until both are
-  measured for a bucket, it tries each once; afterwards it re-measures the option not taken every
-  `probe_every` steps, so a change in acceptance (new prompts) or in cost is noticed."""
+  measured for a bucket, it tries each twice (the first step of a new shape includes its TinyJit capture, so the
+  second measurement replaces the first). Afterwards it re-measures the option not taken (a *probe*) once
+  the time spent in the bucket since the last probe reaches that option's cost / `probe_share`: a change in
+  acceptance (new prompts) or in cost is noticed, and probes of a losing option take at most about
+  `probe_share` of the time however expensive that option is."""
   k: int
   always: bool = False                         # speculate every step (measurements and tests)
-  probe_every: int = 16
+  probe_share: float = 0.05
   smoothing: float = 0.2
   acceptance: float = 0.7                      # running acceptance rate (prior: a typical self-draft)
   t_spec: dict[int, float] = field(default_factory=dict)
   t_plain: dict[int, float] = field(default_factory=dict)
-  steps: dict[int, int] = field(default_factory=dict)
+  samples: dict[tuple[int, bool], int] = field(default_factory=dict)   # steps measured per (bucket, speculated)
+  elapsed: dict[int, float] = field(default_factory=dict)      # seconds of recorded steps per bucket
+  last_probe: dict[int, float] = field(default_factory=dict)   # `elapsed` at the bucket's last probe
 
   def expected_tokens(self) -> float:
     a = min(self.acceptance, 0.999)
@@ -93,18 +98,23 @@ class SpecPolicy:
 
   def should_speculate(self, batch: int) -> bool:
     b = bucket(batch)
-    n = self.steps[b] = self.steps.get(b, 0) + 1
-    if self.always or b not in self.t_spec: return True
-    if b not in self.t_plain: return False
+    if self.always or self.samples.get((b, True), 0) < 2: return True
+    if self.samples.get((b, False), 0) < 2: return False
     choice = self.expected_tokens() / self.t_spec[b] > 1 / self.t_plain[b]
-    return (not choice) if n % self.probe_every == 0 else choice
+    probe_cost = self.t_plain[b] if choice else self.t_spec[b]
+    if self.elapsed.get(b, 0.0) - self.last_probe.get(b, 0.0) >= probe_cost / self.probe_share:
+      self.last_probe[b] = self.elapsed.get(b, 0.0)
+      return not choice
+    return choice
 
   def record_spec(self, batch: int, proposed: int, accepted: int, seconds: float) -> None:
     if proposed: self.acceptance += self.smoothing * (accepted / proposed - self.acceptance)
-    self._average(self.t_spec, bucket(batch), seconds)
+    self._average(self.t_spec, bucket(batch), seconds, True)
 
-  def record_plain(self, batch: int, seconds: float) -> None: self._average(self.t_plain, bucket(batch), seconds)
+  def record_plain(self, batch: int, seconds: float) -> None: self._average(self.t_plain, bucket(batch), seconds, False)
 
-  def _average(self, table: dict[int, float], b: int, seconds: float) -> None:
-    table[b] = seconds if b not in table else table[b] + self.smoothing * (seconds - table[b])
+  def _average(self, table: dict[int, float], b: int, seconds: float, speculated: bool) -> None:
+    n = self.samples[b, speculated] = self.samples.get((b, speculated), 0) + 1
+    table[b] = seconds if n <= 2 else table[b] + self.smoothing * (seconds - table[b])
+    self.elapsed[b] = self.elapsed.get(b, 0.0) + seconds
 
