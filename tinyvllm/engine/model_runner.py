@@ -66,27 +66,40 @@ class Replay:
     self.jit = TinyJit(run)
     self.jit.cnt = 1   # capture on the first call: weights and caches are realized, a warm-up run would only cost time
     self.plan: list | None = None
+    self.device: str | None = None               # the one device every planned kernel runs on
+    self.handles: dict[UOp, object] = {}          # input buffer -> device handle
 
   def __call__(self, *args: Tensor, bound: tuple[UOp, ...] = ()):
     if self.jit.captured is None:
       out = self.jit(*args, *bound)
       self.plan = self._plan(self.jit.captured)
+      devices = {dev for dev, _, _, _ in self.plan or []}
+      if len(devices) == 1: self.device, self.plan = devices.pop(), [(rt, specs, info) for _, rt, specs, info in self.plan]
+      else: self.plan = None
       return out
     inputs = [a.uop.base for a in args]
     var_vals = {var.expr: val for var, val in (b.unbind() for b in bound)}
     if self.plan is None or any(u in self.jit.captured._written_uops for u in inputs):
       return self.jit.captured(inputs, var_vals)
-    in_bufs = [u.buffer.ensure_allocated() for u in inputs]
-    for rt, device, specs, info in self.plan:
-      bufs = [in_bufs[ref] if isinstance(ref, int) else ref for ref in specs]
+    handles = self.handles
+    raw = [handles[u] if u in handles else self._handle(u) for u in inputs]
+    for rt, specs, info in self.plan:
+      args = [raw[slot] if slot is not None else handle for slot, handle in specs]
       global_size, local_size = info.launch_dims(var_vals)
-      rt(*[b.get_buf(device) for b in bufs], global_size=global_size, local_size=local_size, vals=info.vals(var_vals))
+      rt(*args, global_size=global_size, local_size=local_size, vals=info.vals(var_vals))
     return self.jit.captured.ret
+
+  def _handle(self, u: UOp):
+    """The device handle of an input buffer, looked up once: callers pass long-lived buffers (weights, caches,
+    the runner's own input and hidden buffers), and resolving ~20 per layer replay cost ~0.2 ms each time."""
+    self.handles[u] = u.buffer.ensure_allocated().get_buf(self.device)
+    return self.handles[u]
 
   @staticmethod
   def _plan(captured) -> list | None:
-    """(runtime, device, argument buffers (input index or Buffer), program info) per kernel, or None when the
-    captured graph holds anything but plain kernels with whole-buffer arguments."""
+    """(device, runtime, arguments, program info) per kernel, or None when the captured graph holds anything but
+    plain kernels with whole-buffer arguments. An argument is (input slot, None), or (None, device handle) for a
+    buffer the graph holds itself (weights, scratch): those handles are looked up once, here, not per replay."""
     from tinygrad.device import Buffer
     from tinygrad.engine.realize import get_call_arg_uops, get_runtime
     from tinygrad.uop.ops import Ops
@@ -97,11 +110,11 @@ class Replay:
       args, specs = get_call_arg_uops(call), []
       for i in ast.arg.globals:
         u = args[i]
-        if u.op is Ops.PARAM: specs.append(u.arg.slot)
+        if u.op is Ops.PARAM: specs.append((u.arg.slot, None))
         elif u.op in (Ops.MSELECT, Ops.SHRINK, Ops.MSTACK): return None   # views of inputs: resolved per call
-        elif isinstance(buf := u.buffer, Buffer): specs.append(buf.ensure_allocated())   # weights, scratch the JIT owns
+        elif isinstance(buf := u.buffer, Buffer): specs.append((None, buf.ensure_allocated().get_buf(call.src[1].device)))
         else: return None
-      plan.append((get_runtime(call.src[1].device, ast), call.src[1].device, specs, ast.arg))
+      plan.append((call.src[1].device, get_runtime(call.src[1].device, ast), specs, ast.arg))
     return plan
 
 
