@@ -156,7 +156,7 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
     drv = runs_mod.Driver(engine, text=args.prompts == "text")
     bits = (engine.model_config.quantization or {}).get("bits")
     common = {"engine": "tinyvllm", "device": ceilings.device, "machine": device.machine_description(),
-              "model": _model_name(model_path), "quantization": f"int{bits}" if bits else "none",
+              "model": _model_name(model_path), "quantization": f"int{bits}" if bits else "none", "quantization_setting": quantization,
               "dtype": "float32" if engine.runner.model.dtype.itemsize == 4 else "float16",
               "kernel_backend": engine.kernel_backend, "speculative": speculative,
               "draft_model": args.draft_model if speculative else None,

@@ -193,10 +193,10 @@ class LLMEngine:
     for seq, proposal, logits in zip(speculated, proposals, verify_logits):
       accepted += self._accept(seq, proposal, logits)
       touched[seq.request_id] = None
-    if self.spec and sched.decodes:
+    if self.spec and sched.decodes and not sched.prefills:   # a step that also prefilled says nothing about either cost
       seconds = time.perf_counter() - now
       if speculated: self.spec.policy.record_spec(len(speculated), len(speculated) * self.spec.k, accepted, seconds)
-      elif not sched.prefills: self.spec.policy.record_plain(len(decodes), seconds)
+      else: self.spec.policy.record_plain(len(decodes), seconds)
     return [self._output(self.requests[rid]) for rid in touched if rid in self.requests]
 
   def _penalized(self, seq: Sequence, logits: np.ndarray, extra: list[int] = ()) -> np.ndarray:

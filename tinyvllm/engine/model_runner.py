@@ -91,7 +91,8 @@ class Replay:
 
   def _handle(self, u: UOp):
     """The device handle of an input buffer, looked up once: callers pass long-lived buffers (weights, caches,
-    the runner's own input and hidden buffers), and resolving ~20 per layer replay cost ~0.2 ms each time."""
+    the runner's own input and hidden buffers), and resolving ~20 per layer replay cost ~0.2 ms each time.
+    The cache keeps those buffers alive: a caller must not pass short-lived tensors."""
     self.handles[u] = u.buffer.ensure_allocated().get_buf(self.device)
     return self.handles[u]
 
@@ -111,7 +112,7 @@ class Replay:
       for i in ast.arg.globals:
         u = args[i]
         if u.op is Ops.PARAM: specs.append((u.arg.slot, None))
-        elif u.op in (Ops.MSELECT, Ops.SHRINK, Ops.MSTACK): return None   # views of inputs: resolved per call
+        elif any(x.op is Ops.PARAM for x in u.toposort()): return None   # derived from an input: resolved per call
         elif isinstance(buf := u.buffer, Buffer): specs.append((None, buf.ensure_allocated().get_buf(call.src[1].device)))
         else: return None
       plan.append((call.src[1].device, get_runtime(call.src[1].device, ast), specs, ast.arg))
@@ -131,7 +132,6 @@ class ModelRunner:
     self.kv_extent = UOp.variable("kv_blocks", 1, self.max_blocks)
     cfg = model.cfg
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    self._cache_memory: list[mmap.mmap] = []
     self.kv_caches = [(self._zeroed(shape), self._zeroed(shape)) for _ in range(cfg.num_hidden_layers)]
     self.layer_weights = [layer.tensors() for layer in model.layers]
     self.replays: OrderedDict[PassShape, tuple[Replay, Replay, Replay]] = OrderedDict()
@@ -144,9 +144,12 @@ class ModelRunner:
     blocks are first written: writing zeros instead took 6.5 s for the default 2 GB cache on this machine."""
     dtype = self.model.dtype
     if self.device.split(":")[0] != "CPU": return Tensor.zeros(*shape, dtype=dtype, device=self.device).contiguous().realize()
-    mem = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
-    self._cache_memory.append(mem)   # the tensor borrows this memory: it lives as long as the runner
-    return Tensor.from_blob(ctypes.addressof(ctypes.c_char.from_buffer(mem)), shape, dtype=dtype, device=self.device)
+    # private: pages read before they are written map the shared zero page instead of committing memory
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
+    mem = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, **({"flags": flags} if flags is not None else {}))
+    t = Tensor.from_blob(ctypes.addressof(ctypes.c_char.from_buffer(mem)), shape, dtype=dtype, device=self.device)
+    t.uop.buffer.host_memory = mem   # the buffer borrows this memory: keep it alive exactly as long as the buffer
+    return t
 
   @staticmethod
   def kv_bytes_per_block(cfg, block_size: int, dtype_size: int) -> int:

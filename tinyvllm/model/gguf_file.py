@@ -66,11 +66,15 @@ def read_gguf(path: str | Path, with_tensors: bool = True) -> tuple[dict[str, An
       dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
       ttype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
       pos += 4 + 8 * n_dims + 12
-      infos.append((name, tuple(int(d) for d in reversed(dims)), GGMLQuantizationType(ttype), offset))
+      try: ttype = GGMLQuantizationType(ttype)
+      except ValueError: raise GGUFError(f"{path}: tensor {name} has GGML type {ttype}, which this gguf package does not know") from None
+      infos.append((name, tuple(int(d) for d in reversed(dims)), ttype, offset))
   except (struct.error, ValueError, KeyError) as e:
     if isinstance(e, GGUFError): raise
     raise GGUFError(f"{path}: corrupt GGUF header or metadata: {e}") from None
-  align = int(meta.get("general.alignment", 32))
+  align = meta.get("general.alignment", 32)
+  if not isinstance(align, int) or isinstance(align, bool) or align <= 0:
+    raise GGUFError(f"{path}: general.alignment must be a positive integer, got {align!r}")
   data_start = (pos + align - 1) // align * align
   return meta, [_tensor(path, buf, data_start, *info) for info in infos]
 
@@ -78,6 +82,7 @@ def read_gguf(path: str | Path, with_tensors: bool = True) -> tuple[dict[str, An
 def _tensor(path: Path, buf, data_start: int, name: str, shape: tuple[int, ...], ttype, offset: int) -> GGUFTensor:
   block, block_bytes = GGML_QUANT_SIZES[ttype]
   n = int(np.prod(shape)) if shape else 1
+  if shape and shape[-1] == 0: raise GGUFError(f"{path}: tensor {name} has an empty innermost dimension")
   rows, row_len = (n // shape[-1], shape[-1]) if shape else (1, 1)
   if row_len % block: raise GGUFError(f"{path}: tensor {name} has rows of {row_len}, not a multiple of {ttype.name}'s {block}")
   nbytes = rows * row_len // block * block_bytes
