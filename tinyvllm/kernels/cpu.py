@@ -20,37 +20,47 @@ static inline float hsum(vf v) { float s = 0; for (int i = 0; i < VW; i++) s += 
 """
 
 
+# float32 y[M,N] = x[M,K] @ w[N,K]^T. Tiles of 4 weight rows stay in L1 while every pair of x rows passes over
+# them, so each weight byte comes from memory once per call: decode is bound by the weight stream. Shared by
+# linear_f32 and the fused decoder layer (cpu_layer.py); needs _VEC.
+_MM_F32 = r"""
+static void mm_f32(float *restrict y, const float *restrict x, const float *restrict w, int M, int N, int K) {
+  for (int n0 = 0; n0 < N; n0 += 4) {
+    int nr = N - n0 < 4 ? N - n0 : 4;
+    for (int m0 = 0; m0 < M; m0 += 2) {
+      int mr = M - m0 < 2 ? M - m0 : 2;
+      vf acc[2][4] = {{0}};
+      const float *x0 = x + (long)m0 * K, *x1 = x + (long)(m0 + (mr > 1)) * K;
+      const float *ws[4];
+      for (int j = 0; j < 4; j++) ws[j] = w + (long)(n0 + (j < nr ? j : 0)) * K;
+      int k = 0;
+      for (; k + VW <= K; k += VW) {
+        vf a0 = vload(x0 + k), a1 = vload(x1 + k);
+        vf b0 = vload(ws[0] + k), b1 = vload(ws[1] + k), b2 = vload(ws[2] + k), b3 = vload(ws[3] + k);
+        acc[0][0] += a0 * b0; acc[0][1] += a0 * b1; acc[0][2] += a0 * b2; acc[0][3] += a0 * b3;
+        acc[1][0] += a1 * b0; acc[1][1] += a1 * b1; acc[1][2] += a1 * b2; acc[1][3] += a1 * b3;
+      }
+      const float *xs[2] = {x0, x1};
+      for (int i = 0; i < mr; i++) for (int j = 0; j < nr; j++) {
+        float s = hsum(acc[i][j]);
+        for (int kk = k; kk < K; kk++) s += xs[i][kk] * ws[j][kk];
+        y[(long)(m0 + i) * N + n0 + j] = s;
+      }
+    }
+  }
+}
+"""
+
+
 def _linear_f32_source(name: str, M: int, N: int, K: int, bias: bool) -> str:
-  """y[M,N] = x[M,K] @ w[N,K]^T (+ b[N]). Tiles of 4 weight rows stay in L1 while every x row pair passes
-  over them, so each weight byte comes from memory once per call: decode is bound by the weight stream."""
-  return f"""
-void {name}(float *restrict y, const float *restrict x, const float *restrict w{", const float *restrict b" if bias else ""});
-static inline void tile(float *restrict y, const float *restrict x, const float *restrict w{", const float *restrict b" if bias else ""}, int n0, int nr, int m0, int mr);
-void {name}(float *restrict y, const float *restrict x, const float *restrict w{", const float *restrict b" if bias else ""}) {{
-  for (int n0 = 0; n0 < {N}; n0 += 4) {{
-    int nr = {N} - n0 < 4 ? {N} - n0 : 4;
-    for (int m0 = 0; m0 < {M}; m0 += 2) tile(y, x, w{", b" if bias else ""}, n0, nr, m0, {M} - m0 < 2 ? {M} - m0 : 2);
-  }}
-}}
-{_VEC}
-static inline void tile(float *restrict y, const float *restrict x, const float *restrict w{", const float *restrict b" if bias else ""}, int n0, int nr, int m0, int mr) {{
-  vf acc[2][4] = {{{{0}}}};
-  const float *x0 = x + (long)m0 * {K}, *x1 = x + (long)(m0 + (mr > 1)) * {K};
-  const float *w0 = w + (long)n0 * {K}, *w1 = w + (long)(n0 + (nr > 1)) * {K};
-  const float *w2 = w + (long)(n0 + (nr > 2) * 2) * {K}, *w3 = w + (long)(n0 + (nr > 3) * 3) * {K};
-  int k = 0;
-  for (; k + VW <= {K}; k += VW) {{
-    vf a0 = vload(x0 + k), a1 = vload(x1 + k);
-    vf b0 = vload(w0 + k), b1 = vload(w1 + k), b2 = vload(w2 + k), b3 = vload(w3 + k);
-    acc[0][0] += a0 * b0; acc[0][1] += a0 * b1; acc[0][2] += a0 * b2; acc[0][3] += a0 * b3;
-    acc[1][0] += a1 * b0; acc[1][1] += a1 * b1; acc[1][2] += a1 * b2; acc[1][3] += a1 * b3;
-  }}
-  const float *xs[2] = {{x0, x1}}, *ws[4] = {{w0, w1, w2, w3}};
-  for (int i = 0; i < mr; i++) for (int j = 0; j < nr; j++) {{
-    float s = hsum(acc[i][j]);
-    for (int kk = k; kk < {K}; kk++) s += xs[i][kk] * ws[j][kk];
-    y[(long)(m0 + i) * {N} + n0 + j] = s{" + b[n0 + j]" if bias else ""};
-  }}
+  """y[M,N] = x[M,K] @ w[N,K]^T (+ b[N]) through mm_f32, with the sizes as constants."""
+  args = "float *restrict y, const float *restrict x, const float *restrict w" + (", const float *restrict b" if bias else "")
+  add_bias = f"for (int m = 0; m < {M}; m++) for (int n = 0; n < {N}; n++) y[(long)m * {N} + n] += b[n];" if bias else ""
+  return f"""{_VEC}{_MM_F32}
+void {name}({args});
+void {name}({args}) {{
+  mm_f32(y, x, w, {M}, {N}, {K});
+  {add_bias}
 }}
 """
 

@@ -14,7 +14,7 @@ with 32-bit relative offsets, which break (a crash far from the cause) once the 
 from __future__ import annotations
 from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
-from tinyvllm.kernels.cpu import _HALF, _HSUM8, _VEC, _int4_fallback_body, _int4_gemm_body, _int4_gemv_body, _program
+from tinyvllm.kernels.cpu import _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _int4_gemm_body, _int4_gemv_body, _program
 
 TILE = 32   # keys scored at once in attention: one max and one rescale per tile instead of per key
 
@@ -75,36 +75,6 @@ def _linear_fn(name: str, spec: LinearSpec, M: int) -> str:
   mm_f32(y, x, {name}_w, {M}, {N}, {K});
   {bias}
 }}
-"""
-
-
-# float32 y[M,N] = x[M,K] @ w[N,K]^T: tiles of 4 weight rows stay in L1 while pairs of x rows pass over them
-_MM_F32 = r"""
-static void mm_f32(float *restrict y, const float *restrict x, const float *restrict w, int M, int N, int K) {
-  for (int n0 = 0; n0 < N; n0 += 4) {
-    int nr = N - n0 < 4 ? N - n0 : 4;
-    for (int m0 = 0; m0 < M; m0 += 2) {
-      int mr = M - m0 < 2 ? M - m0 : 2;
-      vf acc[2][4] = {{0}};
-      const float *x0 = x + (long)m0 * K, *x1 = x + (long)(m0 + (mr > 1)) * K;
-      const float *ws[4];
-      for (int j = 0; j < 4; j++) ws[j] = w + (long)(n0 + (j < nr ? j : 0)) * K;
-      int k = 0;
-      for (; k + VW <= K; k += VW) {
-        vf a0 = vload(x0 + k), a1 = vload(x1 + k);
-        vf b0 = vload(ws[0] + k), b1 = vload(ws[1] + k), b2 = vload(ws[2] + k), b3 = vload(ws[3] + k);
-        acc[0][0] += a0 * b0; acc[0][1] += a0 * b1; acc[0][2] += a0 * b2; acc[0][3] += a0 * b3;
-        acc[1][0] += a1 * b0; acc[1][1] += a1 * b1; acc[1][2] += a1 * b2; acc[1][3] += a1 * b3;
-      }
-      const float *xs[2] = {x0, x1};
-      for (int i = 0; i < mr; i++) for (int j = 0; j < nr; j++) {
-        float s = hsum(acc[i][j]);
-        for (int kk = k; kk < K; kk++) s += xs[i][kk] * ws[j][kk];
-        y[(long)(m0 + i) * N + n0 + j] = s;
-      }
-    }
-  }
-}
 """
 
 
