@@ -75,19 +75,16 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group
   """x `[M, K]` @ W^T with W `[N, K]` in 4-bit affine groups (packed uint32 `[N, K/8]`, scales and biases
   `[N, K/group_size]`, w = scale * q + bias; layout in docs/kernels.md). The codes are unpacked and scaled
   inside the matmul expression, which tinygrad fuses into one kernel: no float copy of W is ever stored."""
-  K, N = x.shape[1], packed.shape[0]
-  q = Tensor.stack(*[(packed >> (4 * i)) & 0xF for i in range(8)], dim=-1)          # (N, K/8, 8) codes in k order
-  w = q.reshape(N, K // group_size, group_size).cast(x.dtype) * scales.cast(x.dtype).reshape(N, -1, 1) \
-      + biases.cast(x.dtype).reshape(N, -1, 1)                                         # (N, K/G, G)
-  return x @ w.reshape(N, K).T
+  assert x.shape[1] == packed.shape[1] * 8 == scales.shape[1] * group_size, (x.shape, packed.shape, scales.shape, group_size)
+  return x @ int4_rows(packed, scales, biases, x.dtype).T
 
 
-def int4_rows(packed: Tensor, scales: Tensor, biases: Tensor) -> Tensor:
-  """Dequantize gathered rows: packed `[T, K/8]` uint32, scales/biases `[T, K/G]` -> float32 `[T, K]`
-  (an embedding lookup into a 4-bit table)."""
+def int4_rows(packed: Tensor, scales: Tensor, biases: Tensor, dtype=dtypes.float32) -> Tensor:
+  """Dequantize rows: packed `[T, K/8]` uint32, scales/biases `[T, K/G]` -> `[T, K]` in `dtype` (gathered rows
+  of a 4-bit embedding, or a whole weight inside a lazy matmul expression)."""
   T, words = packed.shape
   q = Tensor.stack(*[(packed >> (4 * i)) & 0xF for i in range(8)], dim=-1).reshape(T, scales.shape[1], -1)   # (T, K/G, G)
-  return (q.cast(dtypes.float32) * scales.float().reshape(T, -1, 1) + biases.float().reshape(T, -1, 1)).reshape(T, words * 8)
+  return (q.cast(dtype) * scales.cast(dtype).reshape(T, -1, 1) + biases.cast(dtype).reshape(T, -1, 1)).reshape(T, words * 8)
 
 
 def q8_rows(codes: Tensor, scales: Tensor) -> Tensor:
