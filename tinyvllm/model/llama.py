@@ -119,8 +119,7 @@ class Llama:
           out[f"{name}.weight"] = np.ascontiguousarray(tensors[f"{name}.weight"], dtype=np.int8)
           out[f"{name}.scales"] = np.ascontiguousarray(tensors[f"{name}.scales"], dtype=np.float16)
         else:
-          out[f"{name}.weight"] = int4.dequantize_state_dict({f"{name}.weight": tensors[f"{name}.weight"],
-                                                              f"{name}.scales": tensors[f"{name}.scales"]})[f"{name}.weight"].astype(np_dtype)
+          out[f"{name}.weight"] = int4.dequantize_8bit(tensors[f"{name}.weight"], tensors[f"{name}.scales"]).astype(np_dtype)
       elif f"{name}.scales" in tensors:                     # packed 4-bit
         groups = tensors[f"{name}.scales"].shape[-1]
         _check(tensors, f"{name}.weight", (n, k // 8), cfg)

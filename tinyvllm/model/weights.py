@@ -50,8 +50,9 @@ QUANTIZATION = (None, "int4", "none")
 
 def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = None) -> Checkpoint:
   """quantization: None keeps the checkpoint as it is (4-bit weights stay packed: MLX 4-bit, GGUF Q4_0/Q4_1);
-  "int4" also quantizes every float linear and the embedding table (MLX-style, group 64, round-to-nearest: fast
-  enough to do at load; `python -m tinyvllm.quantize --method clip` writes better ones ahead of time);
+  "int4" also quantizes every float linear and the embedding table (MLX-style, round-to-nearest at the checkpoint's
+  group size, 64 for float checkpoints: fast enough to do at load; `python -m tinyvllm.quantize --method clip`
+  writes better ones ahead of time);
   "none" dequantizes everything to float."""
   if quantization not in QUANTIZATION: raise ValueError(f"quantization must be None, 'int4' or 'none', got {quantization!r}")
   path = resolve_model(model)
@@ -66,11 +67,9 @@ def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = 
     # 8-bit tables (a GGUF's Q8_0 embedding) become 4-bit too: 4-bit everywhere is what "int4" asks for
     eight_bit = {k[:-len(".scales")] for k in ckpt.tensors if k.endswith(".scales") and k[:-len(".scales")] + ".biases" not in ckpt.tensors}
     tensors = {k: v for k, v in ckpt.tensors.items() if not any(k.startswith(b + ".") for b in eight_bit)}
-    tensors.update({f"{b}.weight": w for b in eight_bit for w in [int4.dequantize_state_dict(
-      {f"{b}.weight": ckpt.tensors[f"{b}.weight"], f"{b}.scales": ckpt.tensors[f"{b}.scales"]})[f"{b}.weight"]]})
-    ckpt = dataclasses.replace(ckpt, tensors=tensors)
-    tensors, group = dict(ckpt.tensors), (ckpt.config.quantization or {}).get("group_size", 64)
-    for name, w in ckpt.tensors.items():
+    tensors.update({f"{b}.weight": int4.dequantize_8bit(ckpt.tensors[f"{b}.weight"], ckpt.tensors[f"{b}.scales"]) for b in eight_bit})
+    group = (ckpt.config.quantization or {}).get("group_size", 64)
+    for name, w in list(tensors.items()):
       base = name[:-len(".weight")]
       if w.ndim == 2 and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES) and f"{base}.scales" not in tensors \
          and w.shape[1] % group == 0:

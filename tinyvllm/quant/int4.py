@@ -259,5 +259,10 @@ def dequantize_state_dict(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarra
       base = k[:-len(".scales")]
       w, s = tensors[f"{base}.weight"], tensors[k]
       if f"{base}.biases" in tensors: out[f"{base}.weight"] = dequantize(w, s, tensors[f"{base}.biases"])
-      else: out[f"{base}.weight"] = (w.reshape(*s.shape, -1).astype(np.float32) * s.astype(np.float32)[..., None]).reshape(w.shape)
+      else: out[f"{base}.weight"] = dequantize_8bit(w, s)
   return out
+
+
+def dequantize_8bit(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+  """8-bit weight (int8 codes `[N, K]`, one scale per block of K / scales.shape[1]) -> float32 `[N, K]`, w = scale * code."""
+  return (codes.reshape(*scales.shape, -1).astype(np.float32) * scales.astype(np.float32)[..., None]).reshape(codes.shape)
