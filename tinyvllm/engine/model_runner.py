@@ -72,10 +72,7 @@ class Replay:
   def __call__(self, *args: Tensor, bound: tuple[UOp, ...] = ()):
     if self.jit.captured is None:
       out = self.jit(*args, *bound)
-      self.plan = self._plan(self.jit.captured)
-      devices = {dev for dev, _, _, _ in self.plan or []}
-      if len(devices) == 1: self.device, self.plan = devices.pop(), [(rt, specs, info) for _, rt, specs, info in self.plan]
-      else: self.plan = None
+      self.device, self.plan = self._plan(self.jit.captured)
       return out
     inputs = [a.uop.base for a in args]
     var_vals = {var.expr: val for var, val in (b.unbind() for b in bound)}
@@ -97,26 +94,28 @@ class Replay:
     return self.handles[u]
 
   @staticmethod
-  def _plan(captured) -> list | None:
-    """(device, runtime, arguments, program info) per kernel, or None when the captured graph holds anything but
-    plain kernels with whole-buffer arguments. An argument is (input slot, None), or (None, device handle) for a
-    buffer the graph holds itself (weights, scratch): those handles are looked up once, here, not per replay."""
+  def _plan(captured) -> tuple[str | None, list | None]:
+    """(device, [(runtime, arguments, program info) per kernel]), or (None, None) when the captured graph holds
+    anything but plain kernels on one device with whole-buffer arguments. An argument is (input slot, None), or
+    (None, device handle) for a buffer the graph holds itself (weights, scratch): those handles are looked up
+    once, here, not per replay."""
     from tinygrad.device import Buffer
     from tinygrad.engine.realize import get_call_arg_uops, get_runtime
     from tinygrad.uop.ops import Ops
-    plan = []
+    plan, devices = [], {call.src[1].device for call in captured.linear.src}
+    if len(devices) != 1 or not isinstance(device := devices.pop(), str): return None, None
     for call in captured.linear.src:
       ast = call.src[0]
-      if ast.op is not Ops.PROGRAM or not isinstance(call.src[1].device, str): return None
+      if ast.op is not Ops.PROGRAM: return None, None
       args, specs = get_call_arg_uops(call), []
       for i in ast.arg.globals:
         u = args[i]
         if u.op is Ops.PARAM: specs.append((u.arg.slot, None))
-        elif any(x.op is Ops.PARAM for x in u.toposort()): return None   # derived from an input: resolved per call
-        elif isinstance(buf := u.buffer, Buffer): specs.append((None, buf.ensure_allocated().get_buf(call.src[1].device)))
-        else: return None
-      plan.append((call.src[1].device, get_runtime(call.src[1].device, ast), specs, ast.arg))
-    return plan
+        elif any(x.op is Ops.PARAM for x in u.toposort()): return None, None   # derived from an input: resolved per call
+        elif isinstance(buf := u.buffer, Buffer): specs.append((None, buf.ensure_allocated().get_buf(device)))
+        else: return None, None
+      plan.append((get_runtime(device, ast), specs, ast.arg))
+    return device, plan
 
 
 class ModelRunner:
@@ -143,13 +142,17 @@ class ModelRunner:
     On the CPU device it is fresh anonymous memory, which the OS hands out zeroed and maps page by page as
     blocks are first written: writing zeros instead took 6.5 s for the default 2 GB cache on this machine."""
     dtype = self.model.dtype
-    if self.device.split(":")[0] != "CPU": return Tensor.zeros(*shape, dtype=dtype, device=self.device).contiguous().realize()
+    if self.device.split(":")[0] != "CPU": return self._buffer(shape, dtype)
     # private: pages read before they are written map the shared zero page instead of committing memory
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
     mem = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, **({"flags": flags} if flags is not None else {}))
     t = Tensor.from_blob(ctypes.addressof(ctypes.c_char.from_buffer(mem)), shape, dtype=dtype, device=self.device)
     t.uop.buffer.host_memory = mem   # the buffer borrows this memory: keep it alive exactly as long as the buffer
     return t
+
+  def _buffer(self, shape: tuple[int, ...], dtype) -> Tensor:
+    """A realized, zero-filled device buffer (a whole buffer, so it can be a replay's input)."""
+    return Tensor.zeros(*shape, dtype=dtype, device=self.device).contiguous().realize()
 
   @staticmethod
   def kv_bytes_per_block(cfg, block_size: int, dtype_size: int) -> int:
@@ -212,15 +215,15 @@ class ModelRunner:
 
   def _hidden_buffers(self, shape: PassShape) -> tuple[Tensor, Tensor]:
     if shape not in self.hidden_buffers:
-      self.hidden_buffers[shape] = tuple(Tensor.zeros(shape.num_tokens, self.model.cfg.hidden_size, dtype=self.model.dtype,
-                                                      device=self.device).contiguous().realize() for _ in range(2))
+      self.hidden_buffers[shape] = tuple(self._buffer((shape.num_tokens, self.model.cfg.hidden_size), self.model.dtype)
+                                         for _ in range(2))
     return self.hidden_buffers[shape]
 
   def _upload(self, shape: PassShape, packed: np.ndarray) -> Tensor:
     """Copy the step's integers into this shape's input buffer directly. Realizing a new Tensor each step would
     cost milliseconds: tinygrad's scheduler walks every live tensor (the weights included) on each realize."""
     if shape not in self.input_buffers:
-      self.input_buffers[shape] = Tensor.zeros(len(packed), dtype=dtypes.int32, device=self.device).contiguous().realize()
+      self.input_buffers[shape] = self._buffer((len(packed),), dtypes.int32)
     buf = self.input_buffers[shape].uop.buffer.ensure_allocated()
     Device[buf.device].allocator._copyin(buf._buf, memoryview(np.ascontiguousarray(packed, np.int32)).cast("B"))
     return self.input_buffers[shape]
@@ -246,5 +249,8 @@ class ModelRunner:
 
     replays = (Replay(unpack), Replay(layer), Replay(lambda h, rows: self.model.logits(h, rows)))
     self.replays[shape] = replays
-    if len(self.replays) > MAX_SHAPES: self.replays.popitem(last=False)
+    if len(self.replays) > MAX_SHAPES:   # drop the least recently used shape's captures and buffers together
+      old, _ = self.replays.popitem(last=False)
+      self.input_buffers.pop(old, None)
+      self.hidden_buffers.pop(old, None)
     return replays
