@@ -129,8 +129,8 @@ def _cache_plan(args, runs: set[str]) -> tuple[int, int, int]:
 
 def _median(results: list[dict]) -> dict:
   """The repeat with the median tok/s, with every repeat's tok/s beside it."""
-  mid = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
-  return mid | {"tokens_per_s_repeats": [r["tokens_per_s"] for r in results]}
+  from tinyvllm.bench.runs import median_repeat
+  return median_repeat(results, lambda r: r["tokens_per_s"]) | {"tokens_per_s_repeats": [r["tokens_per_s"] for r in results]}
 
 
 def _model_name(path: Path) -> str: return path.name if path.name else str(path)

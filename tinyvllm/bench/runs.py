@@ -102,9 +102,14 @@ class Driver:
     for rid in request_ids: self.engine.abort_request(rid)
 
 
+def median_repeat(repeats: list, rate):
+  """The repeat with the median `rate(repeat)` (the upper median of an even count)."""
+  return sorted(repeats, key=rate)[len(repeats) // 2]
+
+
 def _median_run(runs: list[tuple[float, int, int]]) -> tuple[float, int, int]:
-  """The (seconds, tokens, steps) of the repeat with the median tokens/s (the upper median of an even count)."""
-  return sorted(runs, key=lambda r: r[1] / r[0])[len(runs) // 2]
+  """The (seconds, tokens, steps) of the repeat with the median tokens/s."""
+  return median_repeat(runs, lambda r: r[1] / r[0])
 
 
 def decode_run(drv: Driver, batch: int, context: int, steps: int, warmup: int, rng, max_tokens: int,
