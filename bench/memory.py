@@ -19,13 +19,14 @@ import argparse, json, os, resource, subprocess, sys
 _CHILD = r"""
 import json, os, resource, sys
 from tinygrad.helpers import GlobalCounters
-from tinyvllm import LLM, SamplingParams
+from tinyvllm import SamplingParams
 from tinyvllm.bench.runs import model_tensors
+from tinyvllm.engine.llm_engine import LLMEngine
 baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 model, quantization = sys.argv[1] or None, sys.argv[2]
-llm = LLM(model, **({} if quantization == "stored" else {"quantization": quantization}))
-llm.generate(["Tell me about lighthouses."], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
-engine = llm.llm_engine
+engine = LLMEngine.from_kwargs(model, **({} if quantization == "stored" else {"quantization": quantization}))
+engine.add_request("0", "Tell me about lighthouses.", SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+while engine.has_unfinished_requests(): engine.step()
 cfg = engine.model_config
 h, L, v, i = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size
 q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim

@@ -115,10 +115,10 @@ def test_batch_invariance_with_and_without_preemption(tiny_model):
   # 8 sequences need up to 11 blocks each (88 tokens): 24 blocks force preemption and recomputation
   small = LLM(str(tiny_model), block_size=8, num_kv_blocks=24, max_num_batched_tokens=64)
   squeezed = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
-  assert small.llm_engine.scheduler.num_preemptions > 0
+  assert small.llm_engine.call(lambda e: e.scheduler.num_preemptions) > 0
   assert squeezed == alone
-  bm = small.llm_engine.block_manager
-  assert bm.num_free == bm.num_blocks                      # everything returned once all finished
+  free, total = small.llm_engine.call(lambda e: (e.block_manager.num_free, e.block_manager.num_blocks))
+  assert free == total                                     # everything returned once all finished
 
 
 def test_overlong_prompt_is_rejected_alone(tiny_model, capsys):
@@ -128,9 +128,9 @@ def test_overlong_prompt_is_rejected_alone(tiny_model, capsys):
   assert outs[0].outputs[0].finish_reason == "length" and outs[2].outputs[0].finish_reason == "length"
   assert outs[1].outputs[0].finish_reason == "error" and "max_model_len is 64" in outs[1].error
   assert "prompt 1 rejected" in capsys.readouterr().err
-  with pytest.raises(ValueError, match="80 tokens"): llm.llm_engine.add_request([5] * 80)
-  with pytest.raises(ValueError, match="outside the vocabulary"): llm.llm_engine.add_request([10**6])
-  with pytest.raises(ValueError, match="empty"): llm.llm_engine.add_request([])
+  with pytest.raises(ValueError, match="80 tokens"): llm.llm_engine.add_request("a", [5] * 80)
+  with pytest.raises(ValueError, match="outside the vocabulary"): llm.llm_engine.add_request("b", [10**6])
+  with pytest.raises(ValueError, match="empty"): llm.llm_engine.add_request("c", [])
 
 
 def test_generation_stops_at_max_model_len(tiny_model):

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 from conftest import our_prefill_logits
-from tinyvllm import LLM, SamplingParams
+from tinyvllm import SamplingParams
+from tinyvllm.engine.llm_engine import LLMEngine
 
 TOL = 1e-4
 
@@ -36,20 +37,22 @@ def test_prefill_logits_every_position(tiny_model_factory, name):
 
 @pytest.mark.parametrize("name", ["gqa", "tied", "llama3", "head_dim"])
 def test_engine_decode_steps_match_hf(tiny_model_factory, name):
-  """Greedy generation through LLM: the same tokens as HF's greedy generate, and each step's logits (seen by
+  """Greedy generation through the engine: the same tokens as HF's greedy generate, and each step's logits (seen by
   the sampler) within tolerance of HF's logits for the same prefix."""
   path = tiny_model_factory(name)
-  llm = LLM(str(path), block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)   # chunked: 37 prompt tokens in 3 chunks
-  engine = llm.llm_engine
+  # an engine in this thread, to watch its model runner: chunked, 37 prompt tokens in 3 chunks
+  engine = LLMEngine.from_kwargs(str(path), block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
   seen = []
   execute = engine.runner.execute
-  def spy(decodes, prefills=(), verifies=()):
-    out = execute(decodes, prefills, verifies)
+  def spy(decodes, prefills=(), verifies=(), **kw):
+    out = execute(decodes, prefills, verifies, **kw)
     if decodes: seen.append((decodes[0].start, out[0][0]))   # position of the token read, its next-token logits
     return out
   engine.runner.execute = spy
   prompt = np.random.default_rng(2).integers(0, engine.model_config.vocab_size, 37).tolist()
-  out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+  engine.add_request("0", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+  while engine.has_unfinished_requests():
+    for out in engine.step(): pass
   hf = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
   with torch.no_grad():
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 37:].tolist()

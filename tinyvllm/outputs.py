@@ -17,7 +17,7 @@ class CompletionOutput:
   token_ids: list[int]
   cumulative_logprob: float | None = None
   logprobs: list[dict[int, Logprob]] | None = None   # one dict per generated token
-  finish_reason: str | None = None    # "stop" | "length" | "error" | None while running
+  finish_reason: str | None = None    # "stop" | "length" | "abort" | "error" | None while running
   stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
   def finished(self) -> bool: return self.finish_reason is not None
@@ -25,6 +25,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+  """Timings and counts of one request. Input processing sets arrival and the prompt length, the engine core the
+  scheduling fields (first scheduled, preemptions, speculation), output processing the token fields."""
   arrival_time: float
   first_scheduled_time: float | None = None
   first_token_time: float | None = None
@@ -64,4 +66,6 @@ class RequestOutput:
   outputs: list[CompletionOutput]
   finished: bool
   metrics: RequestMetrics
-  error: str | None = None            # set when the request was rejected (e.g. prompt longer than max_model_len)
+  error: str | None = None            # set with finish_reason "error": why the request was rejected or failed
+  prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # per prompt token (the first is None)
+  num_cached_tokens: int = 0          # prompt tokens whose KV cache was reused

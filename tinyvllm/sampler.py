@@ -15,8 +15,10 @@ _TOP_P_CANDIDATES = 1024   # try the top-p cut inside the 1024 most likely token
 def apply_penalties(logits: np.ndarray, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
                     banned: list[int] | None = None) -> np.ndarray:
   """Repetition penalty over prompt + output (HF/vLLM rule: divide positive logits, multiply negative ones);
-  presence and frequency penalties over the output; `banned` ids (EOS before min_tokens) get -inf."""
-  if params.repetition_penalty == 1 and params.presence_penalty == 0 and params.frequency_penalty == 0 and not banned:
+  presence and frequency penalties over the output; then `logit_bias` is added; `banned` ids (EOS before
+  min_tokens) get -inf."""
+  if params.repetition_penalty == 1 and params.presence_penalty == 0 and params.frequency_penalty == 0 and not banned \
+     and not params.logit_bias:
     return logits
   logits = logits.astype(np.float32, copy=True)
   if params.repetition_penalty != 1 and token_ids:
@@ -26,6 +28,9 @@ def apply_penalties(logits: np.ndarray, token_ids: list[int], num_prompt_tokens:
   if (params.presence_penalty or params.frequency_penalty) and len(token_ids) > num_prompt_tokens:
     ids, counts = np.unique(np.asarray(token_ids[num_prompt_tokens:]), return_counts=True)
     logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+  if params.logit_bias:
+    ids = np.fromiter(params.logit_bias, np.int64, len(params.logit_bias))
+    logits[ids] += np.fromiter(params.logit_bias.values(), np.float32, len(ids))
   if banned: logits[np.asarray(banned)] = -np.inf
   return logits
 

@@ -1,20 +1,23 @@
 """SamplingParams: vLLM's names and defaults, validated once when built."""
 from __future__ import annotations
+import math, numbers
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5   # temperatures this small sample as greedy (vLLM's rule): dividing by them overflows
 
 
 @dataclass
 class SamplingParams:
   n: int = 1
-  temperature: float = 1.0             # 0 means greedy
+  temperature: float = 1.0             # 0 (or below 1e-5) means greedy
   top_p: float = 1.0
   top_k: int = 0                       # 0 or -1: no top-k
   min_p: float = 0.0
   repetition_penalty: float = 1.0      # over prompt and output tokens
   presence_penalty: float = 0.0        # over output tokens
   frequency_penalty: float = 0.0       # over output tokens
+  logit_bias: dict[int, float] | None = None   # token id -> added to its logit (OpenAI's range: [-100, 100])
   seed: int | None = None              # per request; the same seed gives the same tokens whatever the batch
   stop: str | list[str] | None = None  # stop strings, not included in the returned text
   stop_token_ids: list[int] | None = None
@@ -22,36 +25,57 @@ class SamplingParams:
   max_tokens: int | None = 16          # None: until the context is full
   min_tokens: int = 0
   logprobs: int | None = None          # top-k logprobs per generated token, plus the sampled token's own
-  prompt_logprobs: int | None = None   # accepted for compatibility; not computed
+  prompt_logprobs: int | None = None   # top-k logprobs per prompt token, plus the prompt token's own
   skip_special_tokens: bool = True
   include_stop_str_in_output: bool = False
   stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
   def __post_init__(self):
     def bad(name, why): raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
-    if not isinstance(self.n, int) or self.n < 1: bad("n", "must be an integer >= 1")
-    if not _is_number(self.temperature) or self.temperature < 0: bad("temperature", "must be a number >= 0")
-    if not _is_number(self.top_p) or not 0 < self.top_p <= 1: bad("top_p", "must be in (0, 1]")
-    if not isinstance(self.top_k, int) or self.top_k < -1: bad("top_k", "must be -1, 0 (disabled) or a positive integer")
-    if not _is_number(self.min_p) or not 0 <= self.min_p <= 1: bad("min_p", "must be in [0, 1]")
-    if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0: bad("repetition_penalty", "must be > 0")
-    for name in ("presence_penalty", "frequency_penalty"):
-      if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2: bad(name, "must be in [-2, 2]")
-    if self.seed is not None and not isinstance(self.seed, int): bad("seed", "must be an integer or None")
-    if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-      bad("max_tokens", "must be an integer >= 1 or None")
-    if not isinstance(self.min_tokens, int) or self.min_tokens < 0: bad("min_tokens", "must be an integer >= 0")
+    def number(name, ok, why):
+      value = getattr(self, name)
+      if not _is_number(value) or not ok(float(value)): bad(name, why)
+      setattr(self, name, float(value))       # numpy scalars become plain floats
+    def integer(name, ok, why, optional=False):
+      value = getattr(self, name)
+      if optional and value is None: return
+      if not _is_int(value) or not ok(int(value)): bad(name, why)
+      setattr(self, name, int(value))
+    integer("n", lambda v: v >= 1, "must be an integer >= 1")
+    number("temperature", lambda v: 0 <= v < math.inf, "must be a finite number >= 0")
+    number("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")
+    integer("top_k", lambda v: v >= -1, "must be -1, 0 (disabled) or a positive integer")
+    number("min_p", lambda v: 0 <= v <= 1, "must be in [0, 1]")
+    number("repetition_penalty", lambda v: 0 < v < math.inf, "must be a finite number > 0")
+    for name in ("presence_penalty", "frequency_penalty"): number(name, lambda v: -2 <= v <= 2, "must be in [-2, 2]")
+    integer("seed", lambda v: 0 <= v < 2**63, "must be an integer in [0, 2**63) or None", optional=True)
+    integer("max_tokens", lambda v: v >= 1, "must be an integer >= 1 or None", optional=True)
+    integer("min_tokens", lambda v: v >= 0, "must be an integer >= 0")
     if self.max_tokens is not None and self.min_tokens > self.max_tokens: bad("min_tokens", "must not exceed max_tokens")
-    if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-      bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
-    stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    for name in ("logprobs", "prompt_logprobs"):
+      integer(name, lambda v: 0 <= v <= MAX_LOGPROBS, f"must be an integer in [0, {MAX_LOGPROBS}] or None", optional=True)
+    if isinstance(self.stop, str): stops = [self.stop]
+    elif isinstance(self.stop, (list, tuple)) or self.stop is None: stops = list(self.stop or [])
+    else: bad("stop", "must be a string or a list of strings")
     if not all(isinstance(s, str) and s for s in stops): bad("stop", "must be a non-empty string or a list of them")
     self.stop_strings = tuple(stops)
-    ids = self.stop_token_ids or []
-    if not all(isinstance(t, int) and t >= 0 for t in ids): bad("stop_token_ids", "must be a list of token ids")
+    if self.stop_token_ids is not None:
+      if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        bad("stop_token_ids", "must be a list of token ids")
+      self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+    if self.logit_bias is not None:
+      if not isinstance(self.logit_bias, dict): bad("logit_bias", "must map token ids to numbers")
+      bias = {}
+      for k, v in self.logit_bias.items():
+        key = int(k) if isinstance(k, str) and k.strip().isdigit() else k   # JSON object keys arrive as strings
+        if not _is_int(key) or key < 0 or not _is_number(v) or not math.isfinite(float(v)):
+          bad("logit_bias", "must map token ids (integers >= 0) to finite numbers")
+        bias[int(key)] = float(v)
+      self.logit_bias = bias or None
 
   @property
-  def greedy(self) -> bool: return self.temperature == 0
+  def greedy(self) -> bool: return self.temperature < GREEDY_BELOW
 
 
-def _is_number(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+def _is_number(x) -> bool: return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == x
+def _is_int(x) -> bool: return isinstance(x, numbers.Integral) and not isinstance(x, bool)

@@ -139,20 +139,19 @@ def _model_name(path: Path) -> str: return path.name if path.name else str(path)
 def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> list[dict]:
   """Every requested run on tinyvllm, once per configuration: each --quantization, with speculation off (and on
   when a draft is given)."""
-  from tinyvllm import LLM
   from tinyvllm.bench import device, report, runs as runs_mod
+  from tinyvllm.engine.llm_engine import LLMEngine
   from tinyvllm.config import ConfigError
   max_len, num_blocks, max_seqs = _cache_plan(args, runs)
   records = []
   configs = [(q, spec) for q in args.quantization for spec in [False] + ([True] if args.draft_model else [])]
   for quantization, speculative in configs:
     bar.set_postfix_str(f"loading the model ({quantization})" + (" with its draft" if speculative else ""))
-    try:
-      llm = LLM(args.model, **_engine_kwargs(args, quantization, speculative, max_len, num_blocks, max_seqs))
+    try:   # in this thread: each step is timed alone, not overlapped with the engine's next one
+      engine = LLMEngine.from_kwargs(args.model, **_engine_kwargs(args, quantization, speculative, max_len, num_blocks, max_seqs))
     except (TypeError, ConfigError) as e:   # e.g. an engine argument this version of tinyvllm does not know
-      sys.exit(f"tinyvllm.LLM refused the arguments: {e}")
+      sys.exit(f"tinyvllm's engine refused the arguments: {e}")
     bar.update()
-    engine = llm.llm_engine
     drv = runs_mod.Driver(engine, text=args.prompts == "text")
     bits = (engine.model_config.quantization or {}).get("bits")
     common = {"engine": "tinyvllm", "device": ceilings.device, "machine": device.machine_description(),
@@ -178,7 +177,7 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
       runs_mod.serving_run(drv, workload, np.random.default_rng(args.seed + 1))
       records.append(report.finalize(runs_mod.serving_run(drv, workload, np.random.default_rng(args.seed + 1)), ceilings, common))
       bar.update()
-    del llm, engine, drv
+    del engine, drv
     gc.collect()
   return records
 

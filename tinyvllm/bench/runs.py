@@ -1,12 +1,12 @@
-"""Timed runs of tinyvllm's engine, driven only through its public surface (`add_request`, `step`,
-`abort_request`, `scheduler.running/waiting`).
+"""Timed runs of tinyvllm's engine (an `LLMEngine` in this thread, so each step is timed alone), driven through its
+public surface (`add_request`, `step`, `abort_request`) and read through its scheduler's sequences.
 
 Every step is timed and its work recorded as `(cached, new)` tokens per sequence, read from the sequences'
 `num_computed_tokens` before and after it, so the byte and FLOP accounting follows what the engine really did
 (chunked prefill, speculative verification) rather than what was asked for.
 """
 from __future__ import annotations
-import time
+import itertools, time
 from collections import deque
 from dataclasses import dataclass, field
 import numpy as np
@@ -70,6 +70,7 @@ class Driver:
   `text=True` windows of TEXT (tiled when longer) starting at a random token."""
   def __init__(self, engine, text: bool = False):
     self.engine = engine
+    self._ids = itertools.count()
     self.text_ids = engine.tokenizer.encode(TEXT, add_special_tokens=False) if text else None
     model = engine.runner.model
     self.cfg = model.cfg
@@ -79,6 +80,12 @@ class Driver:
   def live(self) -> list:
     sch = self.engine.scheduler
     return list(sch.running) + list(sch.waiting)
+
+  def add(self, prompt: list[int], params: SamplingParams) -> str:
+    rid = str(next(self._ids))
+    return self.engine.add_request(rid, prompt, params)
+
+  def unfinished(self, rid: str) -> bool: return rid in self.engine.output_processor.requests
 
   def run_step(self, log: StepLog | None = None) -> list:
     before = {id(s): (s, s.num_computed_tokens) for s in self.live()}
@@ -117,8 +124,8 @@ def decode_run(drv: Driver, batch: int, context: int, steps: int, warmup: int, r
   """`batch` requests with `context`-token prompts; prefill them all, warm up, then time `steps` decode steps,
   `repeats` times in a row (reported: the median repeat, and every repeat's tok/s)."""
   params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-  ids = [drv.engine.add_request(drv.prompt(rng, context), params) for _ in range(batch)]
-  seqs = [s for rid in ids for s in drv.engine.requests[rid].seqs]
+  ids = [drv.add(drv.prompt(rng, context), params) for _ in range(batch)]
+  seqs = [s for rid in ids for s in drv.engine.core.requests[rid]]
   while any(s.is_prefilling or s.status is SequenceStatus.WAITING for s in seqs): drv.run_step()
   for _ in range(warmup): drv.run_step()
   first_tokens = [s.num_tokens for s in seqs]
@@ -144,8 +151,8 @@ def prefill_run(drv: Driver, prompt_len: int, rng, repeats: int = 1) -> dict:
   log, runs = StepLog(), []
   for i in range(1 + repeats):
     start_seconds, start_steps = log.seconds, log.steps
-    rid = drv.engine.add_request(drv.prompt(rng, prompt_len), params)
-    while rid in drv.engine.requests: drv.run_step(log if i else None)
+    rid = drv.add(drv.prompt(rng, prompt_len), params)
+    while drv.unfinished(rid): drv.run_step(log if i else None)
     if i: runs.append((log.seconds - start_seconds, prompt_len, log.steps - start_steps))
   seconds, tokens, n = _median_run(runs)
   return {"kind": "prefill", "batch_size": 1, "context_len": prompt_len, "mean_context_len": prompt_len / 2,
@@ -177,13 +184,13 @@ def serving_run(drv: Driver, workload: Workload, rng) -> dict:
   pending = deque(requests)
   arrival, times, counts = {}, {}, {}
   log, peak_batch = StepLog(), 0
-  shapes_before = len(getattr(drv.engine.runner, "jits", ()))
+  shapes_before = len(drv.engine.runner.replays)
   start = time.perf_counter()
   while pending or drv.engine.has_unfinished_requests():
     now = time.perf_counter() - start
     while pending and pending[0][0] <= now:
       at, prompt, out_len = pending.popleft()
-      rid = drv.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+      rid = drv.add(prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
       arrival[rid], times[rid], counts[rid] = start + at, [], 0
     if not drv.engine.has_unfinished_requests():
       time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - start)))
@@ -208,4 +215,4 @@ def serving_run(drv: Driver, workload: Workload, rng) -> dict:
           "tokens_per_s": generated / wall, "ms_per_step": 1e3 * log.seconds / max(1, log.steps),
           "tokens_per_step": generated / max(1, log.steps),
           "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
-          "shapes_captured_while_timed": len(getattr(drv.engine.runner, "jits", ())) - shapes_before, "traffic": log.traffic}
+          "shapes_captured_while_timed": len(drv.engine.runner.replays) - shapes_before, "traffic": log.traffic}

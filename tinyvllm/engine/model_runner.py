@@ -158,10 +158,12 @@ class ModelRunner:
   def kv_bytes_per_block(cfg, block_size: int, dtype_size: int) -> int:
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype_size
 
-  def execute(self, decodes: list[WorkItem], prefills: list[WorkItem] = (), verifies: list[WorkItem] = ()) \
-      -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  def execute(self, decodes: list[WorkItem], prefills: list[WorkItem] = (), verifies: list[WorkItem] = (),
+              prefill_all_logits: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Read the given tokens. Returns float32 logits: `[len(decodes), V]` (one token each), `[len(prefills), V]`
-    (each chunk's last token) and `[len(verifies), K, V]` (every token of each verified run; all runs have K tokens).
+    (each chunk's last token; with `prefill_all_logits`, `[len(prefills), C, V]` for every slot of the padded
+    chunks, as prompt logprobs need) and `[len(verifies), K, V]` (every token of each verified run; all runs
+    have K tokens).
 
     Each kind runs as its own pass. One pass over all three would read the weights once instead of up to
     three times, but every combination of bucket sizes would be a shape to capture; separate passes keep the
@@ -170,7 +172,7 @@ class ModelRunner:
     out = [np.zeros((0, vocab), np.float32), np.zeros((0, vocab), np.float32), np.zeros((0, 0, vocab), np.float32)]
     for i, (items, query_len, all_logits) in enumerate((
         (decodes, 1, False),
-        (prefills, bucket(max((len(w.tokens) for w in prefills), default=1), minimum=8), False),
+        (prefills, bucket(max((len(w.tokens) for w in prefills), default=1), minimum=8), prefill_all_logits),
         (verifies, max((len(w.tokens) for w in verifies), default=1), True))):
       if not items: continue
       shape = PassShape(bucket(len(items)), query_len, all_logits)

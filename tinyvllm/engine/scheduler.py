@@ -5,6 +5,10 @@ prefill chunks: running sequences whose prompt is partly read, then waiting ones
 prompt is cut into chunks so it never stalls the decodes. When the KV pool runs dry the most recently
 admitted sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed from its tokens later. Nothing is lost and nothing crashes.
+
+After the model step, `update_from_output` is the one place where sequences change: it advances
+`num_computed_tokens`, appends the sampled tokens, applies the stop rules and gives back the blocks of
+speculative tokens the target rejected.
 """
 from __future__ import annotations
 from collections import deque
@@ -35,10 +39,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-  def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-               lookahead_tokens: int = 0):
+  def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+               eos_token_ids: frozenset[int] = frozenset(), lookahead_tokens: int = 0):
     self.blocks = block_manager
     self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+    self.max_model_len, self.eos_token_ids = max_model_len, eos_token_ids
     self.lookahead = lookahead_tokens     # extra slots a decode reserves (speculative tokens)
     self.waiting: deque[Sequence] = deque()
     self.running: list[Sequence] = []     # in admission order: preemption takes from the end
@@ -114,6 +119,42 @@ class Scheduler:
     out.preempted.append(seq)
     out.decodes = [s for s in out.decodes if s is not seq]
     out.prefills = [c for c in out.prefills if c.seq is not seq]
+
+  # ---- the commit point ----
+
+  def update_from_output(self, out: SchedulerOutput, sampled: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:
+    """Apply a finished model step. `sampled` holds the new tokens of every decode and of every prefill chunk
+    that completed its prompt; a decode verified with speculative drafts has the drafts it accepted plus one.
+    Returns the tokens each sequence kept (a stop rule may end a speculative run early)."""
+    kept: dict[Sequence, list[int]] = {}
+    for chunk in out.prefills:
+      if chunk.seq.is_finished: continue      # failed or aborted during the step
+      chunk.seq.num_computed_tokens += chunk.num_tokens
+      if chunk.seq in sampled: kept[chunk.seq] = self._append(chunk.seq, sampled[chunk.seq])
+    for seq in out.decodes:
+      if seq.is_finished or seq not in sampled: continue
+      # the step wrote K/V for the newest token and any drafts; those of the accepted drafts stand
+      seq.num_computed_tokens += len(sampled[seq])
+      kept[seq] = self._append(seq, sampled[seq])
+      if not seq.is_finished: self.blocks.truncate(seq.block_table, seq.num_tokens)   # rejected drafts' blocks
+    return kept
+
+  def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
+    for i, token in enumerate(tokens):
+      seq.token_ids.append(token)
+      reason = self._stop_reason(seq, token)
+      if reason is not None:
+        self.finish(seq, *reason)
+        return tokens[:i + 1]
+    return list(tokens)
+
+  def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
+    p = seq.params
+    if token in self.eos_token_ids and not p.ignore_eos: return "stop", None
+    if p.stop_token_ids and token in p.stop_token_ids: return "stop", token
+    if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens: return "length", None
+    if seq.num_tokens >= self.max_model_len: return "length", None
+    return None
 
   def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
     seq.status = SequenceStatus.FINISHED

@@ -1,9 +1,11 @@
-"""A Sequence is one completion being generated: its tokens, its KV blocks and how far the model has read it."""
+"""A Sequence is one completion being generated: its tokens, its KV blocks and how far the model has read it.
+
+It is the engine core's record: token ids, not text (output processing keeps the text)."""
 from __future__ import annotations
 import enum, itertools
 import numpy as np
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.outputs import Logprob, RequestMetrics
+from tinyvllm.outputs import RequestMetrics
 
 
 class SequenceStatus(enum.Enum):
@@ -16,7 +18,7 @@ class Sequence:
   _ids = itertools.count()
 
   def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-               generator: np.random.Generator, detokenizer, metrics: RequestMetrics):
+               generator: np.random.Generator, metrics: RequestMetrics):
     self.seq_id = next(Sequence._ids)
     self.request_id, self.index, self.params = request_id, index, params
     self.prompt_token_ids = list(prompt_token_ids)
@@ -27,10 +29,8 @@ class Sequence:
     self.draft_block_table: list[int] = []     # speculative decoding: the draft model's cache
     self.draft_num_computed = 0
     self.generator = generator                 # this sequence's own random stream: batch composition never changes it
-    self.detokenizer = detokenizer
-    self.text = ""                             # output text released so far (stop strings removed)
-    self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
-    self.cumulative_logprob = 0.0
+    # prompt positions whose logprobs were sent (prompt_logprobs): a recompute after preemption sends none again
+    self.num_prompt_logprobs_sent = 0
     self.finish_reason: str | None = None
     self.stop_reason: int | str | None = None
     self.metrics = metrics

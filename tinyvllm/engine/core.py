@@ -1,0 +1,271 @@
+"""EngineCore: scheduler + model runner + sampler. EngineRequests in, token ids out; no text.
+
+One `step()`: the scheduler picks the work, the runner reads it (with speculation: the draft proposes first and
+the target verifies), the sampler picks tokens, and `Scheduler.update_from_output` commits them. A failure is
+confined to the requests it concerns: a model pass that raises fails the sequences it carried, a sampling error
+fails its own request; the others go on, and the engine stays consistent for the next step.
+"""
+from __future__ import annotations
+import dataclasses, os, time
+import numpy as np
+from tinygrad import Device
+from tinyvllm import sampler
+from tinyvllm.config import ConfigError, EngineConfig
+from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.model_runner import ModelRunner, WorkItem
+from tinyvllm.engine.request import CoreOutput, EngineRequest, SchedulerStats, TopLogprobs
+from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
+from tinyvllm.engine.sequence import Sequence
+from tinyvllm.engine.spec_decode import SpeculativeDecoder
+from tinyvllm.kernels import Kernels, default_dtype, resolve_backend
+from tinyvllm.model.llama import Llama
+from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
+from tinyvllm.model.weights import Checkpoint, load_checkpoint
+
+
+class EngineCore:
+  def __init__(self, config: EngineConfig, ckpt: Checkpoint, tokenizer: Tokenizer):
+    """Build the model, its KV cache and (with `draft_model`) the draft from a loaded checkpoint. `tokenizer`
+    gives the end-of-sequence ids and checks that a draft model shares the vocabulary."""
+    self.config = config
+    self.device = Device.DEFAULT
+    self.model_config = ckpt.config
+    dtype = default_dtype(self.device) if config.dtype == "auto" else config.dtype
+    model_max = ckpt.config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > model_max:
+      raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's context length {model_max}")
+    max_model_len = config.max_model_len or model_max
+    dtype_size = 4 if dtype == "float32" else 2
+    block_bytes = ModelRunner.kv_bytes_per_block(ckpt.config, config.block_size, dtype_size)
+    weight_bytes = sum(a.nbytes for a in ckpt.tensors.values())
+    num_blocks = config.num_kv_blocks or self._blocks_from_memory(block_bytes, weight_bytes, max_model_len)
+    capacity = num_blocks * config.block_size
+    if max_model_len > capacity:
+      if config.max_model_len is not None:
+        raise ConfigError(f"max_model_len={max_model_len} needs {-(-max_model_len // config.block_size)} KV blocks of "
+                          f"{config.block_size} tokens but the cache has num_kv_blocks={num_blocks}; "
+                          f"raise num_kv_blocks or lower max_model_len")
+      max_model_len = capacity   # one sequence must always fit alone, or preemption could not make progress
+    self.max_model_len = max_model_len
+    self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
+    self.kernels = Kernels(self.kernel_backend, self.device)
+    model = self._build_model(ckpt.config, ckpt.tensors, dtype)
+    self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.device)
+    self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark)
+    self.spec: SpeculativeDecoder | None = None
+    if config.draft_model is not None:
+      draft = self._load_draft(config.draft_model, ckpt, tokenizer, dtype)
+      # as many draft blocks as target blocks: a draft table never outgrows its target table, so the draft pool
+      # cannot run dry while the target's has room
+      self.spec = SpeculativeDecoder(ModelRunner(draft, num_blocks, config.block_size, max_model_len, self.device),
+                                     BlockManager(num_blocks, config.block_size, 0.0), config.num_speculative_tokens,
+                                     always=config.speculation == "always")
+    self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
+                               frozenset(tokenizer.eos_token_ids),
+                               lookahead_tokens=config.num_speculative_tokens if self.spec else 0)
+    self.requests: dict[str, list[Sequence]] = {}
+    self._seed_stream = np.random.default_rng(config.seed)
+
+  def _build_model(self, cfg, tensors, dtype: str) -> Llama:
+    self.kernels.check_model(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, self.config.block_size, dtype)
+    return Llama(cfg, tensors, dtype, self.device, self.kernels, self.max_model_len)
+
+  def _load_draft(self, name: str, target: Checkpoint, tokenizer: Tokenizer, dtype: str) -> Llama:
+    """The draft model: any checkpoint LLM loads with the same vocabulary, or "self:N", the target's first N layers
+    (with its final norm and LM head): a cheap draft that needs no second checkpoint."""
+    if name.startswith("self:"):
+      n = int(name[5:]) if name[5:].isdigit() else 0
+      if not 0 < n < target.config.num_hidden_layers:
+        raise ConfigError(f"draft_model={name!r}: N must be between 1 and {target.config.num_hidden_layers - 1}")
+      keep = {k: v for k, v in target.tensors.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
+      return self._build_model(dataclasses.replace(target.config, num_hidden_layers=n), keep, dtype)
+    draft = load_checkpoint(name)
+    draft_tok = load_tokenizer(draft.path)
+    same = draft.config.vocab_size == target.config.vocab_size and draft_tok.vocab_size == tokenizer.vocab_size and \
+      all(draft_tok.piece(i) == tokenizer.piece(i) for i in range(tokenizer.vocab_size))
+    if not same:
+      raise ConfigError(f"draft model {name} has a different vocabulary from the target "
+                        f"({draft.config.vocab_size} vs {target.config.vocab_size} tokens or different token strings); "
+                        f"speculative decoding needs the same tokenizer")
+    return self._build_model(draft.config, draft.tensors, dtype)
+
+  def _blocks_from_memory(self, block_bytes: int, weight_bytes: int, max_model_len: int) -> int:
+    """A share of the memory left after the weights, but no more than max_num_seqs full-length sequences."""
+    try: available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # macOS has no SC_AVPHYS_PAGES: take the physical memory minus the weights
+      available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    by_memory = int(self.config.kv_cache_memory_fraction * max(0, available - weight_bytes)) // block_bytes
+    by_need = self.config.max_num_seqs * -(-max_model_len // self.config.block_size)
+    blocks = min(by_memory, by_need)
+    if blocks < 2: raise ConfigError(f"not enough free memory for a KV cache ({available >> 20} MiB available); "
+                                     f"set num_kv_blocks explicitly")
+    return blocks
+
+  # ---- requests ----
+
+  def add_request(self, req: EngineRequest) -> None:
+    """Queue a validated request: one sequence per completion, each with its own random stream."""
+    if req.request_id in self.requests: raise ValueError(f"request id {req.request_id!r} is already in use")
+    params, seqs = req.params, []
+    for i in range(params.n):
+      seed = [params.seed, i] if params.seed is not None else self._seed_stream.integers(2**63)
+      seqs.append(Sequence(req.request_id, i, req.prompt_token_ids, params, np.random.default_rng(seed), req.metrics))
+    self.requests[req.request_id] = seqs
+    for seq in seqs: self.scheduler.add(seq)
+
+  def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
+    """Finish a request's sequences (or only completion `index`) and free their blocks; unknown ids are ignored."""
+    for seq in self.requests.get(request_id, ()):
+      if index is None or seq.index == index: self._finish(seq, reason)
+    self._forget_if_done(request_id)
+
+  def has_unfinished(self) -> bool: return self.scheduler.has_unfinished()
+
+  def stats(self) -> SchedulerStats:
+    bm = self.block_manager
+    return SchedulerStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                          kv_cache_usage=(bm.num_blocks - bm.num_free) / bm.num_blocks)
+
+  # ---- the step ----
+
+  def step(self) -> tuple[list[CoreOutput], SchedulerStats]:
+    """One target forward pass over the scheduled batch (with speculation: preceded by the draft's passes).
+    Returns what happened to every sequence it advanced, and the scheduler's state afterwards."""
+    preemptions_before = self.scheduler.num_preemptions
+    sched = self.scheduler.schedule()
+    if self.spec:
+      for seq in sched.preempted: self.spec.release(seq)   # a preempted sequence recomputes both caches
+    if sched.is_empty:
+      if self.scheduler.has_unfinished(): raise RuntimeError("scheduler made no progress with requests waiting")
+      return [], self.stats()
+    started = time.perf_counter()
+    for seq in sched.decodes + [c.seq for c in sched.prefills]:
+      if seq.metrics.first_scheduled_time is None: seq.metrics.first_scheduled_time = time.time()
+    outputs: dict[Sequence, CoreOutput] = {}
+    try:
+      sampled, drafted, accepted = self._run_and_sample(sched, outputs)
+    except Exception as e:   # the model pass itself failed: every sequence it carried fails, the rest go on
+      for seq in sched.decodes + [c.seq for c in sched.prefills]: self._fail(seq, e, outputs)
+      return self._collect(outputs), self.stats()
+    kept = self.scheduler.update_from_output(sched, sampled)
+    for seq, tokens in kept.items():
+      out = outputs.setdefault(seq, CoreOutput(seq.request_id, seq.index))
+      out.new_token_ids = tokens
+      if out.new_logprobs is not None: out.new_logprobs = out.new_logprobs[:len(tokens)]
+      out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+      if seq.is_finished: self._forget_if_done(seq.request_id)
+      if self.spec:
+        if seq.is_finished: self.spec.release(seq)
+        else: self.spec.rollback(seq, seq.num_computed_tokens)
+    if self.spec and sched.decodes and not sched.prefills:   # a step that also prefilled says nothing about either cost
+      seconds, n = time.perf_counter() - started, len(sched.decodes)
+      if drafted: self.spec.policy.record_spec(n, drafted, accepted, seconds)
+      else: self.spec.policy.record_plain(n, seconds)
+    stats = self.stats()
+    stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
+    stats.num_draft_tokens, stats.num_accepted_tokens = drafted, accepted
+    return self._collect(outputs), stats
+
+  def _run_and_sample(self, sched: SchedulerOutput, outputs: dict[Sequence, CoreOutput]):
+    """The model passes, then a token (or a verified run) per sequence. A sequence whose sampling raises fails
+    alone. Returns (new tokens per sequence, drafts proposed, drafts accepted)."""
+    decodes, speculated, proposals = sched.decodes, [], []
+    if self.spec and decodes and self.spec.policy.should_speculate(len(decodes)):
+      proposals = self.spec.propose(decodes, self._penalized) or []
+      if proposals: decodes, speculated = [], decodes
+    want_prompt_logprobs = any(self._wants_prompt_logprobs(c.seq) for c in sched.prefills)
+    decode_logits, prefill_logits, verify_logits = self.runner.execute(
+      [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:]) for s in decodes],
+      [WorkItem(c.seq.block_table, c.seq.num_computed_tokens, c.seq.token_ids[c.seq.num_computed_tokens:][:c.num_tokens])
+       for c in sched.prefills],
+      [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:] + p.drafts) for s, p in zip(speculated, proposals)],
+      prefill_all_logits=want_prompt_logprobs)
+    sampled: dict[Sequence, list[int]] = {}
+    drafted = accepted = 0
+    for seq, logits in zip(decodes, decode_logits):
+      self._guarded(seq, outputs, lambda: self._sample(seq, logits[None], outputs, sampled))
+    for chunk, logits in zip(sched.prefills, prefill_logits):
+      rows = logits[:chunk.num_tokens] if want_prompt_logprobs else logits[None]
+      def sample_chunk(chunk=chunk, rows=rows):
+        if self._wants_prompt_logprobs(chunk.seq): self._prompt_logprobs(chunk.seq, chunk.seq.num_computed_tokens, rows, outputs)
+        if chunk.completes_prompt: self._sample(chunk.seq, rows[-1:], outputs, sampled)
+      self._guarded(chunk.seq, outputs, sample_chunk)
+    for seq, proposal, logits in zip(speculated, proposals, verify_logits):
+      drafted += len(proposal.drafts)
+      self._guarded(seq, outputs, lambda: self._verify(seq, proposal, logits, outputs, sampled))
+      accepted += max(0, len(sampled.get(seq, ())) - 1)
+    return sampled, drafted, accepted
+
+  def _guarded(self, seq: Sequence, outputs: dict[Sequence, CoreOutput], fn) -> None:
+    try: fn()
+    except Exception as e: self._fail(seq, e, outputs)
+
+  def _sample(self, seq: Sequence, logits: np.ndarray, outputs, sampled) -> None:
+    """One token from logits `[1, V]` at the sequence's newest token."""
+    seq.metrics.num_target_steps += 1
+    token = sampler.sample(self._penalized(seq, logits[0]), seq.params, seq.generator)
+    self._record(seq, [token], logits, outputs, sampled)
+
+  def _verify(self, seq: Sequence, proposal, logits: np.ndarray, outputs, sampled) -> None:
+    """Check one speculated run: logits `[k+1, V]` are the target's at the last token and at each draft."""
+    drafts, k = proposal.drafts, len(proposal.drafts)
+    processed = [self._penalized(seq, logits[i], drafts[:i]) for i in range(k + 1)]
+    if seq.params.greedy:
+      tokens = sampler.speculative_accept_greedy([int(np.argmax(x)) for x in processed], drafts)
+    else:
+      p = np.stack([sampler.probabilities(x, seq.params) for x in processed])
+      tokens = sampler.speculative_accept(p, proposal.q, drafts, seq.generator)
+    m = seq.metrics
+    m.num_draft_tokens, m.num_accepted_tokens, m.num_target_steps = m.num_draft_tokens + k, m.num_accepted_tokens + len(tokens) - 1, m.num_target_steps + 1
+    self._record(seq, tokens, logits, outputs, sampled)
+
+  def _record(self, seq: Sequence, tokens: list[int], logits: np.ndarray, outputs, sampled) -> None:
+    """The sampled tokens (row i of `logits` produced token i) and, when asked for, their logprobs."""
+    sampled[seq] = tokens
+    if seq.params.logprobs is not None:
+      out = outputs.setdefault(seq, CoreOutput(seq.request_id, seq.index))
+      out.new_logprobs = [sampler.top_logprobs(sampler.log_softmax(logits[i]), t, seq.params.logprobs) for i, t in enumerate(tokens)]
+
+  @staticmethod
+  def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    return seq.params.prompt_logprobs is not None and seq.index == 0 and seq.num_prompt_logprobs_sent < seq.num_prompt_tokens - 1
+
+  def _prompt_logprobs(self, seq: Sequence, start: int, logits: np.ndarray, outputs) -> None:
+    """Logprobs of prompt tokens start+1 .. from the logits at positions start ..: row i predicts token start+i+1."""
+    entries: list[TopLogprobs] = []
+    for i, row in enumerate(logits):
+      pos = start + i + 1
+      if pos >= seq.num_prompt_tokens: break
+      if pos <= seq.num_prompt_logprobs_sent: continue
+      entries.append(sampler.top_logprobs(sampler.log_softmax(row), seq.token_ids[pos], seq.params.prompt_logprobs))
+      seq.num_prompt_logprobs_sent = pos
+    if entries: outputs.setdefault(seq, CoreOutput(seq.request_id, seq.index)).prompt_logprobs = entries
+
+  def _penalized(self, seq: Sequence, logits: np.ndarray, extra: list[int] = ()) -> np.ndarray:
+    """Logits after penalties and logit bias, as if `extra` tokens had already been appended to seq."""
+    p = seq.params
+    banned = sorted(self.scheduler.eos_token_ids | set(p.stop_token_ids or [])) \
+      if seq.num_output_tokens + len(extra) < p.min_tokens else None
+    return sampler.apply_penalties(logits, seq.token_ids + list(extra), seq.num_prompt_tokens, p, banned)
+
+  # ---- finishing ----
+
+  def _fail(self, seq: Sequence, error: Exception, outputs: dict[Sequence, CoreOutput]) -> None:
+    """Fail seq's whole request: a request is one unit for its caller, whatever failed in it."""
+    message = f"{type(error).__name__}: {error}"
+    for s in self.requests.get(seq.request_id, [seq]):
+      if s.is_finished: continue              # failed already, or finished in an earlier step
+      self._finish(s, "error")
+      outputs[s] = CoreOutput(s.request_id, s.index, finish_reason="error", error=message)
+    self._forget_if_done(seq.request_id)
+
+  def _finish(self, seq: Sequence, reason: str) -> None:
+    if seq.is_finished: return
+    self.scheduler.finish(seq, reason)
+    if self.spec: self.spec.release(seq)
+
+  def _forget_if_done(self, request_id: str) -> None:
+    if all(s.is_finished for s in self.requests.get(request_id, ())): self.requests.pop(request_id, None)
+
+  @staticmethod
+  def _collect(outputs: dict[Sequence, CoreOutput]) -> list[CoreOutput]: return list(outputs.values())

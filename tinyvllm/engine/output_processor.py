@@ -1,0 +1,183 @@
+"""Output processing: the core's token ids -> text, stop strings, logprobs -> one RequestOutput per request.
+
+Keeps each request's text state (incremental detokenizer, released text, logprobs) by request id, so every
+output reaches its own request whatever else ran in the step. A stop string is found here, not in the core:
+the completion finishes here and is reported back to be aborted in the core (its blocks freed).
+"""
+from __future__ import annotations
+import dataclasses, time
+from dataclasses import dataclass, field
+from tinyvllm.engine.request import CoreOutput, EngineRequest, TopLogprobs
+from tinyvllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class FinishedRequestStats:
+  finish_reason: str
+  e2e_latency: float
+  num_prompt_tokens: int
+  num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+  """What one step produced, for metrics (vLLM's IterationStats, small)."""
+  num_prompt_tokens: int = 0          # prompts of requests that got their first token in this step
+  num_generation_tokens: int = 0
+  time_to_first_tokens: list[float] = field(default_factory=list)
+  inter_token_latencies: list[float] = field(default_factory=list)
+  finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class CompletionState:
+  index: int
+  detokenizer: IncrementalDetokenizer
+  text: str = ""
+  token_ids: list[int] = field(default_factory=list)
+  logprobs: list[dict[int, Logprob]] | None = None
+  cumulative_logprob: float = 0.0
+  finish_reason: str | None = None
+  stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestState:
+  request: EngineRequest
+  completions: list[CompletionState]
+  prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+  error: str | None = None
+  last_token_time: float | None = None
+
+  @property
+  def finished(self) -> bool: return all(c.finish_reason is not None for c in self.completions)
+
+
+class OutputProcessor:
+  def __init__(self, tokenizer: Tokenizer):
+    self.tokenizer = tokenizer
+    self.requests: dict[str, RequestState] = {}
+
+  def add_request(self, req: EngineRequest) -> None:
+    p = req.params
+    completions = [CompletionState(i, self.tokenizer.detokenizer(req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens),
+                                   logprobs=[] if p.logprobs is not None else None) for i in range(p.n)]
+    self.requests[req.request_id] = RequestState(req, completions, [None] if p.prompt_logprobs is not None else None)
+
+  def has_unfinished(self) -> bool: return bool(self.requests)
+
+  def process(self, core_outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, int]], IterationStats]:
+    """Apply one step's core outputs. Returns the RequestOutputs of the requests it advanced, the (request id,
+    completion index) pairs that a stop string finished (to abort in the core) and the step's stats."""
+    now, stats = time.time(), IterationStats()
+    touched: dict[str, RequestState] = {}
+    to_abort: list[tuple[str, int]] = []
+    for out in core_outputs:
+      state = self.requests.get(out.request_id)
+      if state is None: continue     # aborted by the caller while the step ran
+      touched[out.request_id] = state
+      c = state.completions[out.index]
+      if c.finish_reason is not None: continue   # a stop string ended it; its abort reached the core after this step
+      if out.prompt_logprobs: state.prompt_logprobs += [self._logprob_dict(e) for e in out.prompt_logprobs]
+      if out.finish_reason == "error":
+        state.error = state.error or out.error
+        c.text += c.detokenizer.flush()
+        c.finish_reason = "error"
+        continue
+      before = len(c.token_ids)
+      stopped = self._add_tokens(state, c, out)
+      stats.num_generation_tokens += len(c.token_ids) - before
+      if stopped and out.finish_reason is None: to_abort.append((out.request_id, out.index))
+      if c.finish_reason is None and out.finish_reason is not None:
+        c.text += c.detokenizer.flush()
+        c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+    results = []
+    for rid, state in touched.items():
+      self._step_stats(state, now, stats)
+      results.append(self._output(state))
+      if state.finished:
+        del self.requests[rid]
+        m = state.request.metrics
+        stats.finished.append(FinishedRequestStats(self._finish_reason(state), now - m.arrival_time, m.num_prompt_tokens,
+                                                   sum(len(c.token_ids) for c in state.completions)))
+    return results, to_abort, stats
+
+  def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
+    """Finish every running completion of a request; returns its final output (None if unknown)."""
+    state = self.requests.pop(request_id, None)
+    if state is None: return None
+    for c in state.completions:
+      if c.finish_reason is None:
+        c.text += c.detokenizer.flush()
+        c.finish_reason = reason
+    state.error = state.error or error
+    state.request.metrics.finished_time = time.time()
+    return self._output(state)
+
+  def _add_tokens(self, state: RequestState, c: CompletionState, out: CoreOutput) -> bool:
+    """Append new tokens, text and logprobs; True when a stop string ended the completion."""
+    p, m = state.request.params, state.request.metrics
+    for i, token in enumerate(out.new_token_ids):
+      c.token_ids.append(token)
+      m.num_generated_tokens += 1
+      if c.logprobs is not None and out.new_logprobs is not None:
+        entry = out.new_logprobs[i]
+        c.logprobs.append(self._logprob_dict(entry))
+        c.cumulative_logprob += next(lp for t, lp, _ in entry if t == token)
+      delta = c.detokenizer.add(token)
+      c.text += delta
+      if p.stop_strings and self._hit_stop_string(c, p, len(delta)): return True
+    return False
+
+  @staticmethod
+  def _hit_stop_string(c: CompletionState, p, new_chars: int) -> bool:
+    for stop in p.stop_strings:   # only a match that overlaps the new text can be new
+      at = c.text.find(stop, max(0, len(c.text) - new_chars - len(stop) + 1))
+      if at >= 0:
+        c.text = c.text[:at + (len(stop) if p.include_stop_str_in_output else 0)]
+        c.finish_reason, c.stop_reason = "stop", stop
+        return True
+    return False
+
+  def _logprob_dict(self, entry: TopLogprobs) -> dict[int, Logprob]:
+    return {t: Logprob(lp, rank, self.tokenizer.token_to_str(t)) for t, lp, rank in entry}
+
+  @staticmethod
+  def _finish_reason(state: RequestState) -> str:
+    reasons = [c.finish_reason for c in state.completions]
+    return "error" if "error" in reasons else reasons[0]
+
+  @staticmethod
+  def _step_stats(state: RequestState, now: float, stats: IterationStats) -> None:
+    m = state.request.metrics
+    if m.num_generated_tokens == 0: return
+    if m.first_token_time is None:
+      m.first_token_time = now
+      stats.time_to_first_tokens.append(now - m.arrival_time)
+      stats.num_prompt_tokens += m.num_prompt_tokens
+    elif state.last_token_time is not None and state.last_token_time != now:
+      stats.inter_token_latencies.append(now - state.last_token_time)
+    state.last_token_time = now
+    if state.finished: m.finished_time = now
+
+  def _output(self, state: RequestState) -> RequestOutput:
+    """A snapshot: later steps never change an output already handed out (it may be read in another thread)."""
+    req = state.request
+    outs = [CompletionOutput(c.index, _visible_text(c, req.params.stop_strings), list(c.token_ids),
+                             c.cumulative_logprob if c.logprobs is not None else None,
+                             list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
+            for c in state.completions]
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, state.finished,
+                         dataclasses.replace(req.metrics), error=state.error,
+                         prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None)
+
+
+def _visible_text(c: CompletionState, stop_strings: tuple[str, ...]) -> str:
+  """While running, hold back a tail that could still turn into a stop string, so streams never show it."""
+  if c.finish_reason is not None or not stop_strings: return c.text
+  hold = 0
+  for stop in stop_strings:
+    for k in range(min(len(stop) - 1, len(c.text)), 0, -1):
+      if c.text.endswith(stop[:k]): hold = max(hold, k); break
+  return c.text[:len(c.text) - hold]
