@@ -1,7 +1,13 @@
 """tinyvllm: a vLLM-class LLM inference engine for Apple Silicon, on tinygrad."""
-from tinyvllm.llm import LLM
-from tinyvllm.engine.async_llm import AsyncLLM
-from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput
+import importlib
 
+__version__ = "0.1.0"
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+_HOMES = {"LLM": "tinyvllm.llm", "AsyncLLM": "tinyvllm.engine.async_llm", "SamplingParams": "tinyvllm.sampling_params",
+          "RequestOutput": "tinyvllm.outputs", "CompletionOutput": "tinyvllm.outputs", "Logprob": "tinyvllm.outputs"}
+
+
+def __getattr__(name: str):
+  """Import on first use: command lines answer --help and argument errors without loading tinygrad."""
+  if name in _HOMES: return getattr(importlib.import_module(_HOMES[name]), name)
+  raise AttributeError(f"module 'tinyvllm' has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """Configuration: what the model is (ModelConfig) and how the engine runs it (EngineConfig). Both frozen, built once."""
 from __future__ import annotations
-from dataclasses import dataclass, fields
+import builtins
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -106,24 +107,36 @@ class ModelConfig:
       raise ConfigError(f"{source} lacks the GGUF metadata key {e.args[0]!r}") from None
 
 
+def _flag(default, help: str, type=None, choices: tuple | None = None):
+  """An engine argument with what its command-line flag needs (entrypoints/engine_args.py builds the flags)."""
+  return field(default=default, metadata={"help": help, "type": type or builtins.type(default), "choices": choices})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-  """How the engine runs. Argument names follow vLLM's `LLM(...)`."""
+  """How the engine runs. Argument names follow vLLM's `LLM(...)`; each is also a flag (`--max-model-len`) of
+  every command line, with the help written here."""
   model: str | None = None                  # local HF dir, GGUF file, hub id, or None for the default model
-  dtype: str = "auto"                       # "auto" | "float32" | "float16"
-  max_model_len: int | None = None          # None: the model's own context length
-  block_size: int = 16
-  num_kv_blocks: int | None = None          # None: size the KV cache from available memory
-  max_num_seqs: int = 32
-  max_num_batched_tokens: int = 512
-  kernel_backend: str = "auto"              # "auto" | "portable" | "cpu" | "metal" | "emulator"
-  kv_cache_memory_fraction: float = 0.1     # share of free memory (after weights) the KV cache takes when num_kv_blocks is None
-  watermark: float = 0.01                   # share of KV blocks kept free when admitting new sequences
-  seed: int = 0
-  quantization: str | None = None           # None: as the checkpoint is; "int4": quantize floats at load; "none": dequantize
-  draft_model: str | None = None            # speculative decoding: a draft checkpoint with the same vocabulary, or "self:N"
-  num_speculative_tokens: int = 4           # tokens the draft proposes per step
-  speculation: str = "auto"                 # "auto": per step, when measured to pay (docs/speculative.md); "always"
+  dtype: str = _flag("auto", "weight and KV cache dtype (auto: float32 on CPU, float16 on Metal)",
+                     choices=("auto", "float32", "float16"))
+  max_model_len: int | None = _flag(None, "context length (default: the model's own, capped by the KV cache)", int)
+  block_size: int = _flag(16, "tokens per KV cache block: 8, 16 or 32")
+  num_kv_blocks: int | None = _flag(None, "KV cache blocks (default: sized from free memory)", int)
+  max_num_seqs: int = _flag(32, "sequences decoded together at most")
+  max_num_batched_tokens: int = _flag(512, "tokens per step at most (the prefill chunk length)")
+  kernel_backend: str = _flag("auto", "attention/linear kernels (auto: metal on METAL, cpu on CPU)",
+                              choices=("auto", "portable", "cpu", "metal", "emulator"))
+  kv_cache_memory_fraction: float = _flag(0.1, "share of free memory (after the weights) the KV cache takes when "
+                                               "num_kv_blocks is not given")
+  watermark: float = _flag(0.01, "share of KV blocks kept free when admitting new sequences")
+  seed: int = _flag(0, "seeds the random streams of requests that give no seed of their own")
+  quantization: str | None = _flag(None, "int4: quantize float weights at load; none: dequantize a 4-bit checkpoint "
+                                         "(default: as stored)", str, choices=("int4", "none"))
+  draft_model: str | None = _flag(None, "speculative decoding: a draft checkpoint with the same vocabulary, or self:N "
+                                        "(the model's first N layers)", str)
+  num_speculative_tokens: int = _flag(4, "tokens the draft proposes per step")
+  speculation: str = _flag("auto", "auto: speculate when measured to pay (docs/speculative.md); always",
+                           choices=("auto", "always"))
 
   def __post_init__(self):
     if self.dtype not in ("auto", "float32", "float16"):

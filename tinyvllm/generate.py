@@ -6,6 +6,7 @@ and a one-line message, never a traceback.
 """
 from __future__ import annotations
 import argparse, sys
+from tinyvllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -20,18 +21,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--top-k", type=int, default=0)
   p.add_argument("--min-p", type=float, default=0.0)
   p.add_argument("--repetition-penalty", type=float, default=1.0)
-  p.add_argument("--seed", type=int, default=None)
-  p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"])
-  p.add_argument("--max-model-len", type=int, default=None)
-  p.add_argument("--num-kv-blocks", type=int, default=None)
-  p.add_argument("--block-size", type=int, default=16)
-  p.add_argument("--max-num-seqs", type=int, default=32)
-  p.add_argument("--max-num-batched-tokens", type=int, default=512)
-  p.add_argument("--kernel-backend", default="auto", choices=["auto", "portable", "cpu", "metal", "emulator"])
-  p.add_argument("--quantization", default=None, choices=["int4", "none"],
-                 help="int4: quantize float weights at load; none: dequantize a 4-bit checkpoint (default: as stored)")
-  p.add_argument("--draft-model", default=None, help="draft model for speculative decoding")
-  p.add_argument("--num-speculative-tokens", type=int, default=None)
+  p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed gives the same text")
+  add_engine_args(p.add_argument_group("engine"), exclude=("seed",))
   return p.parse_args(argv)
 
 
@@ -47,32 +38,40 @@ def main(argv: list[str] | None = None) -> int:
   try:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
-    engine_args = dict(dtype=args.dtype, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-                       block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, kernel_backend=args.kernel_backend)
-    if args.quantization: engine_args["quantization"] = args.quantization
-    if args.draft_model: engine_args["draft_model"] = args.draft_model
-    if args.num_speculative_tokens is not None: engine_args["num_speculative_tokens"] = args.num_speculative_tokens
-    llm = LLM(args.model, **engine_args)
-    for i, prompt in enumerate(prompts):
-      if i: print("\n" + "-" * 40, flush=True)
-      request = prompt
-      if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
-        text = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
-        request = {"prompt": text, "prompt_token_ids": llm.get_tokenizer().encode(text, add_special_tokens=False)}
-      final, sent = None, 0
-      for out in llm.stream(request, params):
-        text = out.outputs[0].text
-        print(text[sent:], end="", flush=True)
-        sent, final = len(text), out
-      print(flush=True)
-      print(stats_line(final), file=sys.stderr, flush=True)
+    llm = LLM(args.model, **engine_kwargs(args, exclude=("seed",)))
   except (ValueError, TypeError, FetchError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  status = 0
+  try:
+    for i, prompt in enumerate(prompts):
+      if i: print("\n" + "-" * 40, flush=True)
+      try:   # a rejected prompt is reported and the others still run; the exit status says one failed
+        status = max(status, run_prompt(llm, prompt, params, args))
+      except (ValueError, TypeError) as e:
+        print(f"error: prompt {i + 1}: {e}", file=sys.stderr)
+        status = 2
   except KeyboardInterrupt:
     return 130
+  return status
+
+
+def run_prompt(llm, prompt: str, params, args) -> int:
+  """Stream one completion to stdout and its stats line to stderr; 1 if the engine failed it."""
+  request = prompt
+  if args.chat:
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+    request = llm.llm_engine.input_processor.render_chat(messages)
+  final, sent = None, 0
+  for out in llm.stream(request, params):
+    text = out.outputs[0].text
+    print(text[sent:], end="", flush=True)
+    sent, final = len(text), out
+  print(flush=True)
+  if final.error:
+    print(f"error: {final.error}", file=sys.stderr)
+    return 1
+  print(stats_line(final), file=sys.stderr, flush=True)
   return 0
 
 

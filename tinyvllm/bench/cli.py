@@ -10,6 +10,7 @@ import argparse, gc, shlex, sys
 from pathlib import Path
 import numpy as np
 from tqdm import tqdm
+from tinyvllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from tinyvllm.model.weights import resolve_model
 
 RUN_KINDS = {"decode", "prefill", "serving"}
@@ -51,18 +52,13 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m tinyvllm.bench", description=__doc__.split("\n\n")[0],
                               epilog=DEFAULTS_NOTE, formatter_class=_Help)
-  m = p.add_argument_group("model (passed to tinyvllm.LLM)")
+  m = p.add_argument_group("model and engine")
   m.add_argument("--model", default=None, help="HF directory, GGUF file or hub id (default: SmolLM2-135M-Instruct Q4_1 GGUF)")
-  m.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"], help="weight and KV dtype")
   m.add_argument("--quantization", default="stored", type=_quantizations,
                  help="stored (the checkpoint as it is: the default model stays 4-bit), int4 (quantize float weights at "
                       "load) or none (dequantize 4-bit checkpoints); several, comma-separated, compare them in one run")
-  m.add_argument("--kernel-backend", default="auto", choices=["auto", "portable", "cpu", "metal", "emulator"],
-                 help="which attention/linear kernels run")
-  m.add_argument("--draft-model", default=None, help="speculative decoding: runs go with speculation off and on")
-  m.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per step (engine default when not given)")
-  m.add_argument("--speculation", default=None, choices=["auto", "always"], help="when to speculate (engine default when not given)")
-  m.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (prefill chunk length)")
+  # the cache is sized to the runs, and --seed seeds the prompts too; with --draft-model runs go with speculation off and on
+  add_engine_args(m, exclude=BENCH_SETS)
   r = p.add_argument_group("runs")
   r.add_argument("--runs", default="decode,prefill,serving", help="which of decode, prefill, serving")
   r.add_argument("--batch-sizes", type=_ints, default="1,8", help="decode batch sizes, e.g. 1,2,4,8,16,32")
@@ -96,14 +92,15 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
+BENCH_SETS = ("quantization", "seed", "max_model_len", "num_kv_blocks", "max_num_seqs")
+SPECULATION_ARGS = ("draft_model", "num_speculative_tokens", "speculation")
+
+
 def _engine_kwargs(args, quantization: str, speculative: bool, max_len: int, num_blocks: int, max_seqs: int) -> dict:
-  kw = dict(dtype=args.dtype, kernel_backend=args.kernel_backend, max_model_len=max_len, num_kv_blocks=num_blocks,
-            max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+  kw = engine_kwargs(args, exclude=BENCH_SETS + SPECULATION_ARGS)
+  kw |= dict(max_model_len=max_len, num_kv_blocks=num_blocks, max_num_seqs=max_seqs, seed=args.seed)
   if quantization != "stored": kw["quantization"] = quantization
-  if speculative:
-    kw["draft_model"] = args.draft_model
-    if args.num_speculative_tokens is not None: kw["num_speculative_tokens"] = args.num_speculative_tokens
-    if args.speculation is not None: kw["speculation"] = args.speculation
+  if speculative: kw |= {name: getattr(args, name) for name in SPECULATION_ARGS}
   return kw
 
 
