@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random Llama checkpoints in HF layout, written by transformers, with a tokenizer."""
 from __future__ import annotations
-import json, os
+import contextlib, json, os
 from pathlib import Path
 import pytest
 
@@ -92,3 +92,24 @@ def our_prefill_logits(path: Path, ids: list[int], kernel_backend: str = "portab
   group = AttentionGroup(1, T, i32(table[None]), n_blocks, i32(pos[None]), i32([T]), i32(np.zeros(T)))
   inp = ModelInputs(i32(ids), i32(pos), i32(table[pos // block_size] * block_size + pos % block_size), [group], i32(pos))
   return model(inp, kv).numpy()
+
+
+@contextlib.contextmanager
+def serve_in_thread(app):
+  """Run a FastAPI app with uvicorn on 127.0.0.1, on a free port, in a background thread; yields its base URL.
+  The server (and with it the app's engine) stops when the block exits."""
+  import threading, time, uvicorn
+  from tinyvllm.entrypoints.openai.api_server import bind
+  sock = bind("127.0.0.1", 0)
+  server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+  thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+  thread.start()
+  deadline = time.time() + 30
+  while not server.started:
+    assert thread.is_alive() and time.time() < deadline, "the server did not start"
+    time.sleep(0.02)
+  try:
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+  finally:
+    server.should_exit = True
+    thread.join(30)

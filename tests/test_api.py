@@ -152,3 +152,20 @@ def test_bad_configuration_errors(tiny_model, tmp_path):
   cfg = json.loads((tiny_model / "config.json").read_text())
   (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["MambaForCausalLM"], "model_type": "mamba"}))
   with pytest.raises(ConfigError, match="MambaForCausalLM"): LLM(str(bad))
+
+
+def test_prompt_logprobs_are_the_models_across_chunks(llm, tiny_model):
+  """prompt_logprobs (vLLM's semantics): None for the first token, then each prompt token's logprob and the top-k,
+  from a prompt read in two chunks (the step budget is 64 tokens)."""
+  ids = np.random.default_rng(5).integers(4, 380, 100).tolist()
+  out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+  hf = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+  with torch.no_grad(): ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1).numpy()
+  assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+  for i in range(1, len(ids)):
+    entry, row = out.prompt_logprobs[i], ref[i - 1]
+    assert ids[i] in entry and abs(entry[ids[i]].logprob - row[ids[i]]) < 1e-4     # float32 logits of two implementations
+    assert entry[ids[i]].rank == int((row > row[ids[i]]).sum()) + 1
+    top = [t for t, lp in entry.items() if lp.rank <= 2]
+    assert sorted(top, key=lambda t: entry[t].rank) == np.argsort(-row)[:2].tolist()
+  assert out.outputs[0].logprobs is None

@@ -1,0 +1,107 @@
+"""The engine on its own thread: LLM and AsyncLLM work from any thread and from several at once, streams advanced in
+any order each get their own request's outputs, a cancelled or closed stream frees its blocks, and an interrupted
+generate leaves nothing behind."""
+from __future__ import annotations
+import asyncio, threading
+import numpy as np
+import pytest
+from tinyvllm import LLM, AsyncLLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+  llm = LLM(str(tiny_model), block_size=8, num_kv_blocks=128)
+  yield llm
+  llm.shutdown()
+
+
+def free_blocks(llm) -> tuple[int, int]:
+  return llm.llm_engine.call(lambda e: (e.block_manager.num_free, e.block_manager.num_blocks))
+
+
+def test_tinygrad_internals_we_rely_on_exist():
+  """The engine thread shares tinygrad's compile-cache connection (helpers._db_connection, CACHEDB): if tinygrad
+  renames them, this fails before any engine does."""
+  from tinygrad import helpers
+  assert hasattr(helpers, "_db_connection") and isinstance(helpers.CACHEDB, str) and callable(helpers.db_connection)
+
+
+def test_interleaved_streams_on_one_llm(llm):
+  """Two live streams advanced in turn (a notebook with two cells streaming): each ends, each equals generate."""
+  a = llm.generate_stream("Hello world", GREEDY)
+  b = llm.generate_stream("The quick brown fox", GREEDY)
+  pieces_a, pieces_b = [next(a)], [next(b)]
+  pieces_a += list(a)                      # a runs to its end while b is open
+  pieces_b += list(b)
+  want = [o.outputs[0].text for o in llm.generate(["Hello world", "The quick brown fox"], GREEDY, use_tqdm=False)]
+  assert ["".join(pieces_a), "".join(pieces_b)] == want
+
+
+def test_generate_from_several_threads_at_once(llm):
+  vocab = llm.llm_engine.model_config.vocab_size
+  rng = np.random.default_rng(0)
+  batches = [[{"prompt_token_ids": rng.integers(4, vocab, int(n)).tolist()} for n in rng.integers(2, 40, 5)] for _ in range(4)]
+  want = [[o.outputs[0].token_ids for o in llm.generate(b, GREEDY, use_tqdm=False)] for b in batches]
+  got: list = [None] * len(batches)
+  errors: list = []
+  def run(i):
+    try: got[i] = [o.outputs[0].token_ids for o in llm.generate(batches[i], GREEDY, use_tqdm=False)]
+    except Exception as e: errors.append(e)
+  threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batches))]
+  for t in threads: t.start()
+  for t in threads: t.join(120)
+  assert not errors and got == want
+  assert free_blocks(llm)[0] == free_blocks(llm)[1]
+
+
+def test_llm_built_in_one_thread_used_in_another(tiny_model):
+  box = {}
+  builder = threading.Thread(target=lambda: box.setdefault("llm", LLM(str(tiny_model), block_size=8, num_kv_blocks=64)))
+  builder.start(); builder.join(120)
+  llm = box["llm"]
+  # new shapes (batch sizes never seen) compile kernels on the engine thread, whoever calls
+  outs = llm.generate(["a", "b", "c", "d", "e"], GREEDY, use_tqdm=False)
+  assert all(o.outputs[0].finish_reason == "length" for o in outs)
+  llm.shutdown()
+  with pytest.raises(RuntimeError, match="not running"): llm.generate("a", GREEDY, use_tqdm=False)
+
+
+def test_closing_a_stream_early_frees_its_blocks(llm):
+  stream = llm.stream("Hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+  next(stream)
+  stream.close()
+  free, total = free_blocks(llm)   # the abort is applied before this call runs: commands keep their order
+  assert free == total
+
+
+def test_bad_prompts_are_rejected_alone_and_queue_nothing(llm, capsys):
+  outs = llm.generate(["Hello", None, 7, np.array([1, 2]), {"prompt_token_ids": [1.7]}, "World"], GREEDY, use_tqdm=False)
+  assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "error", "error", "error", "length"]
+  assert "integers" in outs[4].error and "NoneType" in outs[1].error
+  assert capsys.readouterr().err.count("rejected") == 4
+  assert llm.llm_engine.call(lambda e: e.has_unfinished_requests()) is False
+
+
+def test_async_generate_and_cancellation(tiny_model):
+  engine = AsyncLLM(str(tiny_model), block_size=8, num_kv_blocks=64)
+
+  async def main():
+    outs = [o async for o in engine.generate("Hello", GREEDY, request_id="a")]
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 10
+    started = asyncio.Event()
+    async def consume():
+      async for _ in engine.generate("Hello", SamplingParams(temperature=0, max_tokens=250, ignore_eos=True), request_id="b"):
+        started.set()
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()                               # the client went away, 249 tokens early
+    with pytest.raises(asyncio.CancelledError): await task
+    return await engine.call(lambda e: (e.has_unfinished_requests(), e.block_manager.num_free, e.block_manager.num_blocks))
+
+  unfinished, free, total = asyncio.run(main())
+  assert not unfinished and free == total
+  with pytest.raises(ValueError, match="empty"):
+    asyncio.run(engine.generate("", GREEDY).__anext__())
+  engine.shutdown()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: protocol, serving handlers, metrics, the FastAPI app."""

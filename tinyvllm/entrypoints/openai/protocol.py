@@ -1,0 +1,162 @@
+"""The OpenAI API's request bodies (plus vLLM's extra fields), checked and turned into SamplingParams.
+
+A field we do not implement is refused with a 400 naming it, never silently ignored; so is a field nobody
+defines (a typo). Fields that only describe the caller (`user`, `metadata`, `store`, `service_tier`) are accepted.
+"""
+from __future__ import annotations
+import json, re
+from typing import Any, ClassVar
+from pydantic import BaseModel, ConfigDict, ValidationError
+from tinyvllm.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+  """An error answered with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+  def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+               type: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.code = status, message, param, code
+    self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+  model_config = ConfigDict(extra="forbid", strict=True)
+  include_usage: bool = False
+  continuous_usage_stats: bool = False   # vLLM's: usage in every chunk
+
+
+class _Request(BaseModel):
+  # strict: JSON types as written (no "1.5" for a number, no true for an integer); unknown fields are collected and
+  # refused by name in `check_fields`
+  model_config = ConfigDict(extra="allow", strict=True)
+  # fields other servers implement and we do not yet: (name, None | the value meaning "not used" | a predicate that
+  # accepts harmless values)
+  UNSUPPORTED: ClassVar[tuple] = ()
+
+  model: str | None = None
+  # OpenAI sampling
+  frequency_penalty: float = 0.0
+  presence_penalty: float = 0.0
+  logit_bias: dict[str, float] | None = None
+  n: int = 1
+  seed: int | None = None
+  stop: str | list[str] | None = None
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  temperature: float | None = None
+  top_p: float | None = None
+  # describe the caller; no effect on generation
+  user: str | None = None
+  metadata: dict[str, Any] | None = None
+  store: bool | None = None
+  service_tier: str | None = None
+  # vLLM's extras
+  top_k: int | None = None
+  min_p: float | None = None
+  repetition_penalty: float | None = None
+  stop_token_ids: list[int] | None = None
+  ignore_eos: bool = False
+  min_tokens: int = 0
+  include_stop_str_in_output: bool = False
+  skip_special_tokens: bool = True
+  prompt_logprobs: int | None = None
+
+  def check_fields(self) -> None:
+    for name, unused in self.UNSUPPORTED:
+      value = getattr(self, name, None) if name in type(self).model_fields else (self.model_extra or {}).get(name)
+      if value is not None and value != unused and not (callable(unused) and unused(value)):
+        raise APIError(400, f"'{name}' is not supported by this server yet", param=name, code="unsupported_field")
+    extra = sorted(set(self.model_extra or {}) - {n for n, _ in self.UNSUPPORTED})
+    if extra: raise APIError(400, f"unknown field '{extra[0]}'", param=extra[0], code="unknown_field")
+    if self.stream_options is not None and not self.stream:
+      raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+  def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    """SamplingParams from the body; an invalid value is a 400 naming its field."""
+    kw = dict(n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+              logit_bias=self.logit_bias, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+              ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+              prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+              include_stop_str_in_output=self.include_stop_str_in_output)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+      if getattr(self, name) is not None: kw[name] = getattr(self, name)
+    try:
+      return SamplingParams(**kw)
+    except ValueError as e:
+      m = re.match(r"SamplingParams\.(\w+)", str(e))
+      raise APIError(400, str(e).replace("SamplingParams.", "", 1), param=m.group(1) if m else None) from None
+
+
+def _text_only(value) -> bool: return value == ["text"]
+def _plain_text(value) -> bool: return isinstance(value, dict) and value.get("type") == "text"
+def _no_tools(value) -> bool: return value in ("none", [], None)
+
+
+class ChatCompletionRequest(_Request):
+  UNSUPPORTED: ClassVar[tuple] = (("tools", _no_tools), ("tool_choice", _no_tools), ("functions", _no_tools), ("function_call", _no_tools),
+                 ("parallel_tool_calls", lambda v: True), ("response_format", _plain_text), ("modalities", _text_only),
+                 ("audio", None), ("prediction", None), ("reasoning_effort", None), ("web_search_options", None),
+                 ("structured_outputs", None), ("guided_json", None), ("guided_regex", None), ("guided_choice", None),
+                 ("guided_grammar", None))
+  messages: list[dict[str, Any]]
+  logprobs: bool = False
+  top_logprobs: int | None = None
+  max_tokens: int | None = None             # deprecated by OpenAI, still what most clients send
+  max_completion_tokens: int | None = None
+  add_generation_prompt: bool = True
+  continue_final_message: bool = False
+  chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Request):
+  UNSUPPORTED: ClassVar[tuple] = (("suffix", None), ("structured_outputs", None), ("response_format", _plain_text),
+                 ("guided_json", None), ("guided_regex", None), ("guided_choice", None), ("guided_grammar", None))
+  prompt: str | list[str] | list[int] | list[list[int]]
+  max_tokens: int | None = 16               # OpenAI's default for completions
+  logprobs: int | None = None
+  echo: bool = False
+  best_of: int | None = None
+  add_special_tokens: bool = True           # vLLM's: BOS before a text prompt
+
+
+class TokenizeRequest(BaseModel):
+  model_config = ConfigDict(extra="forbid", strict=True)
+  model: str | None = None
+  prompt: str | None = None
+  messages: list[dict[str, Any]] | None = None
+  add_special_tokens: bool | None = None
+  add_generation_prompt: bool = True
+  continue_final_message: bool = False
+  chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+  model_config = ConfigDict(extra="forbid", strict=True)
+  model: str | None = None
+  tokens: list[int]
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+  """JSON bytes -> a request model; malformed JSON or a field of the wrong type is a 400 naming the field."""
+  try: data = json.loads(raw)
+  except (ValueError, UnicodeDecodeError) as e: raise APIError(400, f"the request body is not valid JSON: {e}") from None
+  if not isinstance(data, dict): raise APIError(400, "the request body must be a JSON object")
+  try:
+    return model.model_validate_json(raw)
+  except ValidationError as e:
+    err = e.errors()[0]
+    param = str(err["loc"][0]) if err["loc"] else None
+    if err["type"] == "missing": raise APIError(400, f"'{param}' is required", param=param) from None
+    if err["type"] == "extra_forbidden": raise APIError(400, f"unknown field '{param}'", param=param, code="unknown_field") from None
+    if param in UNION_FIELDS: raise APIError(400, f"'{param}' must be {UNION_FIELDS[param]}", param=param) from None
+    where = ".".join(str(x) for x in err["loc"])
+    raise APIError(400, f"'{where}': {err['msg']}" if where else err["msg"], param=param) from None
+
+
+# fields of several accepted types: pydantic would report each alternative's failure, we say what is accepted
+UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+                "stop": "a string or a list of strings"}
+
