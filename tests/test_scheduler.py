@@ -113,3 +113,19 @@ def test_commit_point_applies_stop_rules_and_rolls_back_rejected_drafts():
   sched.add(capped)
   while sched.has_unfinished(): fake_step(sched)
   assert capped.num_output_tokens == 2 and capped.finish_reason == "length"
+
+
+def test_packed_prefill_budget_counts_tokens_not_padding():
+  """With a runner that packs chunks back to back, a step's prefill costs the sum of its chunks: four 40-token
+  prompts fit a 128-token budget as 40 + 40 + 40 + 8 (padded to the longest, only 3 x 40 would)."""
+  sched = Scheduler(BlockManager(256, 16), 8, 128, max_model_len=1024, packed_prefill=True)
+  for _ in range(4): sched.add(make_seq(40))
+  out = sched.schedule()
+  assert [c.num_tokens for c in out.prefills] == [40, 40, 40, 8]
+
+
+def test_token_bucket_wastes_at_most_a_third():
+  from tinyvllm.engine.model_runner import token_bucket
+  sizes = [token_bucket(n) for n in range(1, 2049)]
+  assert all(b >= n and (n <= 8 or n / b > 2 / 3) for n, b in zip(range(1, 2049), sizes))
+  assert sorted(set(sizes))[:8] == [8, 12, 16, 24, 32, 48, 64, 96]

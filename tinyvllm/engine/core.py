@@ -62,7 +62,8 @@ class EngineCore:
                                      always=config.speculation == "always")
     self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
                                frozenset(tokenizer.eos_token_ids),
-                               lookahead_tokens=config.num_speculative_tokens if self.spec else 0)
+                               lookahead_tokens=config.num_speculative_tokens if self.spec else 0,
+                               packed_prefill=self.kernels.packs_prefill)
     self.requests: dict[str, list[Sequence]] = {}
     self._seed_stream = np.random.default_rng(config.seed)
 

@@ -23,6 +23,13 @@ def bucket(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
+def token_bucket(n: int, minimum: int = 8) -> int:
+  """Round up to 2^k or 1.5 * 2^k: at most a third of a packed pass is padding (a power of two wastes up to half,
+  and prefill costs follow the padded count), for twice the shapes of `bucket`."""
+  b = bucket(n, minimum)
+  return b * 3 // 4 if b >= 2 * minimum and b * 3 // 4 >= n else b
+
+
 @dataclass
 class WorkItem:
   """Tokens of one sequence to read: their K/V are written at positions start, start+1, ..."""
@@ -35,11 +42,12 @@ class WorkItem:
 class PassShape:
   """What fixes a pass's tensor shapes (the KV extent read is a bound Variable instead): one capture each."""
   num_seqs: int             # bucketed; padding rows included
-  query_len: int            # query slots per sequence
+  query_len: int            # query slots per sequence; packed: token slots of the whole pass
   all_logits: bool          # logits for every slot (speculative verification) or only each sequence's last
+  packed: bool = False      # sequences' tokens back to back (kernels.AttentionGroup)
 
   @property
-  def num_tokens(self) -> int: return self.num_seqs * self.query_len
+  def num_tokens(self) -> int: return self.query_len if self.packed else self.num_seqs * self.query_len
   @property
   def num_rows(self) -> int: return self.num_tokens if self.all_logits else self.num_seqs
 
@@ -170,12 +178,14 @@ class ModelRunner:
     shapes to the sum of the kinds' buckets, not their product."""
     vocab = self.model.cfg.vocab_size
     out = [np.zeros((0, vocab), np.float32), np.zeros((0, vocab), np.float32), np.zeros((0, 0, vocab), np.float32)]
+    pack_prefills = self.model.kernels.packs_prefill and not prefill_all_logits
     for i, (items, query_len, all_logits) in enumerate((
         (decodes, 1, False),
-        (prefills, bucket(max((len(w.tokens) for w in prefills), default=1), minimum=8), prefill_all_logits),
+        (prefills, token_bucket(sum(len(w.tokens) for w in prefills)) if pack_prefills else
+                   bucket(max((len(w.tokens) for w in prefills), default=1), minimum=8), prefill_all_logits),
         (verifies, max((len(w.tokens) for w in verifies), default=1), True))):
       if not items: continue
-      shape = PassShape(bucket(len(items)), query_len, all_logits)
+      shape = PassShape(bucket(len(items)), query_len, all_logits, packed=pack_prefills and i == 1)
       packed, used_blocks = self.prepare(shape, items)
       logits = self._forward(shape, packed, used_blocks)
       out[i] = logits.reshape(-1, query_len, vocab)[:len(items)] if all_logits else logits[:len(items)]
@@ -188,8 +198,9 @@ class ModelRunner:
     tokens, positions, slots, q_pos, token_seq, rows, ctx, tables = (np.zeros(n, np.int32) for n in shape.sizes(self.max_blocks))
     slots[:], token_seq[:] = -1, -1                  # padding tokens write no K/V and read nothing
     tables = tables.reshape(shape.num_seqs, self.max_blocks)
+    start = 0
     for i, w in enumerate(items):
-      n, start = len(w.tokens), i * C
+      n, start = len(w.tokens), start if shape.packed else i * C
       pos = np.arange(w.start, w.start + n)
       table = np.asarray(w.block_table, np.int32)
       tokens[start:start + n] = w.tokens
@@ -200,6 +211,7 @@ class ModelRunner:
       ctx[i] = pos[-1] + 1
       if shape.all_logits: rows[start:start + n] = np.arange(start, start + n)
       else: rows[i] = start + n - 1
+      start += n
     return np.concatenate([tokens, positions, slots, q_pos, token_seq, rows, ctx, tables.reshape(-1)]), max(-(-int(ctx.max()) // bs), 1)
 
   def _forward(self, shape: PassShape, packed: np.ndarray, used_blocks: int) -> np.ndarray:
@@ -245,7 +257,8 @@ class ModelRunner:
     template = self.model.layers[0]
     def layer(h, out, positions, slots, q_pos, token_seq, ctx, tables, k_cache, v_cache, *weights_and_extent):
       *weights, extent = weights_and_extent
-      group = AttentionGroup(P, C, tables.reshape(P, MB), extent, q_pos.reshape(P, C), ctx, token_seq)
+      group = AttentionGroup(P, C, tables.reshape(P, MB), extent, q_pos.reshape(1 if shape.packed else P, C), ctx, token_seq,
+                             packed=shape.packed)
       return template.with_tensors(weights)(h, ModelInputs(None, positions, slots, [group], None), self.model.cos_sin,
                                             k_cache, v_cache, out)
 

@@ -40,11 +40,12 @@ class SchedulerOutput:
 
 class Scheduler:
   def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-               eos_token_ids: frozenset[int] = frozenset(), lookahead_tokens: int = 0):
+               eos_token_ids: frozenset[int] = frozenset(), lookahead_tokens: int = 0, packed_prefill: bool = False):
     self.blocks = block_manager
     self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
     self.max_model_len, self.eos_token_ids = max_model_len, eos_token_ids
     self.lookahead = lookahead_tokens     # extra slots a decode reserves (speculative tokens)
+    self.packed_prefill = packed_prefill  # the runner packs chunks back to back: a step costs their sum, not n x longest
     self.waiting: deque[Sequence] = deque()
     self.running: list[Sequence] = []     # in admission order: preemption takes from the end
     self.num_preemptions = 0
@@ -84,9 +85,10 @@ class Scheduler:
     return out
 
   def _chunk_size(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
-    """Largest chunk that keeps the padded prefill batch (sequences x longest chunk) within the budget
-    left after the decodes."""
+    """Largest chunk that keeps the step's prefill tokens (packed: their sum; padded: sequences x longest chunk)
+    within the budget left after the decodes."""
     remaining = seq.num_tokens - seq.num_computed_tokens
+    if self.packed_prefill: return max(0, min(remaining, budget - sum(c.num_tokens for c in out.prefills)))
     n = len(out.prefills) + 1
     longest = max((c.num_tokens for c in out.prefills), default=0)
     if n * longest > budget: return 0

@@ -16,7 +16,10 @@ BACKENDS = ("portable", "cpu", "metal", "emulator")
 class AttentionGroup:
   """Sequences that share one query length in a step: P sequences with C query slots each (C=1 for decode).
 
-  Their P*C tokens sit contiguously in the flat batch, sequence by sequence, padding slots included."""
+  Their P*C tokens sit contiguously in the flat batch, sequence by sequence, padding slots included. A *packed*
+  group instead holds the P sequences' tokens back to back, padding only at the end: C is then the group's token
+  count (q_pos is `[1, C]`), and each token finds its sequence through token_seq. Only kernels that read a token's
+  sequence from token_seq take packed groups (`Kernels.packs_prefill`)."""
   num_seqs: int              # P
   query_len: int             # C
   block_tables: Tensor       # int32 [P, max_blocks]: the full table width
@@ -24,9 +27,10 @@ class AttentionGroup:
   q_pos: Tensor              # int32 [P, C]: absolute position of each query slot (padding: 0)
   context_lens: Tensor       # int32 [P]: keys visible to the sequence's last real query
   token_seq: Tensor | None = None   # int32 [P*C]: each slot's row p, -1 on padding slots (the Metal prefill kernel's input)
+  packed: bool = False
 
   @property
-  def num_tokens(self) -> int: return self.num_seqs * self.query_len
+  def num_tokens(self) -> int: return self.query_len if self.packed else self.num_seqs * self.query_len
 
 
 def resolve_backend(name: str, device: str) -> str:
@@ -54,6 +58,12 @@ class Kernels:
     if backend in ("metal", "emulator"):
       from tinyvllm.kernels import metal
       self.shaders = metal.MetalBackend() if backend == "metal" else metal.EmulatorBackend()
+
+  @property
+  def packs_prefill(self) -> bool:
+    """Can prefill chunks go back to back (packed AttentionGroups)? The fused CPU layer finds each token's sequence
+    from token_seq, so padding to the longest chunk, which costs up to half of a prefill pass, is not needed."""
+    return self.backend == "cpu"
 
   @property
   def eight_bit(self) -> bool:
