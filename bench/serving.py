@@ -27,8 +27,8 @@ def free_port() -> int:
 
 class Server:
   """A server process with its log in a file; `url` once it answers."""
-  def __init__(self, name: str, cmd: list[str], port: int, logdir: Path, ready_path: str = "/v1/models"):
-    self.name, self.url, self.log = name, f"http://127.0.0.1:{port}", logdir / f"{name}.log"
+  def __init__(self, name: str, cmd: list[str], port: int, logdir: Path, ready_path: str = "/v1/models", model: str | None = None):
+    self.name, self.url, self.log, self.model = name, f"http://127.0.0.1:{port}", logdir / f"{name}.log", model
     self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=os.environ | {"DEV": "CPU"})
     import httpx
     deadline = time.time() + 600
@@ -91,7 +91,8 @@ def start(name: str, gguf: Path, args, logdir: Path) -> Server:
                          "--threads-batch", str(os.cpu_count() or 2)], port, logdir, ready_path="/health")
   if name == "mlx":
     return Server(name, [sys.executable, "-m", "mlx_lm", "server", "--model", str(mlx_model(gguf)), "--port", str(port),
-                         "--decode-concurrency", str(slots), "--prompt-concurrency", str(slots), "--log-level", "WARNING"], port, logdir)
+                         "--decode-concurrency", str(slots), "--prompt-concurrency", str(slots), "--log-level", "WARNING"], port, logdir,
+                  ready_path="/health", model="default_model")   # its /v1/models lists the hub cache, not the served model
   raise ValueError(name)
 
 
@@ -99,7 +100,7 @@ def measure(server: Server, args, concurrency: int, seed: int, tokenizer) -> dic
   from tqdm import tqdm
   from tinyvllm.bench.serve import random_prompts, run_load, summarize
   import httpx
-  model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+  model = server.model or httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
   rng = np.random.default_rng(seed)
   warm = random_prompts(tokenizer, concurrency, args.input_len, rng)
   asyncio.run(run_load(server.url, model, warm, 8, concurrency, None, seed))

@@ -206,6 +206,46 @@ def test_metrics_move_as_requests_run(server, client):
   assert metric(url, "tinyvllm:num_requests_running") == 0 and metric(url, "tinyvllm:num_requests_waiting") == 0
 
 
+def test_stop_strings_bias_and_openai_extras(server, client, tiny_model, offline):
+  base = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+  stop = base[4:6]
+  out = client.chat.completions.create(model=tiny_model.name, messages=MESSAGES, temperature=0, max_completion_tokens=12,
+                                       stop=[stop], user="someone", extra_body={"ignore_eos": True})
+  choice = out.choices[0]
+  assert choice.message.content == base[:base.index(stop)] and choice.finish_reason == "stop"
+  assert choice.model_extra["stop_reason"] == stop                     # vLLM's extra field
+  token = 77                                                           # a bias of +100 makes one token certain
+  out = client.completions.create(model=tiny_model.name, prompt="Hello", max_tokens=3, temperature=0, logit_bias={str(token): 100},
+                                  logprobs=0, extra_body={"ignore_eos": True})
+  assert out.choices[0].logprobs.tokens == [offline.get_tokenizer().token_to_str(token)] * 3
+
+
+def test_one_log_line_per_request(server, client, tiny_model, caplog):
+  with caplog.at_level("INFO", logger="tinyvllm.server"):
+    out = client.completions.create(model=tiny_model.name, prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+  lines = [r.getMessage() for r in caplog.records if out.id in r.getMessage()]
+  assert len(lines) == 1 and "ok" in lines[0] and "+ 3 output tokens" in lines[0] and "TTFT" in lines[0]
+
+
+def test_plain_request_of_a_client_that_hung_up_is_aborted(server):
+  """A non-streaming client that gives up: its request is aborted (the engine is held meanwhile, so the client
+  surely leaves first) and never runs a step."""
+  url, engine = server
+  done_before = sum(metric(url, "tinyvllm:request_success_total", finished_reason=r) for r in ("length", "stop"))
+  gate = threading.Event()
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    held = pool.submit(engine.engine.call, lambda e: gate.wait(60))
+    with pytest.raises(httpx.ReadTimeout):
+      httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 50, "ignore_eos": True}, timeout=0.5)
+    time.sleep(0.3)                                                    # the server sees the disconnect and queues the abort
+    gate.set()
+    held.result(60)
+  assert wait_until(lambda: engine.engine.call(lambda e: not e.has_unfinished_requests()))
+  assert sum(metric(url, "tinyvllm:request_success_total", finished_reason=r) for r in ("length", "stop")) == done_before
+  free, total = engine.engine.call(lambda e: (e.block_manager.num_free, e.block_manager.num_blocks))
+  assert free == total
+
+
 def test_idle_server_uses_no_cpu(server):
   time.sleep(0.5)
   start = time.process_time()

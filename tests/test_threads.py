@@ -68,6 +68,22 @@ def test_llm_built_in_one_thread_used_in_another(tiny_model):
   with pytest.raises(RuntimeError, match="not running"): llm.generate("a", GREEDY, use_tqdm=False)
 
 
+def test_vllm_manual_surface(llm):
+  """llm.llm_engine.add_request / step / abort_request / has_unfinished_requests, as vLLM's LLMEngine."""
+  engine = llm.llm_engine
+  engine.add_request("kept", "Hello world", GREEDY)
+  engine.add_request("dropped", "The quick", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+  engine.abort_request("dropped")
+  finals = {}
+  while engine.has_unfinished_requests():
+    for out in engine.step():
+      if out.finished: finals[out.request_id] = out
+  assert finals["kept"].outputs[0].text == llm.generate("Hello world", GREEDY, use_tqdm=False)[0].outputs[0].text
+  assert finals["dropped"].outputs[0].finish_reason == "abort" and len(finals["dropped"].outputs[0].token_ids) < 200
+  with pytest.raises(ValueError, match="empty"): engine.add_request("bad", "")
+  assert engine.step() == [] and free_blocks(llm)[0] == free_blocks(llm)[1]
+
+
 def test_closing_a_stream_early_frees_its_blocks(llm):
   stream = llm.stream("Hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
   next(stream)

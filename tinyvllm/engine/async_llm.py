@@ -63,17 +63,18 @@ class RequestStream:
 class AsyncLLM:
   def __init__(self, model: str | None = None, *, stat_loggers: Iterable[StatLogger] = (), **kwargs):
     """Load the model (blocking: build it before serving). Engine arguments as for `LLM`."""
-    self.engine = ThreadedEngine(EngineConfig.from_kwargs(model=model, **kwargs), stat_loggers)
-    self._ids = itertools.count()
-    self._finalizer = weakref.finalize(self, self.engine.shutdown)
+    self._start(EngineConfig.from_kwargs(model=model, **kwargs), stat_loggers)
 
   @classmethod
   def from_config(cls, config: EngineConfig, stat_loggers: Iterable[StatLogger] = ()) -> AsyncLLM:
     self = cls.__new__(cls)
+    self._start(config, stat_loggers)
+    return self
+
+  def _start(self, config: EngineConfig, stat_loggers: Iterable[StatLogger]) -> None:
     self.engine = ThreadedEngine(config, stat_loggers)
     self._ids = itertools.count()
-    self._finalizer = weakref.finalize(self, self.engine.shutdown)
-    return self
+    self._finalizer = weakref.finalize(self, self.engine.shutdown)   # stop the engine thread when collected
 
   @property
   def tokenizer(self): return self.engine.tokenizer

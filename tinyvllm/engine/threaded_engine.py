@@ -85,6 +85,7 @@ class ThreadedEngine:
     self._check_alive()
     with self._count_lock: self._pending_adds += 1
     self._commands.put(("add", request, sink))
+    if self._stopped: self._fail_queued("the engine was shut down")   # it stopped just now: nobody will take this
 
   def abort(self, request_id: str) -> None:
     """Stop a request before the next step; its sink gets a final output with finish_reason "abort"."""
@@ -97,6 +98,7 @@ class ThreadedEngine:
     self._check_alive()
     future: concurrent.futures.Future = concurrent.futures.Future()
     self._commands.put(("call", fn, future))
+    if self._stopped: self._fail_queued("the engine was shut down")
     return future.result()
 
   @property
@@ -214,6 +216,10 @@ class ThreadedEngine:
     """Tell every waiting caller that nothing more will come: open requests fail, queued ones too, calls raise."""
     sinks, self._sinks = self._sinks, {}
     for rid, sink in sinks.items(): self._guarded(sink, error_output(rid, None, [], message))
+    self._fail_queued(message, commands)
+
+  def _fail_queued(self, message: str, commands: list[tuple] = ()) -> None:
+    """Commands nobody will apply (taken from the queue here; any thread may call this once the loop stopped)."""
     commands = list(commands)
     with contextlib.suppress(queue.Empty):
       while True: commands.append(self._commands.get_nowait())

@@ -47,7 +47,7 @@ class OpenAIServing:
                           f"tokens, more than this model's context length (max_model_len) of {limit}; lower "
                           f"{max_tokens_field} or shorten the prompt", param=max_tokens_field, code="context_length_exceeded")
 
-  def add_requests(self, request_id: str, prompts: list[dict], params: SamplingParams, prompt_field: str) -> list[RequestStream]:
+  async def add_requests(self, request_id: str, prompts: list[dict], params: SamplingParams, prompt_field: str) -> list[RequestStream]:
     """Queue one engine request per prompt (ids `request_id`, or `request_id-i` for several). All or none: a
     refused one aborts those already added."""
     limit = self.settings.max_waiting_requests
@@ -60,7 +60,7 @@ class OpenAIServing:
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         streams.append(self.engine.add_request(rid, prompt, params))
     except (ValueError, TypeError) as e:
-      for s in streams: self.engine.engine.abort(s.request_id)
+      for s in streams: await s.aclose()
       raise APIError(400, str(e), param=prompt_field) from None
     except RuntimeError as e:   # the engine is not running
       raise APIError(503, str(e), type="server_error") from None

@@ -29,7 +29,7 @@ class OpenAIServingChat(OpenAIServing):
     self.check_length(len(prompt["prompt_token_ids"]), max_tokens, "messages", max_tokens_field)
     params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, body.prompt_logprobs)
     request_id, started = f"chatcmpl-{uuid.uuid4().hex}", time.time()
-    stream = self.add_requests(request_id, [prompt], params, "messages")[0]
+    stream = (await self.add_requests(request_id, [prompt], params, "messages"))[0]
     if body.stream:
       return StreamingResponse(self._stream(body, request_id, started, stream), media_type="text/event-stream")
     finals = await self.final_outputs(request, [stream])

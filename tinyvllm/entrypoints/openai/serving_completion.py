@@ -26,7 +26,7 @@ class OpenAIServingCompletion(OpenAIServing):
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else body.prompt_logprobs
     params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs)
     request_id, started = f"cmpl-{uuid.uuid4().hex}", time.time()
-    streams = self.add_requests(request_id, prompts, params, "prompt")
+    streams = await self.add_requests(request_id, prompts, params, "prompt")
     if body.stream:
       return StreamingResponse(self._stream(body, request_id, started, streams), media_type="text/event-stream")
     finals = await self.final_outputs(request, streams)
