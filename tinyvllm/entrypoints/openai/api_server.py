@@ -80,11 +80,7 @@ def build_app(engine, settings: ServerSettings, metrics=None) -> FastAPI:
     serving.check_model(body.model)
     if (body.prompt is None) == (body.messages is None): raise APIError(400, "give exactly one of 'prompt' and 'messages'")
     if body.messages is not None:
-      try:
-        rendered = engine.input_processor.render_chat(
-          body.messages, add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-          chat_template=settings.chat_template, template_kwargs=body.chat_template_kwargs)
-      except ValueError as e: raise APIError(400, str(e), param="messages") from None
+      rendered = serving.render_chat(body)
       tokens = rendered["prompt_token_ids"] if not body.add_special_tokens else serving.tokenizer.encode(rendered["prompt"])
     else: tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}

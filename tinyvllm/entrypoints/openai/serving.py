@@ -31,6 +31,15 @@ class OpenAIServing:
 
   # ---- admission ----
 
+  def render_chat(self, body) -> dict:
+    """A chat body's messages through the chat template (the server's --chat-template, else the model's), as
+    {"prompt", "prompt_token_ids"}; a message or template the renderer refuses is a 400 on `messages`."""
+    try:
+      return self.engine.input_processor.render_chat(
+        body.messages, add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+        chat_template=self.settings.chat_template, template_kwargs=body.chat_template_kwargs)
+    except ValueError as e: raise APIError(400, str(e), param="messages") from None
+
   def check_model(self, name: str | None) -> None:
     if name is not None and name != self.settings.served_model_name:
       raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.settings.served_model_name}'",

@@ -19,11 +19,7 @@ class OpenAIServingChat(OpenAIServing):
       raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
       raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
-    try:
-      prompt = self.engine.input_processor.render_chat(
-        body.messages, add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-        chat_template=self.settings.chat_template, template_kwargs=body.chat_template_kwargs)
-    except ValueError as e: raise APIError(400, str(e), param="messages") from None
+    prompt = self.render_chat(body)
     max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     self.check_length(len(prompt["prompt_token_ids"]), max_tokens, "messages", max_tokens_field)
