@@ -51,3 +51,29 @@ def test_prompt_longer_than_context(tiny_model):
 def test_bad_flag_value_from_argparse():
   r = run("--max-tokens", "many")
   assert r.returncode == 2 and "invalid int value" in r.stderr
+
+
+def test_tinyvllm_command_dispatches_subcommands(tiny_model):
+  """`tinyvllm generate ...` is `python -m tinyvllm.generate ...` (the console script runs entrypoints/cli.py)."""
+  env = {**os.environ, "DEV": "CPU"}
+  cli = [sys.executable, "-m", "tinyvllm.entrypoints.cli"]
+  r = subprocess.run([*cli, "generate", "--model", str(tiny_model), "--prompt", "Hello world", "--max-tokens", "4",
+                      "--num-kv-blocks", "32", "--block-size", "8"], capture_output=True, text=True, env=env, timeout=600)
+  direct = run("--model", str(tiny_model), "--prompt", "Hello world", "--max-tokens", "4", "--num-kv-blocks", "32", "--block-size", "8")
+  assert r.returncode == 0 and r.stdout == direct.stdout
+  helped = subprocess.run([*cli, "--help"], capture_output=True, text=True, timeout=60)
+  assert helped.returncode == 0 and all(c in helped.stdout for c in ("serve", "generate", "bench", "quantize"))
+  wrong = subprocess.run([*cli, "srve"], capture_output=True, text=True, timeout=60)
+  assert wrong.returncode == 2 and "unknown command 'srve'" in wrong.stderr
+
+
+def test_engine_flags_come_from_engine_config():
+  """Every EngineConfig field is a flag of generate (its help written once, in config.py)."""
+  from dataclasses import fields
+  from tinyvllm.config import EngineConfig
+  from tinyvllm.generate import parse_args
+  help_text = subprocess.run([sys.executable, "-m", "tinyvllm.generate", "--help"], capture_output=True, text=True, timeout=60).stdout
+  for f in fields(EngineConfig):
+    if f.name not in ("model", "seed"): assert "--" + f.name.replace("_", "-") in help_text
+  args = parse_args(["--prompt", "x", "--max-num-seqs", "3", "--kernel-backend", "portable"])
+  assert (args.max_num_seqs, args.kernel_backend) == (3, "portable")

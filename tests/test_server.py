@@ -382,3 +382,13 @@ def test_serve_command_bad_input_is_one_line(tiny_model, args, words):
   if not any(a.startswith("/no/such/model") for a in args): cmd.insert(3, str(tiny_model))
   r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "DEV": "CPU"})
   assert r.returncode == 2 and "Traceback" not in r.stderr and words in r.stderr.strip().splitlines()[-1]
+
+
+def test_speculative_metrics(tiny_model):
+  app = create_app(EngineConfig(model=str(tiny_model), block_size=8, num_kv_blocks=64, draft_model="self:1", speculation="always"))
+  with serve_in_thread(app) as url:
+    r = post(url, "/v1/completions", {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200
+    drafted, accepted = metric(url, "tinyvllm:spec_decode_num_draft_tokens_total"), metric(url, "tinyvllm:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert drafted % 4 == 0                                  # 4 drafts proposed per speculative step
