@@ -1,63 +1,104 @@
-"""The block allocator under arbitrary operation sequences: exact free counts, no leaks, no double frees."""
+"""The block allocator under arbitrary operation sequences, with prefix caching on: exact reference counts, no leak,
+no double free, free blocks reused in LRU order, a cached block evicted only when it is free and needed, one block
+per hash, and a cache hit always hands out the blocks of the same content."""
 from __future__ import annotations
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.block_manager import BlockManager, hash_block
+
+BS, N = 4, 16
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-  """A model of who holds which block, checked against the allocator after every operation."""
+  """A model of who holds which block and of the free queue's order, checked against the allocator after every
+  operation. Tokens come from a two-letter alphabet, so different sequences share prefixes and hits are common."""
   def __init__(self):
     super().__init__()
-    self.bm = BlockManager(num_blocks=24, block_size=4, watermark=0.1)
-    self.tables: list[list[int]] = []       # live tables, as the allocator's callers hold them
+    self.bm = BlockManager(num_blocks=N, block_size=BS, watermark=0.0, enable_caching=True)
+    self.seqs: list[dict] = []             # live sequences: table, tokens, block hashes, blocks registered
+    self.free_order = list(range(N))       # the model of the free queue: head first
 
-  def _expected_refs(self) -> dict[int, int]:
+  def _refs(self) -> dict[int, int]:
     refs: dict[int, int] = {}
-    for t in self.tables:
-      for b in t: refs[b] = refs.get(b, 0) + 1
+    for s in self.seqs:
+      for b in s["table"]: refs[b] = refs.get(b, 0) + 1
     return refs
 
-  @rule()
-  def new_table(self): self.tables.append([])
+  def _release(self, blocks: list[int]) -> None:
+    """What letting go of `blocks`, in this order, does to the model."""
+    refs = self._refs()
+    for b in blocks:
+      refs[b] -= 1
+      if refs[b] == 0: self.free_order.append(b)
 
-  @precondition(lambda self: self.tables)
-  @rule(i=st.integers(0, 1000), tokens=st.integers(0, 60))
-  def grow(self, i, tokens):
-    t = self.tables[i % len(self.tables)]
-    if self.bm.can_grow(t, tokens):
-      before = len(t)
-      self.bm.grow(t, tokens)
-      assert len(t) == max(before, -(-tokens // 4))
-    else:
-      with pytest.raises(RuntimeError): self.bm.grow(list(t), tokens)
+  @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=4 * BS + 2))
+  def admit(self, tokens):
+    """A new sequence: take its cached prefix (leaving its last token to compute), then grow for the rest."""
+    hashes: list[bytes] = []
+    self.bm.extend_hashes(hashes, tokens)
+    hit = self.bm.cached_prefix(hashes, (len(tokens) - 1) // BS)
+    for i, b in enumerate(hit): assert self.bm.blocks[b].hash == hashes[i]       # a hit is the same content
+    need = self.bm.blocks_for(len(tokens)) - len(hit)
+    if need + self.bm.num_reclaimed(hit) > self.bm.num_free:
+      with pytest.raises(RuntimeError): self.bm.grow([], (self.bm.num_free + 1) * BS)
+      return
+    refs = self._refs()
+    table: list[int] = []
+    self.bm.take(table, hit)
+    for b in hit:
+      if refs.get(b, 0) == 0: self.free_order.remove(b)                         # a hit leaves the free queue
+    evicted, self.free_order = self.free_order[:need], self.free_order[need:]    # allocation takes the LRU head
+    lost = {self.bm.blocks[b].hash for b in evicted} - {None}
+    self.bm.grow(table, len(tokens))
+    assert table == hit + evicted
+    assert not lost & set(self.bm.cached)                                          # evicted blocks drop their hashes
+    self.seqs.append({"table": table, "tokens": tokens, "hashes": hashes, "registered": len(hit)})
 
-  @precondition(lambda self: self.tables)
-  @rule(i=st.integers(0, 1000), tokens=st.integers(0, 60))
+  @precondition(lambda self: self.seqs)
+  @rule(i=st.integers(0, 1000), computed=st.integers(0, 4 * BS + 2))
+  def register(self, i, computed):
+    s = self.seqs[i % len(self.seqs)]
+    s["registered"] = self.bm.register(s["table"], s["hashes"], s["registered"], min(computed, len(s["tokens"])))
+
+  @precondition(lambda self: self.seqs)
+  @rule(i=st.integers(0, 1000), tokens=st.integers(0, 4 * BS + 2))
   def truncate(self, i, tokens):
-    t = self.tables[i % len(self.tables)]
-    before = len(t)
-    self.bm.truncate(t, tokens)
-    assert len(t) == min(before, -(-tokens // 4))
+    s = self.seqs[i % len(self.seqs)]
+    keep = -(-tokens // BS)
+    dropped = s["table"][keep:]
+    self._release(list(reversed(dropped)))
+    self.bm.truncate(s["table"], tokens)
+    s["registered"] = min(s["registered"], len(s["table"]))
+    assert len(s["table"]) == min(keep, len(s["table"]) + len(dropped))
 
-  @precondition(lambda self: self.tables)
-  @rule(i=st.integers(0, 1000))
-  def fork(self, i): self.tables.append(self.bm.fork(self.tables[i % len(self.tables)]))
-
-  @precondition(lambda self: self.tables)
+  @precondition(lambda self: self.seqs)
   @rule(i=st.integers(0, 1000))
   def free(self, i):
-    t = self.tables.pop(i % len(self.tables))
-    self.bm.free(t)
-    assert t == []
+    s = self.seqs[i % len(self.seqs)]
+    self._release(list(reversed(s["table"])))                                    # tail first: last block evicted first
+    self.seqs.remove(s)
+    self.bm.free(s["table"])
+    assert s["table"] == []
 
   @invariant()
   def counts_are_exact(self):
-    refs = self._expected_refs()
-    assert self.bm.num_free == 24 - len(refs)
-    assert sorted(self.bm.free_blocks) == sorted(set(range(24)) - set(refs))     # no duplicates in the free list
-    assert all(self.bm.ref_counts[b] == refs.get(b, 0) for b in range(24))
+    refs = self._refs()
+    assert self.bm.num_free == N - len(refs)
+    assert all(self.bm.ref_count(b) == refs.get(b, 0) for b in range(N))
+    assert [b.id for b in self.bm.free_queue] == self.free_order                  # LRU order, no duplicates
+
+  @invariant()
+  def one_block_per_hash(self):
+    hashed = [b for b in self.bm.blocks if b.hash is not None]
+    assert len({b.hash for b in hashed}) == len(hashed) == len(self.bm.cached)
+    assert all(self.bm.cached[b.hash] is b for b in hashed)
+
+  @invariant()
+  def registered_blocks_hold_their_content(self):
+    for s in self.seqs:
+      for i in range(min(s["registered"], len(s["table"]))):
+        assert self.bm.blocks[s["table"][i]].hash in (None, s["hashes"][i])
 
 
 AllocatorMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
@@ -73,8 +114,22 @@ def test_double_free_is_caught():
   with pytest.raises(AssertionError): bm.free(stale)
 
 
-def test_admission_keeps_the_watermark():
-  bm = BlockManager(num_blocks=100, block_size=16, watermark=0.05)     # 5 blocks held back from admissions
-  assert bm.can_admit([], 95 * 16)
-  assert not bm.can_admit([], 95 * 16 + 1)
-  assert bm.can_grow([], 100 * 16) and not bm.can_grow([], 100 * 16 + 1)   # growth may use the watermark
+def test_hash_chains_over_parent_and_tokens():
+  a = hash_block(None, [1, 2, 3, 4])
+  assert a == hash_block(None, [1, 2, 3, 4]) and a != hash_block(None, [1, 2, 3, 5])
+  assert hash_block(a, [5, 6, 7, 8]) != hash_block(None, [5, 6, 7, 8])             # the same tokens after another prefix
+  assert hash_block(a, [5, 6, 7, 8], b"salt") != hash_block(a, [5, 6, 7, 8])       # room for a cache salt
+
+
+def test_a_finished_sequences_last_block_is_evicted_first():
+  bm = BlockManager(num_blocks=6, block_size=2, enable_caching=True)
+  table, hashes, tokens = [], [], [1, 2, 3, 4, 5, 6]
+  bm.grow(table, 6)
+  bm.extend_hashes(hashes, tokens)
+  bm.register(table, hashes, 0, 6)
+  bm.free(table)
+  order = [b.id for b in bm.free_queue]
+  assert order[-3:] == [2, 1, 0]                                                  # freed tail first
+  new = []
+  bm.grow(new, 2 * 4)                                                             # the 3 never-used blocks, then the last one
+  assert bm.cached_prefix(hashes, 3) == [0, 1]                                    # the first two blocks are still cached

@@ -75,5 +75,7 @@ def test_engine_flags_come_from_engine_config():
   help_text = subprocess.run([sys.executable, "-m", "tinyvllm.generate", "--help"], capture_output=True, text=True, timeout=60).stdout
   for f in fields(EngineConfig):
     if f.name not in ("model", "seed"): assert "--" + f.name.replace("_", "-") in help_text
-  args = parse_args(["--prompt", "x", "--max-num-seqs", "3", "--kernel-backend", "portable"])
-  assert (args.max_num_seqs, args.kernel_backend) == (3, "portable")
+  args = parse_args(["--prompt", "x", "--max-num-seqs", "3", "--kernel-backend", "portable", "--no-enable-prefix-caching"])
+  assert (args.max_num_seqs, args.kernel_backend, args.enable_prefix_caching) == (3, "portable", False)
+  from tinyvllm.entrypoints.engine_args import engine_kwargs
+  assert engine_kwargs(args, exclude=("seed",)) == {"max_num_seqs": 3, "kernel_backend": "portable", "enable_prefix_caching": False}

@@ -392,3 +392,17 @@ def test_speculative_metrics(tiny_model):
     drafted, accepted = metric(url, "tinyvllm:spec_decode_num_draft_tokens_total"), metric(url, "tinyvllm:spec_decode_num_accepted_tokens_total")
     assert drafted > 0 and 0 <= accepted <= drafted
     assert drafted % 4 == 0                                  # 4 drafts proposed per speculative step
+
+
+def test_prefix_cache_in_usage_and_metrics(server, client, tiny_model):
+  url = server[0]
+  messages = [{"role": "system", "content": "Answer briefly. " * 12}, {"role": "user", "content": "Hello world"}]
+  hits_before = metric(url, "tinyvllm:prefix_cache_hits_total")
+  queries_before = metric(url, "tinyvllm:prefix_cache_queries_total")
+  first = client.chat.completions.create(model=tiny_model.name, messages=messages, max_tokens=2, temperature=0)
+  second = client.chat.completions.create(model=tiny_model.name, messages=messages, max_tokens=2, temperature=0)
+  assert first.usage.prompt_tokens_details.cached_tokens == 0
+  cached = second.usage.prompt_tokens_details.cached_tokens
+  assert cached == (second.usage.prompt_tokens - 1) // 8 * 8 > 0             # every full block but the last token's
+  assert metric(url, "tinyvllm:prefix_cache_hits_total") - hits_before == cached
+  assert metric(url, "tinyvllm:prefix_cache_queries_total") - queries_before == 2 * second.usage.prompt_tokens

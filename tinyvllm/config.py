@@ -137,6 +137,8 @@ class EngineConfig:
   num_speculative_tokens: int = _flag(4, "tokens the draft proposes per step")
   speculation: str = _flag("auto", "auto: speculate when measured to pay (docs/speculative.md); always",
                            choices=("auto", "always"))
+  enable_prefix_caching: bool = _flag(True, "reuse the KV cache of prompt prefixes seen before (shared system prompts, "
+                                            "chat turns); --no-enable-prefix-caching turns it off")
 
   def __post_init__(self):
     if self.dtype not in ("auto", "float32", "float16"):
@@ -158,6 +160,8 @@ class EngineConfig:
       raise ConfigError(f"quantization must be None, 'int4' or 'none', got {self.quantization!r}")
     if self.speculation not in ("auto", "always"):
       raise ConfigError(f"speculation must be 'auto' or 'always', got {self.speculation!r}")
+    if not isinstance(self.enable_prefix_caching, bool):
+      raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
     if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
       raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
 

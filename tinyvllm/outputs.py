@@ -34,6 +34,7 @@ class RequestMetrics:
   num_prompt_tokens: int = 0
   num_generated_tokens: int = 0
   num_preemptions: int = 0
+  num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at first admission
   # speculative decoding (zero when off)
   num_draft_tokens: int = 0
   num_accepted_tokens: int = 0

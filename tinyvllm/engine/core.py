@@ -51,7 +51,7 @@ class EngineCore:
     self.kernels = Kernels(self.kernel_backend, self.device)
     model = self._build_model(ckpt.config, ckpt.tensors, dtype)
     self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.device)
-    self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark)
+    self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark, config.enable_prefix_caching)
     self.spec: SpeculativeDecoder | None = None
     if config.draft_model is not None:
       draft = self._load_draft(config.draft_model, ckpt, tokenizer, dtype)
@@ -132,7 +132,7 @@ class EngineCore:
   def step(self) -> tuple[list[CoreOutput], SchedulerStats]:
     """One target forward pass over the scheduled batch (with speculation: preceded by the draft's passes).
     Returns what happened to every sequence it advanced, and the scheduler's state afterwards."""
-    preemptions_before = self.scheduler.num_preemptions
+    counters_before = self._counters()
     sched = self.scheduler.schedule()
     if self.spec:
       for seq in sched.preempted: self.spec.release(seq)   # a preempted sequence recomputes both caches
@@ -163,9 +163,14 @@ class EngineCore:
       if drafted: self.spec.policy.record_spec(n, drafted, accepted, seconds)
       else: self.spec.policy.record_plain(n, seconds)
     stats = self.stats()
-    stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
+    stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits = \
+      (now - before for now, before in zip(self._counters(), counters_before))
     stats.num_draft_tokens, stats.num_accepted_tokens = drafted, accepted
     return self._collect(outputs), stats
+
+  def _counters(self) -> tuple[int, int, int]:
+    s = self.scheduler
+    return s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits
 
   def _run_and_sample(self, sched: SchedulerOutput, outputs: dict[Sequence, CoreOutput]):
     """The model passes, then a token (or a verified run) per sequence. A sequence whose sampling raises fails

@@ -170,7 +170,8 @@ class OutputProcessor:
             for c in state.completions]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, state.finished,
                          dataclasses.replace(req.metrics), error=state.error,
-                         prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None)
+                         prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
+                         num_cached_tokens=req.metrics.num_cached_tokens or 0)
 
 
 def _visible_text(c: CompletionState, stop_strings: tuple[str, ...]) -> str:

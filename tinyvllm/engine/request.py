@@ -44,5 +44,7 @@ class SchedulerStats:
   num_waiting: int = 0
   kv_cache_usage: float = 0.0                       # referenced blocks / all blocks
   num_preemptions: int = 0                          # in this step
+  prefix_cache_queries: int = 0                     # tokens of the sequences admitted in this step
+  prefix_cache_hits: int = 0                        # of those, tokens found in the prefix cache
   num_draft_tokens: int = 0                         # speculative decoding, in this step
   num_accepted_tokens: int = 0

@@ -6,9 +6,13 @@ prompt is cut into chunks so it never stalls the decodes. When the KV pool runs 
 admitted sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed from its tokens later. Nothing is lost and nothing crashes.
 
+With prefix caching, admission first looks up the longest run of the sequence's full blocks that is cached
+and starts after it (at least the last token is recomputed: its logits give the next token). The n completions
+of one request share their prompt this way: the others wait until the first has read it.
+
 After the model step, `update_from_output` is the one place where sequences change: it advances
-`num_computed_tokens`, appends the sampled tokens, applies the stop rules and gives back the blocks of
-speculative tokens the target rejected.
+`num_computed_tokens`, appends the sampled tokens, registers blocks that became full and computed in the prefix
+cache, applies the stop rules and gives back the blocks of speculative tokens the target rejected.
 """
 from __future__ import annotations
 from collections import deque
@@ -48,11 +52,17 @@ class Scheduler:
     self.packed_prefill = packed_prefill  # the runner packs chunks back to back: a step costs their sum, not n x longest
     self.waiting: deque[Sequence] = deque()
     self.running: list[Sequence] = []     # in admission order: preemption takes from the end
+    # n > 1 with prefix caching: completions 1.. wait here until completion 0 has read the prompt, then hit its blocks
+    self.held: dict[str, list[Sequence]] = {}
     self.num_preemptions = 0
+    self.prefix_cache_queries = self.prefix_cache_hits = 0   # tokens looked up / found at admissions
 
-  def add(self, seq: Sequence) -> None: self.waiting.append(seq)
+  def add(self, seq: Sequence) -> None:
+    if self.blocks.enable_caching and seq.index > 0 and seq.num_prompt_tokens > self.blocks.block_size:
+      self.held.setdefault(seq.request_id, []).append(seq)
+    else: self.waiting.append(seq)
 
-  def has_unfinished(self) -> bool: return bool(self.waiting or self.running)
+  def has_unfinished(self) -> bool: return bool(self.waiting or self.running or self.held)
 
   def schedule(self) -> SchedulerOutput:
     out = SchedulerOutput()
@@ -65,29 +75,48 @@ class Scheduler:
       budget -= 1
     # prefill chunks: running sequences mid-prompt first, then new ones in arrival order
     for seq in [s for s in self.running if s.status is SequenceStatus.RUNNING and s.is_prefilling]:
-      chunk = self._chunk_size(seq, out, budget)
+      chunk = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, out, budget)
       room = self._room(seq, reserve=0)
       if 0 < room < chunk: chunk = room   # read what fits now rather than preempt someone for the rest
       if chunk == 0 or not self._make_room(seq, seq.num_computed_tokens + chunk, out): continue
       out.prefills.append(PrefillChunk(seq, chunk))
     while self.waiting and len(self.running) < self.max_num_seqs:
       seq = self.waiting[0]
-      # the watermark keeps admissions from forcing immediate preemptions; with nothing running it would
-      # only stall progress, so it is waived then
-      room = self._room(seq, reserve=self.blocks.watermark_blocks if self.running else 0)
-      chunk = min(self._chunk_size(seq, out, budget), room)
+      hit = self._cached_prefix(seq)
+      start = len(hit) * self.blocks.block_size
+      # the watermark keeps admissions from forcing immediate preemptions (with nothing running it would only
+      # stall progress, so it is waived then); a hit on a free cached block takes that block from the pool too
+      reserve = (self.blocks.watermark_blocks if self.running else 0) + self.blocks.num_reclaimed(hit)
+      room = max(0, self.blocks.num_free - reserve) * self.blocks.block_size
+      chunk = min(self._chunk_size(seq.num_tokens - start, out, budget), room)
       if chunk <= 0: break
       self.waiting.popleft()
-      self.blocks.grow(seq.block_table, seq.num_computed_tokens + chunk)
-      seq.status = SequenceStatus.RUNNING
-      self.running.append(seq)
+      self._admit(seq, hit, chunk)
       out.prefills.append(PrefillChunk(seq, chunk))
     return out
 
-  def _chunk_size(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
-    """Largest chunk that keeps the step's prefill tokens (packed: their sum; padded: sequences x longest chunk)
-    within the budget left after the decodes."""
-    remaining = seq.num_tokens - seq.num_computed_tokens
+  def _cached_prefix(self, seq: Sequence) -> list[int]:
+    """The cached blocks a waiting sequence can start from: its longest cached run of full blocks, leaving at
+    least its last token to compute. None for requests that want prompt logprobs (every position must be read)."""
+    if not self.blocks.enable_caching or seq.params.prompt_logprobs is not None: return []
+    self.blocks.extend_hashes(seq.block_hashes, seq.token_ids)
+    return self.blocks.cached_prefix(seq.block_hashes, (seq.num_tokens - 1) // self.blocks.block_size)
+
+  def _admit(self, seq: Sequence, hit: list[int], chunk: int) -> None:
+    self.blocks.take(seq.block_table, hit)
+    seq.num_computed_tokens = len(hit) * self.blocks.block_size
+    seq.num_registered_blocks = len(hit)
+    self.blocks.grow(seq.block_table, seq.num_computed_tokens + chunk)
+    seq.status = SequenceStatus.RUNNING
+    self.running.append(seq)
+    if self.blocks.enable_caching:
+      self.prefix_cache_queries += seq.num_tokens
+      self.prefix_cache_hits += seq.num_computed_tokens
+    if seq.index == 0 and seq.metrics.num_cached_tokens is None: seq.metrics.num_cached_tokens = seq.num_computed_tokens
+
+  def _chunk_size(self, remaining: int, out: SchedulerOutput, budget: int) -> int:
+    """Largest chunk of the `remaining` tokens that keeps the step's prefill tokens (packed: their sum; padded:
+    sequences x longest chunk) within the budget left after the decodes."""
     if self.packed_prefill: return max(0, min(remaining, budget - sum(c.num_tokens for c in out.prefills)))
     n = len(out.prefills) + 1
     longest = max((c.num_tokens for c in out.prefills), default=0)
@@ -110,10 +139,11 @@ class Scheduler:
     return True
 
   def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-    """Recompute-style preemption: drop the KV cache, requeue at the front, keep every token."""
+    """Recompute-style preemption: let the KV blocks go, requeue at the front, keep every token. With prefix
+    caching the full blocks stay cached until the pool needs them, so the recompute mostly hits."""
     self.running.remove(seq)
     self.blocks.free(seq.block_table)
-    seq.num_computed_tokens = 0
+    seq.num_computed_tokens = seq.num_registered_blocks = 0
     seq.status = SequenceStatus.WAITING
     seq.metrics.num_preemptions += 1
     self.num_preemptions += 1
@@ -130,25 +160,39 @@ class Scheduler:
     Returns the tokens each sequence kept (a stop rule may end a speculative run early)."""
     kept: dict[Sequence, list[int]] = {}
     for chunk in out.prefills:
-      if chunk.seq.is_finished: continue      # failed or aborted during the step
-      chunk.seq.num_computed_tokens += chunk.num_tokens
-      if chunk.seq in sampled: kept[chunk.seq] = self._append(chunk.seq, sampled[chunk.seq])
+      seq = chunk.seq
+      if seq.is_finished: continue            # failed or aborted during the step
+      kept_tokens = self._commit(seq, chunk.num_tokens, sampled.get(seq, []))
+      if seq in sampled: kept[seq] = kept_tokens
+      if seq.index == 0 and not seq.is_prefilling: self._release_held(seq.request_id)
     for seq in out.decodes:
       if seq.is_finished or seq not in sampled: continue
       # the step wrote K/V for the newest token and any drafts; those of the accepted drafts stand
-      seq.num_computed_tokens += len(sampled[seq])
-      kept[seq] = self._append(seq, sampled[seq])
+      kept[seq] = self._commit(seq, len(sampled[seq]), sampled[seq])
       if not seq.is_finished: self.blocks.truncate(seq.block_table, seq.num_tokens)   # rejected drafts' blocks
     return kept
 
-  def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
+  def _commit(self, seq: Sequence, computed: int, tokens: list[int]) -> list[int]:
+    """`computed` more tokens have K/V; append `tokens` up to the first that stops the sequence; register the
+    blocks that became full and computed (before a finished sequence lets its blocks go, so they stay cached)."""
+    seq.num_computed_tokens += computed
+    stop = None
     for i, token in enumerate(tokens):
       seq.token_ids.append(token)
-      reason = self._stop_reason(seq, token)
-      if reason is not None:
-        self.finish(seq, *reason)
-        return tokens[:i + 1]
+      if (stop := self._stop_reason(seq, token)) is not None:
+        tokens = tokens[:i + 1]
+        break
+    if self.blocks.enable_caching:
+      self.blocks.extend_hashes(seq.block_hashes, seq.token_ids)
+      seq.num_registered_blocks = self.blocks.register(seq.block_table, seq.block_hashes, seq.num_registered_blocks,
+                                                       seq.num_computed_tokens)
+    if stop is not None: self.finish(seq, *stop)
     return list(tokens)
+
+  def _release_held(self, request_id: str) -> None:
+    """Completion 0 has read the prompt (or ended): its siblings go to the front of the queue, where their
+    admission finds the prompt's blocks cached."""
+    self.waiting.extendleft(reversed(self.held.pop(request_id, [])))
 
   def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
     p = seq.params
@@ -164,3 +208,7 @@ class Scheduler:
     self.blocks.free(seq.block_table)
     if seq in self.running: self.running.remove(seq)
     elif seq in self.waiting: self.waiting.remove(seq)
+    elif seq in self.held.get(seq.request_id, ()):
+      self.held[seq.request_id].remove(seq)
+      if not self.held[seq.request_id]: del self.held[seq.request_id]
+    if seq.index == 0: self._release_held(seq.request_id)

@@ -26,6 +26,8 @@ class Sequence:
     self.status = SequenceStatus.WAITING
     self.block_table: list[int] = []
     self.num_computed_tokens = 0               # tokens whose K/V are in the cache
+    self.block_hashes: list[bytes] = []        # prefix caching: hash of each full block of token_ids
+    self.num_registered_blocks = 0             # leading blocks of block_table already registered in the prefix cache
     self.draft_block_table: list[int] = []     # speculative decoding: the draft model's cache
     self.draft_num_computed = 0
     self.generator = generator                 # this sequence's own random stream: batch composition never changes it

@@ -26,6 +26,8 @@ class PrometheusStatLogger:
     self.preemptions = counter("num_preemptions", "Sequences preempted (their KV cache dropped, recomputed later)")
     self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced their first token")
     self.generation_tokens = counter("generation_tokens", "Generated tokens")
+    self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+    self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
     self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason", labels + ["finished_reason"],
                             registry=reg)
     self._model_name = model_name
@@ -49,6 +51,8 @@ class PrometheusStatLogger:
     if s.num_preemptions: self.preemptions.inc(s.num_preemptions)
     if it.num_prompt_tokens: self.prompt_tokens.inc(it.num_prompt_tokens)
     if it.num_generation_tokens: self.generation_tokens.inc(it.num_generation_tokens)
+    if s.prefix_cache_queries: self.prefix_queries.inc(s.prefix_cache_queries)
+    if s.prefix_cache_hits: self.prefix_hits.inc(s.prefix_cache_hits)
     for t in it.time_to_first_tokens: self.ttft.observe(t)
     for t in it.inter_token_latencies: self.itl.observe(t)
     for f in it.finished:
