@@ -2,7 +2,9 @@
 machine, measured by the same OpenAI-protocol client (`python -m tinyvllm.bench.serve`, vLLM's definitions).
 
     python bench/serving.py                      # default model, concurrency 1 and 8, 32 requests each
-    python bench/serving.py --concurrency 8 --peers llamacpp --json serving.json
+    python bench/serving.py --concurrency 8 --servers tinyvllm,llamacpp --json serving.json
+    python bench/serving.py --dataset prefix --servers tinyvllm,tinyvllm-nocache --concurrency 1
+    python bench/serving.py --dataset chat --num-prompts 4 --num-turns 6 --concurrency 4
 
 Each server runs alone (one at a time, so they never share the cores), gets a short warm-up at the measured
 concurrency (first requests capture kernels and shapes in every engine), then the timed requests: fresh random
@@ -81,11 +83,12 @@ def mlx_model(gguf: Path) -> Path:
 def start(name: str, gguf: Path, args, logdir: Path) -> Server:
   port = free_port()
   slots = max(args.concurrency)
-  if name == "tinyvllm":
+  if name.startswith("tinyvllm"):   # tinyvllm-nocache: with prefix caching off, to measure what it brings
+    extra = args.tinyvllm_args.split() + (["--no-enable-prefix-caching"] if name == "tinyvllm-nocache" else [])
     return Server(name, [sys.executable, "-m", "tinyvllm.serve", str(gguf), "--port", str(port), "--log-level", "warning",
-                         *args.tinyvllm_args.split()], port, logdir)
+                         *extra], port, logdir)
   if name == "llamacpp":
-    ctx = slots * (args.input_len + args.output_len + 64)   # llama-server splits its context evenly over the slots
+    ctx = slots * (args.context + 64)   # llama-server splits its context evenly over the slots
     return Server(name, [str(llama_server_binary(args.llama_server)), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                          "--parallel", str(slots), "--cont-batching", "-c", str(ctx), "--threads", str(os.cpu_count() or 2),
                          "--threads-batch", str(os.cpu_count() or 2)], port, logdir, ready_path="/health")
@@ -97,33 +100,41 @@ def start(name: str, gguf: Path, args, logdir: Path) -> Server:
 
 
 def measure(server: Server, args, concurrency: int, seed: int, tokenizer) -> dict:
+  """A warm-up (shapes and kernels; different prompts), then the timed run of the dataset at this concurrency."""
   from tqdm import tqdm
-  from tinyvllm.bench.serve import random_prompts, run_load, summarize
+  from tinyvllm.bench.serve import num_requests, run_dataset, summarize, workload
   import httpx
   model = server.model or httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-  rng = np.random.default_rng(seed)
-  warm = random_prompts(tokenizer, concurrency, args.input_len, rng)
-  asyncio.run(run_load(server.url, model, warm, 8, concurrency, None, seed))
-  prompts = random_prompts(tokenizer, args.num_prompts, args.input_len, rng)
-  with tqdm(total=len(prompts), desc=f"{server.name} at concurrency {concurrency}", file=sys.stderr) as bar:
-    results, duration = asyncio.run(run_load(server.url, model, prompts, args.output_len, concurrency, None, seed, bar))
-  return {"server": server.name, "model": model, "num_prompts": args.num_prompts, "input_len": args.input_len,
-          "output_len": args.output_len, "max_concurrency": concurrency, "request_rate": None} | summarize(results, duration)
+  run = argparse.Namespace(**{**vars(args), "max_concurrency": concurrency, "request_rate": None})
+  warm = argparse.Namespace(**{**vars(run), "num_prompts": concurrency, "output_len": 8, "num_turns": 1, "dataset": "random"})
+  run_dataset(server.url, model, tokenizer, warm, seed + 1)
+  with tqdm(total=num_requests(run), desc=f"{server.name} at concurrency {concurrency}", file=sys.stderr) as bar:
+    results, duration = run_dataset(server.url, model, tokenizer, run, seed, bar)
+  return {"server": server.name, "model": model} | workload(run) | summarize(results, duration)
 
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-  ap.add_argument("--peers", default="llamacpp,mlx", help="comma-separated: llamacpp, mlx (empty: tinyvllm only)")
+  ap.add_argument("--servers", default="tinyvllm,llamacpp,mlx",
+                  help="comma-separated: tinyvllm, tinyvllm-nocache (prefix caching off), llamacpp, mlx")
   ap.add_argument("--concurrency", default="1,8", help="comma-separated max concurrency levels")
-  ap.add_argument("--num-prompts", type=int, default=32)
-  ap.add_argument("--input-len", type=int, default=128)
+  ap.add_argument("--dataset", choices=("random", "prefix", "chat"), default="random",
+                  help="random prompts, shared prefixes, or multi-turn chat (python -m tinyvllm.bench.serve --help)")
+  ap.add_argument("--num-prompts", type=int, default=32, help="requests (chat: conversations)")
+  ap.add_argument("--input-len", type=int, default=128, help="prompt tokens (prefix: after the prefix; chat: per turn)")
   ap.add_argument("--output-len", type=int, default=64)
+  ap.add_argument("--num-prefixes", type=int, default=4)
+  ap.add_argument("--prefix-len", type=int, default=1000)
+  ap.add_argument("--num-turns", type=int, default=4)
   ap.add_argument("--tinyvllm-args", default="", help="extra flags for python -m tinyvllm.serve")
   ap.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary (default: build one, once)")
   ap.add_argument("--json", type=Path, default=None)
   args = ap.parse_args()
   args.concurrency = [int(x) for x in args.concurrency.split(",")]
+  # the longest prompt plus output (llama-server gives each slot an equal share of its context)
+  args.context = (args.num_turns * (args.input_len + args.output_len) if args.dataset == "chat" else
+                  args.input_len + (args.prefix_len if args.dataset == "prefix" else 0) + args.output_len)
   from tinyvllm.bench.serve import print_table
   from tinyvllm.model.tokenizer import load_tokenizer
   from tinyvllm.model.weights import resolve_model
@@ -132,7 +143,7 @@ def main() -> None:
   seed = time.time_ns() % 2**32   # fresh prompts every run
   rows, notes = [], []
   with tempfile.TemporaryDirectory() as tmp:
-    for name in ["tinyvllm"] + [p for p in args.peers.split(",") if p]:
+    for name in [x for x in args.servers.split(",") if x]:
       try: server = start(name, gguf, args, Path(tmp))
       except (RuntimeError, subprocess.CalledProcessError, FileNotFoundError) as e:
         notes.append(f"{name} skipped: {str(e).splitlines()[0]}")
@@ -140,13 +151,22 @@ def main() -> None:
       try:
         for c in args.concurrency: rows.append(measure(server, args, c, seed + c, tokenizer))
       finally: server.stop()
-  print(f"\n{args.num_prompts} requests per row, {args.input_len}-token random prompts, {args.output_len} output tokens, "
-        f"{os.cpu_count()} cores, model {gguf.name}")
+  print(f"\ndataset {args.dataset}: {args.num_prompts} {'conversations' if args.dataset == 'chat' else 'requests'} per row, "
+        f"{args.input_len}-token prompts" + (f" after one of {args.num_prefixes} {args.prefix_len}-token prefixes" if args.dataset == "prefix" else "")
+        + (f", {args.num_turns} turns" if args.dataset == "chat" else "") + f", {args.output_len} output tokens, {os.cpu_count()} cores, "
+        f"model {gguf.name}")
   print_table(rows)
+  if args.dataset == "chat":
+    for r in rows: print(f"{r['server']} at {r['max_concurrency']}: TTFT p50 first turn {r['median_ttft_first_turn_ms']:.0f} ms, "
+                         f"later turns {r['median_ttft_later_turns_ms']:.0f} ms")
   for n in notes: print(f"note: {n}")
   for c in args.concurrency:
     ours = next((r for r in rows if r["server"] == "tinyvllm" and r["max_concurrency"] == c), None)
-    peers = [r for r in rows if r["server"] != "tinyvllm" and r["max_concurrency"] == c and r["completed"]]
+    peers = [r for r in rows if not r["server"].startswith("tinyvllm") and r["max_concurrency"] == c and r["completed"]]
+    off = next((r for r in rows if r["server"] == "tinyvllm-nocache" and r["max_concurrency"] == c), None)
+    if ours and off:
+      print(f"concurrency {c}: prefix caching on vs off: TTFT p50 {off['median_ttft_ms'] / ours['median_ttft_ms']:.1f}x lower, "
+            f"duration {off['duration_s'] / ours['duration_s']:.1f}x shorter")
     if ours and peers:
       best = max(peers, key=lambda r: r["output_throughput"])
       fastest = min(peers, key=lambda r: r["median_ttft_ms"])

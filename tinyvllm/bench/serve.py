@@ -1,11 +1,17 @@
 """`python -m tinyvllm.bench.serve --base-url URL`: load any OpenAI-compatible server and measure it as
 `vllm bench serve` does.
 
-Random prompts of a given length (random token ids of the model's tokenizer, decoded: fresh for every run, so
-no server's prompt cache can help), streamed completions (`stream_options.include_usage`, `ignore_eos`), sent at a
-fixed concurrency or with Poisson arrivals at a given rate. Reports request and token throughput, and per request
-TTFT (send to first token), TPOT ((latency - TTFT) / (output tokens - 1)), ITL (gaps between streamed chunks,
-over all requests) and end-to-end latency: mean, median, p99. Prints a table; --json writes the record.
+Streamed completions (`stream_options.include_usage`, `ignore_eos`) sent at a fixed concurrency or with Poisson
+arrivals at a given rate. Prompts are random token ids of the model's tokenizer, decoded, fresh for every run
+(`--seed` to repeat them), in one of three datasets:
+  random  independent prompts of --input-len tokens: no server's prompt cache can help;
+  prefix  vLLM's prefix_repetition: --num-prefixes shared prefixes of --prefix-len tokens, each request one of them
+          plus its own --input-len tokens (a shared system prompt or few-shot template);
+  chat    multi-turn: --num-prompts conversations of --num-turns turns; each turn resends the whole conversation
+          (earlier turns and the server's answers) plus --input-len new tokens, as a chat client does.
+Reports request and token throughput, and per request TTFT (send to first token), TPOT ((latency - TTFT) / (output
+tokens - 1)), ITL (gaps between streamed chunks, over all requests) and end-to-end latency: mean, median, p99
+(chat: TTFT of first and later turns apart). Prints a table; --json writes the record.
 """
 from __future__ import annotations
 import argparse, asyncio, json, sys, time
@@ -24,6 +30,8 @@ class RequestResult:
   ttft: float | None = None          # seconds from sending to the first streamed token
   latency: float = 0.0               # seconds from sending to the end of the stream
   chunk_times: list[float] = field(default_factory=list)   # arrival of every chunk that carried text
+  text: str = ""                     # the streamed completion
+  turn: int = 0                      # chat dataset: which turn of its conversation
 
 
 async def stream_completion(client, url: str, model: str, prompt: str, max_tokens: int) -> RequestResult:
@@ -44,9 +52,10 @@ async def stream_completion(client, url: str, model: str, prompt: str, max_token
         now = time.perf_counter()
         if chunk.get("error"): res.error = str(chunk["error"]); return res
         if chunk.get("usage"): res.prompt_tokens, res.output_tokens = chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"]
-        if any(c.get("text") for c in chunk.get("choices") or []):
+        if text := "".join(c.get("text") or "" for c in chunk.get("choices") or []):
           if res.ttft is None: res.ttft = now - res.start
           res.chunk_times.append(now)
+          res.text += text
     res.latency = time.perf_counter() - res.start
     res.ok = res.ttft is not None
     if not res.ok: res.error = "no tokens streamed"
@@ -77,6 +86,29 @@ async def run_load(url: str, model: str, prompts: list[str], max_tokens: int, co
   return list(results), time.perf_counter() - start
 
 
+async def run_conversations(url: str, model: str, conversations: list[list[str]], max_tokens: int,
+                            concurrency: int | None, progress=None) -> tuple[list[RequestResult], float]:
+  """Multi-turn chat over /v1/completions: each turn's prompt is the conversation so far (every earlier user
+  text and answer) plus the turn's user text. At most `concurrency` conversations run at once; the turns of one
+  conversation follow each other."""
+  import httpx
+  limit = asyncio.Semaphore(concurrency or len(conversations))
+  async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=httpx.Limits(max_connections=None)) as client:
+    async def converse(turns: list[str]) -> list[RequestResult]:
+      history, results = "", []
+      async with limit:
+        for i, user in enumerate(turns):
+          res = await stream_completion(client, url, model, history + user, max_tokens)
+          res.turn = i
+          results.append(res)
+          history += user + res.text
+          if progress: progress.update(1)
+      return results
+    start = time.perf_counter()
+    per_conversation = await asyncio.gather(*(converse(t) for t in conversations))
+  return [r for rs in per_conversation for r in rs], time.perf_counter() - start
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict:
   """vLLM's serving metrics over the completed requests (times in ms)."""
   done = [r for r in results if r.ok]
@@ -91,6 +123,10 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
          "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
          "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
          "total_token_throughput": (in_tokens + out_tokens) / duration}
+  later = [r.ttft * 1e3 for r in done if r.turn > 0]
+  if later:   # chat: the first turn has nothing to reuse, later turns resend the conversation
+    rec |= {"median_ttft_first_turn_ms": float(np.median([r.ttft * 1e3 for r in done if r.turn == 0])),
+            "median_ttft_later_turns_ms": float(np.median(later))}
   for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
     rec |= {f"mean_{name}_ms": float(np.mean(xs)) if xs else None, f"median_{name}_ms": float(np.median(xs)) if xs else None,
             f"p99_{name}_ms": float(np.percentile(xs, 99)) if xs else None}
@@ -102,6 +138,31 @@ def random_prompts(tokenizer, n: int, length: int, rng: np.random.Generator) -> 
   ordinary = [i for i in range(tokenizer.vocab_size) if not tokenizer.is_special(i)]
   ordinary = ordinary[min(100, len(ordinary) // 4):]   # the lowest ids are often control and byte tokens
   return [tokenizer.decode(rng.choice(ordinary, length).tolist()) for _ in range(n)]
+
+
+def prefix_prompts(tokenizer, n: int, num_prefixes: int, prefix_len: int, suffix_len: int, rng: np.random.Generator) -> list[str]:
+  """`n` prompts, request i starting with shared prefix i mod `num_prefixes` and ending with its own suffix."""
+  prefixes = random_prompts(tokenizer, num_prefixes, prefix_len, rng)
+  return [prefixes[i % num_prefixes] + s for i, s in enumerate(random_prompts(tokenizer, n, suffix_len, rng))]
+
+
+def chat_turns(tokenizer, conversations: int, turns: int, turn_len: int, rng: np.random.Generator) -> list[list[str]]:
+  """The user texts of each conversation's turns (the answers come from the server)."""
+  return [random_prompts(tokenizer, turns, turn_len, rng) for _ in range(conversations)]
+
+
+def run_dataset(url: str, model: str, tokenizer, args, seed: int, progress=None) -> tuple[list[RequestResult], float]:
+  """One run of `args.dataset` (the fields of `parser()`), with prompts drawn from `seed`."""
+  rng = np.random.default_rng(seed)
+  if args.dataset == "chat":
+    conversations = chat_turns(tokenizer, args.num_prompts, args.num_turns, args.input_len, rng)
+    return asyncio.run(run_conversations(url, model, conversations, args.output_len, args.max_concurrency, progress))
+  prompts = prefix_prompts(tokenizer, args.num_prompts, args.num_prefixes, args.prefix_len, args.input_len, rng) \
+    if args.dataset == "prefix" else random_prompts(tokenizer, args.num_prompts, args.input_len, rng)
+  return asyncio.run(run_load(url, model, prompts, args.output_len, args.max_concurrency, args.request_rate, seed, progress))
+
+
+def num_requests(args) -> int: return args.num_prompts * (args.num_turns if args.dataset == "chat" else 1)
 
 
 def print_table(rows: list[dict], file=sys.stdout) -> None:
@@ -126,8 +187,12 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
   p.add_argument("--model", default=None, help="the model name to send (default: the first of the server's /v1/models)")
   p.add_argument("--tokenizer", default=None, help="model whose tokenizer makes the prompts (default: tinyvllm's default model)")
-  p.add_argument("--num-prompts", type=int, default=32)
-  p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+  p.add_argument("--dataset", choices=("random", "prefix", "chat"), default="random", help="see above")
+  p.add_argument("--num-prompts", type=int, default=32, help="requests (chat: conversations)")
+  p.add_argument("--input-len", type=int, default=128, help="prompt tokens (prefix: after the prefix; chat: new tokens per turn)")
+  p.add_argument("--num-prefixes", type=int, default=4, help="prefix dataset: distinct shared prefixes")
+  p.add_argument("--prefix-len", type=int, default=1000, help="prefix dataset: tokens of each shared prefix")
+  p.add_argument("--num-turns", type=int, default=4, help="chat dataset: turns per conversation")
   p.add_argument("--output-len", type=int, default=64, help="tokens generated per request (ignore_eos)")
   p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
   p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
@@ -146,15 +211,22 @@ def main(argv: list[str] | None = None) -> dict:
   url = args.base_url.rstrip("/")
   model = args.model or httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
   seed = args.seed if args.seed is not None else time.time_ns() % 2**32
-  prompts = random_prompts(load_tokenizer(resolve_model(args.tokenizer)), args.num_prompts, args.input_len, np.random.default_rng(seed))
-  with tqdm(total=len(prompts), desc=f"requests to {args.label or url}", file=sys.stderr) as bar:
-    results, duration = asyncio.run(run_load(url, model, prompts, args.output_len, args.max_concurrency, args.request_rate, seed, bar))
-  rec = {"server": args.label or url, "model": model, "num_prompts": args.num_prompts, "input_len": args.input_len,
-         "output_len": args.output_len, "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
-         "seed": seed} | summarize(results, duration)
+  tokenizer = load_tokenizer(resolve_model(args.tokenizer))
+  with tqdm(total=num_requests(args), desc=f"requests to {args.label or url}", file=sys.stderr) as bar:
+    results, duration = run_dataset(url, model, tokenizer, args, seed, bar)
+  rec = {"server": args.label or url, "model": model} | workload(args) | {"seed": seed} | summarize(results, duration)
   print_table([rec])
   if rec["errors"]: print(f"errors: {rec['errors']}", file=sys.stderr)
   if args.json: args.json.write_text(json.dumps(rec, indent=1) + "\n")
+  return rec
+
+
+def workload(args) -> dict:
+  """The fields of a record that describe the load."""
+  rec = {"dataset": args.dataset, "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+         "max_concurrency": args.max_concurrency, "request_rate": args.request_rate}
+  if args.dataset == "prefix": rec |= {"num_prefixes": args.num_prefixes, "prefix_len": args.prefix_len}
+  if args.dataset == "chat": rec |= {"num_turns": args.num_turns}
   return rec
 
 
