@@ -121,3 +121,19 @@ def test_async_generate_and_cancellation(tiny_model):
   with pytest.raises(ValueError, match="empty"):
     asyncio.run(engine.generate("", GREEDY).__anext__())
   engine.shutdown()
+
+
+def test_closing_a_merged_single_stream_aborts_it(tiny_model):
+  """The server's merge of request streams, with one stream, closed between two outputs (a client gone while a
+  frame was being sent): the request is aborted, not left running."""
+  from tinyvllm.entrypoints.openai.serving import merge_streams
+  engine = AsyncLLM(str(tiny_model), block_size=8, num_kv_blocks=64)
+
+  async def main():
+    merged = merge_streams([engine.add_request("m", "Hello", SamplingParams(temperature=0, max_tokens=250, ignore_eos=True))])
+    await merged.__anext__()
+    await merged.aclose()
+    return await engine.call(lambda e: e.has_unfinished_requests())
+
+  assert asyncio.run(main()) is False
+  engine.shutdown()

@@ -56,8 +56,9 @@ class LLM:
         results.append(_rejected(rid, prompt, str(e)))
     finished: SimpleQueue = SimpleQueue()
     done: dict[str, RequestOutput] = {}
+    sink = lambda out: out.finished and finished.put(out)   # noqa: E731 (one sink for the call's requests)
     try:
-      for req in requests: self.llm_engine.submit(req, lambda out: out.finished and finished.put(out))
+      for req in requests: self.llm_engine.submit(req, sink)
       with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, file=sys.stderr) as bar:
         while len(done) < len(requests):
           out = finished.get()
@@ -65,7 +66,7 @@ class LLM:
           bar.update(1)
     finally:   # interrupted: nothing of this call may keep running
       for req in requests:
-        if req.request_id not in done: self.llm_engine.abort(req.request_id)
+        if req.request_id not in done: self.llm_engine.abort(req.request_id, sink)
     by_id = iter(done[req.request_id] for req in requests)
     return [r if r is not None else next(by_id) for r in results]
 
@@ -92,7 +93,7 @@ class LLM:
         finished = out.finished
         yield out
     finally:   # the caller stopped early (or was interrupted): free the request's blocks
-      if not finished: self.llm_engine.abort(request.request_id)
+      if not finished: self.llm_engine.abort(request.request_id, stream.put)
 
   def generate_stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
     """Yield the text of one completion piece by piece as it is generated (for notebooks)."""

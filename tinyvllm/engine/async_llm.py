@@ -57,7 +57,7 @@ class RequestStream:
   async def aclose(self) -> None:
     if not self.finished:
       self.finished = True
-      self._engine.abort(self.request_id)
+      self._engine.abort(self.request_id, self._stream.put)
 
 
 class AsyncLLM:

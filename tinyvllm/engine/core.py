@@ -50,14 +50,14 @@ class EngineCore:
     self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
     self.kernels = Kernels(self.kernel_backend, self.device)
     model = self._build_model(ckpt.config, ckpt.tensors, dtype)
-    self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.device)
+    self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.device, config.max_num_seqs)
     self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark, config.enable_prefix_caching)
     self.spec: SpeculativeDecoder | None = None
     if config.draft_model is not None:
       draft = self._load_draft(config.draft_model, ckpt, tokenizer, dtype)
       # as many draft blocks as target blocks: a draft table never outgrows its target table, so the draft pool
       # cannot run dry while the target's has room
-      self.spec = SpeculativeDecoder(ModelRunner(draft, num_blocks, config.block_size, max_model_len, self.device),
+      self.spec = SpeculativeDecoder(ModelRunner(draft, num_blocks, config.block_size, max_model_len, self.device, config.max_num_seqs),
                                      BlockManager(num_blocks, config.block_size, 0.0), config.num_speculative_tokens,
                                      always=config.speculation == "always")
     self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
@@ -123,9 +123,11 @@ class EngineCore:
   def has_unfinished(self) -> bool: return self.scheduler.has_unfinished()
 
   def stats(self) -> SchedulerStats:
-    bm = self.block_manager
-    return SchedulerStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                          kv_cache_usage=(bm.num_blocks - bm.num_free) / bm.num_blocks)
+    """Counts are of requests (a request with n completions is one): running if any of its sequences runs."""
+    bm, sch = self.block_manager, self.scheduler
+    running = {s.request_id for s in sch.running}
+    waiting = ({s.request_id for s in sch.waiting} | set(sch.held)) - running
+    return SchedulerStats(num_running=len(running), num_waiting=len(waiting), kv_cache_usage=(bm.num_blocks - bm.num_free) / bm.num_blocks)
 
   # ---- the step ----
 
@@ -177,8 +179,10 @@ class EngineCore:
     alone. Returns (new tokens per sequence, drafts proposed, drafts accepted)."""
     decodes, speculated, proposals = sched.decodes, [], []
     if self.spec and decodes and self.spec.policy.should_speculate(len(decodes)):
-      proposals = self.spec.propose(decodes, self._penalized) or []
-      if proposals: decodes, speculated = [], decodes
+      # a run of k drafts must fit the context: sequences near max_model_len decode plainly in the same step
+      fits = [s for s in decodes if s.num_tokens + self.spec.k <= self.max_model_len]
+      proposals = self.spec.propose(fits, self._penalized) or [] if fits else []
+      if proposals: decodes, speculated = [s for s in decodes if s not in fits], fits
     want_prompt_logprobs = any(self._wants_prompt_logprobs(c.seq) for c in sched.prefills)
     decode_logits, prefill_logits, verify_logits = self.runner.execute(
       [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:]) for s in decodes],
@@ -191,7 +195,7 @@ class EngineCore:
     for seq, logits in zip(decodes, decode_logits):
       self._guarded(seq, outputs, lambda: self._sample(seq, logits[None], outputs, sampled))
     for chunk, logits in zip(sched.prefills, prefill_logits):
-      rows = logits[:chunk.num_tokens] if want_prompt_logprobs else logits[None]
+      rows = logits if want_prompt_logprobs else logits[None]     # every slot of the chunk, or its last
       def sample_chunk(chunk=chunk, rows=rows):
         if self._wants_prompt_logprobs(chunk.seq): self._prompt_logprobs(chunk.seq, chunk.seq.num_computed_tokens, rows, outputs)
         if chunk.completes_prompt: self._sample(chunk.seq, rows[-1:], outputs, sampled)

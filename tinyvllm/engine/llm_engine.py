@@ -10,12 +10,13 @@ use an LLMEngine only from the thread that built it. `LLM` and `AsyncLLM` run on
 (`ThreadedEngine`), which is what makes them usable from any thread.
 """
 from __future__ import annotations
+import dataclasses, time
 from collections.abc import Iterable
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.core import EngineCore
 from tinyvllm.engine.input_processor import InputProcessor
-from tinyvllm.engine.output_processor import IterationStats, OutputProcessor
-from tinyvllm.engine.request import CoreOutput, EngineRequest, SchedulerStats
+from tinyvllm.engine.output_processor import IterationStats, OutputProcessor, finished_stats
+from tinyvllm.engine.request import EngineRequest, SchedulerStats
 from tinyvllm.model.tokenizer import load_tokenizer
 from tinyvllm.model.weights import load_checkpoint
 from tinyvllm.outputs import RequestOutput
@@ -70,23 +71,25 @@ class LLMEngine:
   def step(self) -> list[RequestOutput]:
     """Run one model step; returns the outputs of the requests it advanced (a snapshot each: text so far).
 
-    A failure the core cannot confine to its requests (a bug in scheduling, say) fails every unfinished request
-    with finish_reason "error" and leaves the engine empty and ready for new requests."""
+    Failures are confined by the core and output processing to the requests they concern. One the core cannot
+    confine (a bug in scheduling, say) fails every unfinished request with finish_reason "error" and leaves the
+    engine empty and ready for new requests."""
     try:
       core_outputs, scheduler_stats = self.core.step()
     except Exception as e:
-      return self.abort_request(list(self.output_processor.requests), error=f"engine step failed: {type(e).__name__}: {e}")
-    outputs, to_abort, iteration_stats = self._process(core_outputs)
-    for rid, index in to_abort: self.core.abort(rid, index, reason="stop")
-    self.last_stats = (scheduler_stats, iteration_stats)
+      finals = self.abort_request(list(self.output_processor.requests), error=f"engine step failed: {type(e).__name__}: {e}")
+      now = time.time()
+      self.last_stats = (self.core.stats(), IterationStats(finished=[finished_stats(o, "error", now) for o in finals]))
+      return finals
+    outputs, to_abort, iteration_stats = self.output_processor.process(core_outputs)
+    for rid, index, reason in to_abort: self.core.abort(rid, index, reason=reason)
+    self.last_stats = (scheduler_stats if not to_abort else self._with_state(scheduler_stats), iteration_stats)
     return outputs
 
-  def _process(self, core_outputs: list[CoreOutput]):
-    try:
-      return self.output_processor.process(core_outputs)
-    except Exception as e:   # detokenizing or stop checks failed: fail the requests this step touched
-      rids = list(dict.fromkeys(o.request_id for o in core_outputs))
-      return self.abort_request(rids, error=f"output processing failed: {type(e).__name__}: {e}"), [], IterationStats()
+  def _with_state(self, stats: SchedulerStats) -> SchedulerStats:
+    """The step's counts with the state after the aborts that followed it."""
+    now = self.core.stats()
+    return dataclasses.replace(stats, num_running=now.num_running, num_waiting=now.num_waiting, kv_cache_usage=now.kv_cache_usage)
 
   # ---- read-only views (benchmarks, tests) ----
 

@@ -133,8 +133,9 @@ class ModelRunner:
   looks up the embeddings), one decoder *layer*, replayed once per layer with that layer's weights and
   cache, and the LM head. Capturing a whole 30-layer model instead costs seconds of tinygrad scheduling for
   every new shape; one layer costs a thirtieth of that, and a direct replay about 50 us."""
-  def __init__(self, model: Llama, num_blocks: int, block_size: int, max_model_len: int, device: str):
+  def __init__(self, model: Llama, num_blocks: int, block_size: int, max_model_len: int, device: str, max_num_seqs: int = 32):
     self.model, self.device, self.block_size, self.num_blocks = model, device, block_size, num_blocks
+    self.max_num_seqs = max_num_seqs
     self.max_blocks = -(-max_model_len // block_size)   # block-table width; the used extent is a Variable
     self.kv_extent = UOp.variable("kv_blocks", 1, self.max_blocks)
     cfg = model.cfg
@@ -167,29 +168,37 @@ class ModelRunner:
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype_size
 
   def execute(self, decodes: list[WorkItem], prefills: list[WorkItem] = (), verifies: list[WorkItem] = (),
-              prefill_all_logits: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              prefill_all_logits: bool = False) -> tuple[np.ndarray, np.ndarray | list[np.ndarray], np.ndarray]:
     """Read the given tokens. Returns float32 logits: `[len(decodes), V]` (one token each), `[len(prefills), V]`
-    (each chunk's last token; with `prefill_all_logits`, `[len(prefills), C, V]` for every slot of the padded
-    chunks, as prompt logprobs need) and `[len(verifies), K, V]` (every token of each verified run; all runs
-    have K tokens).
+    (each chunk's last token; with `prefill_all_logits`, one `[chunk length, V]` array per chunk instead, as
+    prompt logprobs need) and `[len(verifies), K, V]` (every token of each verified run; all runs have K tokens).
 
     Each kind runs as its own pass. One pass over all three would read the weights once instead of up to
     three times, but every combination of bucket sizes would be a shape to capture; separate passes keep the
     shapes to the sum of the kinds' buckets, not their product."""
     vocab = self.model.cfg.vocab_size
     out = [np.zeros((0, vocab), np.float32), np.zeros((0, vocab), np.float32), np.zeros((0, 0, vocab), np.float32)]
-    pack_prefills = self.model.kernels.packs_prefill and not prefill_all_logits
-    for i, (items, query_len, all_logits) in enumerate((
-        (decodes, 1, False),
-        (prefills, token_bucket(sum(len(w.tokens) for w in prefills)) if pack_prefills else
-                   bucket(max((len(w.tokens) for w in prefills), default=1), minimum=8), prefill_all_logits),
-        (verifies, max((len(w.tokens) for w in verifies), default=1), True))):
+    for i, items in enumerate((decodes, prefills, verifies)):
       if not items: continue
-      shape = PassShape(bucket(len(items)), query_len, all_logits, packed=pack_prefills and i == 1)
+      shape = self._shape(i, items, prefill_all_logits)
       packed, used_blocks = self.prepare(shape, items)
       logits = self._forward(shape, packed, used_blocks)
-      out[i] = logits.reshape(-1, query_len, vocab)[:len(items)] if all_logits else logits[:len(items)]
+      if i == 1 and prefill_all_logits:   # rows are token slots: each chunk's own, in its place
+        starts = np.cumsum([0] + [len(w.tokens) for w in items]) if shape.packed else np.arange(len(items)) * shape.query_len
+        out[i] = [logits[start:start + len(w.tokens)] for start, w in zip(starts, items)]
+      elif shape.all_logits: out[i] = logits.reshape(-1, shape.query_len, vocab)[:len(items)]
+      else: out[i] = logits[:len(items)]
     return out[0], out[1], out[2]
+
+  def _shape(self, kind: int, items: list[WorkItem], prefill_all_logits: bool) -> PassShape:
+    """The pass shape of decodes (kind 0), prefill chunks (1) or verified runs (2). Packed prefill passes fix their
+    sequence rows at `max_num_seqs`: their shapes then vary only with the token count (about 13 sizes), not with
+    its product with the sequence count, which would outgrow the captures kept."""
+    if kind == 0: return PassShape(bucket(len(items)), 1, False)
+    if kind == 2: return PassShape(bucket(len(items)), max(len(w.tokens) for w in items), True)
+    if self.model.kernels.packs_prefill:
+      return PassShape(bucket(self.max_num_seqs), token_bucket(sum(len(w.tokens) for w in items)), prefill_all_logits, packed=True)
+    return PassShape(bucket(len(items)), bucket(max(len(w.tokens) for w in items), minimum=8), prefill_all_logits)
 
   def prepare(self, shape: PassShape, items: list[WorkItem]) -> tuple[np.ndarray, int]:
     """Pack every integer input of a pass into one int32 array (one host->device copy), fields in FIELDS

@@ -67,41 +67,60 @@ class OutputProcessor:
 
   def has_unfinished(self) -> bool: return bool(self.requests)
 
-  def process(self, core_outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, int]], IterationStats]:
-    """Apply one step's core outputs. Returns the RequestOutputs of the requests it advanced, the (request id,
-    completion index) pairs that a stop string finished (to abort in the core) and the step's stats."""
+  def process(self, core_outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, int | None, str]], IterationStats]:
+    """Apply one step's core outputs. Returns the RequestOutputs of the requests it advanced, what to abort in the
+    core as (request id, completion index or None for all, reason: "stop" after a stop string, "error" after a
+    failure here) and the step's stats. A request whose processing raises fails alone."""
     now, stats = time.time(), IterationStats()
-    touched: dict[str, RequestState] = {}
-    to_abort: list[tuple[str, int]] = []
-    for out in core_outputs:
-      state = self.requests.get(out.request_id)
+    by_request: dict[str, list[CoreOutput]] = {}
+    for out in core_outputs: by_request.setdefault(out.request_id, []).append(out)
+    results: list[RequestOutput] = []
+    to_abort: list[tuple[str, int | None, str]] = []
+    for rid, outs in by_request.items():
+      state = self.requests.get(rid)
       if state is None: continue     # aborted by the caller while the step ran
-      touched[out.request_id] = state
-      c = state.completions[out.index]
-      if c.finish_reason is not None: continue   # a stop string ended it; its abort reached the core after this step
-      if out.prompt_logprobs: state.prompt_logprobs += [self._logprob_dict(e) for e in out.prompt_logprobs]
-      if out.finish_reason == "error":
-        state.error = state.error or out.error
-        c.text += c.detokenizer.flush()
-        c.finish_reason = "error"
-        continue
-      before = len(c.token_ids)
-      stopped = self._add_tokens(state, c, out)
-      stats.num_generation_tokens += len(c.token_ids) - before
-      if stopped and out.finish_reason is None: to_abort.append((out.request_id, out.index))
-      if c.finish_reason is None and out.finish_reason is not None:
-        c.text += c.detokenizer.flush()
-        c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
-    results = []
-    for rid, state in touched.items():
-      self._step_stats(state, now, stats)
-      results.append(self._output(state))
-      if state.finished:
-        del self.requests[rid]
-        m = state.request.metrics
-        stats.finished.append(FinishedRequestStats(self._finish_reason(state), now - m.arrival_time, m.num_prompt_tokens,
-                                                   sum(len(c.token_ids) for c in state.completions)))
+      try:
+        for out in outs:
+          if self._apply(state, out, stats): to_abort.append((rid, out.index, "stop"))
+        self._step_stats(state, now, stats)
+        results.append(self._output(state))
+      except Exception as e:
+        results.append(self._fail(state, f"output processing failed: {type(e).__name__}: {e}"))
+        to_abort.append((rid, None, "error"))
+    for out in results:
+      if out.finished:
+        state = self.requests.pop(out.request_id)
+        stats.finished.append(finished_stats(out, self._finish_reason(state), now))
     return results, to_abort, stats
+
+  def _apply(self, state: RequestState, out: CoreOutput, stats: IterationStats) -> bool:
+    """One completion's step; True when a stop string ended it (the core has yet to hear of it)."""
+    c = state.completions[out.index]
+    if c.finish_reason is not None: return False   # a stop string ended it; its abort reached the core after this step
+    if out.prompt_logprobs: state.prompt_logprobs += [self._logprob_dict(e) for e in out.prompt_logprobs]
+    if out.finish_reason == "error":
+      state.error = state.error or out.error
+      c.text += c.detokenizer.flush()
+      c.finish_reason = "error"
+      return False
+    before = len(c.token_ids)
+    stopped = self._add_tokens(state, c, out)
+    stats.num_generation_tokens += len(c.token_ids) - before
+    if c.finish_reason is None and out.finish_reason is not None:
+      c.text += c.detokenizer.flush()
+      c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+    return stopped and out.finish_reason is None
+
+  def _fail(self, state: RequestState, error: str) -> RequestOutput:
+    """Finish every completion of a request with an error, without the detokenizer (it may be what failed)."""
+    for c in state.completions:
+      if c.finish_reason is None: c.finish_reason = "error"
+    state.error = state.error or error
+    state.request.metrics.finished_time = time.time()
+    req = state.request
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                         [CompletionOutput(c.index, c.text, list(c.token_ids), finish_reason=c.finish_reason) for c in state.completions],
+                         True, dataclasses.replace(req.metrics), error=state.error)
 
   def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
     """Finish every running completion of a request; returns its final output (None if unknown)."""
@@ -127,7 +146,8 @@ class OutputProcessor:
         c.cumulative_logprob += next(lp for t, lp, _ in entry if t == token)
       delta = c.detokenizer.add(token)
       c.text += delta
-      if p.stop_strings and self._hit_stop_string(c, p, len(delta)): return True
+      # like stop tokens (banned until then), stop strings count only from min_tokens on
+      if p.stop_strings and len(c.token_ids) >= p.min_tokens and self._hit_stop_string(c, p, len(delta)): return True
     return False
 
   @staticmethod
@@ -172,6 +192,11 @@ class OutputProcessor:
                          dataclasses.replace(req.metrics), error=state.error,
                          prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
                          num_cached_tokens=req.metrics.num_cached_tokens or 0)
+
+
+def finished_stats(out: RequestOutput, reason: str, now: float) -> FinishedRequestStats:
+  return FinishedRequestStats(reason, now - out.metrics.arrival_time, len(out.prompt_token_ids),
+                              sum(len(c.token_ids) for c in out.outputs))
 
 
 def _visible_text(c: CompletionState, stop_strings: tuple[str, ...]) -> str:

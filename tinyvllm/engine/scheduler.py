@@ -70,7 +70,7 @@ class Scheduler:
     # decodes, oldest first; each needs room for its next token (plus any lookahead)
     for seq in list(self.running):
       if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling: continue
-      if not self._make_room(seq, seq.num_tokens + self.lookahead, out): continue
+      if not self._make_room(seq, min(seq.num_tokens + self.lookahead, self.max_model_len), out): continue
       out.decodes.append(seq)
       budget -= 1
     # prefill chunks: running sequences mid-prompt first, then new ones in arrival order

@@ -87,9 +87,11 @@ class ThreadedEngine:
     self._commands.put(("add", request, sink))
     if self._stopped: self._fail_queued("the engine was shut down")   # it stopped just now: nobody will take this
 
-  def abort(self, request_id: str) -> None:
-    """Stop a request before the next step; its sink gets a final output with finish_reason "abort"."""
-    self._commands.put(("abort", request_id))
+  def abort(self, request_id: str, sink: Sink | None = None) -> None:
+    """Stop a request before the next step; its sink gets a final output with finish_reason "abort". With `sink`,
+    only if the request under that id is still the one submitted with it (ids can be reused once a request ends,
+    and a refused duplicate must not abort the original)."""
+    self._commands.put(("abort", request_id, sink))
 
   def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
     """Run fn(engine) in the engine thread between two steps and return its result (or raise its exception):
@@ -167,6 +169,7 @@ class ThreadedEngine:
     except BaseException as e:   # a bug in this loop: every waiting caller must hear of it rather than hang
       traceback.print_exc(file=sys.stderr)
       self._failure = e.with_traceback(None)   # the traceback's frames would keep the engine alive
+      self._stopped = True                      # first: a submit from now on drains the queue itself
       self._fail_sinks(f"the engine thread stopped: {type(e).__name__}: {e}")
     finally:
       self._stopped = True
@@ -200,7 +203,8 @@ class ThreadedEngine:
       except Exception as e:   # e.g. a request id already in use: this request fails, nothing else
         self._guarded(sink, error_output(req.request_id, req.prompt, req.prompt_token_ids, str(e), req.metrics))
     elif kind == "abort":
-      self._deliver(engine.abort_request(cmd[1]))
+      _, rid, sink = cmd
+      if sink is None or self._sinks.get(rid) == sink: self._deliver(engine.abort_request(rid))   # == : bound methods
     elif kind == "call":
       _, fn, future = cmd
       try:

@@ -6,7 +6,7 @@ defines (a typo). Fields that only describe the caller (`user`, `metadata`, `sto
 from __future__ import annotations
 import json, re
 from typing import Any, ClassVar
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -22,10 +22,17 @@ class APIError(Exception):
     return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _defaults_for_nulls(model: BaseModel) -> BaseModel:
+  for name, f in type(model).model_fields.items():
+    if getattr(model, name) is None and f.default is not None: object.__setattr__(model, name, f.default)
+  return model
+
+
 class StreamOptions(BaseModel):
   model_config = ConfigDict(extra="forbid", strict=True)
-  include_usage: bool = False
-  continuous_usage_stats: bool = False   # vLLM's: usage in every chunk
+  _null_means_default = model_validator(mode="after")(_defaults_for_nulls)
+  include_usage: bool | None = False
+  continuous_usage_stats: bool | None = False   # vLLM's: usage in every chunk
 
 
 class _Request(BaseModel):
@@ -38,13 +45,13 @@ class _Request(BaseModel):
 
   model: str | None = None
   # OpenAI sampling
-  frequency_penalty: float = 0.0
-  presence_penalty: float = 0.0
+  frequency_penalty: float | None = 0.0
+  presence_penalty: float | None = 0.0
   logit_bias: dict[str, float] | None = None
-  n: int = 1
+  n: int | None = 1
   seed: int | None = None
   stop: str | list[str] | None = None
-  stream: bool = False
+  stream: bool | None = False
   stream_options: StreamOptions | None = None
   temperature: float | None = None
   top_p: float | None = None
@@ -58,11 +65,16 @@ class _Request(BaseModel):
   min_p: float | None = None
   repetition_penalty: float | None = None
   stop_token_ids: list[int] | None = None
-  ignore_eos: bool = False
-  min_tokens: int = 0
-  include_stop_str_in_output: bool = False
-  skip_special_tokens: bool = True
+  ignore_eos: bool | None = False
+  min_tokens: int | None = 0
+  include_stop_str_in_output: bool | None = False
+  skip_special_tokens: bool | None = True
   prompt_logprobs: int | None = None
+
+  @model_validator(mode="after")
+  def _null_means_default(self):
+    """OpenAI lets clients send null for most fields: it means the default."""
+    return _defaults_for_nulls(self)
 
   def check_fields(self) -> None:
     for name, unused in self.UNSUPPORTED:
@@ -102,12 +114,12 @@ class ChatCompletionRequest(_Request):
                  ("structured_outputs", None), ("guided_json", None), ("guided_regex", None), ("guided_choice", None),
                  ("guided_grammar", None))
   messages: list[dict[str, Any]]
-  logprobs: bool = False
+  logprobs: bool | None = False
   top_logprobs: int | None = None
   max_tokens: int | None = None             # deprecated by OpenAI, still what most clients send
   max_completion_tokens: int | None = None
-  add_generation_prompt: bool = True
-  continue_final_message: bool = False
+  add_generation_prompt: bool | None = True
+  continue_final_message: bool | None = False
   chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -117,9 +129,9 @@ class CompletionRequest(_Request):
   prompt: str | list[str] | list[int] | list[list[int]]
   max_tokens: int | None = 16               # OpenAI's default for completions
   logprobs: int | None = None
-  echo: bool = False
+  echo: bool | None = False
   best_of: int | None = None
-  add_special_tokens: bool = True           # vLLM's: BOS before a text prompt
+  add_special_tokens: bool | None = True           # vLLM's: BOS before a text prompt
 
 
 class TokenizeRequest(BaseModel):
@@ -128,8 +140,8 @@ class TokenizeRequest(BaseModel):
   prompt: str | None = None
   messages: list[dict[str, Any]] | None = None
   add_special_tokens: bool | None = None
-  add_generation_prompt: bool = True
-  continue_final_message: bool = False
+  add_generation_prompt: bool | None = True
+  continue_final_message: bool | None = False
   chat_template_kwargs: dict[str, Any] | None = None
 
 

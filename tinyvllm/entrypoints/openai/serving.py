@@ -167,7 +167,9 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
   """(stream index, output) from several streams as they arrive. Closing the merged iterator (a client gone)
   closes every stream, which aborts their requests."""
   if len(streams) == 1:
-    async for out in streams[0]: yield 0, out
+    try:
+      async for out in streams[0]: yield 0, out
+    finally: await streams[0].aclose()   # closed at a yield (a client gone while we sent): abort
     return
   queue: asyncio.Queue = asyncio.Queue()
   async def pump(i: int, stream: RequestStream) -> None:

@@ -75,6 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
   async def _stream(self, body: CompletionRequest, request_id: str, started: float,
                     streams: list[RequestStream]) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
       data = {"id": request_id, "object": "text_completion", "created": int(started), "model": self.settings.served_model_name,
               "choices": choices}
@@ -96,7 +97,8 @@ class OpenAIServingCompletion(OpenAIServing):
           if key in sent and sent[key] is None: continue            # finished already
           text_from, tokens_from = sent.get(key, (0, 0))
           if key in sent and len(c.text) == text_from and len(c.token_ids) == tokens_from and c.finish_reason is None: continue
-          yield chunk([self._choice(body, i, out, c, prefix_done=key in sent, text_from=text_from, tokens_from=tokens_from)])
+          usage = self.usage([o for o in finals if o is not None]) if continuous else None
+          yield chunk([self._choice(body, i, out, c, prefix_done=key in sent, text_from=text_from, tokens_from=tokens_from)], usage)
           sent[key] = None if c.finish_reason is not None else (len(c.text), len(c.token_ids))
       else:
         status = "ok"

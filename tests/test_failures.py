@@ -1,0 +1,140 @@
+"""Failures stay with the requests they concern: a failing model pass, sampler or detokenizer fails its own
+requests, the others finish as if nothing happened, the engine serves the next call, and metrics count each
+request once. Also the edges an independent review found: speculation at the end of the context, request counts
+with n > 1, aborts of reused ids, a crashed engine thread, stop strings before min_tokens."""
+from __future__ import annotations
+import asyncio
+import numpy as np
+import pytest
+from tinyvllm import AsyncLLM, LLM, SamplingParams
+from tinyvllm.engine.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def engine_for(path, **kw) -> LLMEngine:
+  return LLMEngine.from_kwargs(str(path), **{"block_size": 8, "num_kv_blocks": 64, **kw})
+
+
+def run(engine: LLMEngine) -> dict:
+  finals = {}
+  while engine.has_unfinished_requests():
+    for out in engine.step():
+      if out.finished: finals[out.request_id] = out
+  return finals
+
+
+def test_a_failing_model_pass_fails_its_requests_and_the_engine_goes_on(tiny_model):
+  engine = engine_for(tiny_model)
+  want = run_one(engine, "ok-0")
+  execute = engine.runner.execute
+  calls = {"n": 0}
+  def flaky(*a, **kw):
+    calls["n"] += 1
+    if calls["n"] == 2: raise RuntimeError("injected model failure")
+    return execute(*a, **kw)
+  engine.runner.execute = flaky
+  engine.add_request("a", "Hello world", GREEDY)
+  engine.step()                                                       # prefill: fine
+  outs = engine.step()                                                # the decode pass raises
+  assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("a", "error")]
+  assert "injected model failure" in outs[0].error
+  sched, it = engine.last_stats
+  assert [f.finish_reason for f in it.finished] == ["error"] and it.num_generation_tokens == 0   # counted once, as error
+  assert not engine.has_unfinished_requests() and engine.block_manager.num_free == engine.block_manager.num_blocks
+  assert run_one(engine, "ok-1") == want                               # the next request is served as before
+
+
+def run_one(engine: LLMEngine, rid: str) -> list[int]:
+  engine.add_request(rid, "Hello world", GREEDY)
+  return run(engine)[rid].outputs[0].token_ids
+
+
+def test_a_failing_sampler_or_detokenizer_fails_only_its_request(tiny_model):
+  engine = engine_for(tiny_model)
+  want = {rid: run_one(engine, rid) for rid in ("w",)}["w"]
+  # sampling: a request whose penalties blow up
+  penalized = engine.core._penalized
+  def bad_penalty(seq, logits, extra=()):
+    if seq.request_id == "bad": raise ValueError("injected sampling failure")
+    return penalized(seq, logits, extra)
+  engine.core._penalized = bad_penalty
+  for rid in ("good", "bad"): engine.add_request(rid, "Hello world", GREEDY)
+  finals = run(engine)
+  assert finals["bad"].outputs[0].finish_reason == "error" and "injected sampling failure" in finals["bad"].error
+  assert finals["good"].outputs[0].token_ids == want and finals["good"].error is None
+  engine.core._penalized = penalized
+  # detokenization: one request's detokenizer raises mid-generation
+  for rid in ("good2", "bad2"): engine.add_request(rid, "Hello world", GREEDY)
+  engine.step()
+  state = engine.output_processor.requests["bad2"].completions[0]
+  state.detokenizer.add = lambda token: (_ for _ in ()).throw(UnicodeError("injected detokenizer failure"))
+  finals = run(engine)
+  assert finals["bad2"].outputs[0].finish_reason == "error" and "injected detokenizer failure" in finals["bad2"].error
+  assert finals["good2"].outputs[0].token_ids == want
+  assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+def test_speculation_near_the_end_of_the_context(tiny_model):
+  """A sequence a few tokens from max_model_len decodes plainly while its neighbours speculate; both finish
+  with the tokens of an engine without a draft."""
+  prompts = [[7] * 20, [9] * 5]
+  params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+  want = [o.outputs[0].token_ids for o in LLM(str(tiny_model), max_model_len=32, block_size=8, num_kv_blocks=32)
+          .generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+  spec = LLM(str(tiny_model), max_model_len=32, block_size=8, num_kv_blocks=32, draft_model="self:1", speculation="always")
+  outs = spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+  assert [o.outputs[0].token_ids for o in outs] == want and [o.error for o in outs] == [None, None]
+  assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"] and len(want[0]) == 12
+  spec.shutdown()
+
+
+def test_requests_are_counted_once_whatever_n(tiny_model):
+  engine = engine_for(tiny_model, max_num_seqs=1, enable_prefix_caching=False)
+  engine.add_request("n4", "Hello", SamplingParams(n=4, max_tokens=3, temperature=1.0, seed=1))
+  engine.step()
+  stats = engine.core.stats()
+  assert (stats.num_running, stats.num_waiting) == (1, 0)             # one request, partly running: not waiting
+  engine.add_request("other", "World", GREEDY)
+  assert engine.core.stats().num_waiting == 1
+  run(engine)
+
+
+def test_aborting_a_refused_duplicate_leaves_the_original_alone(tiny_model):
+  engine = AsyncLLM(str(tiny_model), block_size=8, num_kv_blocks=64)
+
+  async def main():
+    original = engine.add_request("same", "Hello", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    duplicate = engine.add_request("same", "Hello", GREEDY)
+    refused = await duplicate.__anext__()
+    assert refused.finished and "already in use" in refused.error
+    await duplicate.aclose()
+    last = None
+    async for last in original: pass
+    return last
+
+  last = asyncio.run(main())
+  assert last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 30
+  engine.shutdown()
+
+
+def test_a_dead_engine_thread_fails_callers_instead_of_hanging(tiny_model):
+  llm = LLM(str(tiny_model), block_size=8, num_kv_blocks=64)
+  class Boom(BaseException): pass   # escapes LLMEngine.step's handling, as a bug in the loop would
+  def explode(): raise Boom("injected crash")
+  llm.llm_engine.call(lambda e: setattr(e, "step", explode))
+  out = llm.generate("Hello", GREEDY, use_tqdm=False)[0]
+  assert out.outputs[0].finish_reason == "error" and "engine thread stopped" in out.error
+  with pytest.raises(RuntimeError, match="not running"): llm.generate("Hello", GREEDY, use_tqdm=False)
+  with pytest.raises(RuntimeError, match="not running"): llm.llm_engine.call(lambda e: None)
+
+
+def test_stop_strings_count_from_min_tokens(tiny_model):
+  llm = LLM(str(tiny_model), block_size=8, num_kv_blocks=64)
+  base = llm.generate({"prompt_token_ids": [11, 22, 33]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                      use_tqdm=False)[0].outputs[0]
+  stop = llm.get_tokenizer().decode(base.token_ids[:1])                # the very first token's text
+  out = llm.generate({"prompt_token_ids": [11, 22, 33]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                                         stop=[stop], min_tokens=12), use_tqdm=False)[0].outputs[0]
+  assert out.token_ids == base.token_ids and out.finish_reason == "length"
+  llm.shutdown()
