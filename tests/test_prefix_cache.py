@@ -60,6 +60,7 @@ def test_eviction_pressure_and_preemption(tiny_model, reference):
 
 
 def test_speculative_decoding_with_caching(tiny_model_factory, reference):
+  """The draft's cache follows the target's rule: outputs unchanged, and a cached prompt is skipped by both."""
   target, draft = tiny_model_factory("gqa"), tiny_model_factory("gqa", seed=1)
   prompts = shared_prefix_prompts(5, 37, seed=3)
   want = token_ids(reference.generate(prompts, GREEDY, use_tqdm=False))
@@ -68,6 +69,16 @@ def test_speculative_decoding_with_caching(tiny_model_factory, reference):
   first, second = run_twice(llm, prompts, GREEDY)
   assert token_ids(first) == want and token_ids(second) == want and all(o.num_cached_tokens >= 32 for o in second)
   llm.shutdown()
+  engine = LLMEngine.from_kwargs(str(target), draft_model=str(draft), num_speculative_tokens=3, speculation="always",
+                                 block_size=8, num_kv_blocks=128)
+  read = []
+  for rid in ("a", "b"):
+    draft_read = spy_prefill_tokens(engine, engine.spec.runner)
+    engine.add_request(rid, prompts[0], GREEDY)
+    while engine.has_unfinished_requests(): engine.step()
+    read.append(sum(draft_read))
+  n = len(prompts[0]["prompt_token_ids"]) + 1                          # the draft first reads at the first decode step
+  assert read == [n, n - (n - 1) // 8 * 8]                              # the second time it reads the last block only
 
 
 def test_n_completions_share_the_prompt(tiny_model, reference):
@@ -146,12 +157,13 @@ def tiny_model_path(llm: LLM):
   return llm.llm_engine.config.model
 
 
-def spy_prefill_tokens(engine: LLMEngine) -> list[int]:
-  """Record how many prefill tokens each model step gives the runner."""
+def spy_prefill_tokens(engine: LLMEngine, runner=None) -> list[int]:
+  """Record how many prefill tokens each pass gives the runner (the target's, or `runner`)."""
+  runner = runner or engine.runner
   read: list[int] = []
-  execute = engine.runner.__class__.execute
+  execute = runner.__class__.execute
   def spy(decodes, prefills=(), verifies=(), **kw):
     read.append(sum(len(w.tokens) for w in prefills))
-    return execute(engine.runner, decodes, prefills, verifies, **kw)
-  engine.runner.execute = spy
+    return execute(runner, decodes, prefills, verifies, **kw)
+  runner.execute = spy
   return read

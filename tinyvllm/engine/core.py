@@ -58,7 +58,7 @@ class EngineCore:
       # as many draft blocks as target blocks: a draft table never outgrows its target table, so the draft pool
       # cannot run dry while the target's has room
       self.spec = SpeculativeDecoder(ModelRunner(draft, num_blocks, config.block_size, max_model_len, self.device, config.max_num_seqs),
-                                     BlockManager(num_blocks, config.block_size, 0.0), config.num_speculative_tokens,
+                                     BlockManager(num_blocks, config.block_size, 0.0, config.enable_prefix_caching), config.num_speculative_tokens,
                                      always=config.speculation == "always")
     self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
                                frozenset(tokenizer.eos_token_ids),

@@ -30,6 +30,7 @@ class Sequence:
     self.num_registered_blocks = 0             # leading blocks of block_table already registered in the prefix cache
     self.draft_block_table: list[int] = []     # speculative decoding: the draft model's cache
     self.draft_num_computed = 0
+    self.draft_num_registered = 0              # leading draft blocks registered in the draft's prefix cache
     self.generator = generator                 # this sequence's own random stream: batch composition never changes it
     # prompt positions whose logprobs were sent (prompt_logprobs): a recompute after preemption sends none again
     self.num_prompt_logprobs_sent = 0

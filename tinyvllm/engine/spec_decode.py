@@ -28,20 +28,37 @@ class SpeculativeDecoder:
     self.policy = SpecPolicy(num_tokens, always=always)
 
   def release(self, seq: Sequence) -> None:
-    """Forget seq's draft cache (finished or preempted: a preempted sequence recomputes both caches)."""
+    """Let seq's draft cache go (finished or preempted), its verified full blocks registered first: with prefix
+    caching the draft's cache follows the target's rule, so a later prompt with the same prefix skips it in both."""
+    self.rollback(seq, seq.num_computed_tokens)
     self.blocks.free(seq.draft_block_table)
-    seq.draft_num_computed = 0
+    seq.draft_num_computed = seq.draft_num_registered = 0
 
   def rollback(self, seq: Sequence, num_valid: int) -> None:
-    """Keep only draft K/V of the first `num_valid` tokens; empty blocks go back to the pool at once."""
+    """Keep only draft K/V of the first `num_valid` tokens (verified: the target's), empty blocks back to the pool at
+    once; full blocks of verified tokens are registered in the draft's prefix cache."""
     seq.draft_num_computed = min(seq.draft_num_computed, num_valid)
     self.blocks.truncate(seq.draft_block_table, seq.draft_num_computed)
+    if self.blocks.enable_caching:
+      seq.draft_num_registered = self.blocks.register(seq.draft_block_table, seq.block_hashes, seq.draft_num_registered,
+                                                      seq.draft_num_computed)
+
+  def _start_from_cache(self, seq: Sequence) -> None:
+    """A sequence new to the draft takes the longest cached run of its prompt's blocks (leaving at least its last
+    token to read: its logits give the first draft)."""
+    if not self.blocks.enable_caching or seq.draft_block_table: return
+    self.blocks.extend_hashes(seq.block_hashes, seq.token_ids)
+    hit = self.blocks.cached_prefix(seq.block_hashes, (seq.num_tokens - 1) // self.blocks.block_size)
+    if self.blocks.num_reclaimed(hit) > self.blocks.num_free: return
+    self.blocks.take(seq.draft_block_table, hit)
+    seq.draft_num_computed, seq.draft_num_registered = len(hit) * self.blocks.block_size, len(hit)
 
   def propose(self, seqs: list[Sequence], penalize) -> list[Proposal] | None:
     """k drafted tokens per sequence, sampled from the draft with each sequence's own parameters and stream.
     `penalize(seq, logits, extra_tokens)` applies the sampling penalties as the target's sampler does.
     Returns None when the draft cache has no room (the step then decodes without speculation)."""
     k = self.k
+    for seq in seqs: self._start_from_cache(seq)
     for seq in seqs:
       if not self.blocks.can_grow(seq.draft_block_table, seq.num_tokens + k - 1): return None
     for seq in seqs: self.blocks.grow(seq.draft_block_table, seq.num_tokens + k - 1)
