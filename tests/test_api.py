@@ -169,3 +169,21 @@ def test_prompt_logprobs_are_the_models_across_chunks(llm, tiny_model):
     top = [t for t, lp in entry.items() if lp.rank <= 2]
     assert sorted(top, key=lambda t: entry[t].rank) == np.argsort(-row)[:2].tolist()
   assert out.outputs[0].logprobs is None
+
+
+def test_chat_message_and_template_errors_are_clear(llm):
+  with pytest.raises(ValueError, match=r"messages\[0\].content must be a string or a list of text parts"):
+    llm.chat([{"role": "user", "content": 5}], use_tqdm=False)
+  with pytest.raises(ValueError, match=r"messages\[1\]"): llm.chat([{"role": "user", "content": "hi"}, {"content": "x"}], use_tqdm=False)
+  with pytest.raises(ValueError, match="only text parts"):
+    llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
+  with pytest.raises(ValueError, match="chat template of .*: nope"):
+    llm.chat([{"role": "user", "content": "hi"}], chat_template="{{ raise_exception('nope') }}", use_tqdm=False)
+  with pytest.raises(ValueError, match="chat template of .*"):
+    llm.chat([{"role": "user", "content": "hi"}], chat_template="{% for %}", use_tqdm=False)
+  parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}],
+                   GREEDY, use_tqdm=False)[0]
+  assert parts.prompt == llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hello\nworld"}])
+  cont = llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}], GREEDY,
+                  add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0]
+  assert cont.prompt.endswith("Once upon")                    # the assistant's message is left open to continue

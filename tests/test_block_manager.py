@@ -77,7 +77,7 @@ class AllocatorMachine(RuleBasedStateMachine):
   def free(self, i):
     s = self.seqs[i % len(self.seqs)]
     self._release(list(reversed(s["table"])))                                    # tail first: last block evicted first
-    self.seqs.remove(s)
+    self.seqs.pop(i % len(self.seqs))                                            # by position: two sequences can be equal
     self.bm.free(s["table"])
     assert s["table"] == []
 

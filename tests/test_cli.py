@@ -72,6 +72,8 @@ def test_engine_flags_come_from_engine_config():
   from dataclasses import fields
   from tinyvllm.config import EngineConfig
   from tinyvllm.generate import parse_args
+  for command in ("tinyvllm.serve", "tinyvllm.bench"):   # every command line builds its flags the same way
+    assert subprocess.run([sys.executable, "-m", command, "--help"], capture_output=True, timeout=60).returncode == 0, command
   help_text = subprocess.run([sys.executable, "-m", "tinyvllm.generate", "--help"], capture_output=True, text=True, timeout=60).stdout
   for f in fields(EngineConfig):
     if f.name not in ("model", "seed"): assert "--" + f.name.replace("_", "-") in help_text

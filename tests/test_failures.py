@@ -138,3 +138,52 @@ def test_stop_strings_count_from_min_tokens(tiny_model):
                                                                          stop=[stop], min_tokens=12), use_tqdm=False)[0].outputs[0]
   assert out.token_ids == base.token_ids and out.finish_reason == "length"
   llm.shutdown()
+
+
+@pytest.mark.parametrize("stage", ["scheduling", "stop checks"])
+def test_failures_in_scheduling_and_stop_checks(tiny_model, stage):
+  """The two stages the core cannot pin on one sequence before the fact: a scheduling failure fails every request
+  (nothing ran), a stop check that raises fails only the sequence whose token it was checking."""
+  engine = engine_for(tiny_model)
+  want = run_one(engine, "w")
+  for rid in ("good", "bad"): engine.add_request(rid, "Hello world" if rid == "good" else "The quick", GREEDY)
+  engine.step()
+  sched = engine.scheduler
+  if stage == "scheduling":
+    schedule = sched.schedule
+    sched.schedule = lambda: (_ for _ in ()).throw(RuntimeError("injected scheduling failure"))
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == ["bad", "good"] and all("injected scheduling" in o.error for o in outs)
+    sched.schedule = schedule
+  else:
+    stop_reason = sched._stop_reason
+    def flaky(seq, token):
+      if seq.request_id == "bad": raise RuntimeError("injected stop-check failure")
+      return stop_reason(seq, token)
+    sched._stop_reason = flaky
+    finals = run(engine)
+    assert finals["bad"].outputs[0].finish_reason == "error" and "injected stop-check" in finals["bad"].error
+    assert finals["good"].outputs[0].token_ids == want and finals["good"].error is None
+    sched._stop_reason = stop_reason
+  assert not engine.has_unfinished_requests() and engine.block_manager.num_free == engine.block_manager.num_blocks
+  assert run_one(engine, "after") == want
+
+
+def test_an_interrupted_generate_leaves_nothing_behind(tiny_model, capsys):
+  """Ctrl-C during LLM.generate: its requests are aborted, and the next generate neither runs nor counts them."""
+  import concurrent.futures, os, signal, threading
+  llm = LLM(str(tiny_model), block_size=8, num_kv_blocks=128)
+  gate = threading.Event()
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    held = pool.submit(llm.llm_engine.call, lambda e: gate.wait(60))   # the engine thread waits: generate surely blocks
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()   # a real Ctrl-C
+    with pytest.raises(KeyboardInterrupt): llm.generate(["Hello"] * 4, GREEDY, use_tqdm=False)
+    gate.set()
+    held.result(60)
+  assert llm.llm_engine.call(lambda e: e.has_unfinished_requests()) is False
+  outs = llm.generate(["Hello", "World"], GREEDY)
+  assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+  assert "2/2" in capsys.readouterr().err                               # its progress bar counts its own requests
+  free, total = llm.llm_engine.call(lambda e: (e.block_manager.num_free, e.block_manager.num_blocks))
+  assert free == total
+  llm.shutdown()

@@ -137,13 +137,17 @@ def quantized(N, K, G, seed=0):
   return p, s, b, [Tensor(a).realize() for a in (p, s, b)]
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["fast", "invariant"])
 @pytest.mark.parametrize("N,K,G,M", [(N, K, G, M) for N, K, G in SHAPES for M in (1, 3, 8, 33)] + [(37, 64, 32, 70)])
-def test_cpu_kernel_matches_reference(N, K, G, M):   # M=70: two 64-row chunks, 8-row tiles and a remainder
+def test_cpu_kernel_matches_reference(N, K, G, M, invariant):   # M=70: two 64-row chunks, 8-row tiles and a remainder
   from tinyvllm.kernels import cpu
   p, s, b, (tp, ts, tb) = quantized(N, K, G, seed=M)
   x = np.random.default_rng(M).standard_normal((M, K)).astype(np.float32)
-  y = cpu.int4_linear(Tensor(x), tp, ts, tb, G).numpy()
+  y = cpu.int4_linear(Tensor(x), tp, ts, tb, G, invariant).numpy()
   check_matmul(y, x, p, s, b, G)
+  if invariant:   # every row bitwise as the same row alone (the GEMV)
+    rows = [1, M // 2, M - 1] if M > 1 else []
+    for m in rows: assert np.array_equal(y[m], cpu.int4_linear(Tensor(x[m:m + 1]), tp, ts, tb, G).numpy()[0]), m
 
 
 @pytest.mark.parametrize("N,K,G", SHAPES)

@@ -72,6 +72,9 @@ def test_top_logprobs_ranks():
   (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
   (dict(logprobs=21), "logprobs"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
   (dict(seed=1.5), "seed"), (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(temperature=float("nan")), "temperature"),
+  (dict(temperature=True), "temperature"), (dict(max_tokens=True), "max_tokens"), (dict(seed=-1), "seed"),
+  (dict(stop=123), "stop"), (dict(temperature=float("inf")), "temperature"), (dict(logit_bias={"x": 1.0}), "logit_bias"),
+  (dict(logit_bias={5: float("inf")}), "logit_bias"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
 ])
 def test_invalid_sampling_params_name_the_parameter(kwargs, name):
   with pytest.raises(ValueError, match=name): SamplingParams(**kwargs)
@@ -81,3 +84,17 @@ def test_vllm_defaults():
   p = SamplingParams()
   assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.repetition_penalty) == (1, 1.0, 1.0, 0, 0.0, 16, 1.0)
   assert SamplingParams(stop="x").stop_strings == ("x",)
+
+
+def test_numpy_scalars_are_numbers_and_tiny_temperatures_are_greedy():
+  p = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), top_k=np.int64(5), seed=np.int32(3), max_tokens=np.int64(7))
+  assert (p.temperature, p.top_k, p.seed, p.max_tokens) == (0.5, 5, 3, 7) and type(p.top_p) is float and type(p.top_k) is int
+  tiny = SamplingParams(temperature=1e-310)                      # 1 / 1e-310 overflows: sampled greedily, as vLLM does
+  assert tiny.greedy and sampler.sample(np.array([0.1, 3.0, 0.2]), tiny, np.random.default_rng(0)) == 1
+  assert SamplingParams(logit_bias={"7": 2.5}).logit_bias == {7: 2.5}   # JSON keys arrive as strings
+
+
+def test_logit_bias_is_added_after_penalties():
+  logits = np.array([1.0, 2.0, 3.0], np.float32)
+  out = sampler.apply_penalties(logits, [0, 2], 1, SamplingParams(repetition_penalty=2.0, logit_bias={0: 10.0, 1: -1.0}))
+  np.testing.assert_allclose(out, [1.0 / 2.0 + 10.0, 2.0 - 1.0, 3.0 / 2.0])   # tokens 0 and 2 seen: penalized, then biased

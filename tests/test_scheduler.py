@@ -97,7 +97,7 @@ def test_commit_point_applies_stop_rules_and_rolls_back_rejected_drafts():
   assert (seq.num_computed_tokens, seq.num_tokens) == (6, 7)
   out = sched.schedule()                                           # a decode with room for 4 drafts: 7 + 4 slots
   assert out.decodes == [seq] and len(seq.block_table) == 3
-  kept = sched.update_from_output(out, {seq: [10, 11]})             # verified: one draft accepted, then one more token
+  kept, _ = sched.update_from_output(out, {seq: [10, 11]})             # verified: one draft accepted, then one more token
   assert kept[seq] == [10, 11] and seq.token_ids[-3:] == [9, 10, 11]
   assert seq.num_computed_tokens == 8                              # K/V of the newest token before the step and the accepted draft
   assert len(seq.block_table) == bm.blocks_for(seq.num_tokens) == 3 and bm.num_free == 29
@@ -106,7 +106,7 @@ def test_commit_point_applies_stop_rules_and_rolls_back_rejected_drafts():
   sched.update_from_output(out, {seq: [12]})                       # every draft rejected: the fourth block goes back
   assert seq.num_computed_tokens == 9 and len(seq.block_table) == 3 and bm.num_free == 29
   out = sched.schedule()
-  kept = sched.update_from_output(out, {seq: [13, 1, 14]})         # EOS inside an accepted run: the rest is dropped
+  kept, _ = sched.update_from_output(out, {seq: [13, 1, 14]})         # EOS inside an accepted run: the rest is dropped
   assert kept[seq] == [13, 1] and seq.finish_reason == "stop" and seq.is_finished
   assert bm.num_free == 32 and not sched.has_unfinished()
   capped = make_seq(38, max_tokens=30)                             # max_model_len 40: two tokens, then "length"

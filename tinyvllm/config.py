@@ -1,6 +1,6 @@
 """Configuration: what the model is (ModelConfig) and how the engine runs it (EngineConfig). Both frozen, built once."""
 from __future__ import annotations
-import builtins
+import builtins, math, reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -34,18 +34,48 @@ class ModelConfig:
 
   def __post_init__(self):
     where = f" in {self.source}" if self.source else ""
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim"):
-      if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-        raise ConfigError(f"{name} must be a positive integer{where}, got {getattr(self, name)!r}")
+    def fail(name: str, message: str):
+      e = ConfigError(message)
+      e.field = name   # from_gguf names the GGUF key that set this field
+      raise e
+    # Far beyond any released Llama-family model (Llama 3.1 405B: 126 layers, hidden 16384, FFN 53248, 128 heads;
+    # vocabularies stop near 260k tokens, contexts near 10M): a value past these comes from a corrupt config, and
+    # is refused here by name instead of failing later on memory.
+    limits = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_hidden_layers": 1024,
+              "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 1024, "max_position_embeddings": 1 << 24}
+    for name, most in limits.items():
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        fail(name, f"{name} must be a positive integer{where}, got {value!r}")
+      if value > most:
+        fail(name, f"{name} = {value}{where} is implausibly large (more than {most}, far beyond any real model): "
+                   f"the config is corrupt")
     if self.num_attention_heads % self.num_key_value_heads:
-      raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                        f"num_key_value_heads ({self.num_key_value_heads}){where}")
-    if self.head_dim % 2: raise ConfigError(f"head_dim must be even for RoPE{where}, got {self.head_dim}")
-    if not self.rope_theta > 0: raise ConfigError(f"rope_theta must be positive{where}, got {self.rope_theta}")
-    if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ROPE_TYPES:
-      raise ConfigError(f"unsupported rope_scaling type {self.rope_scaling.get('rope_type')!r}{where}; "
-                        f"supported: {', '.join(ROPE_TYPES)}")
+      fail("num_key_value_heads", f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                                  f"num_key_value_heads ({self.num_key_value_heads}){where}")
+    if self.head_dim % 2: fail("head_dim", f"head_dim must be even for RoPE{where}, got {self.head_dim}")
+    def number(value) -> bool: return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number(self.rms_norm_eps) or self.rms_norm_eps < 0:
+      fail("rms_norm_eps", f"rms_norm_eps must be a finite non-negative number{where}, got {self.rms_norm_eps!r}")
+    if not number(self.rope_theta) or not self.rope_theta > 0:
+      fail("rope_theta", f"rope_theta must be positive{where}, got {self.rope_theta}")
+    if self.rope_scaling is not None:
+      if not isinstance(self.rope_scaling, dict):
+        fail("rope_scaling", f"rope_scaling must be an object{where}, got {self.rope_scaling!r}")
+      kind = self.rope_scaling.get("rope_type")
+      if kind not in ROPE_TYPES:
+        fail("rope_scaling", f"unsupported rope_scaling type {kind!r}{where}; supported: {', '.join(ROPE_TYPES)}")
+      needed = {"linear": ("factor",), "llama3": ("factor",)}.get(kind, ())
+      optional = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if kind == "llama3" else ()
+      for key in needed + optional:
+        if key not in self.rope_scaling and key in optional: continue
+        value = self.rope_scaling.get(key)
+        if not number(value) or not value > 0:
+          fail("rope_scaling", f"rope_scaling {kind} needs a positive number for {key!r}{where}, got {value!r}")
+      if kind == "llama3" and self.rope_scaling.get("low_freq_factor", 1.0) == self.rope_scaling.get("high_freq_factor", 4.0):
+        fail("rope_scaling", f"rope_scaling llama3 needs low_freq_factor != high_freq_factor{where}")
+    if self.quantization is not None and not isinstance(self.quantization, dict):
+      fail("quantization", f"quantization must be an object{where}, got {self.quantization!r}")
 
   @property
   def q_size(self) -> int: return self.num_attention_heads * self.head_dim
@@ -55,56 +85,94 @@ class ModelConfig:
   @staticmethod
   def from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Build from an HF `config.json` dict (transformers 4.x or 5.x layout)."""
+    if not isinstance(d, dict): raise ConfigError(f"{source} must hold a JSON object, got a JSON {type(d).__name__}")
     archs = d.get("architectures") or []
-    if d.get("model_type") != "llama" and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-      raise ConfigError(f"unsupported architecture {archs or d.get('model_type')!r} in {source}; "
+    if not isinstance(archs, list): archs = [archs]
+    if d.get("model_type") != "llama" and not any(isinstance(a, str) and a in SUPPORTED_ARCHITECTURES for a in archs):
+      raise ConfigError(f"unsupported architecture {reprlib.repr(archs or d.get('model_type'))} in {source}; "
                         f"tinyvllm runs {', '.join(SUPPORTED_ARCHITECTURES)}")
-    try:
-      n_heads = d["num_attention_heads"]
-      # transformers 5.x moves rope_theta (and the scaling) into `rope_parameters`; reading only the top level
-      # silently falls back to 10000, which turns SmolLM2 (theta 1e5) into fluent nonsense.
-      rope = dict(d.get("rope_parameters") or {})
-      theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-      scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-      if scaling is not None:
-        scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | \
-                  {"rope_type": scaling.get("rope_type", scaling.get("type"))}   # transformers 4 spelled it "type"
-        if scaling["rope_type"] == "default": scaling = None
-      quant = d.get("quantization") or d.get("quantization_config")
-      return ModelConfig(
-        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=n_heads,
-        num_key_value_heads=d.get("num_key_value_heads") or n_heads,
-        head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=scaling,
-        max_position_embeddings=d.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
-        quantization=dict(quant) if quant else None, source=source)
-    except KeyError as e:
-      raise ConfigError(f"{source} lacks the required field {e.args[0]!r}") from None
+    def get(key: str, default: Any = KeyError, kind: str = "int") -> Any:
+      if default is KeyError and key not in d: raise ConfigError(f"{source} lacks the required field {key!r}")
+      value = d.get(key, default)
+      ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+            "object": lambda v: isinstance(v, dict)}[kind]
+      if not ok(value):
+        raise ConfigError(f"field {key!r} in {source} must be {'an integer' if kind == 'int' else 'a ' + kind}, "
+                          f"got {reprlib.repr(value)}")
+      return value
+    n_heads, hidden = get("num_attention_heads"), get("hidden_size")
+    if n_heads <= 0: raise ConfigError(f"num_attention_heads must be a positive integer in {source}, got {n_heads}")
+    # transformers 5.x moves rope_theta (and the scaling) into `rope_parameters`; reading only the top level
+    # silently falls back to 10000, which turns SmolLM2 (theta 1e5) into fluent nonsense.
+    rope = dict(get("rope_parameters", None, "object") if d.get("rope_parameters") else {})
+    theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = get("rope_scaling", None, "object") if d.get("rope_scaling") else (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+      scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | \
+                {"rope_type": scaling.get("rope_type", scaling.get("type"))}   # transformers 4 spelled it "type"
+      if scaling["rope_type"] == "default": scaling = None
+    quant = d.get("quantization") or d.get("quantization_config")
+    if quant and not isinstance(quant, dict):
+      raise ConfigError(f"field 'quantization' in {source} must be an object, got {reprlib.repr(quant)}")
+    return ModelConfig(
+      vocab_size=get("vocab_size"), hidden_size=hidden, intermediate_size=get("intermediate_size"),
+      num_hidden_layers=get("num_hidden_layers"), num_attention_heads=n_heads,
+      num_key_value_heads=get("num_key_value_heads", None, "int") if d.get("num_key_value_heads") else n_heads,
+      head_dim=get("head_dim", None, "int") if d.get("head_dim") else hidden // n_heads,
+      rms_norm_eps=float(get("rms_norm_eps", 1e-6, "number")), rope_theta=theta, rope_scaling=scaling,
+      max_position_embeddings=get("max_position_embeddings", 4096),
+      tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+      attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
+      quantization=dict(quant) if quant else None, source=source)
 
   @staticmethod
   def from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
     """Build from GGUF metadata (`llama.*` keys)."""
     arch = meta.get("general.architecture")
-    if arch != "llama": raise ConfigError(f"unsupported GGUF architecture {arch!r} in {source}; tinyvllm runs 'llama'")
+    if not isinstance(arch, str) or arch != "llama":
+      raise ConfigError(f"unsupported GGUF architecture {reprlib.repr(arch)} in {source}; tinyvllm runs 'llama'")
+    def get(key: str, default: Any = KeyError, kind: str = "int") -> Any:
+      if default is KeyError and key not in meta: raise ConfigError(f"{source} lacks the GGUF metadata key {key!r}")
+      value = meta.get(key, default)
+      if kind == "int": ok = isinstance(value, int) and not isinstance(value, bool)
+      else: ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+      if not ok:
+        raise ConfigError(f"GGUF metadata key {key} in {source} must be {'an integer' if kind == 'int' else 'a number'}, "
+                          f"got {reprlib.repr(value)}")
+      return value
+    keys = {"vocab_size": "llama.vocab_size", "hidden_size": "llama.embedding_length",
+            "intermediate_size": "llama.feed_forward_length", "num_hidden_layers": "llama.block_count",
+            "num_attention_heads": "llama.attention.head_count", "num_key_value_heads": "llama.attention.head_count_kv",
+            "head_dim": "llama.attention.key_length", "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon",
+            "rope_theta": "llama.rope.freq_base", "rope_scaling": "llama.rope.scaling.factor",
+            "max_position_embeddings": "llama.context_length"}
+    n_heads, hidden = get("llama.attention.head_count"), get("llama.embedding_length")
+    if n_heads <= 0: raise ConfigError(f"GGUF metadata key llama.attention.head_count in {source} must be positive, got {n_heads}")
+    present = lambda key: key in meta and not (isinstance(meta[key], int) and meta[key] == 0)   # 0 means "not given"
+    if present("llama.vocab_size"): vocab = get("llama.vocab_size")
+    else:
+      tokens = meta.get("tokenizer.ggml.tokens")
+      if not isinstance(tokens, list):
+        raise ConfigError(f"{source} lacks the GGUF metadata key 'llama.vocab_size' (and has no token list to count)")
+      vocab = len(tokens)
+      keys["vocab_size"] = "tokenizer.ggml.tokens"
+    scaling = None
+    if isinstance(meta.get("llama.rope.scaling.type"), str) and meta["llama.rope.scaling.type"] == "linear":
+      scaling = {"rope_type": "linear", "factor": float(get("llama.rope.scaling.factor", kind="number"))}
     try:
-      n_heads = int(meta["llama.attention.head_count"])
-      hidden = int(meta["llama.embedding_length"])
-      scaling = None
-      if meta.get("llama.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(meta["llama.rope.scaling.factor"])}
       return ModelConfig(
-        vocab_size=int(meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])), hidden_size=hidden,
-        intermediate_size=int(meta["llama.feed_forward_length"]), num_hidden_layers=int(meta["llama.block_count"]),
-        num_attention_heads=n_heads, num_key_value_heads=int(meta.get("llama.attention.head_count_kv", n_heads)),
-        head_dim=int(meta.get("llama.attention.key_length") or hidden // n_heads),
-        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)), rope_scaling=scaling,
-        max_position_embeddings=int(meta.get("llama.context_length", 4096)), source=source)
-    except KeyError as e:
-      raise ConfigError(f"{source} lacks the GGUF metadata key {e.args[0]!r}") from None
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=get("llama.feed_forward_length"),
+        num_hidden_layers=get("llama.block_count"), num_attention_heads=n_heads,
+        num_key_value_heads=get("llama.attention.head_count_kv", n_heads),
+        head_dim=get("llama.attention.key_length", None, "int") if present("llama.attention.key_length") else hidden // n_heads,
+        rms_norm_eps=float(get("llama.attention.layer_norm_rms_epsilon", 1e-5, "number")),
+        rope_theta=float(get("llama.rope.freq_base", 10000.0, "number")), rope_scaling=scaling,
+        max_position_embeddings=get("llama.context_length", 4096), source=source)
+    except ConfigError as e:
+      key = keys.get(getattr(e, "field", None))
+      if key is None: raise
+      raise ConfigError(f"{e} (GGUF metadata key {key})") from None
 
 
 def _flag(default, help: str, type=None, choices: tuple | None = None):
@@ -137,6 +205,8 @@ class EngineConfig:
   num_speculative_tokens: int = _flag(4, "tokens the draft proposes per step")
   speculation: str = _flag("auto", "auto: speculate when measured to pay (docs/speculative.md); always",
                            choices=("auto", "always"))
+  batch_invariant: bool = _flag(False, "every sequence's logits bitwise identical alone and in any batch (CPU device: "
+                                      "cpu and portable backends); costs 13-24% on batched decode and prefill of 4-bit models")
   enable_prefix_caching: bool = _flag(True, "reuse the KV cache of prompt prefixes seen before (shared system prompts, "
                                             "chat turns); --no-enable-prefix-caching turns it off")
 
@@ -160,6 +230,7 @@ class EngineConfig:
       raise ConfigError(f"quantization must be None, 'int4' or 'none', got {self.quantization!r}")
     if self.speculation not in ("auto", "always"):
       raise ConfigError(f"speculation must be 'auto' or 'always', got {self.speculation!r}")
+    if not isinstance(self.batch_invariant, bool): raise ConfigError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
     if not isinstance(self.enable_prefix_caching, bool):
       raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
     if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:

@@ -48,7 +48,7 @@ class EngineCore:
       max_model_len = capacity   # one sequence must always fit alone, or preemption could not make progress
     self.max_model_len = max_model_len
     self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
-    self.kernels = Kernels(self.kernel_backend, self.device)
+    self.kernels = Kernels(self.kernel_backend, self.device, config.batch_invariant)
     model = self._build_model(ckpt.config, ckpt.tensors, dtype)
     self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.device, config.max_num_seqs)
     self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark, config.enable_prefix_caching)
@@ -150,8 +150,10 @@ class EngineCore:
     except Exception as e:   # the model pass itself failed: every sequence it carried fails, the rest go on
       for seq in sched.decodes + [c.seq for c in sched.prefills]: self._fail(seq, e, outputs)
       return self._collect(outputs), self.stats()
-    kept = self.scheduler.update_from_output(sched, sampled)
+    kept, failed = self.scheduler.update_from_output(sched, sampled)
+    for seq, error in failed.items(): self._fail(seq, error, outputs)
     for seq, tokens in kept.items():
+      if seq.finish_reason == "error": continue   # a sibling's commit failed: the request failed with it
       out = outputs.setdefault(seq, CoreOutput(seq.request_id, seq.index))
       out.new_token_ids = tokens
       if out.new_logprobs is not None: out.new_logprobs = out.new_logprobs[:len(tokens)]
@@ -264,14 +266,14 @@ class EngineCore:
     """Fail seq's whole request: a request is one unit for its caller, whatever failed in it."""
     message = f"{type(error).__name__}: {error}"
     for s in self.requests.get(seq.request_id, [seq]):
-      if s.is_finished: continue              # failed already, or finished in an earlier step
+      if s.is_finished and s is not seq: continue   # failed already, or finished in an earlier step
       self._finish(s, "error")
       outputs[s] = CoreOutput(s.request_id, s.index, finish_reason="error", error=message)
     self._forget_if_done(seq.request_id)
 
   def _finish(self, seq: Sequence, reason: str) -> None:
-    if seq.is_finished: return
-    self.scheduler.finish(seq, reason)
+    """Finish a sequence (the commit point may have finished it already) and let its draft cache go."""
+    if not seq.is_finished: self.scheduler.finish(seq, reason)
     if self.spec: self.spec.release(seq)
 
   def _forget_if_done(self, request_id: str) -> None:

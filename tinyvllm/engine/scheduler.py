@@ -154,23 +154,34 @@ class Scheduler:
 
   # ---- the commit point ----
 
-  def update_from_output(self, out: SchedulerOutput, sampled: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:
+  def update_from_output(self, out: SchedulerOutput, sampled: dict[Sequence, list[int]]) \
+      -> tuple[dict[Sequence, list[int]], dict[Sequence, Exception]]:
     """Apply a finished model step. `sampled` holds the new tokens of every decode and of every prefill chunk
     that completed its prompt; a decode verified with speculative drafts has the drafts it accepted plus one.
-    Returns the tokens each sequence kept (a stop rule may end a speculative run early)."""
+    Returns the tokens each sequence kept (a stop rule may end a speculative run early), and the sequences whose
+    commit raised: those are finished with reason "error" (their blocks freed), the others are unaffected."""
     kept: dict[Sequence, list[int]] = {}
+    failed: dict[Sequence, Exception] = {}
     for chunk in out.prefills:
       seq = chunk.seq
       if seq.is_finished: continue            # failed or aborted during the step
-      kept_tokens = self._commit(seq, chunk.num_tokens, sampled.get(seq, []))
-      if seq in sampled: kept[seq] = kept_tokens
-      if seq.index == 0 and not seq.is_prefilling: self._release_held(seq.request_id)
+      try:
+        kept_tokens = self._commit(seq, chunk.num_tokens, sampled.get(seq, []))
+        if seq in sampled: kept[seq] = kept_tokens
+        if seq.index == 0 and not seq.is_prefilling: self._release_held(seq.request_id)
+      except Exception as e: failed[seq] = self._fail(seq, e)
     for seq in out.decodes:
       if seq.is_finished or seq not in sampled: continue
-      # the step wrote K/V for the newest token and any drafts; those of the accepted drafts stand
-      kept[seq] = self._commit(seq, len(sampled[seq]), sampled[seq])
-      if not seq.is_finished: self.blocks.truncate(seq.block_table, seq.num_tokens)   # rejected drafts' blocks
-    return kept
+      try:
+        # the step wrote K/V for the newest token and any drafts; those of the accepted drafts stand
+        kept[seq] = self._commit(seq, len(sampled[seq]), sampled[seq])
+        if not seq.is_finished: self.blocks.truncate(seq.block_table, seq.num_tokens)   # rejected drafts' blocks
+      except Exception as e: failed[seq] = self._fail(seq, e)
+    return kept, failed
+
+  def _fail(self, seq: Sequence, error: Exception) -> Exception:
+    if not seq.is_finished: self.finish(seq, "error")
+    return error
 
   def _commit(self, seq: Sequence, computed: int, tokens: list[int]) -> list[int]:
     """`computed` more tokens have K/V; append `tokens` up to the first that stops the sequence; register the

@@ -11,8 +11,9 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, e
   for f in fields(EngineConfig):
     if f.name == "model" or f.name in exclude: continue
     meta, flag = f.metadata, "--" + f.name.replace("_", "-")
-    if meta["type"] is bool: parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
-    else: parser.add_argument(flag, type=meta["type"], default=f.default, choices=meta["choices"], help=meta["help"])
+    text = meta["help"].replace("%", "%%")   # argparse formats help with %
+    if meta["type"] is bool: parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+    else: parser.add_argument(flag, type=meta["type"], default=f.default, choices=meta["choices"], help=text)
 
 
 def engine_kwargs(args: argparse.Namespace, exclude: tuple[str, ...] = ()) -> dict:

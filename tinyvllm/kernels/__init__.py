@@ -51,8 +51,8 @@ class Kernels:
 
   On the CPU device the float32 linears always use our C kernel (kernels/cpu.py): tinygrad's generated CPU
   matmuls are several times slower on decode shapes. RoPE + cache write and attention follow `backend`."""
-  def __init__(self, backend: str = "portable", device: str = "CPU"):
-    self.backend, self.device = backend, device
+  def __init__(self, backend: str = "portable", device: str = "CPU", batch_invariant: bool = False):
+    self.backend, self.device, self.batch_invariant = backend, device, batch_invariant
     self.cpu = device.split(":")[0] == "CPU"
     self.shaders = None   # the Metal kernels' host backend (real Metal or the emulator), when chosen
     if backend in ("metal", "emulator"):
@@ -90,9 +90,12 @@ class Kernels:
     if self.backend != "cpu": return None
     from tinyvllm.kernels import cpu_layer
     return cpu_layer.decoder_layer(h, weights, cfg, positions, slot_mapping, group.block_tables, group.token_seq,
-                                   group.q_pos.reshape(group.num_tokens), cos_sin, k_cache, v_cache, out)
+                                   group.q_pos.reshape(group.num_tokens), cos_sin, k_cache, v_cache, out, self.batch_invariant)
 
   def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """On the CPU device (float32) our C kernel, one row at a time: tinygrad's generated reduction orders the sum
+    by shape, so a row's norm would depend on how many rows a step has (batch invariance)."""
+    if self.cpu and x.dtype == dtypes.float32 and x.shape[-1] % 8 == 0: return cpu.rms_norm(x, weight, eps)
     return portable.rms_norm(x, weight, eps)
 
   def linear(self, x: Tensor, w: dict[str, Tensor]) -> Tensor:
@@ -107,7 +110,7 @@ class Kernels:
       if self.shaders is not None:
         from tinyvllm.kernels import metal
         y = metal.int4_matmul(x, weight, w["scales"], w["biases"], group, backend=self.shaders)
-      elif self.cpu and x.dtype == dtypes.float32: y = cpu.int4_linear(x, weight, w["scales"], w["biases"], group)
+      elif self.cpu and x.dtype == dtypes.float32: y = cpu.int4_linear(x, weight, w["scales"], w["biases"], group, self.batch_invariant)
       else: y = portable.int4_linear(x, weight, w["scales"], w["biases"], group)
       return y if bias is None else y + bias
     if self.cpu and x.dtype == weight.dtype == dtypes.float32: return cpu.linear_f32(x, weight, bias)

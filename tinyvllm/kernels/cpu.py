@@ -89,6 +89,55 @@ def linear_f32(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 
+# **** RMSNorm ****
+
+def rms_norm_source(name: str, T: int, E: int, eps: float) -> str:
+  """`static void name(y, x, w)`: y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for each of T rows of E, one row at a
+  time: a row's result never depends on how many rows share the call (batch invariance; tinygrad's generated
+  reduction picks its order by shape). Shared by `rms_norm` and the fused layer; needs _VEC and sqrt_f32."""
+  return f"""static void {name}(float *restrict y, const float *restrict x, const float *restrict w) {{
+  for (int t = 0; t < {T}; t++) {{
+    const float *xr = x + (long)t * {E};
+    vf acc = (vf){{0}};
+    int i = 0;
+    for (; i + 8 <= {E}; i += 8) {{ vf v = vload(xr + i); acc += v * v; }}
+    float ss = hsum(acc);
+    for (; i < {E}; i++) ss += xr[i] * xr[i];
+    float inv = 1.0f / sqrt_f32(ss / {E} + {eps!r}f);
+    for (int j = 0; j < {E}; j++) y[(long)t * {E} + j] = xr[j] * inv * w[j];
+  }}
+}}
+"""
+
+
+SQRT = r"""
+static inline float sqrt_f32(float x) {
+#if defined(__SSE__)
+  return _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(x)));
+#elif defined(__aarch64__)
+  float r; __asm__("fsqrt %s0, %s1" : "=w"(r) : "w"(x)); return r;
+#else
+  float r = x > 1 ? x : 1; for (int i = 0; i < 40; i++) r = 0.5f * (r + x / r); return r;
+#endif
+}
+"""
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+  """RMSNorm of float32 x `[T, E]` on the CPU device, row by row (batch-invariant)."""
+  T, E = x.shape
+  name = f"rms_norm_{T}_{E}_{abs(hash(eps)):x}"
+  src = f"""#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+void {name}(float *restrict y, const float *restrict x, const float *restrict w);
+{_VEC}{SQRT}{rms_norm_source("norm", T, E, eps)}
+void {name}(float *restrict y, const float *restrict x, const float *restrict w) {{ norm(y, x, w); }}
+"""
+  out = Tensor.invalids(T, E, dtype=dtypes.float32, device=x.device)
+  return Tensor.custom_kernel(out, x.contiguous(), weight.cast(dtypes.float32).contiguous(), fxn=lambda *p: _program(name, src, *p))[0]
+
+
 # **** int4 linear ****
 
 _INT4_ARGS = ("float *restrict y, const float *restrict x, const unsigned *restrict w, const unsigned short *restrict s, "
@@ -169,6 +218,76 @@ def _int4_gemv_body(N: int, K: int, G: int) -> str:
   }}"""
 
 
+def _int4_gemm_invariant_body(M: int, N: int, K: int, G: int) -> str:
+  """M > 1, with exactly the arithmetic of `_int4_gemv_body` on each row, so a row's result does not depend on how
+  many rows share the call: a sequence decodes the same tokens alone or in any batch (batch invariance).
+  What the rows share is the unpacking: a tile of 4 weight rows is converted once to float codes (exact small
+  integers), scales and biases to float, and stays in L1 while every row of x (in chunks of 64, whose group sums
+  of x are computed once) passes over it: per row and group, FMAs of x with the codes, then one FMA with the
+  group's scale; the bias term is the same short dot product with the group sums as in the GEMV."""
+  NG, WPR, WPG = K // G, K // 8, G // 8
+  return f"""
+  {_CONSTS}
+  float qf[4][{K}] __attribute__((aligned(32)));
+  float sf[4][{NG}], bf[4][{NG}], xgs[64][{NG}];
+  for (int c0 = 0; c0 < {M}; c0 += 64) {{
+    int mend = c0 + 64 < {M} ? c0 + 64 : {M};
+    for (int m = c0; m < mend; m++) for (int g = 0; g < {NG}; g++) {{   /* as the GEMV's xg */
+      const float *xr = x + (long)m * {K} + g * {G};
+      __m256 t = _mm256_loadu_ps(xr);
+      for (int k = 8; k < {G}; k += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(xr + k));
+      xgs[m - c0][g] = hsum8(t);
+    }}
+    for (int n0 = 0; n0 < {N}; n0 += 4) {{
+      for (int r = 0; r < 4; r++) {{
+        long n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: a copy, never stored */
+        const unsigned *wr = w + n * {WPR};
+        for (int g = 0; g < {NG}; g++) {{
+          sf[r][g] = h2f(s[n * {NG} + g]);
+          bf[r][g] = h2f(b[n * {NG} + g]);
+          for (int j = 0; j < {WPG}; j++) _mm256_store_ps(&qf[r][g * {G} + j * 8], {_UNPACK.format(word=f"wr[g * {WPG} + j]")});
+        }}
+      }}
+      for (int m = c0; m < mend; m += 2) {{   /* two rows at a time share each load of the codes */
+        const int m1 = m + 1 < mend ? m + 1 : m;   /* an odd last row: computed twice, stored once */
+        const float *xr[2] = {{x + (long)m * {K}, x + (long)m1 * {K}}}, *xg[2] = {{xgs[m - c0], xgs[m1 - c0]}};
+        float bsum[2][4];
+        for (int i = 0; i < 2; i++) for (int r = 0; r < 4; r++) {{
+          __m256 bacc = _mm256_setzero_ps();
+          int g = 0;
+          for (; g + 8 <= {NG}; g += 8) bacc = _mm256_fmadd_ps(_mm256_loadu_ps(&bf[r][g]), _mm256_loadu_ps(xg[i] + g), bacc);
+          float bs = hsum8(bacc);
+          for (; g < {NG}; g++) bs += bf[r][g] * xg[i][g];
+          bsum[i][r] = bs;
+        }}
+        __m256 tot[2][4];
+        for (int i = 0; i < 2; i++) for (int r = 0; r < 4; r++) tot[i][r] = _mm256_setzero_ps();
+        for (int g = 0; g < {NG}; g++) {{
+          __m256 a[2][4];
+          for (int i = 0; i < 2; i++) for (int r = 0; r < 4; r++) a[i][r] = _mm256_setzero_ps();
+          for (int j = 0; j < {WPG}; j++) {{
+            __m256 x0 = _mm256_loadu_ps(xr[0] + g * {G} + j * 8), x1 = _mm256_loadu_ps(xr[1] + g * {G} + j * 8);
+            for (int r = 0; r < 4; r++) {{
+              __m256 q = _mm256_load_ps(&qf[r][g * {G} + j * 8]);
+              a[0][r] = _mm256_fmadd_ps(x0, q, a[0][r]);
+              a[1][r] = _mm256_fmadd_ps(x1, q, a[1][r]);
+            }}
+          }}
+          for (int r = 0; r < 4; r++) {{
+            __m256 sv = _mm256_broadcast_ss(&sf[r][g]);
+            tot[0][r] = _mm256_fmadd_ps(sv, a[0][r], tot[0][r]);
+            tot[1][r] = _mm256_fmadd_ps(sv, a[1][r], tot[1][r]);
+          }}
+        }}
+        for (int r = 0; r < 4 && n0 + r < {N}; r++) {{
+          y[(long)m * {N} + n0 + r] = hsum8(tot[0][r]) + bsum[0][r];
+          if (m + 1 < mend) y[(long)(m + 1) * {N} + n0 + r] = hsum8(tot[1][r]) + bsum[1][r];
+        }}
+      }}
+    }}
+  }}"""
+
+
 def _int4_gemm_body(M: int, N: int, K: int, G: int) -> str:
   """M > 1: a tile of 4 weight rows is dequantized once (w = s*q + b, one FMA per 8 codes) into a float buffer
   that stays in L1, then pairs of x rows pass over it as in the float32 kernel: 2 x 4 accumulators, each x and
@@ -227,12 +346,20 @@ def _int4_fallback_body(M: int, N: int, K: int, G: int) -> str:
   }}"""
 
 
-def _int4_linear_source(name: str, M: int, N: int, K: int, G: int) -> str:
+def int4_body(M: int, N: int, K: int, G: int, invariant: bool = False) -> str:
+  """The AVX2 body for M rows: the GEMV for one row; for more, the dequantize-once GEMM, or with `invariant` the
+  GEMM that repeats the GEMV's arithmetic on every row (bitwise batch invariance, measured 13-24% slower on
+  batched decode and prefill; docs/architecture.md)."""
+  if M == 1: return _int4_gemv_body(N, K, G)
+  return _int4_gemm_invariant_body(M, N, K, G) if invariant else _int4_gemm_body(M, N, K, G)
+
+
+def _int4_linear_source(name: str, M: int, N: int, K: int, G: int, invariant: bool = False) -> str:
   """y[M,N] = x[M,K] @ W^T with W [N,K] in 4-bit affine groups of G: packed uint32 [N,K/8], fp16 scales and
   biases [N,K/G] (docs/kernels.md, "INT4 weight layout"). Exact float arithmetic on the stored values (x is
   never rounded). The AVX2 path needs AVX2+FMA+F16C; other CPUs (arm64 included) compile the plain C loop.
   Unpacking keeps k in order, so x is read as it is. M > 1 needs 16*K bytes of stack for a dequantized tile."""
-  body = _int4_gemv_body(N, K, G) if M == 1 else _int4_gemm_body(M, N, K, G)
+  body = int4_body(M, N, K, G, invariant)
   return f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TV_AVX2 1
@@ -257,17 +384,18 @@ void {name}({_INT4_ARGS}) {{
 """
 
 
-def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group_size: int) -> Tensor:
+def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, invariant: bool = False) -> Tensor:
   """x `[M, K]` float32 @ W^T on the CPU device, W `[N, K]` stored as packed uint32 `[N, K/8]` with float16
-  scales and biases `[N, K/group_size]` (w = scale * q + bias). Returns float32 `[M, N]`.
+  scales and biases `[N, K/group_size]` (w = scale * q + bias). Returns float32 `[M, N]`. `invariant`: each row
+  computed exactly as alone (batch invariance), at some cost in speed when M > 1.
 
   One kernel per call, compiled per (M, N, K, group_size). Under TinyJit keep M in a few buckets."""
   (M, K), N = x.shape, packed.shape[0]
   if packed.shape[1] * 8 != K: raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} (K/8 words per row)")
   if group_size % 8 or K % group_size or tuple(scales.shape) != (N, K // group_size) or tuple(biases.shape) != (N, K // group_size):
     raise ValueError(f"scales {scales.shape} / biases {biases.shape} do not match W [{N}, {K}] with group_size {group_size}")
-  name = f"int4_linear_{M}_{N}_{K}_{group_size}"
-  src = _int4_linear_source(name, M, N, K, group_size)
+  name = f"int4_linear_{M}_{N}_{K}_{group_size}{'_inv' if invariant and M > 1 else ''}"
+  src = _int4_linear_source(name, M, N, K, group_size, invariant)
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
   packed = packed if packed.dtype == dtypes.uint32 else packed.bitcast(dtypes.uint32)
   args = [out, x.cast(dtypes.float32).contiguous(), packed.contiguous(), scales.cast(dtypes.float16).contiguous(),

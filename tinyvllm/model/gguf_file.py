@@ -6,7 +6,7 @@ well under a second, so the loader and the GGUF tokenizer both read files here. 
 provides the enums (value types, tensor types and their block sizes).
 """
 from __future__ import annotations
-import mmap, struct
+import math, mmap, struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,73 +41,132 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
   return read_gguf(path, with_tensors=False)[0]
 
 
+MAX_ARRAY_NESTING = 8   # arrays of arrays: real files nest at most once; a corrupt one must not exhaust the stack
+MAX_DIMS = 8            # ggml's tensors have at most 4
+# the least a metadata entry (key length, value type, a 1-byte value) and a tensor entry (name length, dimension
+# count, type, offset) can take: counts claiming more entries than the file can hold are refused before reading
+_MIN_KV_BYTES, _MIN_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 4 + 8
+
+
 def read_gguf(path: str | Path, with_tensors: bool = True) -> tuple[dict[str, Any], list[GGUFTensor]]:
-  """(metadata, tensors). Tensor data are views of a read-only memory map that lives as long as they do."""
+  """(metadata, tensors). Tensor data are views of a read-only memory map that lives as long as they do.
+  Every count, length, dimension and offset is checked against the file's size before it is used, so a
+  corrupt file raises GGUFError naming the file (and the key or tensor) instead of allocating or overflowing."""
   path = Path(path)
   with open(path, "rb") as f:
     try: buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except ValueError: raise GGUFError(f"{path}: empty file, not GGUF") from None
-  if buf[:4] != b"GGUF": raise GGUFError(f"{path}: not a GGUF file")
   try:
-    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    if version not in (2, 3): raise GGUFError(f"{path}: GGUF version {version} is not supported (only 2 and 3)")
-    pos, meta = 24, {}
-    for _ in range(n_kv):
+    meta, infos, data_start = _read_header(path, buf, with_tensors)
+  except BaseException:
+    buf.close()
+    raise
+  if not with_tensors:
+    buf.close()   # metadata values are copies
+    return meta, []
+  return meta, [_tensor(buf, data_start, *info) for info in infos]
+
+
+def _read_header(path: Path, buf, with_tensors: bool) -> tuple[dict[str, Any], list[tuple], int]:
+  size = len(buf)
+  if buf[:4] != b"GGUF": raise GGUFError(f"{path}: not a GGUF file")
+  if size < 24: raise GGUFError(f"{path}: truncated GGUF header ({size} bytes)")
+  version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+  if version not in (2, 3): raise GGUFError(f"{path}: GGUF version {version} is not supported (only 2 and 3)")
+  if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_BYTES > size - 24:
+    raise GGUFError(f"{path}: the header declares {n_kv} metadata keys and {n_tensors} tensors, more than a file of "
+                    f"{size} bytes can hold (corrupt or truncated)")
+  pos, meta = 24, {}
+  for i in range(n_kv):
+    key = f"#{i}"   # until its name is read
+    try:
       key, pos = _read_string(buf, pos)
       (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
-      meta[key], pos = _read_value(buf, pos, vtype)
-    if not with_tensors:
-      buf.close()   # metadata values are copies
-      return meta, []
-    infos = []
-    for _ in range(n_tensors):
+      value, pos = _read_value(buf, pos, vtype, 0)
+    except (struct.error, OverflowError):
+      raise GGUFError(f"{path}: metadata key {_show(key)} runs past the end of the file (truncated?)") from None
+    except ValueError as e:   # GGUFError, or an unknown value type
+      raise GGUFError(f"{path}: metadata key {_show(key)}: {e}") from None
+    if key in meta: raise GGUFError(f"{path}: metadata key {_show(key)} appears twice")
+    meta[key] = value
+  if not with_tensors: return meta, [], 0
+  align = meta.get("general.alignment", 32)
+  if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+    raise GGUFError(f"{path}: metadata key general.alignment must be a power of two, got {align!r}")
+  raw_infos = []
+  for i in range(n_tensors):
+    name = f"#{i}"
+    try:
       name, pos = _read_string(buf, pos)
       (n_dims,) = struct.unpack_from("<I", buf, pos)
+      if n_dims > MAX_DIMS: raise GGUFError(f"{n_dims} dimensions (at most {MAX_DIMS})")
       dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
       ttype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
       pos += 4 + 8 * n_dims + 12
-      try: ttype = GGMLQuantizationType(ttype)
-      except ValueError: raise GGUFError(f"{path}: tensor {name} has GGML type {ttype}, which this gguf package does not know") from None
-      infos.append((name, tuple(int(d) for d in reversed(dims)), ttype, offset))
-  except (struct.error, ValueError, KeyError) as e:
-    if isinstance(e, GGUFError): raise
-    raise GGUFError(f"{path}: corrupt GGUF header or metadata: {e}") from None
-  align = meta.get("general.alignment", 32)
-  if not isinstance(align, int) or isinstance(align, bool) or align <= 0:
-    raise GGUFError(f"{path}: general.alignment must be a positive integer, got {align!r}")
+    except (struct.error, OverflowError):
+      raise GGUFError(f"{path}: the entry of tensor {_show(name)} runs past the end of the file (truncated?)") from None
+    except ValueError as e:   # GGUFError
+      raise GGUFError(f"{path}: the entry of tensor {_show(name)}: {e}") from None
+    raw_infos.append((name, dims, ttype, offset))
   data_start = (pos + align - 1) // align * align
-  return meta, [_tensor(path, buf, data_start, *info) for info in infos]
+  infos, seen = [], set()
+  for name, dims, ttype, offset in raw_infos:
+    where = f"{path}: tensor {_show(name)}"
+    if name in seen: raise GGUFError(f"{where} appears twice")
+    seen.add(name)
+    try: ttype = GGMLQuantizationType(ttype)
+    except ValueError: raise GGUFError(f"{where} has GGML type {ttype}, which this gguf package does not know") from None
+    if ttype not in GGML_QUANT_SIZES: raise GGUFError(f"{where} has GGML type {ttype.name}, whose block size is unknown")
+    shape = tuple(reversed(dims))   # numpy order; Python ints, so no product below can overflow
+    if 0 in shape: raise GGUFError(f"{where} has an empty dimension: {shape}")
+    block, block_bytes = GGML_QUANT_SIZES[ttype]
+    row_len = shape[-1] if shape else 1
+    if row_len % block: raise GGUFError(f"{where} has rows of {row_len}, not a multiple of {ttype.name}'s {block}")
+    nbytes = math.prod(shape) // block * block_bytes
+    if offset % align: raise GGUFError(f"{where} starts at offset {offset}, not a multiple of the alignment {align}")
+    if data_start + offset + nbytes > size:
+      raise GGUFError(f"{where} ({ttype.name} {shape}, {nbytes} bytes at offset {offset}) runs past the end of the "
+                      f"file ({size} bytes; truncated?)")
+    infos.append((name, shape, ttype, offset, nbytes))
+  return meta, infos, data_start
 
 
-def _tensor(path: Path, buf, data_start: int, name: str, shape: tuple[int, ...], ttype, offset: int) -> GGUFTensor:
-  block, block_bytes = GGML_QUANT_SIZES[ttype]
-  n = int(np.prod(shape)) if shape else 1
-  if shape and shape[-1] == 0: raise GGUFError(f"{path}: tensor {name} has an empty innermost dimension")
-  rows, row_len = (n // shape[-1], shape[-1]) if shape else (1, 1)
-  if row_len % block: raise GGUFError(f"{path}: tensor {name} has rows of {row_len}, not a multiple of {ttype.name}'s {block}")
-  nbytes = rows * row_len // block * block_bytes
-  start = data_start + offset
-  if start + nbytes > len(buf): raise GGUFError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
-  raw = np.frombuffer(buf, np.uint8, nbytes, start)
+def _tensor(buf, data_start: int, name: str, shape: tuple[int, ...], ttype, offset: int, nbytes: int) -> GGUFTensor:
+  raw = np.frombuffer(buf, np.uint8, nbytes, data_start + offset)
   dtype = _PLAIN_DTYPES.get(ttype.name)
+  rows = math.prod(shape[:-1]) if shape else 1
   data = raw.view(dtype).reshape(shape) if dtype is not None else raw.reshape(rows, -1)
   return GGUFTensor(name, shape, ttype.name, data)
 
 
+def _show(s: str) -> str:
+  """A name from the file, for a message: quoted, and cut short if a corrupt length made it huge."""
+  return repr(s) if len(s) <= 120 else repr(s[:120]) + f"... ({len(s)} characters)"
+
+
 def _read_string(buf, pos: int) -> tuple[str, int]:
   (n,) = struct.unpack_from("<Q", buf, pos)
-  return buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
+  end = pos + 8 + n
+  if end > len(buf): raise GGUFError(f"a string of {n} bytes at offset {pos} runs past the end of the file (truncated?)")
+  return buf[pos + 8:end].decode("utf-8", errors="replace"), end
 
 
-def _read_value(buf, pos: int, vtype: int) -> tuple[Any, int]:
-  vtype = GGUFValueType(vtype)
+def _read_value(buf, pos: int, vtype: int, depth: int) -> tuple[Any, int]:
+  try: vtype = GGUFValueType(vtype)
+  except ValueError: raise GGUFError(f"unknown value type {vtype}") from None
   if vtype == GGUFValueType.STRING: return _read_string(buf, pos)
   if vtype != GGUFValueType.ARRAY:
     fmt = _SCALAR_FORMATS[vtype]
     return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+  if depth >= MAX_ARRAY_NESTING: raise GGUFError(f"arrays nested more than {MAX_ARRAY_NESTING} deep")
   itype, count = struct.unpack_from("<IQ", buf, pos)
   pos += 12
-  itype = GGUFValueType(itype)
+  try: itype = GGUFValueType(itype)
+  except ValueError: raise GGUFError(f"array of unknown value type {itype}") from None
+  # the least room each element takes: refuse counts the rest of the file cannot hold before looping or allocating
+  least = np.dtype(_SCALAR_FORMATS[itype]).itemsize if itype in _SCALAR_FORMATS else 8 if itype == GGUFValueType.STRING else 12
+  if count * least > len(buf) - pos:
+    raise GGUFError(f"array of {count} {itype.name} values runs past the end of the file (truncated?)")
   if itype in _SCALAR_FORMATS:
     dtype = np.dtype(_SCALAR_FORMATS[itype])
     return np.frombuffer(buf, dtype, count, pos).copy(), pos + count * dtype.itemsize
@@ -118,8 +177,10 @@ def _read_value(buf, pos: int, vtype: int) -> tuple[Any, int]:
       (n,) = length(buf, pos)
       append(buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"))
       pos += 8 + n
+    # checked once after the loop (lengths only grow `pos`): a string past the end leaves pos past the end
+    if pos > len(buf): raise GGUFError(f"array of {count} strings runs past the end of the file (truncated?)")
     return items, pos
   for _ in range(count):
-    item, pos = _read_value(buf, pos, itype)
+    item, pos = _read_value(buf, pos, itype, depth + 1)
     items.append(item)
   return items, pos

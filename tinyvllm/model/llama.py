@@ -11,7 +11,7 @@ from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import AttentionGroup, Kernels, portable
 from tinyvllm.quant import int4
 from tinyvllm.model.rope import cos_sin_table, inverse_frequencies
-from tinyvllm.model.weights import ModelLoadError
+from tinyvllm.model.weights import ModelLoadError, expected_tensors
 
 
 @dataclass
@@ -93,20 +93,8 @@ class Llama:
     (`.weight` packed uint32 `[N, K/8]`, `.scales`/`.biases` float16 `[N, K/G]`) stay packed; 8-bit ones
     (`.weight` int8 `[N, K]`, `.scales` float16 `[N, K/32]`) too where the kernels read them (`eight_bit`)."""
     np_dtype = np.float32 if dtype == "float32" else np.float16
-    linears = {"model.embed_tokens": (cfg.vocab_size, cfg.hidden_size)}
-    if not cfg.tie_word_embeddings: linears["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
-    vectors = {"model.norm.weight": cfg.hidden_size}
-    for i in range(cfg.num_hidden_layers):
-      p = f"model.layers.{i}"
-      vectors.update({f"{p}.input_layernorm.weight": cfg.hidden_size, f"{p}.post_attention_layernorm.weight": cfg.hidden_size})
-      shapes = {"self_attn.q_proj": (cfg.q_size, cfg.hidden_size), "self_attn.k_proj": (cfg.kv_size, cfg.hidden_size),
-                "self_attn.v_proj": (cfg.kv_size, cfg.hidden_size), "self_attn.o_proj": (cfg.hidden_size, cfg.q_size),
-                "mlp.gate_proj": (cfg.intermediate_size, cfg.hidden_size), "mlp.up_proj": (cfg.intermediate_size, cfg.hidden_size),
-                "mlp.down_proj": (cfg.hidden_size, cfg.intermediate_size)}
-      linears.update({f"{p}.{n}": s for n, s in shapes.items()})
-      biased = (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"] if cfg.attention_bias else []) + \
-               (["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"] if cfg.mlp_bias else [])
-      vectors.update({f"{p}.{n}.bias": shapes[n][0] for n in biased})
+    vectors, linears, biased = expected_tensors(cfg)
+    vectors = vectors | {f"{base}.bias": linears[base][0] for base in biased}
     out = {}
     for name, size in vectors.items():
       _check(tensors, name, (size,), cfg)

@@ -5,12 +5,12 @@ a GGUF file (architecture llama), or a hub id fetched with huggingface_hub. Tens
 turning them into device tensors (and choosing the dtype) is the model's job.
 """
 from __future__ import annotations
-import dataclasses, json, os, struct, sys
+import dataclasses, json, math, os, re, struct, sys
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 from tinyvllm.config import ModelConfig
-from tinyvllm.model.gguf_file import GGUFError, read_gguf
+from tinyvllm.model.gguf_file import GGUFError, GGUFTensor, read_gguf
 from tinyvllm.quant import ggml, int4
 
 
@@ -73,7 +73,8 @@ def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = 
       base = name[:-len(".weight")]
       if w.ndim == 2 and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES) and f"{base}.scales" not in tensors \
          and w.shape[1] % group == 0:
-        tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = int4.quantize(np.asarray(w, np.float32), group, "rtn")
+        try: tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = int4.quantize(np.asarray(w, np.float32), group, "rtn")
+        except ValueError as e: raise ModelLoadError(f"{ckpt.path}: tensor {name} cannot be quantized to 4 bits: {e}") from None
     ckpt = dataclasses.replace(ckpt, tensors=tensors, config=dataclasses.replace(ckpt.config, quantization={"group_size": group, "bits": 4}))
   return ckpt
 
@@ -83,50 +84,166 @@ def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = 
 def load_hf_dir(path: Path) -> Checkpoint:
   cfg_file = path / "config.json"
   if not cfg_file.exists(): raise ModelLoadError(f"{path} has no config.json")
-  try: cfg_dict = json.loads(cfg_file.read_text())
-  except json.JSONDecodeError as e: raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from None
-  config = ModelConfig.from_hf(cfg_dict, source=str(cfg_file))
-  index = path / "model.safetensors.index.json"
-  if index.exists():
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-  else:
-    files = sorted(p.name for p in path.glob("*.safetensors"))
-  if not files: raise ModelLoadError(f"{path} has no *.safetensors weights")
-  tensors: dict[str, np.ndarray] = {}
-  for name in files:
-    if not (path / name).exists(): raise ModelLoadError(f"{path / name} is listed in {index.name} but missing")
-    tensors.update(read_safetensors(path / name))
-  tensors = {k: v for k, v in tensors.items() if "rotary_emb.inv_freq" not in k}
+  config = ModelConfig.from_hf(_read_json(cfg_file), source=str(cfg_file))
   if config.quantization is not None:
     if config.quantization.get("bits") != 4 or config.quantization.get("group_size") not in int4.GROUP_SIZES:
       raise ModelLoadError(f"{cfg_file}: unsupported quantization {config.quantization}; tinyvllm reads 4-bit affine "
                            f"groups of {', '.join(map(str, int4.GROUP_SIZES))}")
-    tensors = int4.float16_params(tensors)   # mlx-lm stores scales/biases in the source dtype
+  index = path / "model.safetensors.index.json"
+  if index.exists():
+    index_dict = _read_json(index)
+    weight_map = index_dict.get("weight_map") if isinstance(index_dict, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+      raise ModelLoadError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
+    files = sorted(set(weight_map.values()))
+    for name in files:   # names of files beside the index, never paths that lead elsewhere
+      if not name or Path(name).name != name or name in (".", ".."):
+        raise ModelLoadError(f"{index}: 'weight_map' names {name!r}, which is not a file name in {path}")
+  else:
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+  if not files: raise ModelLoadError(f"{path} has no *.safetensors weights")
+  tensors: dict[str, np.ndarray] = {}
+  origin: dict[str, str] = {}   # tensor -> the file it came from, for messages
+  for name in files:
+    if not (path / name).is_file(): raise ModelLoadError(f"{path / name} is listed in {index.name} but missing")
+    shard = read_safetensors(path / name)
+    tensors.update(shard)
+    origin.update(dict.fromkeys(shard, name))
+  keep = check_tensors(config, tensors, str(path), "num_hidden_layers in config.json",
+                       lambda n: f"{n} (in {origin[n]})" if n in origin else n)
+  tensors = {k: tensors[k] for k in keep}
+  if config.quantization is not None: tensors = int4.float16_params(tensors)   # mlx-lm stores scales/biases in the source dtype
   return Checkpoint(config, tensors, path)
+
+
+def _read_json(file: Path):
+  try: return json.loads(file.read_bytes())
+  except OSError as e: raise ModelLoadError(f"{file} cannot be read: {e}") from None
+  except (ValueError, RecursionError) as e:   # JSONDecodeError, bad UTF-8, or nesting too deep for the parser
+    raise ModelLoadError(f"{file} is not valid JSON: {type(e).__name__}: {e}") from None
 
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64, "I64": np.int64,
               "I32": np.int32, "U32": np.uint32, "I16": np.int16, "U16": np.uint16, "I8": np.int8, "U8": np.uint8}
+ST_MAX_HEADER = 100_000_000   # the safetensors library's own limit on the JSON header
 
 
 def read_safetensors(file: Path) -> dict[str, np.ndarray]:
-  """Memory-map a safetensors file. bf16 tensors come back as float32 (numpy has no bfloat16)."""
+  """Memory-map a safetensors file. bf16 tensors come back as float32 (numpy has no bfloat16).
+  The header is checked against the file before anything is read or mapped: its length, that it is an object
+  of tensor entries, and each entry's dtype, shape and data_offsets (inside the data, and as many bytes as
+  the shape needs); a corrupt file raises ModelLoadError naming the file and the tensor."""
   try:
+    size = file.stat().st_size
     with open(file, "rb") as f:
-      header_len = struct.unpack("<Q", f.read(8))[0]
-      header = json.loads(f.read(header_len))
-  except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ModelLoadError(f"{file} is not a readable safetensors file: {e}") from None
-  data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len)
+      head = f.read(8)
+      header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+      if header_len is not None and header_len <= min(size - 8, ST_MAX_HEADER): raw = f.read(header_len)
+  except OSError as e:
+    raise ModelLoadError(f"{file} cannot be read: {e}") from None
+  if header_len is None: raise ModelLoadError(f"{file} is not a safetensors file: {size} bytes, too short for a header")
+  if header_len > size - 8:
+    raise ModelLoadError(f"{file}: the safetensors header length {header_len} is larger than the file ({size} bytes): "
+                         f"truncated, or not a safetensors file")
+  if header_len > ST_MAX_HEADER:
+    raise ModelLoadError(f"{file}: the safetensors header length {header_len} is over the limit of {ST_MAX_HEADER} bytes")
+  try: header = json.loads(raw)
+  except (ValueError, RecursionError) as e:
+    raise ModelLoadError(f"{file} is not a readable safetensors file: its header is not valid JSON ({type(e).__name__}: {e})") from None
+  if not isinstance(header, dict):
+    raise ModelLoadError(f"{file}: the safetensors header is a JSON {type(header).__name__}, not an object of tensors")
+  data_len = size - 8 - header_len
+  data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len, shape=(data_len,)) if data_len else np.empty(0, np.uint8)
   out = {}
   for name, info in header.items():
     if name == "__metadata__": continue
-    if info["dtype"] not in _ST_DTYPES: raise ModelLoadError(f"{file}: tensor {name} has unsupported dtype {info['dtype']}")
-    start, end = info["data_offsets"]
-    arr = data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-    if info["dtype"] == "BF16": arr = (arr.astype(np.uint32) << 16).view(np.float32)
+    where = f"{file}: tensor {name!r}"
+    if not isinstance(info, dict): raise ModelLoadError(f"{where}: its entry is a JSON {type(info).__name__}, not an object")
+    for key in ("dtype", "shape", "data_offsets"):
+      if key not in info: raise ModelLoadError(f"{where} has no {key!r}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+      raise ModelLoadError(f"{where} has unsupported dtype {dtype!r}; supported: {', '.join(_ST_DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > 8 or not all(_is_count(d) for d in shape):
+      raise ModelLoadError(f"{where} has shape {shape!r}; a shape is a list of at most 8 non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+      raise ModelLoadError(f"{where} has data_offsets {offsets!r}; they are two non-negative integers")
+    start, end = offsets
+    if not start <= end <= data_len:
+      raise ModelLoadError(f"{where} has data_offsets [{start}, {end}] outside the {data_len} bytes of data (truncated?)")
+    itemsize = np.dtype(_ST_DTYPES[dtype]).itemsize
+    if end - start != math.prod(shape) * itemsize:   # Python ints: no product overflows
+      raise ModelLoadError(f"{where}: shape {shape} of {dtype} needs {math.prod(shape) * itemsize} bytes, "
+                           f"its data_offsets hold {end - start}")
+    arr = data[start:end].view(_ST_DTYPES[dtype]).reshape(shape)
+    if dtype == "BF16": arr = (arr.astype(np.uint32) << 16).view(np.float32)
     out[name] = arr
   return out
+
+
+def _is_count(v) -> bool: return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+# ---- what the model reads ----
+
+def expected_tensors(config: ModelConfig) -> tuple[dict[str, int], dict[str, tuple[int, int]], list[str]]:
+  """The tensors a Llama of this config reads, the one inventory the loaders check and the model prepares:
+  vectors name -> length, linears base name -> (rows, inputs), and the linears that carry a bias."""
+  c = config
+  linears = {"model.embed_tokens": (c.vocab_size, c.hidden_size)}
+  if not c.tie_word_embeddings: linears["lm_head"] = (c.vocab_size, c.hidden_size)
+  vectors = {"model.norm.weight": c.hidden_size}
+  biased = []
+  for i in range(c.num_hidden_layers):
+    p = f"model.layers.{i}"
+    vectors.update({f"{p}.input_layernorm.weight": c.hidden_size, f"{p}.post_attention_layernorm.weight": c.hidden_size})
+    linears.update({f"{p}.self_attn.q_proj": (c.q_size, c.hidden_size), f"{p}.self_attn.k_proj": (c.kv_size, c.hidden_size),
+                    f"{p}.self_attn.v_proj": (c.kv_size, c.hidden_size), f"{p}.self_attn.o_proj": (c.hidden_size, c.q_size),
+                    f"{p}.mlp.gate_proj": (c.intermediate_size, c.hidden_size), f"{p}.mlp.up_proj": (c.intermediate_size, c.hidden_size),
+                    f"{p}.mlp.down_proj": (c.hidden_size, c.intermediate_size)})
+    biased += [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj") if c.attention_bias]
+    biased += [f"{p}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj") if c.mlp_bias]
+  return vectors, linears, biased
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_tensors(config: ModelConfig, tensors: dict, where: str, layers_key: str, show=lambda name: name,
+                  stored: bool = True) -> list[str]:
+  """Check that every tensor the model reads is there with the shape the config implies, before anything is
+  converted or allocated for it. Returns the names the model reads; others are not kept.
+  tensors: name -> anything with `.shape` (and, when `stored`, `.ndim` and `.dtype`: 4-bit and 8-bit linears
+  are recognised by their `.scales`). `show` turns a name into the file's spelling for messages."""
+  vectors, linears, biased = expected_tensors(config)
+  keep = []
+  def need(name: str, shape: tuple[int, ...]):
+    if name not in tensors:
+      m = _LAYER.match(name)
+      declared = f", though {layers_key} declares {config.num_hidden_layers} layers" if m else ""
+      raise ModelLoadError(f"{where}: tensor {show(name)} is missing{declared}")
+    if tuple(tensors[name].shape) != shape:
+      raise ModelLoadError(f"{where}: tensor {show(name)} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
+    keep.append(name)
+  for name, n in vectors.items(): need(name, (n,))
+  for base, (n, k) in linears.items():
+    weight, scales, biases = f"{base}.weight", f"{base}.scales", f"{base}.biases"
+    if not stored or scales not in tensors:
+      need(weight, (n, k))
+    elif biases not in tensors:   # 8-bit: int8 codes and a scale per 32
+      if k % 32: raise ModelLoadError(f"{where}: tensor {show(scales)}: 8-bit blocks of 32 do not divide {k} inputs")
+      need(weight, (n, k)); need(scales, (n, k // 32))
+    else:                         # 4-bit: uint32 words of 8 codes, a scale and bias per group
+      groups = tensors[scales].shape[-1] if tensors[scales].ndim == 2 else 0
+      if k % 8 or not groups or k % groups:
+        raise ModelLoadError(f"{where}: tensor {show(scales)} has shape {tuple(tensors[scales].shape)}, which does not "
+                             f"split {k} inputs into 4-bit groups")
+      need(weight, (n, k // 8)); need(scales, (n, groups)); need(biases, (n, groups))
+      if tensors[weight].dtype.itemsize != 4:
+        raise ModelLoadError(f"{where}: tensor {show(weight)} is {tensors[weight].dtype}; packed 4-bit weights are 32-bit words")
+    if base in biased or f"{base}.bias" in tensors: need(f"{base}.bias", (n,))
+  if "rope_freqs.weight" in tensors: need("rope_freqs.weight", (config.head_dim // 2,))
+  return keep
 
 
 # ---- GGUF ----
@@ -146,9 +263,22 @@ def _is_gguf(path: Path) -> bool:
 def hf_name(gguf_name: str) -> str:
   """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
   parts = gguf_name.split(".")
-  if parts[0] == "blk":
+  if parts[0] == "blk" and len(parts) >= 4:
     return f"model.layers.{parts[1]}.{_GGUF_NAMES.get(parts[2], parts[2])}.{'.'.join(parts[3:])}"
+  if len(parts) < 2: return gguf_name
   return f"{_GGUF_NAMES.get(parts[0], parts[0])}.{'.'.join(parts[1:])}"
+
+
+_HF_NAMES = {hf: g for g, hf in _GGUF_NAMES.items()}
+
+
+def gguf_name(name: str) -> str:
+  """The inverse of hf_name: 'model.layers.3.self_attn.q_proj.weight' -> 'blk.3.attn_q.weight'."""
+  base, _, part = name.rpartition(".")
+  if m := _LAYER.match(base + "."):
+    inner = base[m.end():]
+    return f"blk.{m.group(1)}.{_HF_NAMES.get(inner, inner)}.{part}"
+  return f"{_HF_NAMES.get(base, base)}.{part}"
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -162,14 +292,29 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
   """keep_q4: Q4_0/Q4_1 linear weights become packed 4-bit groups of 32 (exactly, code for code), and a Q8_0
   embedding / LM head stays 8-bit (int8 codes + float16 scales per 32), instead of floats."""
   try: meta, gguf_tensors = read_gguf(path)
-  except GGUFError as e: raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
+  except OSError as e: raise ModelLoadError(f"{path} cannot be read: {e}") from None
+  except GGUFError as e:
+    msg = str(e).removeprefix(f"{path}: ")
+    raise ModelLoadError(f"{path} is not a readable GGUF file: {msg}") from None
   config = ModelConfig.from_gguf(meta, source=str(path))
-  tensors = {}
+  by_name: dict[str, GGUFTensor] = {}
   for t in gguf_tensors:
-    qtype, shape = t.type_name, t.shape
-    if qtype not in GGUF_TENSOR_TYPES:
-      raise ModelLoadError(f"{path}: tensor {t.name} has GGUF type {qtype}; supported: {', '.join(GGUF_TENSOR_TYPES)}")
+    if t.type_name not in GGUF_TENSOR_TYPES:
+      raise ModelLoadError(f"{path}: tensor {t.name} has GGUF type {t.type_name}; supported: {', '.join(GGUF_TENSOR_TYPES)}")
     name = hf_name(t.name)
+    if (m := _LAYER.match(name)) and int(m.group(1)) >= config.num_hidden_layers:
+      raise ModelLoadError(f"{path}: tensor {t.name} belongs to layer {int(m.group(1))}, but llama.block_count declares "
+                           f"{config.num_hidden_layers} layers")
+    if name in by_name: raise ModelLoadError(f"{path}: tensors {by_name[name].name} and {t.name} are both {name}")
+    by_name[name] = t
+  if "lm_head.weight" not in by_name: config = dataclasses.replace(config, tie_word_embeddings=True)
+  # shapes checked before any conversion; tensors the model does not read are not converted (nor kept)
+  keep = check_tensors(config, by_name, str(path), "llama.block_count", lambda n: by_name[n].name if n in by_name else gguf_name(n),
+                       stored=False)
+  tensors = {}
+  for name in keep:
+    t = by_name[name]
+    qtype, shape = t.type_name, t.shape
     packed = keep_q4 and qtype in ("Q4_0", "Q4_1") and int4.is_linear_weight(name)
     eight_bit = keep_q4 and qtype == "Q8_0" and name in int4.EMBEDDING_NAMES
     if eight_bit:
@@ -188,6 +333,5 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
       tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = int4.from_ggml_q4(arr, qtype, shape)
     else:
       tensors[name] = arr
-  if "lm_head.weight" not in tensors: config = dataclasses.replace(config, tie_word_embeddings=True)
   if any(k.endswith(".scales") for k in tensors): config = dataclasses.replace(config, quantization={"group_size": ggml.BLOCK, "bits": 4})
   return Checkpoint(config, tensors, path, gguf_meta=meta)

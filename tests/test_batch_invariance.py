@@ -1,0 +1,42 @@
+"""`batch_invariant=True`: a sequence's logits are bitwise the same alone and in any batch, on the CPU device with
+the `cpu` and `portable` backends, for float and 4-bit weights, with chunked prefill, packed prefill and preemption.
+Compared: the top-5 logprobs of every generated token (float64 from the float32 logits), greedy and seeded."""
+from __future__ import annotations
+import numpy as np
+import pytest
+from tinyvllm import SamplingParams
+from tinyvllm.engine.llm_engine import LLMEngine
+
+LENGTHS = [7, 30, 55, 12, 90, 3, 41, 22]
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> list:
+  for i, p in enumerate(prompts): engine.add_request(f"{tag}-{i}", p, params)
+  finals = {}
+  while engine.has_unfinished_requests():
+    for out in engine.step():
+      if out.finished: finals[out.request_id] = out.outputs[0]
+  return [finals[f"{tag}-{i}"] for i in range(len(prompts))]
+
+
+def fingerprint(c) -> list:
+  return [c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs]]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "portable"])
+@pytest.mark.parametrize("quantization", [None, "int4"], ids=["float32", "int4"])
+def test_logits_bitwise_alone_and_in_any_batch(tiny_model, backend, quantization):
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(4, 380, n).tolist() for n in LENGTHS]
+  kw = dict(kernel_backend=backend, quantization=quantization, batch_invariant=True, enable_prefix_caching=False,
+            block_size=8, max_num_batched_tokens=32)                  # prompts read in chunks, several per step
+  engine = LLMEngine.from_kwargs(str(tiny_model), num_kv_blocks=256, **kw)
+  for params in (SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=5),
+                 SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True, logprobs=5)):
+    alone = [fingerprint(generate(engine, [p], params, f"alone{i}")[0]) for i, p in enumerate(prompts[:3])]
+    together = [fingerprint(c) for c in generate(engine, prompts, params, "batch")[:3]]
+    assert together == alone
+  # preemption: a pool too small for the batch, so sequences are dropped and recomputed in new company
+  small = LLMEngine.from_kwargs(str(tiny_model), num_kv_blocks=24, **kw)
+  squeezed = [fingerprint(c) for c in generate(small, prompts, params, "small")[:3]]
+  assert small.scheduler.num_preemptions > 0 and squeezed == alone
