@@ -187,3 +187,10 @@ def test_chat_message_and_template_errors_are_clear(llm):
   cont = llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}], GREEDY,
                   add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0]
   assert cont.prompt.endswith("Once upon")                    # the assistant's message is left open to continue
+
+
+def test_a_small_cache_lowers_max_model_len_and_says_so(tiny_model, capsys):
+  llm = LLM(str(tiny_model), num_kv_blocks=2, block_size=8)
+  assert llm.llm_engine.max_model_len == 16
+  assert "max_model_len lowered from 256 to 16" in capsys.readouterr().err
+  llm.shutdown()

@@ -128,3 +128,22 @@ def test_several_quantizations_run_in_one_bench(tiny_model, tmp_path):
   assert records[1]["weight_bytes_per_step"] < 0.5 * records[0]["weight_bytes_per_step"]   # packed: ~1/6 of float32
   with pytest.raises(SystemExit):
     main(["--quantization", "int8"])
+
+
+def test_bench_sizes_runs_to_the_model_before_measuring(tiny_model, tmp_path, monkeypatch):
+  """The tiny model's context is 256: a 1024-token decode context and a 512-token prefill are skipped with a note
+  (not a failure after the ceilings), what fits still runs; a bad --model fails before anything is measured."""
+  from tinyvllm.bench import cli, device
+  measured = []
+  real = device.measure
+  monkeypatch.setattr(device, "measure", lambda *a: measured.append(1) or real(*a))
+  out = tmp_path / "bench.json"
+  cli.main(["--model", str(tiny_model), "--runs", "decode,prefill", "--batch-sizes", "1", "--context-lens", "8,1024",
+            "--prefill-lens", "8,512", "--steps", "2", "--warmup", "1", "--bandwidth-sizes", "1", "--bandwidth-reps", "1",
+            "--matmul-size", "32", "--no-peers", "--json", str(out)])
+  data = json.loads(out.read_text())
+  assert [(r["kind"], r["context_len"]) for r in data["records"]] == [("decode", 8), ("prefill", 8)]
+  assert any("1024 skipped" in n for n in data["notes"]) and any("512 tokens skipped" in n for n in data["notes"])
+  measured.clear()
+  with pytest.raises(SystemExit, match="--model"): cli.main(["--model", str(tmp_path / "missing")])
+  assert not measured

@@ -124,6 +124,33 @@ def _cache_plan(args, runs: set[str]) -> tuple[int, int, int]:
   return max_len, -(-max(need) // 16) + 2 * max_seqs + 8, max_seqs
 
 
+def _fit_to_model(args, runs: set[str], context: int, notes: list[str]) -> None:
+  """Drop what cannot fit the model's context (`context` tokens), each with a note, so a model with a short context
+  measures what it can instead of failing after the ceilings were measured."""
+  spec = (args.num_speculative_tokens or 4) + 1 if args.draft_model else 1
+  extra = (args.warmup + args.steps * args.repeats + 2) * spec + 16
+  if "decode" in runs:
+    fit = [c for c in args.context_lens if c + extra <= context]
+    if fit != args.context_lens: notes.append(f"decode at context {', '.join(str(c) for c in args.context_lens if c not in fit)} "
+                                              f"skipped: with {extra} decoded tokens it exceeds the model's context of {context}")
+    args.context_lens = fit
+    if not fit: runs.discard("decode")
+  if "prefill" in runs:
+    fit = [n for n in args.prefill_lens if n + 16 <= context]
+    if fit != args.prefill_lens: notes.append(f"prefill of {', '.join(str(n) for n in args.prefill_lens if n not in fit)} "
+                                              f"tokens skipped: the model's context is {context}")
+    args.prefill_lens = fit
+    if not fit: runs.discard("prefill")
+  if "serving" in runs and args.serving_prompt_lens[1] + args.serving_output_lens[1] + 16 * spec > context:
+    room = context - 16 * spec
+    prompt_hi = max(1, min(args.serving_prompt_lens[1], room // 2))
+    output_hi = max(1, min(args.serving_output_lens[1], room - prompt_hi))
+    args.serving_prompt_lens = (min(args.serving_prompt_lens[0], prompt_hi), prompt_hi)
+    args.serving_output_lens = (min(args.serving_output_lens[0], output_hi), output_hi)
+    notes.append(f"serving lengths clipped to prompts {args.serving_prompt_lens} and outputs {args.serving_output_lens} "
+                 f"to fit the model's context of {context}")
+
+
 def _median(results: list[dict]) -> dict:
   """The repeat with the median tok/s, with every repeat's tok/s beside it."""
   from tinyvllm.bench.runs import median_repeat
@@ -224,12 +251,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
   if bad: sys.exit(f"--peers: unknown peer(s) {', '.join(bad)}; choose from {', '.join(peers_mod.PEERS)}")
   if args.plot: report.require_matplotlib()   # fail now, not after minutes of measuring
 
+  rng, notes = np.random.default_rng(args.seed), []
+  from tinyvllm.model.weights import load_config
+  try: context = load_config(args.model).max_position_embeddings   # before any measuring: a bad model fails now
+  except (ValueError, OSError) as e: sys.exit(f"--model: {e}")
+  _fit_to_model(args, runs, context, notes)
+  if not runs: sys.exit(f"nothing to measure: every run exceeds the model's context of {context} tokens ({'; '.join(notes)})")
   n_configs = len(args.quantization) * (2 if args.draft_model else 1)
   n_decode = len(args.batch_sizes) * len(args.context_lens) if "decode" in runs else 0
   n_prefill = len(args.prefill_lens) if "prefill" in runs else 0
   n_tasks = 1 + n_configs * (1 + n_decode + n_prefill + ("serving" in runs)) + len(peer_keys) * (1 + n_decode + n_prefill)
   bar = tqdm(total=n_tasks, desc="tinyvllm.bench", file=sys.stderr, unit="run")
-  rng, notes = np.random.default_rng(args.seed), []
   bar.set_postfix_str("device ceilings")
   ceilings = device.measure(args.bandwidth_sizes, args.bandwidth_reps, args.matmul_size)
   bar.update()

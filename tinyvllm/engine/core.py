@@ -6,7 +6,7 @@ confined to the requests it concerns: a model pass that raises fails the sequenc
 fails its own request; the others go on, and the engine stays consistent for the next step.
 """
 from __future__ import annotations
-import dataclasses, os, time
+import dataclasses, os, sys, time
 import numpy as np
 from tinygrad import Device
 from tinyvllm import sampler
@@ -45,7 +45,10 @@ class EngineCore:
         raise ConfigError(f"max_model_len={max_model_len} needs {-(-max_model_len // config.block_size)} KV blocks of "
                           f"{config.block_size} tokens but the cache has num_kv_blocks={num_blocks}; "
                           f"raise num_kv_blocks or lower max_model_len")
-      max_model_len = capacity   # one sequence must always fit alone, or preemption could not make progress
+      # one sequence must always fit alone, or preemption could not make progress
+      print(f"tinyvllm: max_model_len lowered from {max_model_len} to {capacity}: the KV cache holds {num_blocks} blocks "
+            f"of {config.block_size} tokens (raise num_kv_blocks or kv_cache_memory_fraction for more)", file=sys.stderr)
+      max_model_len = capacity
     self.max_model_len = max_model_len
     self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
     self.kernels = Kernels(self.kernel_backend, self.device, config.batch_invariant)

