@@ -8,6 +8,7 @@ import gguf
 import numpy as np
 import pytest
 from conftest import make_tiny_llama
+from test_weights import write_gguf
 from tinyvllm.config import ConfigError
 from tinyvllm.model.fetch import FetchError, extract_members
 from tinyvllm.model.tokenizer import TokenizerError, load_tokenizer
@@ -53,37 +54,9 @@ def safetensors_bytes(header, data: bytes = b"", header_len: int | None = None) 
 
 # ---- valid tiny checkpoints ----
 
-HF_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 # every tensor type the loader reads, so the fuzz reaches each conversion
-GGUF_TYPES = {"token_embd": "Q8_0", "output": "F16", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "F16", "attn_output": "BF16",
+FUZZ_TYPES = {"token_embd": "Q8_0", "output": "F16", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "F16", "attn_output": "BF16",
               "ffn_gate": "Q8_0", "ffn_up": "F32", "ffn_down": "Q4_1"}
-
-
-def write_gguf(hf_dir: Path, out: Path, block_count: int | None = None) -> Path:
-  from safetensors.torch import load_file
-  cfg = json.loads((hf_dir / "config.json").read_text())
-  tok = json.loads((hf_dir / "tokenizer.json").read_text())
-  w = gguf.GGUFWriter(out, "llama")
-  w.add_block_count(block_count or cfg["num_hidden_layers"]); w.add_context_length(cfg["max_position_embeddings"])
-  w.add_embedding_length(cfg["hidden_size"]); w.add_feed_forward_length(cfg["intermediate_size"])
-  w.add_head_count(cfg["num_attention_heads"]); w.add_head_count_kv(cfg["num_key_value_heads"])
-  w.add_layer_norm_rms_eps(cfg["rms_norm_eps"]); w.add_vocab_size(cfg["vocab_size"])
-  vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-  w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("gpt-2")
-  w.add_token_list([t for t, _ in vocab]); w.add_token_types([1] * len(vocab))
-  w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-  w.add_bos_token_id(0); w.add_eos_token_id(1)
-  for name, t in load_file(hf_dir / "model.safetensors").items():
-    arr, parts = t.float().numpy(), name.split(".")
-    if parts[1] == "layers": gname = f"blk.{parts[2]}.{HF_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
-    else: gname = f"{HF_TO_GGUF['.'.join(parts[:-1])]}.{parts[-1]}"
-    qtype = getattr(gguf.GGMLQuantizationType, "F32" if arr.ndim == 1 else GGUF_TYPES[gname.split(".")[-2]])
-    w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-  w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-  return out
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +67,9 @@ def tiny_hf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tiny_hf, tmp_path_factory) -> Path:
-  return write_gguf(tiny_hf, tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
+  out = tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf"
+  write_gguf(tiny_hf, out, FUZZ_TYPES)
+  return out
 
 
 def hf_dir_with(tmp_path: Path, tiny_hf: Path, weights: bytes | None = None, config: dict | None = None) -> Path:
@@ -146,7 +121,8 @@ def test_gguf_block_count_implausible(tmp_path):
 
 def test_gguf_layers_missing_for_block_count(tiny_hf, tmp_path):
   """block_count says 3, the file has the tensors of 2 layers: the message names the first missing one."""
-  path = write_gguf(tiny_hf, tmp_path / "three.gguf", block_count=3)
+  path = tmp_path / "three.gguf"
+  write_gguf(tiny_hf, path, FUZZ_TYPES, block_count=3)
   raises_naming(path, "blk.2.", "llama.block_count", kind=ModelLoadError)
 
 

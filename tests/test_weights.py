@@ -7,7 +7,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import our_prefill_logits
 from tinyvllm.config import ConfigError, ModelConfig
@@ -35,13 +34,15 @@ def gguf_name(hf: str) -> str:
   return f"{GGUF_NAMES['.'.join(parts[:-1])]}.{parts[-1]}"
 
 
-def write_gguf(hf_dir: Path, out: Path) -> dict[str, np.ndarray]:
-  """Convert a tiny HF checkpoint (and its byte-level BPE tokenizer) to GGUF with mixed tensor types.
-  Returns the weights as HF names expect them after the round trip (dequantized by the gguf package)."""
+def write_gguf(hf_dir: Path, out: Path, types: dict[str, str] = GGUF_TYPES, block_count: int | None = None) -> dict[str, np.ndarray]:
+  """Convert a tiny HF checkpoint (any dtype, and its byte-level BPE tokenizer) to GGUF with the tensor types given
+  per projection (`block_count` overrides the layer count written). Returns the weights as HF names expect them
+  after the round trip (dequantized by the gguf package)."""
+  from safetensors.torch import load_file
   cfg = json.loads((hf_dir / "config.json").read_text())
   tok = json.loads((hf_dir / "tokenizer.json").read_text())
   w = gguf.GGUFWriter(out, "llama")
-  w.add_block_count(cfg["num_hidden_layers"]); w.add_context_length(cfg["max_position_embeddings"])
+  w.add_block_count(block_count or cfg["num_hidden_layers"]); w.add_context_length(cfg["max_position_embeddings"])
   w.add_embedding_length(cfg["hidden_size"]); w.add_feed_forward_length(cfg["intermediate_size"])
   w.add_head_count(cfg["num_attention_heads"]); w.add_head_count_kv(cfg["num_key_value_heads"])
   w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"]); w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -53,13 +54,13 @@ def write_gguf(hf_dir: Path, out: Path) -> dict[str, np.ndarray]:
   w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
   w.add_bos_token_id(0); w.add_eos_token_id(1)
   expected = {}
-  for name, arr in load_file(hf_dir / "model.safetensors").items():
-    arr = arr.astype(np.float32)
+  for name, t in load_file(hf_dir / "model.safetensors").items():
+    arr = t.float().numpy()
     gname = gguf_name(name)
     if name.endswith("q_proj.weight"): arr_g = llama_cpp_permute(arr, cfg["num_attention_heads"])
     elif name.endswith("k_proj.weight"): arr_g = llama_cpp_permute(arr, cfg["num_key_value_heads"])
     else: arr_g = arr
-    kind = "F32" if arr.ndim == 1 else GGUF_TYPES[gname.split(".")[-2]]
+    kind = "F32" if arr.ndim == 1 else types[gname.split(".")[-2]]
     qtype = getattr(gguf.GGMLQuantizationType, kind)
     data = gguf.quants.quantize(arr_g, qtype)
     w.add_tensor(gname, data, raw_dtype=qtype)
