@@ -186,7 +186,7 @@ template <typename T, typename KV, int D>
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float qs[8 * D];
+  threadgroup __attribute__((aligned(16))) float qs[8 * D];   // read as float4: Metal needs 16-byte alignment
   threadgroup float probs[8 * 128];
   threadgroup float red[3 * 4 * 8];
   threadgroup float4 red_o[4 * 8 * D / 4];
@@ -209,7 +209,7 @@ template <typename T, typename KV, int D>
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float qs[8 * D];
+  threadgroup __attribute__((aligned(16))) float qs[8 * D];   // read as float4: Metal needs 16-byte alignment
   threadgroup float probs[8 * 128];
   threadgroup float red[3 * 4 * 8];
   threadgroup float4 red_o[4 * 8 * D / 4];

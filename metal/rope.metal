@@ -43,8 +43,8 @@ template <typename T, typename C>
     constant RopeParams& p [[buffer(9)]],
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
-    uint nthreads [[threads_per_threadgroup]]) {
-  const int t = tgid.x;
+    uint3 tgsize [[threads_per_threadgroup]]) {   // uint3 like tgid: Metal wants the geometry built-ins of one width
+  const int t = tgid.x, nthreads = tgsize.x;
   const int D = p.head_dim, half_d = D / 2, chunks = half_d / 4;
   const int hq = p.n_heads, hk = p.n_kv_heads;
   const int slot = slot_mapping[t];

@@ -333,3 +333,141 @@ def test_tinyjit_route_and_deferred_errors(tmp_path):
   be.run(bad, Tensor.zeros(64, dtype=dtypes.float32).contiguous())[0].realize()
   with pytest.raises(EmulatorError, match="divergent_barrier"):
     be.check()
+
+
+# **** what tinygrad's MSL and Apple's compiler need from the emulator ****
+
+# tinygrad writes kernels like this one: no [[buffer(n)]] (Metal numbers buffers in declaration order), aligned
+# threadgroup arrays, and simdgroup matrices filled and read element by element through thread_elements().
+TINYGRAD_STYLE_SRC = """
+#include <metal_stdlib>
+using namespace metal;
+kernel void tc(device float* c, device const float* a, device const float* b, device float* own,
+               uint3 gid [[threadgroup_position_in_grid]], uint3 lid [[thread_position_in_threadgroup]]) {
+  threadgroup __attribute__((aligned(16))) float stage[64];
+  const uint lane = lid.x;
+  // b staged through threadgroup memory and read back as float4: legal only because `stage` is declared aligned
+  stage[lane] = b[lane]; stage[lane + 32] = b[lane + 32];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_float8x8 ma, mb, mc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  simdgroup_load(ma, a, 8);
+  const uint row = (lane / 16) * 4 + (lane / 2) % 4, col = ((lane / 8) % 2) * 4 + (lane % 2) * 2;
+  const float4 quad = *(threadgroup const float4*)(stage + row * 8 + (col / 4) * 4);
+  mb.thread_elements()[0] = quad[col % 4];
+  mb.thread_elements()[1] = quad[col % 4 + 1];
+  simdgroup_multiply_accumulate(mc, ma, mb, mc);
+  own[2 * lane] = mc.thread_elements()[0];
+  own[2 * lane + 1] = mc.thread_elements()[1];
+  simdgroup_store(mc, c, 8);
+}
+"""
+
+
+def apple_lane_layout():
+  """(row, column) of the two elements lane l holds of an 8x8 simdgroup matrix (Apple's layout, as MLX documents it)."""
+  lanes = np.arange(32)
+  rows = (lanes // 16) * 4 + (lanes // 2) % 4
+  cols = ((lanes // 8) % 2) * 4 + (lanes % 2) * 2
+  return rows, cols
+
+
+def test_tinygrad_style_kernel():
+  lib = compile_source(TINYGRAD_STYLE_SRC, "tinygrad_style.metal")
+  assert [p.buffer for p in lib.kernels["tc"].buffers] == [0, 1, 2, 3]   # declaration order
+  rng = np.random.default_rng(11)
+  a, b = rng.standard_normal((8, 8)).astype(np.float32), rng.standard_normal((8, 8)).astype(np.float32)
+  c, own = np.zeros((8, 8), np.float32), np.zeros((32, 2), np.float32)
+  lib.run("tc", [c, a, b, own], (1,), (32,), order="random", seed=2)
+  ref = a.astype(np.float64) @ b
+  np.testing.assert_allclose(c, ref, rtol=1e-5, atol=1e-5)
+  rows, cols = apple_lane_layout()
+  np.testing.assert_allclose(own, np.stack([ref[rows, cols], ref[rows, cols + 1]], 1), rtol=1e-5, atol=1e-5)
+
+
+def test_lane_layout_covers_the_tile():
+  rows, cols = apple_lane_layout()
+  cells = {(r, c + j) for r, c in zip(rows, cols) for j in (0, 1)}
+  assert len(cells) == 64 and all(0 <= r < 8 and 0 <= c < 8 for r, c in cells)
+
+
+UNALIGNED_TG = """
+#include <metal_stdlib>
+using namespace metal;
+kernel void tg_vec(device const float* x [[buffer(0)]], device float4* out [[buffer(1)]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup DECL float t[64];
+  t[tid] = x[tid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid < 16) out[tid] = *(threadgroup const float4*)(t + 4 * tid);
+}
+kernel void device_vec(device const float* x [[buffer(0)]], device float4* out [[buffer(1)]], uint tid [[thread_index_in_threadgroup]]) {
+  out[tid] = *(device const float4*)(x + 4 * tid + OFFSET);
+}
+"""
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_misaligned_vector_access_is_reported(aligned):
+  src = UNALIGNED_TG.replace("DECL", "__attribute__((aligned(16)))" if aligned else "").replace("OFFSET", "0" if aligned else "1")
+  lib = compile_source(src, f"align_{aligned}.metal")
+  x = np.random.default_rng(12).standard_normal(68).astype(np.float32)
+  for kernel, threads in (("tg_vec", 64), ("device_vec", 16)):
+    out = np.zeros((16, 4), np.float32)
+    if aligned:
+      lib.run(kernel, [x, out], (1,), (threads,))
+      np.testing.assert_array_equal(out.reshape(-1), x[:64])
+    else:   # on a Mac: undefined (wrong data or a fault); here always an error
+      with pytest.raises(EmulatorError, match="misaligned"):
+        lib.run(kernel, [x, out], (1,), (threads,))
+
+
+def test_geometry_builtins_must_agree_in_width():
+  body = ("kernel void f(device float* o [[buffer(0)]], uint3 tg [[threadgroup_position_in_grid]], "
+          "{} n [[threads_per_threadgroup]]) {{ o[tg.x] = 1.0f; }}")
+  compile_source("#include <metal_stdlib>\nusing namespace metal;\n" + body.format("uint3"), "widths_ok.metal")
+  with pytest.raises(EmulatorError, match="agree in vector width"):
+    compile_source("#include <metal_stdlib>\nusing namespace metal;\n" + body.format("uint"), "widths_bad.metal")
+  with pytest.raises(EmulatorError, match="must be uint or ushort"):
+    compile_source("#include <metal_stdlib>\nusing namespace metal;\nkernel void f(device float* o [[buffer(0)]], "
+                   "int i [[thread_position_in_grid]]) { o[i] = 1.0f; }", "signed_builtin.metal")
+
+
+def test_buffers_numbered_all_or_none():
+  with pytest.raises(EmulatorError, match="number all of them or none"):
+    compile_source("#include <metal_stdlib>\nusing namespace metal;\nkernel void f(device float* a [[buffer(0)]], device float* b, "
+                   "uint i [[thread_position_in_grid]]) { b[i] = a[i]; }", "mixed_numbering.metal")
+
+
+HALF_SRC = """
+#include <metal_stdlib>
+using namespace metal;
+kernel void to_float(device const half* h [[buffer(0)]], device float* f [[buffer(1)]], uint i [[thread_position_in_grid]]) { f[i] = float(h[i]); }
+kernel void to_half(device const float* f [[buffer(0)]], device half* h [[buffer(1)]], uint i [[thread_position_in_grid]]) { h[i] = half(f[i]); }
+"""
+
+
+def test_half_conversions_match_ieee():
+  # The emulator converts half in software (no F16C): every half exactly to float, and floats to the nearest half
+  # with ties to even, subnormals, overflow to inf and NaN, as numpy (IEEE 754) does.
+  lib = compile_source(HALF_SRC, "half_conv.metal")
+  h = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
+  f = np.zeros(65536, np.float32)
+  lib.run("to_float", [h, f], (256,), (256,))
+  ref = h.astype(np.float32)
+  nan = np.isnan(ref)
+  assert np.array_equal(np.isnan(f), nan) and np.array_equal(f[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+
+  rng = np.random.default_rng(13)
+  finite = ref[~nan & np.isfinite(ref)].astype(np.float64)
+  srt = np.unique(finite)
+  ties = ((srt[1:] + srt[:-1]) / 2).astype(np.float32)            # exactly halfway between neighbouring halves
+  near = np.nextafter(ties, np.float32(np.inf))                     # just above a tie
+  rand = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+  xs = np.concatenate([ties, near, rand, np.float32([65504, 65520, 65519.99, 1e-8, -0.0, np.inf, -np.inf])]).astype(np.float32)
+  xs = np.ascontiguousarray(xs[: len(xs) // 256 * 256])
+  out = np.zeros(len(xs), np.float16)
+  lib.run("to_half", [xs, out], (len(xs) // 256,), (256,))
+  with np.errstate(over="ignore"): ref = xs.astype(np.float16)
+  nan = np.isnan(ref)
+  assert np.array_equal(np.isnan(out), nan)
+  bad = np.flatnonzero(out[~nan].view(np.uint16) != ref[~nan].view(np.uint16))
+  assert bad.size == 0, f"{bad.size} conversions differ, e.g. {xs[~nan][bad[:3]]}"

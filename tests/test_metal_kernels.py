@@ -15,7 +15,7 @@ import pytest
 from tinygrad import Tensor, TinyJit, dtypes
 
 from tinyvllm.kernels import metal as M
-from tinyvllm.kernels.emulator import compile_source
+from tinyvllm.kernels.emulator import EmulatorError, compile_source
 
 F32_TOL, F16_TOL = 1e-4, 3e-3
 NP = {dtypes.float32: np.float32, dtypes.float16: np.float16}
@@ -357,3 +357,24 @@ def test_tinyjit_decode_step():
     assert rel_err(y.numpy(), x.astype(np.float64) @ w.T) < F32_TOL
     lens = lens + 1
   M.get_backend("emulator").check()
+
+
+def test_shipped_kernels_need_their_metal_fixes():
+  """The two defects the emulator now catches, put back into the shipped sources, are refused: rope.metal's scalar
+  threads_per_threadgroup beside a uint3 threadgroup position (Apple's compiler rejects the mix), and the threadgroup
+  array `qs` of paged_attention.metal read as float4 without being declared 16-byte aligned."""
+  rope = M.shader_source("rope.metal")
+  old_rope = rope.replace("uint3 tgsize [[threads_per_threadgroup]]", "uint nthreads [[threads_per_threadgroup]]")
+  assert old_rope != rope
+  with pytest.raises(EmulatorError, match="agree in vector width"): compile_source(old_rope, "rope_old.metal")
+
+  attn = M.shader_source("paged_attention.metal")
+  old_attn = attn.replace("threadgroup __attribute__((aligned(16))) float qs", "threadgroup float qs")
+  assert old_attn != attn
+  lib = compile_source(old_attn, "paged_attention_old.metal")
+  rng = np.random.default_rng(3)
+  k_cache, v_cache, tables = paged_inputs(rng, (20, 5), 16, 2, 64, dtypes.float32)
+  q, lens = rng.standard_normal((2, 8, 64)).astype(np.float32), np.array([20, 5], np.int32)
+  (launch,) = M.decode_launches(2, 8, 2, 64, 16, tables.shape[1], dtypes.float32, dtypes.float32, 0.125)
+  args = [q, k_cache, v_cache, tables, lens, np.zeros_like(q), np.array(launch.params, np.int32)]
+  with pytest.raises(EmulatorError, match="misaligned"): lib.run(launch.kernel, args, launch.grid, launch.threads)

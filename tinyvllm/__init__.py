@@ -1,5 +1,9 @@
 """tinyvllm: a vLLM-class LLM inference engine for Apple Silicon, on tinygrad."""
-import importlib
+import importlib, os
+
+if os.environ.get("TINYVLLM_EMULATE_METAL") == "1":   # tinygrad's METAL device through our MSL emulator (no Mac needed)
+  from tinyvllm.kernels.emulator.metal_device import install
+  install()
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad import Context, Device, Tensor, UOp, dtypes
 from tinygrad.dtype import DType
 from tinygrad.uop.ops import KernelInfo, Ops
 
@@ -136,8 +136,12 @@ class _Backend:
   def __init__(self): self._params: dict[tuple, Tensor] = {}
 
   def params_tensor(self, launch: Launch, device: str) -> Tensor:
+    """The launch's params buffer, created once per (params, device). Realized outside any TinyJit capture: inside one,
+    its host->device copy would be recorded in the graph and replayed on every call, and on Metal each replayed copy
+    waits for the GPU to finish (about 150 waits per token on a 30-layer model)."""
     key = (launch.params, device)
-    if key not in self._params: self._params[key] = Tensor(np.array(launch.params, np.int32), device=device).realize()
+    if key not in self._params:
+      with Context(CAPTURING=0): self._params[key] = Tensor(np.array(launch.params, np.int32), device=device).realize()
     return self._params[key]
 
   def run(self, launch: Launch, *tensors: Tensor) -> list[Tensor]:

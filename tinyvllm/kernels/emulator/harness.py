@@ -24,7 +24,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
-HARNESS_VERSION = "2"
+HARNESS_VERSION = "3"
 
 BUILTINS = {  # attribute -> field of __tv_thread (a 3-vector, or a scalar)
   "thread_position_in_grid": "gid", "threadgroup_position_in_grid": "tgid", "thread_position_in_threadgroup": "tid",
@@ -76,8 +76,13 @@ def _flags() -> list[str]:
   f = ["-std=c++17", "-O2", "-fPIC", "-shared", "-fno-exceptions", "-fno-rtti", "-ffp-contract=off",
        "-Xclang", "-fnative-half-type", "-Xclang", "-fnative-half-arguments-and-returns",
        "-Xclang", "-cl-single-precision-constant", "-Wno-unknown-attributes", "-Wno-ignored-attributes",
-       "-Wno-unused-command-line-argument"]
-  if os.uname().machine in ("x86_64", "AMD64"): f.append("-mf16c")
+       "-Wno-unused-command-line-argument",
+       # a misaligned scalar or struct access traps (SIGILL) too
+       "-fsanitize=alignment", "-fsanitize-trap=alignment"]
+  # x86: SSE only, no AVX (so no F16C: the runtime converts half in software). Non-VEX vector instructions fault on a
+  # misaligned 16-byte access, which Metal forbids: a float4 read of memory not 16-byte aligned is then an error here
+  # too, instead of working by luck as AVX's unaligned-tolerant loads would let it.
+  if os.uname().machine in ("x86_64", "AMD64"): f += ["-mno-avx", "-mno-f16c"]
   if os.uname().sysname == "Darwin": f += ["-undefined", "dynamic_lookup"]
   return f
 
@@ -166,20 +171,57 @@ def _split_params(text: str) -> list[str]:
   return [" ".join(p.split()) for p in out]
 
 
+IMPLICIT = -1   # a buffer parameter without [[buffer(n)]]: Metal numbers those in declaration order (tinygrad's MSL)
+
+
 def _parse_param(p: str, fn: str) -> Param:
   attrs = re.findall(r"\[\[\s*(\w+)\s*(?:\(\s*(\w+)\s*\))?\s*\]\]", p)
   decl = re.sub(r"\[\[.*?\]\]", "", p).strip()
   m = re.match(r"(.*?)(\w+)$", decl)
-  if not m or not attrs: raise EmulatorError(f"kernel {fn}: parameter `{p}` needs a [[buffer(n)]] or built-in attribute")
+  if not m: raise EmulatorError(f"kernel {fn}: cannot read the parameter `{p}`")
   ty, name = m.group(1).strip(), m.group(2)
-  attr, arg = attrs[0]
+  words = ty.replace("*", " * ").replace("&", " & ").split()
+  attr, arg = attrs[0] if attrs else ("buffer", None)
   if attr == "buffer":
-    words = ty.replace("*", " * ").replace("&", " & ").split()
+    if "*" not in words and "&" not in words:
+      raise EmulatorError(f"kernel {fn}: parameter `{p}` needs a [[buffer(n)]] or built-in attribute, or a pointer or reference type")
     writable = "device" in words and "const" not in words
-    if "*" not in words and "&" not in words: raise EmulatorError(f"kernel {fn}: buffer parameter `{p}` must be a pointer or reference")
-    return Param(name, ty, int(arg, 0), None, writable)
+    return Param(name, ty, int(arg, 0) if arg is not None else IMPLICIT, None, writable)
   if attr in BUILTINS: return Param(name, ty, None, attr)
   raise EmulatorError(f"kernel {fn}: attribute [[{attr}]] on `{p}` is not supported by the emulator")
+
+
+def _number_buffers(params: tuple[Param, ...], fn: str) -> tuple[Param, ...]:
+  """Unnumbered buffers take indices in declaration order, as Metal assigns them; a kernel numbers all or none."""
+  implicit = [p for p in params if p.buffer == IMPLICIT]
+  if not implicit: return params
+  if len(implicit) != sum(p.buffer is not None for p in params):
+    raise EmulatorError(f"kernel {fn}: some buffers have [[buffer(n)]] and some do not; number all of them or none")
+  order = {id(p): i for i, p in enumerate(implicit)}
+  return tuple(Param(p.name, p.type, order[id(p)], None, p.writable) if p.buffer == IMPLICIT else p for p in params)
+
+
+# Built-ins of grid and threadgroup geometry: Metal requires them to agree in vector width (all scalar, or all with
+# the same number of components); Apple's compiler rejects a kernel mixing `uint3` and `uint`, clang++ would not.
+GEOMETRY = ("thread_position_in_grid", "threads_per_grid", "thread_position_in_threadgroup", "threads_per_threadgroup",
+            "threadgroup_position_in_grid", "threadgroups_per_grid", "dispatch_threads_per_threadgroup")
+
+
+def _components(ty: str) -> int:
+  m = re.search(r"(\d)\s*$", ty.replace("const", "").strip())
+  return int(m.group(1)) if m and re.search(r"(int|short|uint|ushort)\d\s*$", ty) else 1
+
+
+def _check_builtins(params: tuple[Param, ...], fn: str) -> None:
+  geometry = [p for p in params if p.builtin in GEOMETRY]
+  widths = {p.builtin: _components(p.type) for p in geometry}
+  if len(set(widths.values())) > 1:
+    desc = ", ".join(f"[[{p.builtin}]] `{p.type} {p.name}` ({widths[p.builtin]})" for p in geometry)
+    raise EmulatorError(f"kernel {fn}: the grid and threadgroup built-ins must agree in vector width, as Apple's compiler "
+                        f"requires: {desc}")
+  for p in params:
+    if p.builtin is not None and not re.search(r"\b(uint|ushort)\d?\s*$", p.type.replace("const", "").strip()):
+      raise EmulatorError(f"kernel {fn}: built-in [[{p.builtin}]] `{p.type} {p.name}` must be uint or ushort (or a vector of them)")
 
 
 _DEF = re.compile(r"(template\s*<[^;{]*?>\s*)?(?:\bkernel\b|\[\[\s*kernel\s*\]\])\s*void\s+(\w+)\s*\(")
@@ -193,7 +235,8 @@ def parse_kernels(text: str, file: str) -> list[Kernel]:
     end = _balanced(text, m.end() - 1, "(", ")")
     after = text[end:end + 20].lstrip()
     if after.startswith(";"): continue  # a declaration or an instantiation, not a definition
-    params = tuple(_parse_param(p, m.group(2)) for p in _split_params(text[m.end():end - 1]))
+    params = _number_buffers(tuple(_parse_param(p, m.group(2)) for p in _split_params(text[m.end():end - 1])), m.group(2))
+    _check_builtins(params, m.group(2))
     defs[m.group(2)] = (m.group(1) is not None, params)
   kernels: list[Kernel] = []
   for m in _INST.finditer(text):
@@ -231,7 +274,8 @@ def lint_msl(text: str, file: str):
       if pat.search(line): raise EmulatorError(f"{file}: {what} is not valid MSL: `{line.strip()}`")
 
 
-_TG_DECL = re.compile(r"^(\s*)threadgroup\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w*)\s*((?:\[[^\]]+\]\s*)*);\s*$")
+_TG_DECL = re.compile(r"^(\s*)threadgroup\s+(?:__attribute__\(\(aligned\((\d+)\)\)\)\s+)?([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w*)\s*"
+                      r"((?:\[[^\]]+\]\s*)*);\s*$")
 
 
 def strip_host_names(text: str) -> str:
@@ -245,10 +289,11 @@ def rewrite_threadgroup(text: str) -> str:
   for line in text.split("\n"):
     m = _TG_DECL.match(line)
     if m:
-      ind, ty, name, dims = m.group(1), m.group(2).strip(), m.group(3), m.group(4).replace(" ", "")
+      ind, aligned, ty, name, dims = m.group(1), m.group(2), m.group(3).strip(), m.group(4), m.group(5).replace(" ", "")
       alias = f"__tv_tg_t{n}"  # an alias keeps `float4(` away from the vector-constructor macros
+      align = f"alignof({ty})" if aligned is None else f"({aligned} > alignof({ty}) ? {aligned} : alignof({ty}))"
       line = (f"{ind}using {alias} = {ty} {dims}; auto& {name} = *(threadgroup {alias}*)"
-              f"(__tv_tg_alloc({n}, sizeof({alias}), alignof({ty})));")
+              f"(__tv_tg_alloc({n}, sizeof({alias}), {align}));")
       n += 1
     out.append(line)
   return "\n".join(out)

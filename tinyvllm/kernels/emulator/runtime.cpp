@@ -186,7 +186,7 @@ inline void to_scheduler(Fiber& f) { swapcontext(&f.uc, &f.ex->sched_uc); }
 #endif
 
 // ---------------------------------------------------------------- fault handling
-struct sigaction g_old_segv, g_old_bus;
+struct sigaction g_old_segv, g_old_bus, g_old_ill;
 std::once_flag g_handlers_once;
 
 void on_fault(int sig, siginfo_t* info, void* uctx) {
@@ -208,12 +208,20 @@ void on_fault(int sig, siginfo_t* info, void* uctx) {
     if (where.empty())
       for (Fiber& f : ex->fibers)
         if (a >= (uintptr_t)f.stack && a < (uintptr_t)f.stack + kPage) where = "the stack guard page (stack overflow)";
-    if (where.empty()) where = fmt("address %p (not a kernel buffer; misaligned vector access or wild pointer?)", info->si_addr);
-    ex->error = fmt("%s at %s", sig == SIGBUS ? "bus error" : "invalid memory access", where.c_str());
+    if (sig == SIGILL) ex->error = "misaligned access: a value read or written at an address its type's alignment does not "
+                                   "divide (e.g. a float4 through a pointer into a float array not declared 16-byte aligned)";
+    else {
+      if (where.empty())
+        where = info->si_addr ? fmt("address %p (not a kernel buffer: a wild pointer?)", info->si_addr)
+                              : std::string("an unknown address: a misaligned vector access (Metal needs float4 and half8 "
+                                            "16-byte aligned, e.g. a threadgroup float array read as float4 must be declared "
+                                            "aligned) or a wild pointer");
+      ex->error = fmt("%s at %s", sig == SIGBUS ? "bus error" : "invalid memory access", where.c_str());
+    }
     if (ex->cur) ex->error += fmt(" by thread %u", ex->cur->t.tindex);
     siglongjmp(ex->jb, 1);
   }
-  struct sigaction* old = sig == SIGBUS ? &g_old_bus : &g_old_segv;
+  struct sigaction* old = sig == SIGBUS ? &g_old_bus : sig == SIGILL ? &g_old_ill : &g_old_segv;
   if (old->sa_flags & SA_SIGINFO) { if (old->sa_sigaction) { old->sa_sigaction(sig, info, uctx); return; } }
   else if (old->sa_handler != SIG_DFL && old->sa_handler != SIG_IGN) { old->sa_handler(sig); return; }
   signal(sig, SIG_DFL);  // not ours: let the fault happen again with the default action
@@ -228,6 +236,7 @@ void install_handlers() {
     sigemptyset(&sa.sa_mask);
     sigaction(SIGSEGV, &sa, &g_old_segv);
     sigaction(SIGBUS, &sa, &g_old_bus);
+    sigaction(SIGILL, &sa, &g_old_ill);   // the alignment sanitizer's trap
   });
 }
 
@@ -374,6 +383,36 @@ std::vector<std::string> g_errors;
 // ---------------------------------------------------------------- called from kernel code (via metal_stdlib)
 extern "C" {
 
+// IEEE half <-> float, round to nearest even: what clang calls for __fp16 conversions without F16C (the emulator
+// compiles for SSE only; see harness._flags). Exported, so kernel libraries resolve them here.
+float __gnu_h2f_ieee(unsigned short h) {
+  unsigned sign = (unsigned)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);
+  else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+  else if (!man) bits = sign;
+  else { unsigned e = 113; while (!(man & 0x400)) { man <<= 1; e--; } bits = sign | (e << 23) | ((man & 0x3FF) << 13); }
+  float f; memcpy(&f, &bits, 4); return f;
+}
+unsigned short __gnu_f2h_ieee(float f) {
+  unsigned x; memcpy(&x, &f, 4);
+  unsigned sign = (x >> 16) & 0x8000, exp = (x >> 23) & 0xFF, man = x & 0x7FFFFF;
+  if (exp == 0xFF) return (unsigned short)(sign | 0x7C00 | (man ? 0x200 | (man >> 13) : 0));   // inf, NaN (quiet)
+  int e = (int)exp - 127 + 15;
+  if (e >= 0x1F) return (unsigned short)(sign | 0x7C00);                                      // overflow: inf
+  if (e <= 0) {                                                                                // subnormal or zero
+    if (e < -10) return (unsigned short)sign;
+    man |= 0x800000;
+    unsigned shift = (unsigned)(14 - e), half = man >> shift, rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1))) half++;
+    return (unsigned short)(sign | half);
+  }
+  unsigned half = sign | ((unsigned)e << 10) | (man >> 13), rem = man & 0x1FFF;
+  if (rem > 0x1000 || (rem == 0x1000 && (half & 1))) half++;                                 // may carry into the exponent
+  return (unsigned short)half;
+}
+unsigned short __truncsfhf2(float f) { return __gnu_f2h_ieee(f); }
+float __extendhfsf2(unsigned short h) { return __gnu_h2f_ieee(h); }
+
 void tv_fiber_main(Fiber* f) {
   for (;;) {
     f->ex->L->d->kern->entry(f->ex->L->bufs, &f->t);
@@ -409,7 +448,11 @@ void* __tv_tg_alloc(int id, unsigned long size, unsigned long align) {
   Exec* ex = f->ex;
   if ((size_t)id >= ex->tg_off.size()) ex->tg_off.resize(id + 1, -1);
   if (ex->tg_off[id] < 0) {
-    size_t off = (ex->arena_top + align - 1) & ~(align - 1);
+    // Arrays asking for less than 16-byte alignment are placed off a 16-byte boundary on purpose: Metal needs 16 bytes
+    // for float4/half8 access to threadgroup memory, and a kernel that reads a `float x[N]` through a float4 pointer
+    // without declaring it aligned then faults here (an aligned vector load) instead of working by luck.
+    size_t off = (ex->arena_top + 15) & ~(size_t)15;
+    if (align < 16) off += align;
     if (off + size > kTgLimit) {
       ex->error = fmt("threadgroup memory exceeds %zu bytes (declaration %d needs %lu more at offset %zu)", kTgLimit, id, size, off);
       f->state = DONE;
@@ -420,6 +463,8 @@ void* __tv_tg_alloc(int id, unsigned long size, unsigned long align) {
   }
   return ex->arena + ex->tg_off[id];
 }
+
+unsigned __tv_lane(void) { return t_exec->cur->t.lane; }
 
 void __tv_fail(const char* msg, unsigned line) {
   Fiber* f = t_exec->cur;

@@ -1,0 +1,115 @@
+"""The Mac path end to end on Linux: DEV=METAL through the emulated METAL device (tinyvllm.kernels.emulator.metal_device).
+
+Each configuration runs in its own process with DEV=METAL TINYVLLM_EMULATE_METAL=1, exactly as a Mac user's run
+would go: `auto` picks the metal kernels, `dtype=auto` float16, tinygrad's MetalRenderer writes its own kernels, our
+shaders run through MetalBackend, layers replay through TinyJit and tinygrad's graph. Against the CPU path:
+  * float32 (and float32 + INT4): greedy tokens equal to the CPU path's, token for token.
+  * float16 (and float16 + INT4): every token the Metal path picks is the float32 reference's argmax, or within
+    NEAR_TIE of it: float16 rounds each logit by ~2^-11 relative (logits here span ~13, so a few 1e-3 absolute),
+    and where the reference's top two are that close either pick is right. The CPU's own float16 path obeys the
+    same rule, and the two float16 paths agree token for token until the first such near-tie.
+The device counts what a Mac would pay (see `Counters`): a replayed decode step must not copy host->device beyond
+its one input upload, nor wait for the GPU beyond that upload and the logits readback.
+"""
+import json, os, subprocess, sys
+
+import numpy as np
+import pytest
+
+from conftest import TINY_CONFIGS, make_tiny_llama, our_prefill_logits
+
+PROMPTS = ["Hello world", "The quick brown fox", "def f(x):"]
+MAX_TOKENS = 12
+NEAR_TIE = 0.05
+
+CHILD = r"""
+import json, sys
+from tinygrad import Device
+from tinyvllm import SamplingParams
+from tinyvllm.engine.llm_engine import LLMEngine
+model, dtype, quant, prompts, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
+engine = LLMEngine.from_kwargs(model, dtype=dtype, quantization=None if quant == "none" else quant, max_model_len=128)
+greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+for i, p in enumerate(prompts): engine.add_request(str(i), p, greedy)
+tokens = {}
+while engine.has_unfinished_requests():
+  for out in engine.step():
+    if out.finished: tokens[int(out.request_id)] = list(out.outputs[0].token_ids)
+# a lone sequence: its prefill, a first decode step (captures the layer replay for this shape), then replays
+counters = Device["METAL"].counters
+engine.add_request("probe", prompts[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+steps = []
+while engine.has_unfinished_requests():
+  counters.reset()
+  engine.step()
+  steps.append(counters.snapshot())
+print("RESULT " + json.dumps({"backend": engine.kernel_backend, "dtype": str(engine.runner.model.dtype.name),
+                              "tokens": [tokens[i] for i in range(len(prompts))], "steps": steps}))
+"""
+
+
+def run_metal(model, dtype: str, quant: str) -> dict:
+  env = {**os.environ, "DEV": "METAL", "TINYVLLM_EMULATE_METAL": "1"}
+  r = subprocess.run([sys.executable, "-c", CHILD, str(model), dtype, quant, json.dumps(PROMPTS), str(MAX_TOKENS)], env=env,
+                     capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return json.loads(next(l for l in r.stdout.splitlines() if l.startswith("RESULT "))[7:])
+
+
+def cpu_tokens(model, dtype: str, quant: str, backend: str) -> list[list[int]]:
+  from tinyvllm import LLM, SamplingParams
+  llm = LLM(str(model), dtype=dtype, quantization=None if quant == "none" else quant, kernel_backend=backend, max_model_len=128)
+  try:
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+  finally:
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def metal_model(tmp_path_factory):
+  # the Metal kernels' shapes (head_dim 64, GQA 2) and four layers, so per-layer costs would show in a step's counts
+  return make_tiny_llama(tmp_path_factory.mktemp("tiny-metal-path"), 0, "float32", **{**TINY_CONFIGS["metal"], "num_hidden_layers": 4})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(metal_model):
+  from transformers import AutoTokenizer
+  return AutoTokenizer.from_pretrained(metal_model)
+
+
+def check_decode_step(steps: list[dict]):
+  """The last step is a replayed decode step of one sequence (prefill and the capturing step come first)."""
+  assert len(steps) >= 4, steps
+  step = steps[-1]
+  assert step["launches"] > 0 and step["command_buffers"] > 0
+  assert step["copies_in"] <= 1, f"host->device copies inside a replayed decode step: {step}"
+  assert step["synchronizes"] <= 2, f"GPU waits beyond the input upload and the logits readback: {step}"
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_float32_tokens_equal_cpu(metal_model, quant):
+  res = run_metal(metal_model, "float32", quant)
+  assert res["backend"] == "metal" and res["dtype"] == "float"
+  assert res["tokens"] == cpu_tokens(metal_model, "float32", quant, "cpu")
+  check_decode_step(res["steps"])
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_float16_tokens_match_reference(metal_model, tokenizer, quant):
+  res = run_metal(metal_model, "auto", quant)
+  assert res["backend"] == "metal" and res["dtype"] == "half"   # auto on METAL is float16
+  cpu16 = cpu_tokens(metal_model, "float16", quant, "portable")
+  for prompt, metal_toks, cpu_toks in zip(PROMPTS, res["tokens"], cpu16):
+    ids = tokenizer(prompt)["input_ids"]
+    gaps = {}
+    for name, toks in (("metal", metal_toks), ("cpu", cpu_toks)):
+      ref = our_prefill_logits(metal_model, ids + toks, quantization=None if quant == "none" else quant)[len(ids) - 1:-1]
+      chosen = ref[np.arange(len(toks)), toks]
+      assert (ref.max(1) - chosen <= NEAR_TIE).all(), (name, prompt, ref.max(1) - chosen)
+      top2 = np.sort(ref, 1)
+      gaps[name] = top2[:, -1] - top2[:, -2]
+    # identical until the first near-tie of the float32 reference along the shared prefix
+    first_tie = next((i for i, g in enumerate(gaps["metal"]) if g <= NEAR_TIE), len(metal_toks))
+    assert metal_toks[:first_tie] == cpu_toks[:first_tie], (prompt, first_tie)
+  check_decode_step(res["steps"])
