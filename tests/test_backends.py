@@ -1,10 +1,12 @@
 """Kernel backends end to end: the Metal shaders (run by the emulator, through the same launch code a Mac uses)
 give the same greedy tokens as the portable tinygrad path, and logits within tolerance."""
 from __future__ import annotations
+import re
 import numpy as np
 import pytest
 from conftest import our_prefill_logits
 from tinyvllm import LLM, SamplingParams
+from tinyvllm import kernels
 from tinyvllm.kernels import resolve_backend
 
 
@@ -36,14 +38,31 @@ def test_generation_matches_portable(tiny_model_factory, backend):
       assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in lp_a) < 1e-4
 
 
-def test_backend_selection():
+def test_backend_selection(monkeypatch):
+  monkeypatch.setattr(kernels, "apple_gpu", lambda device: ("Apple8", "14.5"))
   assert resolve_backend("auto", "CPU") == "cpu"
   assert resolve_backend("auto", "AMD") == "portable"
   with pytest.raises(ValueError, match="CPU device"): resolve_backend("cpu", "METAL")
-  assert resolve_backend("auto", "METAL") == "metal"
+  assert resolve_backend("auto", "METAL") == resolve_backend("metal", "METAL") == "metal"
   with pytest.raises(ValueError, match="needs the METAL device"): resolve_backend("metal", "CPU")
   with pytest.raises(ValueError, match="unknown kernel_backend"): resolve_backend("cuda", "CPU")
 
 
 def test_emulator_refuses_unsupported_head_dim(tiny_model_factory):
   with pytest.raises(ValueError, match="head_dim"): LLM(str(tiny_model_factory("head_dim")), kernel_backend="emulator", num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("arch,macos,problem", [
+    ("Apple7", "13.0", None), ("Apple9", "15.1", None), ("Apple7", "", None),
+    ("Apple6", "14.0", "GPU family is Apple6"), ("Mac2", "14.0", "GPU family is Mac2"),   # A13; Intel/AMD Macs
+    ("Apple8", "12.6", "macOS 12.6"), ("Apple7", "11.7.10", "macOS 11.7.10")])
+def test_metal_needs_apple7_and_macos13(monkeypatch, capsys, arch, macos, problem):
+  monkeypatch.setattr(kernels, "apple_gpu", lambda device: (arch, macos))
+  if problem is None:
+    assert resolve_backend("auto", "METAL") == "metal"
+    return
+  assert resolve_backend("auto", "METAL") == "portable"   # with a one-line note saying why
+  note = capsys.readouterr().err
+  assert note.count("\n") == 1 and problem in note and "portable" in note
+  with pytest.raises(ValueError, match=f"kernel_backend='metal': .*{re.escape(problem)}.*use kernel_backend='portable'"):
+    resolve_backend("metal", "METAL")

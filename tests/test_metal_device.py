@@ -6,8 +6,10 @@ builds the same PROGRAMs and libraries, tinygrad's runtime launches them. TINYVL
 Same tolerances as the emulator tests (see test_metal_kernels.py): they were chosen for Metal's arithmetic.
 """
 import os, sys
+
+import numpy as np
 import pytest
-from tinygrad import Device, dtypes
+from tinygrad import Device, Tensor, dtypes
 
 from tinyvllm.kernels import metal as M
 
@@ -61,3 +63,41 @@ def test_int4_matmul_metal(shape, g, xdt):
 
 def test_long_context_metal():
   decode_case("metal", 128, 16, (8, 2), (dtypes.float16, dtypes.float16), lens=(1500, 3, 700, 1024), seed=2)
+
+
+# **** tinygrad's own kernels on the METAL device (what the model's norms, float linears and sampling inputs use) ****
+
+EMULATED = REASON is None and hasattr(Device["METAL"], "counters")
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+  """float32 -> nearest bfloat16 (ties to even), returned as float32."""
+  u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+  return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [dtypes.float16, dtypes.bfloat16], ids=lambda d: d.name)
+def test_tensor_core_matmul(dtype):
+  # 64x64 @ 64x64: tinygrad's MetalRenderer (Apple7+) uses simdgroup_matrix tensor cores built with thread_elements()
+  rng = np.random.default_rng(21)
+  x, y = rng.standard_normal((64, 64)).astype(np.float32), rng.standard_normal((64, 64)).astype(np.float32)
+  out = (Tensor(x, device="METAL").cast(dtype) @ Tensor(y, device="METAL").cast(dtype)).cast(dtypes.float32).numpy()
+  xr, yr = (x.astype(np.float16), y.astype(np.float16)) if dtype == dtypes.float16 else (bf16_round(x), bf16_round(y))
+  ref = xr.astype(np.float64) @ yr.astype(np.float64)
+  # float accumulation; the output is rounded to the input dtype: 2^-11 (half) or 2^-8 (bfloat) relative at worst
+  err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+  assert err < (1e-3 if dtype == dtypes.float16 else 8e-3), err
+  if EMULATED: assert any("simdgroup_multiply_accumulate" in s for s in Device["METAL"].sources.values())
+
+
+def test_bfloat_elementwise():
+  rng = np.random.default_rng(22)
+  x, y = rng.standard_normal(4096).astype(np.float32), rng.standard_normal(4096).astype(np.float32)
+  a, b = (Tensor(v, device="METAL").cast(dtypes.bfloat16) for v in (x, y))
+  out = (a * b + a).cast(dtypes.float32).numpy()
+  bx, by = bf16_round(x), bf16_round(y)
+  if EMULATED:   # the emulator computes a bfloat expression in float and rounds once, when it is stored
+    np.testing.assert_array_equal(out, bf16_round(bx * by + bx))
+  else:          # Metal may round after each operation
+    ref = bf16_round(bf16_round(bx * by) + bx)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 8e-3

@@ -113,3 +113,37 @@ def test_float16_tokens_match_reference(metal_model, tokenizer, quant):
     first_tie = next((i for i, g in enumerate(gaps["metal"]) if g <= NEAR_TIE), len(metal_toks))
     assert metal_toks[:first_tie] == cpu_toks[:first_tie], (prompt, first_tie)
   check_decode_step(res["steps"])
+
+
+OLD_MAC_CHILD = r"""
+import json, sys
+from tinyvllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=128)
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=int(sys.argv[3]), temperature=0, ignore_eos=True), use_tqdm=False)
+try:
+  LLM(sys.argv[1], dtype="float32", kernel_backend="metal", max_model_len=128)
+  error = None
+except ValueError as e: error = str(e)
+print("RESULT " + json.dumps({"backend": llm.llm_engine.kernel_backend, "error": error,
+                              "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+"""
+
+
+@pytest.mark.parametrize("env,why", [({"TINYVLLM_EMULATE_METAL_ARCH": "Mac2"}, "Apple7 or later"),      # an Intel/AMD Mac's GPU
+                                     ({"TINYVLLM_EMULATE_MACOS": "12.6"}, "macOS 13 or later")])  # MSL 2.0: no simdgroup_matrix
+def test_older_macs_fall_back_to_portable(metal_model, env, why):
+  r = subprocess.run([sys.executable, "-c", OLD_MAC_CHILD, str(metal_model), json.dumps(PROMPTS[:2]), "6"], capture_output=True,
+                     text=True, timeout=900, env={**os.environ, "DEV": "METAL", "TINYVLLM_EMULATE_METAL": "1", **env})
+  assert r.returncode == 0, r.stderr[-3000:]
+  res = json.loads(next(l for l in r.stdout.splitlines() if l.startswith("RESULT "))[7:])
+  assert res["backend"] == "portable"
+  notes = [l for l in r.stderr.splitlines() if l.startswith("tinyvllm: using the portable kernels")]
+  assert len(notes) == 1 and why in notes[0], r.stderr[-2000:]
+  assert res["error"] is not None and why in res["error"] and "kernel_backend='portable'" in res["error"]
+  from tinyvllm import LLM, SamplingParams
+  llm = LLM(str(metal_model), dtype="float32", kernel_backend="cpu", max_model_len=128)
+  try:
+    ref = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+  finally:
+    llm.shutdown()
+  assert res["tokens"] == [list(o.outputs[0].token_ids) for o in ref]

@@ -17,7 +17,7 @@ from tinyvllm.engine.request import CoreOutput, EngineRequest, SchedulerStats, T
 from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.engine.sequence import Sequence
 from tinyvllm.engine.spec_decode import SpeculativeDecoder
-from tinyvllm.kernels import Kernels, default_dtype, resolve_backend
+from tinyvllm.kernels import Kernels, default_dtype, prepare_device, resolve_backend
 from tinyvllm.model.llama import Llama
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.model.weights import Checkpoint, load_checkpoint
@@ -50,6 +50,7 @@ class EngineCore:
             f"of {config.block_size} tokens (raise num_kv_blocks or kv_cache_memory_fraction for more)", file=sys.stderr)
       max_model_len = capacity
     self.max_model_len = max_model_len
+    prepare_device(self.device)
     self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
     self.kernels = Kernels(self.kernel_backend, self.device, config.batch_invariant)
     model = self._build_model(ckpt.config, ckpt.tensors, dtype)

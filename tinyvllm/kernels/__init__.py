@@ -5,8 +5,9 @@ Backends: "portable" (tinygrad tensor ops, any device), "cpu" (hand-written C on
 emulator; slow, for tests and debugging). On the CPU device the linears always use the C kernels.
 """
 from __future__ import annotations
+import platform, re, sys
 from dataclasses import dataclass
-from tinygrad import Tensor, dtypes
+from tinygrad import Device, Tensor, dtypes
 from tinyvllm.kernels import cpu, portable
 
 BACKENDS = ("portable", "cpu", "metal", "emulator")
@@ -33,7 +34,43 @@ class AttentionGroup:
   def num_tokens(self) -> int: return self.query_len if self.packed else self.num_seqs * self.query_len
 
 
+def apple_gpu(device: str) -> tuple[str, str]:
+  """(GPU family as tinygrad names it, e.g. "Apple7" or "Mac2"; macOS version, e.g. "14.5") of a METAL device.
+  An emulated device (tinyvllm.kernels.emulator.metal_device) says which macOS it stands in for."""
+  dev = Device[device]
+  return dev.arch, getattr(dev, "macos_version", None) or platform.mac_ver()[0]
+
+
+def metal_kernels_problem(arch: str, macos: str) -> str | None:
+  """Why tinyvllm's Metal kernels cannot run on this GPU and macOS, or None when they can."""
+  m = re.fullmatch(r"Apple(\d+)", arch or "")
+  if m is None or int(m.group(1)) < 7:
+    return f"the GPU family is {arch or 'unknown'}, and tinyvllm's Metal kernels need Apple7 or later (M1 and newer: " \
+           f"32-wide SIMD groups, simdgroup_matrix)"
+  major = macos.split(".")[0] if macos else ""
+  if major.isdigit() and int(major) < 13:
+    return f"macOS {macos}: tinygrad compiles Metal shaders as MSL 2.0 there, which has no simdgroup_matrix; " \
+           f"tinyvllm's Metal kernels need macOS 13 or later"
+  return None
+
+
+def prepare_device(device: str) -> None:
+  """Settings a device needs before anything compiles. On macOS 12 and older tinygrad compiles MSL 2.0, which has no
+  simdgroup_matrix: its tensor cores would not compile there, so they are turned off."""
+  if device.split(":")[0] != "METAL": return
+  macos = apple_gpu(device)[1]
+  if macos and macos.split(".")[0].isdigit() and int(macos.split(".")[0]) < 13:
+    from tinygrad.helpers import USE_TC
+    if USE_TC.value:
+      print(f"tinyvllm: tinygrad's tensor cores turned off: macOS {macos} compiles MSL 2.0, without simdgroup_matrix", file=sys.stderr)
+      USE_TC.value = 0
+
+
 def resolve_backend(name: str, device: str) -> str:
+  if name in ("auto", "metal") and device.split(":")[0] == "METAL" and (why := metal_kernels_problem(*apple_gpu(device))):
+    if name == "metal": raise ValueError(f"kernel_backend='metal': {why}; use kernel_backend='portable'")
+    print(f"tinyvllm: using the portable kernels: {why}", file=sys.stderr)
+    return "portable"
   if name == "auto": return {"METAL": "metal", "CPU": "cpu"}.get(device.split(":")[0], "portable")
   if name == "cpu" and device.split(":")[0] != "CPU":
     raise ValueError(f"kernel_backend='cpu' needs tinygrad's CPU device (DEV=CPU), but the device is {device}")

@@ -24,7 +24,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
-HARNESS_VERSION = "3"
+HARNESS_VERSION = "4"
 
 BUILTINS = {  # attribute -> field of __tv_thread (a 3-vector, or a scalar)
   "thread_position_in_grid": "gid", "threadgroup_position_in_grid": "tgid", "thread_position_in_threadgroup": "tid",
@@ -362,9 +362,12 @@ class Library:
 _loaded: dict[str, Library] = {}
 
 
-def compile_source(src: str, name: str = "inline.metal", include_dirs: tuple[str, ...] = ()) -> Library:
-  """Compile MSL source text (cached in memory by content and on disk by hash)."""
-  mem_key = hashlib.sha256((src + name + "|".join(include_dirs)).encode()).hexdigest()
+def compile_source(src: str, name: str = "inline.metal", include_dirs: tuple[str, ...] = (), generic_address_spaces: bool = False) -> Library:
+  """Compile MSL source text (cached in memory by content and on disk by hash).
+
+  generic_address_spaces: compile device/threadgroup/constant as plain pointers, without the address-space checks
+  (for machine-written MSL using bfloat, which the emulator can only represent as a class type)."""
+  mem_key = hashlib.sha256((src + name + "|".join(include_dirs) + str(generic_address_spaces)).encode()).hexdigest()
   if mem_key in _loaded: return _loaded[mem_key]
   inc = [a for d in include_dirs for a in ("-I", d)]
   pre = _run([_cxx(), "-x", "c++", "-std=c++17", "-E", "-D__TV_PARSE__", "-I", str(INCLUDE), *inc, "-"], f"preprocessing {name}",
@@ -373,7 +376,7 @@ def compile_source(src: str, name: str = "inline.metal", include_dirs: tuple[str
   kernels = parse_kernels(pre, name)
   if not kernels: raise EmulatorError(f"{name}: no kernels found")
   wrappers = "".join(_wrapper(i, k) for i, k in enumerate(kernels))
-  body = _PROLOGUE + rewrite_threadgroup(strip_host_names(pre)) + '\n# 1 "<emulator wrappers>"\n' + wrappers
+  body = ("#define __TV_GENERIC_ADDRESS_SPACES 1\n" if generic_address_spaces else "") + _PROLOGUE + rewrite_threadgroup(strip_host_names(pre)) + '\n# 1 "<emulator wrappers>"\n' + wrappers
   shim = (INCLUDE / "metal_stdlib").read_text() + (HERE / "tv_abi.h").read_text()
   key = hashlib.sha256((body + shim + " ".join(_flags()) + HARNESS_VERSION).encode()).hexdigest()[:16]
   out = cache_dir() / f"{Path(name).stem}-{key}.so"

@@ -6,7 +6,8 @@ picks the metal backend, float16, our shaders through `MetalBackend`, tinygrad's
     TINYVLLM_EMULATE_METAL=1 DEV=METAL python -m tinyvllm.generate --prompt Hello
 
 `install()` must run before anything opens a device; `import tinyvllm` calls it when TINYVLLM_EMULATE_METAL=1.
-`TINYVLLM_EMULATE_METAL_ARCH` names the GPU family (default Apple7, the M1: tinygrad's tensor cores need it).
+`TINYVLLM_EMULATE_METAL_ARCH` names the GPU family (default Apple7, the M1: tinygrad's tensor cores need it), and
+`TINYVLLM_EMULATE_MACOS` the macOS version (default 14.0; 12 and older compile MSL 2.0: no simdgroup_matrix).
 
 What a real Mac would pay is counted on the device (`Device["METAL"].counters`): kernel launches, command buffers,
 host<->device copies (each synchronizes the device first, as tinygrad's MetalAllocator does), synchronizations, and
@@ -14,7 +15,7 @@ the waits of tinygrad's MetalGraph, which before re-encoding a graph waits for t
 What it cannot show (Apple's compiler, real scheduling, timing) is listed in docs/msl-subset.md.
 """
 from __future__ import annotations
-import ctypes, math, mmap, os, sys, types
+import ctypes, math, mmap, os, re, sys, types
 from dataclasses import dataclass, fields
 from tinygrad.device import Compiled, CompileError, Compiler, LRUAllocator, TinyELF
 from tinygrad.engine.jit import GraphRunner
@@ -42,13 +43,23 @@ class Counters:
   def snapshot(self) -> dict[str, int]: return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def uses_bfloat(src: str) -> bool: return re.search(r"\bbfloat", src) is not None
+
+
+def emulated_macos() -> str: return os.environ.get("TINYVLLM_EMULATE_MACOS", "14.0")
+
+
 class MetalCompiler(Compiler):
   """Checks the MSL by compiling it with the emulator; the library it returns is the source itself."""
   def __init__(self): super().__init__("compile_metal_emulated")
 
   def compile(self, src: str) -> bytes:
     from tinyvllm.kernels import emulator
-    try: emulator.compile_source(src, "tinygrad.metal")
+    macos = emulated_macos()
+    if int(macos.split(".")[0]) < 13 and re.search(r"\bsimdgroup_\w+8x8\b", src):
+      # tinygrad asks for MSL 2.0 on macOS 12 and older, whose compiler has no simdgroup_matrix
+      raise CompileError(f"(emulating macOS {macos}, MSL 2.0) error: unknown type name 'simdgroup_float8x8'")
+    try: emulator.compile_source(src, "tinygrad.metal", generic_address_spaces=uses_bfloat(src))
     except emulator.EmulatorError as e: raise CompileError(str(e)) from None
     return LIBRARY_MAGIC + src.encode()
 
@@ -106,10 +117,11 @@ class MetalProgram:
     if not obj.lib.startswith(LIBRARY_MAGIC): raise RuntimeError(f"{obj.name}: not a library of the emulated Metal compiler")
     self.dev, self.name, self.signature, self._make_desc = dev, obj.name, obj.signature, make_desc
     src = obj.lib[len(LIBRARY_MAGIC):].decode()
-    self.library = emulator.compile_source(src, f"{obj.name}.metal")
+    self.library = emulator.compile_source(src, f"{obj.name}.metal", generic_address_spaces=uses_bfloat(src))
     if obj.name not in self.library.kernels:   # what newFunctionWithName returning nil means on a Mac
       raise RuntimeError(f"the Metal library has no function named {obj.name!r} (it has {', '.join(sorted(self.library.kernels))})")
     self.kernel_addr = self.library.kernel_addr(obj.name)
+    dev.sources[obj.name] = src   # what ran, for tests (e.g. that tinygrad's tensor cores were used)
     self.max_total_threads = MAX_THREADS_PER_THREADGROUP
 
   def __call__(self, *bufs: MetalBuffer, global_size=(1, 1, 1), local_size=(1, 1, 1), vals=(), wait=False, in_graph=False, **kw):
@@ -161,7 +173,9 @@ class MetalDevice(Compiled):
   def __init__(self, device: str):
     self.counters = Counters()
     self.graphs_in_flight: set = set()
+    self.sources: dict[str, str] = {}   # kernel name -> its MSL, for every program loaded
     self.guard = os.environ.get("TINYVLLM_EMULATE_METAL_GUARD", "1") != "0"   # bounds-checked copies of every buffer
+    self.macos_version = emulated_macos()   # what platform.mac_ver() would say on the Mac this stands in for
     super().__init__(device, MetalAllocator(self), [MetalRenderer], MetalProgram, MetalGraph,
                      arch=os.environ.get("TINYVLLM_EMULATE_METAL_ARCH", "Apple7"))
 
