@@ -142,7 +142,11 @@ class ModelRunner:
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     self.kv_caches = [(self._zeroed(shape), self._zeroed(shape)) for _ in range(cfg.num_hidden_layers)]
     self.layer_weights = [layer.tensors() for layer in model.layers]
-    self.replays: OrderedDict[PassShape, tuple[Replay, Replay, Replay]] = OrderedDict()
+    self.replays: OrderedDict[PassShape, tuple[Replay, tuple[Replay, ...], Replay]] = OrderedDict()
+    # On Metal a layer replay is one MetalGraph command buffer, and re-running a graph first waits for its previous
+    # run: with one capture, every layer would wait for the layer before it and the GPU would idle while Python
+    # encodes the next. Two captures taken in turn wait only for the layer before last, while the last one runs.
+    self.layer_graphs = 2 if device.split(":")[0] == "METAL" else 1
     self.input_buffers: dict[PassShape, Tensor] = {}
     self.hidden_buffers: dict[PassShape, tuple[Tensor, Tensor]] = {}
 
@@ -224,14 +228,14 @@ class ModelRunner:
     return np.concatenate([tokens, positions, slots, q_pos, token_seq, rows, ctx, tables.reshape(-1)]), max(-(-int(ctx.max()) // bs), 1)
 
   def _forward(self, shape: PassShape, packed: np.ndarray, used_blocks: int) -> np.ndarray:
-    inputs, layer, head = self._replays(shape)
+    inputs, layers, head = self._replays(shape)
     h, positions, slots, q_pos, token_seq, rows, ctx, tables = inputs(self._upload(shape, packed))
     extent = (self.kv_extent.bind(used_blocks),)
     hidden = self._hidden_buffers(shape)
     for i, (weights, (k_cache, v_cache)) in enumerate(zip(self.layer_weights, self.kv_caches)):
       # layers write into two buffers in turn (a replay whose output buffer is also its input would copy it
       # first); the output is read from the buffer passed, as a replay returns the tensor of its capture
-      layer(h, hidden[i % 2], positions, slots, q_pos, token_seq, ctx, tables, k_cache, v_cache, *weights, bound=extent)
+      layers[i % len(layers)](h, hidden[i % 2], positions, slots, q_pos, token_seq, ctx, tables, k_cache, v_cache, *weights, bound=extent)
       h = hidden[i % 2]
     logits = head(h, rows).uop.buffer
     return np.frombuffer(logits.as_memoryview(allow_zero_copy=True), np.float32).reshape(-1, self.model.cfg.vocab_size).copy()
@@ -251,7 +255,7 @@ class ModelRunner:
     Device[buf.device].allocator._copyin(buf._buf, memoryview(np.ascontiguousarray(packed, np.int32)).cast("B"))
     return self.input_buffers[shape]
 
-  def _replays(self, shape: PassShape) -> tuple[Replay, Replay, Replay]:
+  def _replays(self, shape: PassShape) -> tuple[Replay, tuple[Replay, ...], Replay]:
     if shape in self.replays:
       self.replays.move_to_end(shape)
       return self.replays[shape]
@@ -271,7 +275,8 @@ class ModelRunner:
       return template.with_tensors(weights)(h, ModelInputs(None, positions, slots, [group], None), self.model.cos_sin,
                                             k_cache, v_cache, out)
 
-    replays = (Replay(unpack), Replay(layer), Replay(lambda h, rows: self.model.logits(h, rows)))
+    layers = tuple(Replay(layer) for _ in range(self.layer_graphs))
+    replays = (Replay(unpack), layers, Replay(lambda h, rows: self.model.logits(h, rows)))
     self.replays[shape] = replays
     if len(self.replays) > MAX_SHAPES:   # drop the least recently used shape's captures and buffers together
       old, _ = self.replays.popitem(last=False)

@@ -36,6 +36,7 @@ class Counters:
   synchronizes: int = 0      # the host waited for the device to finish everything
   graph_runs: int = 0
   graph_waits: int = 0       # a graph re-run while its previous run was still in flight: MetalGraph waits for it
+  idle_waits: int = 0        # ... and that run was the last work committed: the GPU runs dry while the host waits
 
   def reset(self) -> None:
     for f in fields(self): setattr(self, f.name, 0)
@@ -139,7 +140,9 @@ class MetalProgram:
     if runtime().tv_launch(ctypes.byref(desc), (ctypes.c_void_p * MAX_BUFS)(*ptrs), err, len(err)):
       raise EmulatorError(f"emulated Metal: {err.value.decode()}")
     self.dev.counters.launches += 1
-    if not in_graph: self.dev.counters.command_buffers += 1   # a lone dispatch commits its own command buffer
+    if not in_graph:   # a lone dispatch commits its own command buffer
+      self.dev.counters.command_buffers += 1
+      self.dev.last_committed = self
     return 0.0 if wait else None
 
 
@@ -154,7 +157,11 @@ class MetalGraph(GraphRunner):
     self.in_flight = False
 
   def __call__(self, input_uops, var_vals: dict[str, int], wait=False):
-    if self.in_flight and self in self.dev.graphs_in_flight: self.dev.counters.graph_waits += 1
+    if self.in_flight and self in self.dev.graphs_in_flight:
+      self.dev.counters.graph_waits += 1
+      # waiting for the newest command buffer leaves the GPU nothing queued until this graph is encoded again;
+      # waiting for an older one (another graph committed since) overlaps with the GPU running the newer work
+      if self.dev.last_committed is self: self.dev.counters.idle_waits += 1
     for (_, ast, bufs, device_vars), runtime, replace in zip(self.calls, self.runtimes, self.uop_replace):
       bufs = list(bufs)
       for pos, iidx in replace: bufs[pos] = input_uops[iidx].buffer
@@ -166,6 +173,7 @@ class MetalGraph(GraphRunner):
     self.dev.counters.command_buffers += 1
     self.in_flight = True
     self.dev.graphs_in_flight.add(self)
+    self.dev.last_committed = self
     return 0.0 if wait else None
 
 
@@ -173,6 +181,7 @@ class MetalDevice(Compiled):
   def __init__(self, device: str):
     self.counters = Counters()
     self.graphs_in_flight: set = set()
+    self.last_committed: object | None = None   # the graph or program whose command buffer was committed last
     self.sources: dict[str, str] = {}   # kernel name -> its MSL, for every program loaded
     self.guard = os.environ.get("TINYVLLM_EMULATE_METAL_GUARD", "1") != "0"   # bounds-checked copies of every buffer
     self.macos_version = emulated_macos()   # what platform.mac_ver() would say on the Mac this stands in for
