@@ -147,3 +147,35 @@ def test_bench_sizes_runs_to_the_model_before_measuring(tiny_model, tmp_path, mo
   measured.clear()
   with pytest.raises(SystemExit, match="--model"): cli.main(["--model", str(tmp_path / "missing")])
   assert not measured
+
+
+def test_doctor_reports_every_step(tiny_model, tmp_path, monkeypatch, capsys):
+  """The doctor on this machine's CPU device: shaders through the emulator, the Metal tests skipped (TINYVLLM_EMULATE_METAL=0),
+  a generation and a (shortened) roofline run; one report and a JSON with every step."""
+  from tinyvllm.bench import cli, doctor
+  monkeypatch.setenv("TINYVLLM_EMULATE_METAL", "0")
+  monkeypatch.setattr(doctor, "ROOFLINE_ARGS", ["--runs", "decode", "--batch-sizes", "1", "--context-lens", "8", "--steps", "2",
+                                                "--warmup", "1", "--bandwidth-sizes", "1", "--bandwidth-reps", "1", "--matmul-size", "32"])
+  out = tmp_path / "doctor.json"
+  with pytest.raises(SystemExit) as exit_info: cli.main(["--doctor", "--model", str(tiny_model), "--json", str(out)])
+  assert exit_info.value.code == 0
+  printed = capsys.readouterr().out
+  assert "tinyvllm doctor report" in printed and "tinygrad: 0.14.0" in printed
+  data = json.loads(out.read_text())
+  steps = {s["name"]: s for s in data["steps"]}
+  assert steps["compile shaders"]["ok"] and len(steps["compile shaders"]["details"]) == len(doctor.shader_files()) == 4
+  assert steps["tests/test_metal_device.py"]["ok"] is None and "skipped" in steps["tests/test_metal_device.py"]["summary"]
+  assert steps["generation"]["ok"] and steps["generation"]["details"]["tokens_per_s"] > 0
+  runs = steps["roofline"]["details"]["runs"]
+  assert steps["roofline"]["ok"] and [(r["kind"], r["batch_size"]) for r in runs] == [("decode", 1)] and runs[0]["tokens_per_s"] > 0
+
+
+def test_doctor_names_a_shader_that_does_not_compile(tmp_path):
+  from tinyvllm.bench import doctor
+  good, bad = tmp_path / "good.metal", tmp_path / "bad.metal"
+  good.write_text("#include <metal_stdlib>\nusing namespace metal;\nkernel void k(device float* x [[buffer(0)]], uint i [[thread_position_in_grid]]) { x[i] = 1.0f; }\n")
+  bad.write_text(good.read_text().replace("x[i] = 1.0f;", "x[i] = undeclared_name;"))
+  step = doctor.compile_shaders([good, bad], "CPU")
+  assert step.ok is False and step.details["good.metal"].startswith("ok")
+  assert step.details["bad.metal"].startswith("FAILED") and "undeclared_name" in step.details["bad.metal"]
+  assert "1/2 compiled" in step.summary

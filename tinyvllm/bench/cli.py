@@ -89,6 +89,9 @@ def parser() -> argparse.ArgumentParser:
   o = p.add_argument_group("output")
   o.add_argument("--json", type=Path, default=None, help="write one record per run")
   o.add_argument("--plot", type=Path, default=None, help="draw the roofline chart (needs matplotlib)")
+  p.add_argument("--doctor", action="store_true",
+                 help="check this machine's path instead: compile every .metal file, run tests/test_metal_device.py, a short "
+                      "generation and a short roofline run, and print one report to paste back (--model and --json apply)")
   return p
 
 
@@ -243,6 +246,9 @@ def run_peers(args, runs: set[str], peer_keys: list[str], model_path: Path, rng,
 def main(argv: list[str] | None = None) -> list[dict]:
   """Run the benchmark; returns tinyvllm's records (peer runs are in the JSON too)."""
   args = parser().parse_args(argv)
+  if args.doctor:
+    from tinyvllm.bench import doctor
+    sys.exit(doctor.run(args.model, args.json))
   runs = {x.strip() for x in args.runs.split(",") if x.strip()}
   if runs - RUN_KINDS: sys.exit(f"--runs: unknown run kind(s) {', '.join(sorted(runs - RUN_KINDS))}; choose from {', '.join(RUN_KINDS)}")
   peer_keys = [] if args.no_peers else [x.strip() for x in args.peers.split(",") if x.strip()]
