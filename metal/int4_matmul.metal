@@ -5,14 +5,20 @@
 //   w_packed  [N, K / 8]  uint32   8 codes per word, the lowest k in the lowest 4 bits (MLX's order)
 //   scales    [N, K / G]  half
 //   biases    [N, K / G]  half
-// Since 32 divides G, the 32 codes of one uint4 (four words) always share one scale and bias, so a group's
-// contribution is scale * sum(x * q) + bias * sum(x), accumulated in float. K must be a multiple of G.
+// Since 32 divides G, an aligned run of 8, 16 or 32 codes (a word, uint2 or uint4) always shares one scale and bias,
+// so its contribution is scale * sum(x * q) + bias * sum(x), accumulated in float. K must be a multiple of G.
 //
 // int4_gemv_<x> (decode, M <= 8; x = dtype of x and y)
-//   grid: ceil(N / 8) threadgroups of 64 threads (2 SIMD-groups); SIMD-group sg owns output columns
-//   n0 .. n0 + 3, n0 = (tgid * 2 + sg) * 4. Lane l reads uint4 l, l + 32, ... of each of its 4 weight rows
-//   (512 contiguous bytes per SIMD-group step) and applies each weight load to all M rows of x, so every weight
-//   byte is read once per call; simd_sum combines the lanes.
+//   A lane takes a chunk of 16 codes (one uint2: 8 bytes, inside one group since 32 divides G) of each of R = 4
+//   weight rows and applies that load to all M rows of x, so every weight byte is read once per call. The 32 lanes
+//   of a SIMD-group form 32 / L teams of L = p.team_lanes lanes (32, 16 or 8; the host picks the width that leaves
+//   the fewest lanes idle for K, e.g. K = 576 = 36 chunks: L = 8, 90 % busy instead of 56 %); team t owns rows
+//   n0 .. n0 + 3 and its lanes read chunks tl, tl + L, ... of them: 8 L contiguous bytes per row and step.
+//   grid: ceil(N / (8 * 32 / L)) threadgroups of 64 threads (2 SIMD-groups of 32 / L teams of 4 rows each).
+//   Unpacking as in MLX's qmv / llama.cpp's q4_0: x is loaded once per chunk and pre-scaled by 1, 1/16, 1/256,
+//   1/4096 by nibble position in a uint16, so each code is only masked in place (`u & 0x00f0` = 16 q) and
+//   converted; the bias term uses the unscaled sum of x. Float accumulation; the team's lanes are combined with
+//   simd_sum (L = 32) or a simd_shuffle_xor butterfly inside the team.
 //   buffers: 0 x [M, K] x, 1 w_packed, 2 scales, 3 biases, 4 y [M, N] x, 5 params
 //
 // int4_gemm_<x> (prefill, M > 8)
@@ -28,13 +34,16 @@ struct Int4Params {
   int N;
   int K;
   int group_size;
+  int team_lanes;  // int4_gemv: lanes per row team (32, 16 or 8); unused by int4_gemm
 };
 
-// sum_j x[j] * q_j over the 8 codes of one word
-METAL_FUNC float dot_codes(uint w, float4 xa, float4 xb) {
-  return xa.x * float(w & 15u) + xa.y * float((w >> 4) & 15u) + xa.z * float((w >> 8) & 15u) +
-         xa.w * float((w >> 12) & 15u) + xb.x * float((w >> 16) & 15u) + xb.y * float((w >> 20) & 15u) +
-         xb.z * float((w >> 24) & 15u) + xb.w * float((w >> 28) & 15u);
+// sum_j x[j] * q_j over the 16 codes of one uint2 (four uint16s, the lowest k in the lowest nibble), with xs[i] =
+// x[4i .. 4i + 3] pre-scaled by (1, 1/16, 1/256, 1/4096): each nibble is masked where it lies and never shifted.
+METAL_FUNC float qdot16(uint2 wq, thread const float4* xs) {
+  const ushort4 u = as_type<ushort4>(wq);
+  float d = 0.0f;
+  for (int i = 0; i < 4; i++) d += dot(xs[i], float4(ushort4(u[i]) & ushort4(0x000f, 0x00f0, 0x0f00, 0xf000)));
+  return d;
 }
 
 template <typename T>
@@ -49,42 +58,51 @@ template <typename T>
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
   constexpr int NSG = 2, R = 4, MMAX = 8;
-  const int n0 = (tgid.x * NSG + sg) * R;
+  const int L = p.team_lanes, teams = 32 / L, team = lane / L, tl = lane % L;
+  const int n0 = ((tgid.x * NSG + sg) * teams + team) * R;
   const int kw = p.K / 8, kg = p.K / p.group_size;
+  const int gshift = p.group_size == 32 ? 1 : (p.group_size == 64 ? 2 : 3);  // chunk index -> group index
+  const int nc = n0 < p.N ? p.K / 16 : 0;  // chunks per row; a team past N has none
+  const float4 pre = float4(1.0f, 1.0f / 16.0f, 1.0f / 256.0f, 1.0f / 4096.0f);
   float acc[MMAX][R];
   for (int m = 0; m < MMAX; m++)
     for (int r = 0; r < R; r++) acc[m][r] = 0.0f;
 
-  for (int v = lane; v < p.K / 32; v += 32) {
-    const int k = 32 * v, g = k / p.group_size;
-    uint4 wq[R];
+  for (int v = tl; v < nc; v += L) {
+    const int g = v >> gshift;
+    uint2 wq[R];
     float sc[R], bi[R];
     for (int r = 0; r < R; r++) {
       const int n = n0 + r;
       const bool ok = n < p.N;
-      wq[r] = ok ? *(device const uint4*)(w + (long)n * kw + 4 * v) : uint4(0u);
+      wq[r] = ok ? *(device const uint2*)(w + (long)n * kw + 2 * v) : uint2(0u);
       sc[r] = ok ? float(scales[(long)n * kg + g]) : 0.0f;
       bi[r] = ok ? float(biases[(long)n * kg + g]) : 0.0f;
     }
     for (int m = 0; m < MMAX; m++) {
       if (m >= p.M) break;
-      device const T* xr = x + (long)m * p.K + k;
-      float sx = 0.0f, dq[R] = {0.0f, 0.0f, 0.0f, 0.0f};
-      for (int j = 0; j < 4; j++) {
-        const float4 xa = float4(*(device const vec<T, 4>*)(xr + 8 * j));
-        const float4 xb = float4(*(device const vec<T, 4>*)(xr + 8 * j + 4));
-        sx += xa.x + xa.y + xa.z + xa.w + xb.x + xb.y + xb.z + xb.w;
-        for (int r = 0; r < R; r++) dq[r] += dot_codes(wq[r][j], xa, xb);
+      device const vec<T, 4>* xr = (device const vec<T, 4>*)(x + (long)m * p.K + 16 * v);
+      float4 xs[4];
+      float sx = 0.0f;
+      for (int i = 0; i < 4; i++) {
+        const float4 xv = float4(xr[i]);
+        sx += (xv.x + xv.y) + (xv.z + xv.w);
+        xs[i] = xv * pre;
       }
-      for (int r = 0; r < R; r++) acc[m][r] += sc[r] * dq[r] + bi[r] * sx;
+      for (int r = 0; r < R; r++) acc[m][r] += sc[r] * qdot16(wq[r], xs) + bi[r] * sx;
     }
   }
 
   for (int m = 0; m < MMAX; m++) {
     if (m >= p.M) break;
     for (int r = 0; r < R; r++) {
-      const float s = simd_sum(acc[m][r]);
-      if (lane == 0 && n0 + r < p.N) y[(long)m * p.N + n0 + r] = T(s);
+      float s = acc[m][r];
+      if (L == 32) {
+        s = simd_sum(s);
+      } else {
+        for (ushort off = L / 2; off > 0; off /= 2) s += simd_shuffle_xor(s, off);
+      }
+      if (tl == 0 && n0 + r < p.N) y[(long)m * p.N + n0 + r] = T(s);
     }
   }
 }

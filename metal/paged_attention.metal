@@ -9,29 +9,60 @@
 //   params        PagedParams
 // Query head h uses KV head h / G, G = n_heads / n_kv_heads <= 8.
 //
-// paged_attention_decode_<x>_<c>_<D>
-//   grid: (1, n_kv_heads, num_seqs) threadgroups of 128 threads (4 SIMD-groups).
-//   One threadgroup serves one (sequence, KV head) and all G query heads that share it, so each K/V row is
-//   read from memory once. The context is walked in chunks of 128 keys (flash-decoding inside the group):
-//     1. thread t scores key k0 + t against the G query heads (its K row read with vector loads, q from
-//        threadgroup memory), no cross-lane traffic;
-//     2. simd_max + threadgroup memory give the chunk maximum; the running maximum, sum and output are
-//        rescaled in float and the probabilities stored in threadgroup memory;
-//     3. SIMD-group sg accumulates V rows sg, sg + 4, ... (lane = float4 chunk of the row) for all G heads.
-//   At the end the four SIMD-groups' partial outputs are summed through threadgroup memory.
-//   The masked tail of the last block is never read: keys stop at the context length.
+// Decode is a matrix-vector product per head: it is bound by reading K and V, so the design is about reading
+// each K/V row once, in full cache lines, with enough SIMD-groups in flight to hide the latency.
+//
+// paged_attention_decode_<x>_<c>_<D>_g<GMAX>             (one pass; tables of up to PARTITION_THRESHOLD keys)
+//   grid: (1, n_kv_heads, num_seqs) threadgroups of 256 threads (NSG = 8 SIMD-groups).
+//   One threadgroup serves one (sequence, KV head) and all G query heads that share it (GQA), so each K/V row
+//   is read from device memory exactly once. GMAX in {2, 4, 8} is the smallest >= G (the host picks it): it
+//   sizes the per-lane register state (o, m, l per head), which is what limits occupancy, so an MHA model
+//   does not pay registers for 8 heads.
+//   Lanes split the head dimension (as MLX's sdpa_vector does): lane j holds elements [V j, V j + V) of q and
+//   of the output accumulator, V = 2 for D = 64 and 4 otherwise (D / V = 32, 20, 24, 32 active lanes; the
+//   idle lanes of D = 80/96 hold zeros). A K or V row is then one contiguous 128..512-byte load across the
+//   SIMD-group (coalesced), and its dot products with the G query heads are G simd_sums.
+//   SIMD-group sg walks the pairs of keys 2 sg + 16 i, 2 sg + 16 i + 1 (two rows in flight per SIMD-group,
+//   one softmax rescale per pair) keeping its own online-softmax state per head in registers: running
+//   maximum m, sum l (uniform across the SIMD-group) and its lanes' slice of the output o, all float. No
+//   probabilities are staged and no barrier is needed inside the key loop.
+//   At the end the 8 SIMD-groups' states are merged head by head through threadgroup memory (the same array
+//   `qs` that held q during the loop; 2 barriers per head), weighting SIMD-group s by exp2(m_s - max_s m_s);
+//   thread t < D / 4 merges float4 chunk t and stores it as one vector.
+//   Keys map to slots with shifts: block_size is a power of two (8, 16 or 32; the host checks).
+//   Scores are kept in base 2: q is pre-scaled by scale * log2(e) and exp2 is used throughout.
+//   The "minus infinity" is -FLT_MAX (finite): exp2(-FLT_MAX - x) is 0 and exp2(-FLT_MAX - -FLT_MAX) is 1 with
+//   l = 0, never NaN; a context of 0 keys gives l = 0 and output zeros.
+//   Threadgroup memory, independent of G: qs = 8 * D floats (2 KB for D = 64 .. 4 KB for D = 128; q needs only
+//   G * D <= 8 * D of it) + 64 B, so it never limits occupancy (even 8 threadgroups per core would use <= 33 KB).
+//   Registers per lane: GMAX * (V + 2) floats of state + 4 V of K/V rows in flight + addressing: about 40
+//   (GMAX 2) .. 80 (GMAX 8, V 4), the real occupancy limit; q is read from threadgroup memory per step
+//   (conflict-free consecutive vectors) rather than held in G * V more registers.
+//   Bytes per (sequence, KV head): ctx * 2 * D * sizeof(c) of K/V + G * D * sizeof(x) of q
+//   + G * D * sizeof(x) written.
 //   buffers: 0 q, 1 k_cache, 2 v_cache, 3 block_tables, 4 context_lens, 5 out [num_seqs, n_heads, D] x, 6 params
 //
-// paged_attention_decode_partitioned_<x>_<c>_<D>   (long contexts, like vLLM's v2)
-//   grid: (num_partitions, n_kv_heads, num_seqs); partition i covers keys [i*P, (i+1)*P), P = partition_size.
+// paged_attention_decode_partitioned_<x>_<c>_<D>_g<GMAX>   (wide tables, like vLLM's v2 / MLX's 2-pass)
+//   grid: (num_partitions, n_kv_heads, num_seqs), num_partitions = ceil(max_blocks * block_size / P),
+//   P = partition_size; partition i covers keys [i P, (i + 1) P) and works as the one-pass kernel on them.
+//   The grid is fixed by the table width (TinyJit captures it), but the work follows the real context:
+//   a threadgroup whose partition starts at or beyond context_lens[seq] returns after reading that one int
+//   (so a 40-key sequence in a 4096-key table costs one working threadgroup per KV head, plus 7 early exits).
 //   Writes, per (seq, head, partition), the normalised partial output and its softmax statistics:
 //   buffers: 0-4 as above, 5 tmp_out [num_seqs, n_heads, num_partitions, D] float,
-//            6 exp_sums [num_seqs, n_heads, num_partitions] float, 7 max_logits (same shape) float, 8 params
+//            6 exp_sums [num_seqs, n_heads, num_partitions] float (sum of exp2(score - max)),
+//            7 max_logits (same shape) float (base-2 maximum score), 8 params
+//   Bytes per (sequence, KV head, used partition): min(P, rest) * 2 * D * sizeof(c) of K/V + G * D * sizeof(x)
+//   of q, + G * (D + 2) * 4 written.
 //
 // paged_attention_reduce_<x>
 //   grid: (n_heads, num_seqs) threadgroups of 32 threads (one float4 chunk of D each).
-//   Combines the partitions a sequence used: out = sum_i w_i * tmp_out_i / sum_i w_i, w_i = exp_sums_i *
-//   exp(max_logits_i - max). buffers: 0 tmp_out, 1 exp_sums, 2 max_logits, 3 context_lens, 4 out, 5 params
+//   Combines the partitions a sequence used (ceil(context / P), never the empty ones): out = sum_i w_i *
+//   tmp_out_i / sum_i w_i, w_i = exp_sums_i * exp2(max_logits_i - max). A sequence whose context fits in one
+//   partition (the common short case) is a plain copy of partition 0 (no statistics read, no exp); a
+//   context of 0 writes zeros without reading anything. (Partition 0 cannot write `out` itself: the
+//   partitioned kernel's buffer list has no `out`; the copy costs G * D * 4 bytes read per KV head.)
+//   buffers: 0 tmp_out, 1 exp_sums, 2 max_logits, 3 context_lens, 4 out, 5 params
 #include <metal_stdlib>
 using namespace metal;
 
@@ -51,129 +82,128 @@ template <typename T> METAL_FUNC vec<T, 4> to_vec4(float4 v);
 template <> METAL_FUNC float4 to_vec4<float>(float4 v) { return v; }
 template <> METAL_FUNC half4 to_vec4<half>(float4 v) { return half4(v); }
 
-template <typename T, typename KV, int D, bool PARTITIONED>
+METAL_FUNC float2 to_float(float2 v) { return v; }
+METAL_FUNC float2 to_float(half2 v) { return float2(v); }
+METAL_FUNC float4 to_float(float4 v) { return v; }
+METAL_FUNC float4 to_float(half4 v) { return float4(v); }
+
+template <typename T, typename KV, int D, int V, int GMAX, bool PARTITIONED>
 METAL_FUNC void paged_decode_impl(
     device const T* q, device const KV* k_cache, device const KV* v_cache,
     device const int* block_tables, device const int* context_lens,
     device T* out, device float* tmp_out, device float* exp_sums, device float* max_logits,
-    constant PagedParams& p, threadgroup float* qs, threadgroup float* probs, threadgroup float* red,
-    threadgroup float4* red_o, uint3 tgid, uint tid, uint lane, uint sg) {
-  constexpr int NSG = 4;                 // SIMD-groups per threadgroup
-  constexpr int NT = 32 * NSG;           // threads = keys per chunk
-  constexpr int GMAX = 8;                // most query heads per KV head
-  constexpr int C = D / 4;               // float4 chunks per row (<= 32)
-  const float NEG_BIG = -FLT_MAX;        // finite "minus infinity": exp(NEG_BIG - x) is 0, never NaN
+    constant PagedParams& p, threadgroup float* qs, threadgroup float* red,
+    uint3 tgid, uint tid, uint lane, uint sg) {
+  constexpr int NSG = 8;                 // SIMD-groups per threadgroup
+  constexpr int NT = 32 * NSG;           // threads
+  constexpr int U = 2;                   // keys per SIMD-group step
+  constexpr int NC = D / V;              // active lanes (V-element chunks of a row)
+  typedef vec<float, V> fv;
+  typedef vec<KV, V> kvv;
+  const float NEG_BIG = -FLT_MAX;        // finite "minus infinity"
 
   const int seq = tgid.z, kvh = tgid.y, part = tgid.x;
-  const int G = p.n_heads / p.n_kv_heads;
   const int ctx = context_lens[seq];
   const int kbeg = PARTITIONED ? part * p.partition_size : 0;
+  if (PARTITIONED && kbeg >= ctx) return;  // past the context: the reduce never reads this partition
   const int kend = PARTITIONED ? min(ctx, kbeg + p.partition_size) : ctx;
+  const int G = p.n_heads / p.n_kv_heads;
+  const int bs = p.block_size, bshift = popcount(bs - 1);   // power of two (host checks): no integer division per key
   device const int* table = block_tables + (long)seq * p.max_blocks;
   const long row_stride = (long)p.n_kv_heads * D;
+  const bool active = (int)lane < NC;
+  const int col = kvh * D + V * (int)lane;   // this lane's first element within a cache row
 
-  // The G query heads of this KV head (contiguous in q), pre-scaled: qs[g * D + d]
-  for (int i = tid; i < G * D; i += NT) qs[i] = float(q[((long)seq * p.n_heads + kvh * G) * D + i]) * p.scale;
+  // The G query heads of this KV head (contiguous in q), in float, pre-scaled for base-2 scores: qs[g * D + d]
+  const float qscale = p.scale * 1.4426950408889634f;
+  for (int i = tid; i < G * D; i += NT) qs[i] = float(q[((long)seq * p.n_heads + kvh * G) * D + i]) * qscale;
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  // Online softmax state; m is the same in every thread, l and o cover this SIMD-group's keys
+  // This SIMD-group's online-softmax state per head (m, l uniform across lanes; o = this lane's slice)
   float m[GMAX], l[GMAX];
-  float4 o[GMAX];
+  fv o[GMAX];
   for (int g = 0; g < GMAX; g++) {
     m[g] = NEG_BIG;
     l[g] = 0.0f;
-    o[g] = float4(0.0f);
+    o[g] = fv(0.0f);
   }
 
-  // For each chunk of NT keys
-  for (int k0 = kbeg, parity = 0; k0 < kend; k0 += NT, parity ^= 1) {
-    const int nk = min(NT, kend - k0);
-
-    // Scores: thread tid takes key k0 + tid and reads its whole K row with vector loads
-    float s[GMAX];
-    for (int g = 0; g < GMAX; g++) s[g] = NEG_BIG;
-    if ((int)tid < nk) {
-      const int k = k0 + tid;
-      device const KV* kr = k_cache + (long)(table[k / p.block_size] * p.block_size + k % p.block_size) * row_stride + kvh * D;
-      for (int g = 0; g < GMAX; g++) s[g] = 0.0f;
-      for (int c = 0; c < C; c++) {
-        const float4 kv = float4(*(device const vec<KV, 4>*)(kr + 4 * c));
-        for (int g = 0; g < GMAX; g++) {
-          if (g >= G) break;
-          s[g] += dot(*(threadgroup const float4*)(qs + g * D + 4 * c), kv);
-        }
+  for (int k0 = kbeg + U * (int)sg; k0 < kend; k0 += U * NSG) {
+    // Issue all row loads of the step first (key k0 is always valid, k0 + u may be past the end)
+    fv kr[U], vr[U];
+    for (int u = 0; u < U; u++) {
+      kr[u] = fv(0.0f);
+      vr[u] = fv(0.0f);
+      const int k = k0 + u;
+      if (k < kend && active) {
+        const long at = (long)((table[k >> bshift] << bshift) + (k & (bs - 1))) * row_stride + col;
+        kr[u] = to_float(*(device const kvv*)(k_cache + at));
+        vr[u] = to_float(*(device const kvv*)(v_cache + at));
       }
     }
-
-    // Chunk maximum per head (red is double-buffered by chunk parity, so one barrier per use suffices)
     for (int g = 0; g < GMAX; g++) {
       if (g >= G) break;
-      const float mx = simd_max(s[g]);
-      if (lane == 0) red[(parity * NSG + sg) * GMAX + g] = mx;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-
-    // New running maximum, rescale the state, publish this chunk's probabilities
-    for (int g = 0; g < GMAX; g++) {
-      if (g >= G) break;
-      float mc = m[g];
-      for (int i = 0; i < NSG; i++) mc = max(mc, red[(parity * NSG + i) * GMAX + g]);
-      const float corr = exp(m[g] - mc);
-      l[g] *= corr;
-      o[g] *= corr;
-      m[g] = mc;
-      if ((int)tid < nk) probs[g * NT + tid] = exp(s[g] - mc);
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-
-    // Weighted V: SIMD-group sg takes keys sg, sg + NSG, ...; lane = float4 chunk of the row
-    for (int j = sg; j < nk; j += NSG) {
-      const int k = k0 + j;
-      float4 vv = float4(0.0f);
-      if ((int)lane < C)
-        vv = float4(*(device const vec<KV, 4>*)(v_cache + (long)(table[k / p.block_size] * p.block_size + k % p.block_size) * row_stride
-                                                 + kvh * D + 4 * lane));
-      for (int g = 0; g < GMAX; g++) {
-        if (g >= G) break;
-        const float pj = probs[g * NT + j];
-        l[g] += pj;
-        o[g] += pj * vv;
+      const fv qg = active ? *(threadgroup const fv*)(qs + g * D + V * lane) : fv(0.0f);
+      float s[U];
+      float mx = m[g];
+      for (int u = 0; u < U; u++) {
+        s[u] = k0 + u < kend ? simd_sum(dot(qg, kr[u])) : NEG_BIG;   // uniform condition: no divergence
+        mx = max(mx, s[u]);
       }
+      const float corr = exp2(m[g] - mx);
+      float lsum = l[g] * corr;
+      fv acc = o[g] * corr;
+      for (int u = 0; u < U; u++) {
+        const float pu = exp2(s[u] - mx);
+        lsum += pu;
+        acc += pu * vr[u];
+      }
+      m[g] = mx;
+      l[g] = lsum;
+      o[g] = acc;
     }
   }
 
-  // Sum the SIMD-groups' partial outputs (same running maximum, so no rescaling)
-  threadgroup float* red_l = red + 2 * NSG * GMAX;
+  // Merge the SIMD-groups head by head; qs is free once every SIMD-group has left the key loop
+  threadgroup float* red_m = red;
+  threadgroup float* red_l = red + NSG;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   for (int g = 0; g < GMAX; g++) {
     if (g >= G) break;
-    if ((int)lane < C) red_o[(sg * GMAX + g) * C + lane] = o[g];
-    if (lane == 0) red_l[sg * GMAX + g] = l[g];
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int i = tid; i < G * C; i += NT) {
-    const int g = i / C, c = i % C;
-    float sum = 0.0f;
-    float4 acc = float4(0.0f);
-    for (int s = 0; s < NSG; s++) {
-      sum += red_l[s * GMAX + g];
-      acc += red_o[(s * GMAX + g) * C + c];
+    if (active) *(threadgroup fv*)(qs + sg * D + V * lane) = o[g];
+    if (lane == 0) {
+      red_m[sg] = m[g];
+      red_l[sg] = l[g];
     }
-    const float4 res = sum > 0.0f ? acc / sum : float4(0.0f);
-    const long head = (long)seq * p.n_heads + kvh * G + g;
-    if (PARTITIONED) {
-      const long idx = head * p.num_partitions + part;
-      *(device float4*)(tmp_out + idx * D + 4 * c) = res;
-      if (c == 0) {
-        exp_sums[idx] = sum;
-        max_logits[idx] = m[g];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if ((int)tid < D / 4) {   // thread = float4 chunk of the head's output
+      float mx = NEG_BIG;
+      for (int s = 0; s < NSG; s++) mx = max(mx, red_m[s]);
+      float sum = 0.0f;
+      float4 acc = float4(0.0f);
+      for (int s = 0; s < NSG; s++) {
+        const float w = exp2(red_m[s] - mx);
+        sum += red_l[s] * w;
+        acc += *(threadgroup const float4*)(qs + s * D + 4 * tid) * w;
       }
-    } else {
-      *(device vec<T, 4>*)(out + head * D + 4 * c) = to_vec4<T>(res);
+      const float4 res = sum > 0.0f ? acc / sum : float4(0.0f);
+      const long head = (long)seq * p.n_heads + kvh * G + g;
+      if (PARTITIONED) {
+        const long idx = head * p.num_partitions + part;
+        *(device float4*)(tmp_out + idx * D + 4 * tid) = res;
+        if (tid == 0) {
+          exp_sums[idx] = sum;
+          max_logits[idx] = mx;
+        }
+      } else {
+        *(device vec<T, 4>*)(out + head * D + 4 * tid) = to_vec4<T>(res);
+      }
     }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 }
 
-template <typename T, typename KV, int D>
+template <typename T, typename KV, int D, int GMAX>
 [[kernel]] void paged_attention_decode(
     device const T* q [[buffer(0)]],
     device const KV* k_cache [[buffer(1)]],
@@ -186,15 +216,13 @@ template <typename T, typename KV, int D>
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
-  threadgroup __attribute__((aligned(16))) float qs[8 * D];   // read as float4: Metal needs 16-byte alignment
-  threadgroup float probs[8 * 128];
-  threadgroup float red[3 * 4 * 8];
-  threadgroup float4 red_o[4 * 8 * D / 4];
-  paged_decode_impl<T, KV, D, false>(q, k_cache, v_cache, block_tables, context_lens, out, nullptr, nullptr, nullptr,
-                                     p, qs, probs, red, red_o, tgid, tid, lane, sg);
+  threadgroup __attribute__((aligned(16))) float qs[8 * D];   // read as float4 (and float2): Metal needs 16-byte alignment
+  threadgroup float red[2 * 8];
+  paged_decode_impl<T, KV, D, D == 64 ? 2 : 4, GMAX, false>(q, k_cache, v_cache, block_tables, context_lens, out, nullptr,
+                                                            nullptr, nullptr, p, qs, red, tgid, tid, lane, sg);
 }
 
-template <typename T, typename KV, int D>
+template <typename T, typename KV, int D, int GMAX>
 [[kernel]] void paged_attention_decode_partitioned(
     device const T* q [[buffer(0)]],
     device const KV* k_cache [[buffer(1)]],
@@ -209,12 +237,10 @@ template <typename T, typename KV, int D>
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
-  threadgroup __attribute__((aligned(16))) float qs[8 * D];   // read as float4: Metal needs 16-byte alignment
-  threadgroup float probs[8 * 128];
-  threadgroup float red[3 * 4 * 8];
-  threadgroup float4 red_o[4 * 8 * D / 4];
-  paged_decode_impl<T, KV, D, true>(q, k_cache, v_cache, block_tables, context_lens, nullptr, tmp_out, exp_sums,
-                                    max_logits, p, qs, probs, red, red_o, tgid, tid, lane, sg);
+  threadgroup __attribute__((aligned(16))) float qs[8 * D];   // read as float4 (and float2): Metal needs 16-byte alignment
+  threadgroup float red[2 * 8];
+  paged_decode_impl<T, KV, D, D == 64 ? 2 : 4, GMAX, true>(q, k_cache, v_cache, block_tables, context_lens, nullptr, tmp_out,
+                                                           exp_sums, max_logits, p, qs, red, tgid, tid, lane, sg);
 }
 
 template <typename T>
@@ -231,24 +257,35 @@ template <typename T>
   if ((int)tid >= D / 4) return;
   const int used = (context_lens[seq] + p.partition_size - 1) / p.partition_size;  // partitions with keys
   const long row = (long)seq * p.n_heads + head;
-  float mx = -FLT_MAX;
-  for (int i = 0; i < used; i++) mx = max(mx, max_logits[row * p.num_partitions + i]);
-  float sum = 0.0f;
-  float4 acc = float4(0.0f);
-  for (int i = 0; i < used; i++) {
-    const long idx = row * p.num_partitions + i;
-    const float w = exp_sums[idx] * exp(max_logits[idx] - mx);
-    sum += w;
-    acc += *(device const float4*)(tmp_out + idx * D + 4 * tid) * w;
+  device const float* part0 = tmp_out + row * p.num_partitions * D + 4 * tid;
+  float4 res = float4(0.0f);
+  if (used == 1) {
+    res = *(device const float4*)part0;   // already normalised
+  } else if (used > 1) {
+    float mx = -FLT_MAX;
+    for (int i = 0; i < used; i++) mx = max(mx, max_logits[row * p.num_partitions + i]);
+    float sum = 0.0f;
+    float4 acc = float4(0.0f);
+    for (int i = 0; i < used; i++) {
+      const long idx = row * p.num_partitions + i;
+      const float w = exp_sums[idx] * exp2(max_logits[idx] - mx);
+      sum += w;
+      acc += *(device const float4*)(part0 + i * D) * w;
+    }
+    res = sum > 0.0f ? acc / sum : float4(0.0f);
   }
-  *(device vec<T, 4>*)(out + row * D + 4 * tid) = to_vec4<T>(sum > 0.0f ? acc / sum : float4(0.0f));
+  *(device vec<T, 4>*)(out + row * D + 4 * tid) = to_vec4<T>(res);
 }
 
-#define INSTANTIATE_DECODE(xn, X, cn, C, D)                                                                       \
-  template [[host_name("paged_attention_decode_" #xn "_" #cn "_" #D)]] [[kernel]]                                  \
-  decltype(paged_attention_decode<X, C, D>) paged_attention_decode<X, C, D>;                                      \
-  template [[host_name("paged_attention_decode_partitioned_" #xn "_" #cn "_" #D)]] [[kernel]]                      \
-  decltype(paged_attention_decode_partitioned<X, C, D>) paged_attention_decode_partitioned<X, C, D>;
+#define INSTANTIATE_DECODE_G(xn, X, cn, C, D, GM)                                                                  \
+  template [[host_name("paged_attention_decode_" #xn "_" #cn "_" #D "_g" #GM)]] [[kernel]]                         \
+  decltype(paged_attention_decode<X, C, D, GM>) paged_attention_decode<X, C, D, GM>;                              \
+  template [[host_name("paged_attention_decode_partitioned_" #xn "_" #cn "_" #D "_g" #GM)]] [[kernel]]             \
+  decltype(paged_attention_decode_partitioned<X, C, D, GM>) paged_attention_decode_partitioned<X, C, D, GM>;
+// GMAX in {2, 4, 8}: a GMAX = 1 family would save one head of state (V + 2 registers) for MHA models, not worth
+// 32 more instantiations (emulator compile time grows with each one)
+#define INSTANTIATE_DECODE(xn, X, cn, C, D) \
+  INSTANTIATE_DECODE_G(xn, X, cn, C, D, 2) INSTANTIATE_DECODE_G(xn, X, cn, C, D, 4) INSTANTIATE_DECODE_G(xn, X, cn, C, D, 8)
 #define INSTANTIATE_DECODE_D(xn, X, cn, C) \
   INSTANTIATE_DECODE(xn, X, cn, C, 64) INSTANTIATE_DECODE(xn, X, cn, C, 80) \
   INSTANTIATE_DECODE(xn, X, cn, C, 96) INSTANTIATE_DECODE(xn, X, cn, C, 128)

@@ -1,17 +1,12 @@
-// Prefill attention over the paged KV cache, for a chunk of new tokens (their K/V already in the cache).
+// Prefill attention over the paged KV cache, for a chunk of new tokens (their K/V already in the cache):
+// flash attention with 8x8 simdgroup matrices (QK^T and PV on the matrix units, online softmax in float).
 //
 // paged_attention_prefill_<x>_<c>_<D>: x = dtype of q and out, c = dtype of the caches, D in {64, 80, 96, 128}.
 //   Token t belongs to sequence token_seq[t] (a row of block_tables; -1 = padding -> zeros) and sits at
 //   absolute position token_pos[t]; it attends to keys 0..token_pos[t] of its sequence, which is causal inside
-//   the chunk and full attention to the cached prefix.
+//   the chunk and full attention to the cached prefix. Tokens may come in any order and mix sequences.
 //   grid: (ceil(num_tokens / TQ), n_kv_heads) threadgroups of 128 threads (4 SIMD-groups), where
-//   TQ = tokens_per_tile = max(1, 16 / G) and G = n_heads / n_kv_heads <= 16. A threadgroup owns the
-//   R = TQ * G query rows (token, query head) of TQ consecutive tokens for one KV head: SIMD-group sg owns rows
-//   sg, sg + 4, ... For each sequence present in the tile it walks the keys in tiles of TK (32 for a half
-//   cache, 16 for float), staging K and V in threadgroup memory once for all R rows. Per row and tile: lanes
-//   score keys (32 / TK lanes per key), simd_max / simd_sum update the online softmax in float, the tile's
-//   probabilities go through a per-SIMD-group scratch in threadgroup memory (simdgroup_barrier), and each lane
-//   accumulates the output elements d = lane + 32 i.
+//   TQ = tokens_per_tile = max(1, 32 / G) and G = n_heads / n_kv_heads <= 16.
 //   buffers:
 //     0 q            [T, n_heads, D]                          x
 //     1 k_cache      [num_blocks, block_size, n_kv_heads, D]  c
@@ -21,6 +16,43 @@
 //     5 token_pos    [T]                                      int32
 //     6 out          [T, n_heads, D]                          x
 //     7 params       PrefillParams
+//
+// Design (flash attention as in MLX's steel attention / llama.cpp's flash_attn_ext, over a paged cache).
+//   A threadgroup owns BQ = 32 query rows r = (token t0 + r / G, query head kvh * G + r % G) of TQ consecutive
+//   tokens and one KV head (rows r >= R = TQ * G are idle; the G query heads of a KV head share every K/V tile).
+//   SIMD-group sg owns rows 8 sg .. 8 sg + 7: its Q (D / 8 fragments, cache dtype) and its output O (D / 8 float
+//   fragments, 8 x D) stay in simdgroup matrices for the whole kernel. Lane i of every SIMD-group holds token
+//   t0 + i (TQ <= 32), so finding the tile's sequences and their key ranges is a few SIMD operations.
+//   Tokens may come in any order and mix sequences: for each distinct sequence s of the tile (at its first
+//   token), the threadgroup walks keys 0 .. kmax(s) - 1 (kmax = 1 + the largest position of s in the tile) in
+//   tiles of BK keys:
+//     1. all 128 threads gather the tile's K and V rows through s's block table into threadgroup memory
+//        (vec4 loads coalesced along D, as in the decode kernel; keys >= kmax are zero-filled, so 0 * V is 0);
+//     2. a SIMD-group whose rows see any of these keys (a row of sequence s with position >= k0) computes
+//        S (8 x BK) = Q K^T, (D / 8) MMAs per 8 keys (K fragments loaded transposed), in float; 8-key blocks
+//        past its rows' last position are skipped (the causal diagonal);
+//     3. online softmax on the S fragments in registers. A lane holds 2 elements of each 8x8 fragment, all in
+//        one row (Apple's layout, as MLX: row (l / 16) * 4 + (l / 2) % 4, columns ((l / 8) % 2) * 4 + (l % 2) * 2
+//        and the next), the same row in S, P and O: a row's max and sum are the lane's elements reduced with
+//        simd_shuffle_xor 1 and 8, and O is rescaled in place through thread_elements(). Key k counts for a row
+//        iff the row's token is in sequence s and k <= its position (sequence + causal mask, per row, so any
+//        order is right); masked probabilities are set to 0 explicitly (never exp of a sentinel) and the
+//        running max starts at -FLT_MAX (finite): a row that sees no key of a tile, or of a whole sequence,
+//        keeps l = 0 and O = 0, no NaN, and padding rows write zeros;
+//     4. P goes into simdgroup matrices of the cache dtype (for a half cache P is rounded to half, 2^-11
+//        relative, as in llama.cpp; l sums the float values) and O += P V, (D / 8) MMAs per 8 keys.
+//   Rows of other sequences in the tile cost masked work only; chunked prefill packs each sequence's tokens
+//   contiguously, so a tile nearly always holds one sequence (two at a boundary). At the end each lane writes
+//   its own O elements / l straight to out. MMA inputs are in the cache dtype (half x half -> float or float x
+//   float), accumulation and softmax in float, exp2 with scale * log2(e) folded into the scores.
+// Sizes. BK = 32 keys when the K and V tiles fit in 16 KB, else 16 (float caches; half with D = 128, as MLX's
+//   bk = 16 for D = 128). Tile rows are padded to D + 4 elements (strided fragment loads spread over banks; rows
+//   stay 8/16-byte aligned for the vec4 stores). Threadgroup memory = 2 * BK * (D + 4) * sizeof(c): half
+//   8.5 / 10.5 / 12.5 / 8.25 KB for D = 64 / 80 / 96 / 128, float 8.5 / 10.5 / 12.5 / 16.5 KB; Q is staged
+//   once through the same buffer (32 rows <= 2 * BK). Per key tile and threadgroup: 4 * 32 * BK * D FLOPs on
+//   the matrix units (QK^T + PV; 262144 for half D = 128, BK = 16) for 2 * BK * D * sizeof(c) bytes of K/V
+//   from device memory (8 KB), i.e. 64 / sizeof(c) FLOP/byte (32 for half): each K/V element is read once per
+//   32 query rows; each SIMD-group then reads the whole tile from threadgroup memory.
 #include <metal_stdlib>
 using namespace metal;
 
@@ -48,108 +80,142 @@ template <typename T, typename KV, int D>
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
-  constexpr int NSG = 4;                          // SIMD-groups
-  constexpr int RMAX = 16;                        // most query rows per threadgroup
-  constexpr int RPS = RMAX / NSG;                 // rows per SIMD-group
-  constexpr int TK = sizeof(KV) == 2 ? 32 : 16;   // keys per tile
-  constexpr int LPK = 32 / TK;                    // lanes per key when scoring
-  constexpr int DP = D / LPK;                     // elements of a key each scoring lane covers
-  constexpr int KS = D + 4;                       // padded row stride of the K/V tiles (fewer bank conflicts)
-  constexpr int NE = (D + 31) / 32;               // output elements per lane
-  const float NEG_BIG = -FLT_MAX;
+  constexpr int NT = 128;                                         // threads
+  constexpr int BQ = 32;                                          // query rows per threadgroup, 8 per SIMD-group
+  constexpr int KS = D + 4;                                       // padded row stride of the tiles (elements)
+  constexpr int BK = 2 * 32 * KS * (int)sizeof(KV) <= 16384 ? 32 : 16;  // keys per tile
+  constexpr int ND = D / 8, NKB = BK / 8;                         // fragments along D and along the keys
+  constexpr int D4 = D / 4;
+  const float NEG_BIG = -FLT_MAX;                                 // finite "minus infinity"
 
-  threadgroup float4 qs4[RMAX * D / 4];
-  threadgroup vec<KV, 4> ks4[TK * KS / 4];
-  threadgroup vec<KV, 4> vs4[TK * KS / 4];
-  threadgroup float ps[NSG * TK];
-  threadgroup const KV* vs = (threadgroup const KV*)vs4;
+  // K tile rows [0, BK), V tile rows [BK, 2 BK); before the key loop, the 32 Q rows
+  threadgroup __attribute__((aligned(16))) KV kvs[2 * BK * KS];
+  threadgroup const KV* ks = kvs;
+  threadgroup const KV* vs = kvs + BK * KS;
 
   const int G = p.n_heads / p.n_kv_heads, TQ = p.tokens_per_tile, R = TQ * G;
   const int t0 = tgid.x * TQ, kvh = tgid.y;
   const int ntok = min(TQ, p.num_tokens - t0);
   const long kv_row = (long)p.n_kv_heads * D;
+  const float qk_scale = p.scale * 1.4426950408889634f;          // scores in log2 units: exp2
 
-  // Query rows, pre-scaled: row r = (token t0 + r / G, head kvh * G + r % G)
-  for (int i = tid; i < R * D / 4; i += NSG * 32) {
-    const int r = i / (D / 4), c = 4 * (i % (D / 4));
+  // This lane's row of every fragment (Apple's simdgroup_matrix layout) and the two columns it holds
+  const int frow = (int)((lane / 16) * 4 + (lane / 2) % 4), fcol = (int)(((lane / 8) % 2) * 4 + (lane % 2) * 2);
+  // Lane i of every SIMD-group holds token t0 + i of the tile (TQ <= 32): sequence scans are SIMD operations
+  const int lane_seq = (int)lane < ntok ? token_seq[t0 + lane] : -1;
+  const int lane_pos = (int)lane < ntok ? token_pos[t0 + lane] : -1;
+  const int my_r = (int)sg * 8 + frow;
+  const bool my_real = my_r < R && my_r / G < ntok;
+  const int tok_seq = simd_shuffle(lane_seq, (ushort)(my_r / G)), tok_pos = simd_shuffle(lane_pos, (ushort)(my_r / G));
+  const int my_seq = my_real ? tok_seq : -2;                     // -2: no token (never matches a sequence)
+  const int my_pos = my_real ? tok_pos : -1;
+
+  // Stage Q (rows past R or past the chunk are zeros) in the cache dtype, then load this SIMD-group's fragments
+  for (int i = tid; i < BQ * D4; i += NT) {
+    const int r = i / D4, c = 4 * (i % D4);
     float4 x = float4(0.0f);
-    if (r / G < ntok)
-      x = float4(*(device const vec<T, 4>*)(q + ((long)(t0 + r / G) * p.n_heads + kvh * G + r % G) * D + c)) * p.scale;
-    qs4[i] = x;
+    if (r < R && r / G < ntok)
+      x = float4(*(device const vec<T, 4>*)(q + ((long)(t0 + r / G) * p.n_heads + kvh * G + r % G) * D + c));
+    for (int j = 0; j < 4; j++) kvs[r * KS + c + j] = KV(x[j]);
   }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_matrix<KV, 8, 8> qf[ND];
+  for (int d = 0; d < ND; d++) simdgroup_load(qf[d], ks + sg * 8 * KS + d * 8, KS);
 
-  float m[RPS], l[RPS], o[RPS][NE];
-  for (int j = 0; j < RPS; j++) {
-    m[j] = NEG_BIG;
-    l[j] = 0.0f;
-    for (int e = 0; e < NE; e++) o[j][e] = 0.0f;
-  }
-  const int kk = lane % TK, part = lane / TK;
+  simdgroup_float8x8 of[ND];
+  for (int d = 0; d < ND; d++) of[d] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  float m = NEG_BIG, l = 0.0f;  // this lane's row: running max (log2 units) and sum
 
-  // For each sequence in the tile (first token of each distinct sequence)
+  // For each sequence in the tile, at its first token (the same in every SIMD-group: threadgroup-uniform)
   for (int i = 0; i < ntok; i++) {
-    const int s = token_seq[t0 + i];
-    bool seen = s < 0;
-    for (int j = 0; j < i; j++) seen = seen || token_seq[t0 + j] == s;
-    if (seen) continue;
-    int kmax = 0;  // keys [0, kmax) are needed by some row of this sequence
-    for (int j = i; j < ntok; j++)
-      if (token_seq[t0 + j] == s) kmax = max(kmax, token_pos[t0 + j] + 1);
+    const int s = simd_shuffle(lane_seq, (ushort)i);
+    if (s < 0 || simd_any((int)lane < i && lane_seq == s)) continue;  // padding, or sequence already done
+    // keys [0, kmax) are needed by some row of sequence s, [0, sg_kmax) by this SIMD-group's rows
+    // (float reductions: exact for positions < 2^24)
+    const int kmax = (int)simd_max(lane_seq == s ? float(lane_pos + 1) : 0.0f);
+    const int sg_kmax = (int)simd_max(my_seq == s ? float(my_pos + 1) : 0.0f);
     device const int* table = block_tables + (long)s * p.max_blocks;
 
-    // For each key tile: stage K and V, then every SIMD-group updates its rows
-    for (int k0 = 0; k0 < kmax; k0 += TK) {
+    for (int k0 = 0; k0 < kmax; k0 += BK) {
+      // 1. Gather the K and V tiles (the barrier before: every SIMD-group is done with the previous tile / Q)
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      for (int e = tid; e < TK * D / 4; e += NSG * 32) {
-        const int j = e / (D / 4), c = 4 * (e % (D / 4)), k = k0 + j;
+      for (int e = tid; e < BK * D4; e += NT) {
+        const int j = e / D4, c = 4 * (e % D4), k = k0 + j;
         vec<KV, 4> kx = vec<KV, 4>(KV(0)), vx = vec<KV, 4>(KV(0));
         if (k < kmax) {
           const long base = (long)(table[k / p.block_size] * p.block_size + k % p.block_size) * kv_row + kvh * D + c;
           kx = *(device const vec<KV, 4>*)(k_cache + base);
           vx = *(device const vec<KV, 4>*)(v_cache + base);
         }
-        ks4[(j * KS + c) / 4] = kx;
-        vs4[(j * KS + c) / 4] = vx;
+        *(threadgroup vec<KV, 4>*)(kvs + j * KS + c) = kx;
+        *(threadgroup vec<KV, 4>*)(kvs + (BK + j) * KS + c) = vx;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (k0 >= sg_kmax) continue;  // no row of this SIMD-group sees these keys (uniform per SIMD-group)
+      const int nkb = min(NKB, (sg_kmax - k0 + 7) / 8);  // 8-key blocks some row of the SIMD-group sees (causal)
 
-      for (int j = 0; j < RPS; j++) {
-        const int r = sg + NSG * j;
-        if (r >= R || r / G >= ntok || token_seq[t0 + r / G] != s) continue;
-        const int pos = token_pos[t0 + r / G];
-        float sc = 0.0f;
-        for (int c = part * DP; c < (part + 1) * DP; c += 4)
-          sc += dot(qs4[(r * D + c) / 4], float4(ks4[(kk * KS + c) / 4]));
-        if (LPK == 2) sc += simd_shuffle_xor(sc, 16);
-        const bool valid = k0 + kk <= pos;
-        const float m_new = max(m[j], simd_max(valid ? sc : NEG_BIG));
-        const float corr = exp(m[j] - m_new);
-        const float pk = valid ? exp(sc - m_new) : 0.0f;
-        l[j] = l[j] * corr + simd_sum(part == 0 ? pk : 0.0f);
-        for (int e = 0; e < NE; e++) o[j][e] *= corr;
-        if (part == 0) ps[sg * TK + kk] = pk;  // this SIMD-group's probabilities, read back by every lane
-        simdgroup_barrier(mem_flags::mem_threadgroup);
-        for (int kj = 0; kj < TK; kj++) {
-          const float pj = ps[sg * TK + kj];
-          for (int e = 0; e < NE; e++) {
-            const int d = lane + 32 * e;
-            if (d < D) o[j][e] += pj * float(vs[kj * KS + d]);
+      // 2. S = Q K^T, 8 rows x BK keys (blocks past nkb stay 0 and are masked below)
+      simdgroup_float8x8 sf[NKB];
+      for (int kb = 0; kb < NKB; kb++) {
+        sf[kb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        if (kb < nkb)
+          for (int d = 0; d < ND; d++) {
+            simdgroup_matrix<KV, 8, 8> kt;
+            simdgroup_load(kt, ks + kb * 8 * KS + d * 8, KS, ulong2(0, 0), true);
+            simdgroup_multiply_accumulate(sf[kb], qf[d], kt, sf[kb]);
           }
-        }
-        simdgroup_barrier(mem_flags::mem_threadgroup);  // before the next row overwrites ps
-        m[j] = m_new;
       }
+
+      // 3. Online softmax of this lane's row (its 2 * NKB elements, then across the row's 4 lanes)
+      float sc[NKB][2];
+      float tmax = NEG_BIG;
+      for (int kb = 0; kb < NKB; kb++)
+        for (int e = 0; e < 2; e++) {
+          const int key = k0 + kb * 8 + fcol + e;
+          const bool valid = my_seq == s && key <= my_pos;
+          sc[kb][e] = valid ? float(sf[kb].thread_elements()[e]) * qk_scale : NEG_BIG;
+          tmax = max(tmax, sc[kb][e]);
+        }
+      tmax = max(tmax, simd_shuffle_xor(tmax, 1));
+      tmax = max(tmax, simd_shuffle_xor(tmax, 8));
+      const float m_new = max(m, tmax);
+      const float corr = exp2(m - m_new);
+      float tsum = 0.0f;
+      simdgroup_matrix<KV, 8, 8> pf[NKB];
+      for (int kb = 0; kb < NKB; kb++)
+        for (int e = 0; e < 2; e++) {
+          const bool valid = my_seq == s && k0 + kb * 8 + fcol + e <= my_pos;
+          const float pe = valid ? exp2(sc[kb][e] - m_new) : 0.0f;
+          tsum += pe;
+          pf[kb].thread_elements()[e] = KV(pe);
+        }
+      tsum += simd_shuffle_xor(tsum, 1);
+      tsum += simd_shuffle_xor(tsum, 8);
+      l = l * corr + tsum;
+      m = m_new;
+      for (int d = 0; d < ND; d++) {
+        of[d].thread_elements()[0] *= corr;
+        of[d].thread_elements()[1] *= corr;
+      }
+
+      // 4. O += P V
+      for (int d = 0; d < ND; d++)
+        for (int kb = 0; kb < NKB; kb++)
+          if (kb < nkb) {
+            simdgroup_matrix<KV, 8, 8> vf;
+            simdgroup_load(vf, vs + kb * 8 * KS + d * 8, KS);
+            simdgroup_multiply_accumulate(of[d], pf[kb], vf, of[d]);
+          }
     }
   }
 
-  // Write the rows (padding tokens and empty rows give zeros)
-  for (int j = 0; j < RPS; j++) {
-    const int r = sg + NSG * j;
-    if (r >= R || r / G >= ntok) continue;
-    const long row = (long)(t0 + r / G) * p.n_heads + kvh * G + r % G;
-    for (int e = 0; e < NE; e++) {
-      const int d = lane + 32 * e;
-      if (d < D) out[row * D + d] = T(l[j] > 0.0f ? o[j][e] / l[j] : 0.0f);
+  // Write this lane's elements of its row (padding tokens and rows that saw no key give zeros)
+  if (my_r < R && my_r / G < ntok) {
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    device T* o = out + ((long)(t0 + my_r / G) * p.n_heads + kvh * G + my_r % G) * D + fcol;
+    for (int d = 0; d < ND; d++) {
+      o[d * 8] = T(float(of[d].thread_elements()[0]) * inv);
+      o[d * 8 + 1] = T(float(of[d].thread_elements()[1]) * inv);
     }
   }
 }

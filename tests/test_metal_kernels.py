@@ -271,7 +271,7 @@ def test_int4_matmul(shape, g, xdt):
 
 def test_decode_long_context_partitions_automatically():
   ls = M.decode_launches(2, 8, 2, 64, 16, 100, dtypes.float16, dtypes.float16, 0.125)
-  assert [l.kernel for l in ls] == ["paged_attention_decode_partitioned_f16_f16_64", "paged_attention_reduce_f16"]
+  assert [l.kernel for l in ls] == ["paged_attention_decode_partitioned_f16_f16_64_g4", "paged_attention_reduce_f16"]
   assert ls[0].grid == (4, 2, 2)  # 1600 keys / 512 per partition
   assert len(M.decode_launches(2, 8, 2, 64, 16, 64, dtypes.float16, dtypes.float16, 0.125)) == 1
   decode_case("direct", 128, 16, (8, 2), (dtypes.float16, dtypes.float16), lens=(1500, 3, 700, 1024), seed=2)
@@ -378,3 +378,88 @@ def test_shipped_kernels_need_their_metal_fixes():
   (launch,) = M.decode_launches(2, 8, 2, 64, 16, tables.shape[1], dtypes.float32, dtypes.float32, 0.125)
   args = [q, k_cache, v_cache, tables, lens, np.zeros_like(q), np.array(launch.params, np.int32)]
   with pytest.raises(EmulatorError, match="misaligned"): lib.run(launch.kernel, args, launch.grid, launch.threads)
+
+
+# (K, N, lanes per row team): K/16 chunks per row not a multiple of 32 (SmolLM2's 576, 896, 960, 4864) or a multiple
+# (1536); N never a multiple of the 256 / lanes rows per threadgroup, so the last threadgroup has idle teams
+INT4_GEMV_LAYOUTS = [(576, 45, 8), (1536, 20, 32), (960, 37, 32), (896, 70, 8), (4864, 17, 16)]
+
+
+@pytest.mark.parametrize("xdt", [dtypes.float32, dtypes.float16], ids=lambda d: d.name)
+@pytest.mark.parametrize("g", M.GROUP_SIZES)
+@pytest.mark.parametrize("k,n,lanes", INT4_GEMV_LAYOUTS, ids=lambda c: str(c))
+def test_int4_gemv_lane_layouts(k, n, lanes, g, xdt):
+  """The GEMV's team width is chosen for K and every M of 1..8 matches the reference, including the N tail."""
+  if k % g: pytest.skip("K must be a multiple of the group size")
+  launch = M.int4_launch(1, n, k, g, xdt)
+  assert launch.kernel.startswith("int4_gemv_") and launch.params[-1] == lanes
+  assert launch.grid[0] == -(-n // (256 // lanes)) and launch.grid[0] * (256 // lanes) > n
+  for m in range(1, M.GEMV_MAX_M + 1): int4_case("direct", m, n, k, g, xdt, seed=m)
+
+
+@pytest.mark.parametrize("order", ["reverse", "random"])
+def test_int4_gemv_lane_layouts_lane_orders(order):
+  for seed, (k, n, g) in enumerate([(576, 45, 64), (1536, 20, 128), (4864, 17, 32)]):
+    int4_case("direct", 1 + seed * 3, n, k, g, dtypes.float16, seed=seed, order=order)
+
+
+@pytest.mark.parametrize("order", ["forward", "random"])
+def test_decode_short_context_in_wide_table(order):
+  """A table wider than PARTITION_THRESHOLD always gets the partitioned grid (its shape is fixed for TinyJit), but the
+  work follows context_lens: partitions past a context write nothing (early exit), and the reduce reads no statistics
+  of a sequence that used one partition (a copy) nor any of the empty partitions (all left NaN here)."""
+  D, bs, H, KVH, P = 64, 16, 8, 2, M.PARTITION_SIZE
+  lens = (5, 0, P + 88, P)  # one partition, padding, two partitions, exactly one
+  rng = np.random.default_rng(5)
+  k_cache, v_cache, tables = paged_inputs(rng, lens, bs, KVH, D, dtypes.float16, extra_blocks=128 - -(-max(lens) // bs))
+  q = rng.standard_normal((len(lens), H, D)).astype(np.float16)
+  lens = np.array(lens, np.int32)
+  ls = M.decode_launches(len(lens), H, KVH, D, bs, tables.shape[1], dtypes.float16, dtypes.float16, D ** -0.5)
+  nparts = 128 * bs // P
+  assert [l.kernel for l in ls] == ["paged_attention_decode_partitioned_f16_f16_64_g4", "paged_attention_reduce_f16"]
+  assert ls[0].grid == (nparts, KVH, len(lens)) and ls[0].threads == (256, 1, 1)
+  assert ls[1].grid == (H, len(lens), 1)
+  used = -(-lens // P)
+  tmp, sums, maxes = (np.full(s, np.nan, np.float32) for s in ((len(lens), H, nparts, D), (len(lens), H, nparts), (len(lens), H, nparts)))
+  direct_run(ls[0], [q, k_cache, v_cache, tables, lens, tmp, sums, maxes], order)
+  for b, u in enumerate(used):
+    assert np.isfinite(tmp[b, :, :u]).all() and np.isfinite(sums[b, :, :u]).all() and np.isfinite(maxes[b, :, :u]).all()
+    assert np.isnan(tmp[b, :, u:]).all() and np.isnan(sums[b, :, u:]).all(), f"seq {b}: a partition past the context was written"
+  sums[used == 1], maxes[used == 1] = np.nan, np.nan  # a single-partition sequence must not need its statistics
+  out = np.zeros_like(q)
+  direct_run(ls[1], [tmp, sums, maxes, lens, out], order)
+  assert not out[lens == 0].any()
+  err = rel_err(out, decode_ref(q, k_cache, v_cache, tables, lens, D ** -0.5))
+  assert err < F16_TOL, err
+  # the one-pass kernel on a narrow table agrees
+  decode_case("direct", D, bs, (H, KVH), (dtypes.float16, dtypes.float16), lens=(5, 0, 300, 17), seed=5, order=order)
+
+
+def test_decode_gqa_ratio_instantiations():
+  """The host picks the smallest GMAX in (2, 4, 8) >= G; ratios between instantiations (2, 5, 7) and MHA compute right."""
+  def kernel(h, kvh): return M.decode_launches(1, h, kvh, 128, 16, 8, dtypes.float32, dtypes.float32, 0.1)[0].kernel
+  assert [kernel(h, kvh)[-2:] for h, kvh in [(4, 4), (4, 2), (6, 2), (8, 2), (10, 2), (14, 2), (8, 1)]] == \
+         ["g2", "g2", "g4", "g4", "g8", "g8", "g8"]
+  for i, (heads, D) in enumerate([((4, 2), 80), ((10, 2), 96), ((7, 1), 64), ((2, 2), 128)]):
+    decode_case("direct", D, 8, heads, (dtypes.float32, dtypes.float32), seed=i)
+    decode_case("direct", D, 8, heads, (dtypes.float16, dtypes.float16), partition_size=16, seed=i, order="random")
+
+
+def test_prefill_long_chunk_shuffled():
+  """A long chunk on the simdgroup-matrix prefill kernel: 100 tokens of one sequence at positions 400..499 (many key
+  tiles, a causal diagonal inside the chunk), 6 tokens of a second sequence and 3 padding tokens, shuffled so that
+  every tile mixes sequences and positions. Each row's result does not depend on its tile's other rows: the same
+  chunk in order gives bitwise the same rows."""
+  D, bs, H, KVH = 64, 16, 4, 1
+  seq = np.array([0] * 100 + [1] * 6 + [-1] * 3, np.int32)
+  pos = np.array(list(range(400, 500)) + list(range(30, 36)) + [0] * 3, np.int32)
+  rng = np.random.default_rng(21)
+  k_cache, v_cache, tables = paged_inputs(rng, (500, 36), bs, KVH, D, dtypes.float16)
+  q = rng.standard_normal((len(seq), H, D)).astype(np.float16)
+  perm = rng.permutation(len(seq))
+  shuffled = run_prefill("direct", q[perm], k_cache, v_cache, tables, seq[perm], pos[perm], D ** -0.5)
+  assert not shuffled[seq[perm] < 0].any()
+  err = rel_err(shuffled, prefill_ref(q[perm], k_cache, v_cache, tables, seq[perm], pos[perm], D ** -0.5))
+  assert err < F16_TOL, err
+  ordered = run_prefill("direct", q, k_cache, v_cache, tables, seq, pos, D ** -0.5)
+  assert np.array_equal(shuffled, ordered[perm])

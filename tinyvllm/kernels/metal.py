@@ -78,22 +78,27 @@ def decode_launches(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int,
                     q_dtype: DType, cache_dtype: DType, scale: float, partition_size: int | None = None) -> list[Launch]:
   """One launch, or two (partitioned + reduce) when the table can hold more than PARTITION_THRESHOLD keys.
 
+  The grid depends on shapes only (TinyJit captures it); the work follows context_lens at run time: partitions
+  past a sequence's context exit at once, and the reduce copies a sequence that used a single partition.
   partition_size: None = choose from max_blocks * block_size; 0 = never partition; n = partitions of n keys.
+  Kernels are instantiated for GMAX in (2, 4, 8) query heads per KV head: the smallest >= the GQA ratio.
   """
   _check_head_dim(head_dim)
   if n_heads % n_kv_heads or n_heads // n_kv_heads > 8: raise ValueError(f"GQA ratio {n_heads}/{n_kv_heads} unsupported (<= 8)")
+  if block_size < 1 or block_size & (block_size - 1): raise ValueError(f"block_size {block_size} must be a power of two")
   max_keys = max_blocks * block_size
   if partition_size is None: partition_size = PARTITION_SIZE if max_keys > PARTITION_THRESHOLD else 0
   x, c = _dt(q_dtype), _dt(cache_dtype)
+  gmax = next(g for g in (2, 4, 8) if g >= n_heads // n_kv_heads)
   common = ("q", "k_cache", "v_cache", "block_tables", "context_lens")
   if not partition_size:
-    return [Launch("paged_attention.metal", f"paged_attention_decode_{x}_{c}_{head_dim}", common + ("out",),
+    return [Launch("paged_attention.metal", f"paged_attention_decode_{x}_{c}_{head_dim}_g{gmax}", common + ("out",),
                    _paged_params(num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, 0, 1, scale),
-                   (1, n_kv_heads, num_seqs), (128, 1, 1))]
+                   (1, n_kv_heads, num_seqs), (256, 1, 1))]
   nparts = math.ceil(max_keys / partition_size)
   params = _paged_params(num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, nparts, scale)
-  return [Launch("paged_attention.metal", f"paged_attention_decode_partitioned_{x}_{c}_{head_dim}",
-                 common + ("tmp_out", "exp_sums", "max_logits"), params, (nparts, n_kv_heads, num_seqs), (128, 1, 1)),
+  return [Launch("paged_attention.metal", f"paged_attention_decode_partitioned_{x}_{c}_{head_dim}_g{gmax}",
+                 common + ("tmp_out", "exp_sums", "max_logits"), params, (nparts, n_kv_heads, num_seqs), (256, 1, 1)),
           Launch("paged_attention.metal", f"paged_attention_reduce_{x}", ("tmp_out", "exp_sums", "max_logits", "context_lens", "out"),
                  params, (n_heads, num_seqs, 1), (32, 1, 1))]
 
@@ -103,7 +108,7 @@ def prefill_launch(num_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int
   _check_head_dim(head_dim)
   g = n_heads // n_kv_heads
   if n_heads % n_kv_heads or g > 16: raise ValueError(f"GQA ratio {n_heads}/{n_kv_heads} unsupported (<= 16)")
-  tq = max(1, 16 // g)
+  tq = max(1, 32 // g)  # tokens per threadgroup: tq * g <= 32 query rows, 8 per SIMD-group (simdgroup_matrix tiles)
   return Launch("paged_prefill.metal", f"paged_attention_prefill_{_dt(q_dtype)}_{_dt(cache_dtype)}_{head_dim}",
                 ("q", "k_cache", "v_cache", "block_tables", "token_seq", "token_pos", "out"),
                 (num_tokens, n_heads, n_kv_heads, block_size, max_blocks, tq, _f32_bits(scale)),
@@ -114,8 +119,13 @@ def int4_launch(m: int, n: int, k: int, group_size: int, x_dtype: DType) -> Laun
   if group_size not in GROUP_SIZES or k % group_size: raise ValueError(f"group_size {group_size} must be in {GROUP_SIZES} and divide K={k}")
   bufs = ("x", "w_packed", "scales", "biases", "y")
   if m <= GEMV_MAX_M:
-    return Launch("int4_matmul.metal", f"int4_gemv_{_dt(x_dtype)}", bufs, (m, n, k, group_size), (math.ceil(n / 8), 1, 1), (64, 1, 1))
-  return Launch("int4_matmul.metal", f"int4_gemm_{_dt(x_dtype)}", bufs, (m, n, k, group_size),
+    # a lane takes 16 codes of 4 rows per step; teams of `lanes` lanes share 4 rows: the width that leaves the fewest
+    # lane-steps idle for K/16 chunks per row wins, ties to the widest (K=576: 8 lanes, 90% busy; 2048: 32, 100%)
+    lanes = min((32, 16, 8), key=lambda t: t * math.ceil(k // 16 / t))
+    rows = 2 * (32 // lanes) * 4  # per threadgroup: 2 SIMD-groups of 32/lanes teams of 4 rows
+    return Launch("int4_matmul.metal", f"int4_gemv_{_dt(x_dtype)}", bufs, (m, n, k, group_size, lanes),
+                  (math.ceil(n / rows), 1, 1), (64, 1, 1))
+  return Launch("int4_matmul.metal", f"int4_gemm_{_dt(x_dtype)}", bufs, (m, n, k, group_size, 32),
                 (math.ceil(n / 32), math.ceil(m / 32), 1), (128, 1, 1))
 
 
