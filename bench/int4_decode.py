@@ -66,6 +66,7 @@ def main():
   ap.add_argument("--json", type=Path, default=None)
   args = ap.parse_args()
   G, rng, rows = args.group_size, np.random.default_rng(0), []
+  one_thread = np.zeros(2, np.uint64)   # the kernels' thread-pool buffer for a direct, single-threaded call
   with tempfile.TemporaryDirectory() as d:
     tmp = Path(d)
     for label, N, K in SHAPES:
@@ -79,8 +80,9 @@ def main():
         r = {"shape": label, "N": N, "K": K, "M": M, "group_size": G, "int4_bytes": q_bytes, "fp32_bytes": f_bytes}
         r["fp32_jit_s"] = time_jit(lambda x: cpu.linear_f32(x, tw), [tx], args.reps)
         r["int4_jit_s"] = time_jit(lambda x: cpu.int4_linear(x, tp, ts, tb, G), [tx], args.reps)
-        r["fp32_kernel_s"] = time_kernel(cpu._linear_f32_source("f", M, N, K, False), "f", [y, x, w], args.reps, tmp, cold=(2,))
-        r["int4_kernel_s"] = time_kernel(cpu._int4_linear_source("q", M, N, K, G), "q", [y, x, p, s.view(np.uint16), b.view(np.uint16)], args.reps, tmp, cold=(2, 3, 4))
+        r["fp32_kernel_s"] = time_kernel(cpu._linear_f32_source("f", M, N, K, False), "f", [y, x, w, one_thread], args.reps, tmp, cold=(2,))
+        r["int4_kernel_s"] = time_kernel(cpu._int4_linear_source("q", M, N, K, G), "q", [y, x, p, s.view(np.uint16), b.view(np.uint16), one_thread], args.reps, tmp,
+                                       cold=(2, 3, 4))
         if not args.no_portable:
           r["portable_jit_s"] = time_jit(lambda x: portable.int4_linear(x, tp, ts, tb, G), [tx], max(3, args.reps // 5))
         rows.append(r)

@@ -136,7 +136,7 @@ def test_bench_sizes_runs_to_the_model_before_measuring(tiny_model, tmp_path, mo
   from tinyvllm.bench import cli, device
   measured = []
   real = device.measure
-  monkeypatch.setattr(device, "measure", lambda *a: measured.append(1) or real(*a))
+  monkeypatch.setattr(device, "measure", lambda *a, **kw: measured.append(1) or real(*a, **kw))
   out = tmp_path / "bench.json"
   cli.main(["--model", str(tiny_model), "--runs", "decode,prefill", "--batch-sizes", "1", "--context-lens", "8,1024",
             "--prefill-lens", "8,512", "--steps", "2", "--warmup", "1", "--bandwidth-sizes", "1", "--bandwidth-reps", "1",

@@ -205,7 +205,8 @@ def test_portable_fallback_c_source_compiles_and_matches():
     src.write_text(cpu._int4_linear_source("k", M, N, K, G))
     subprocess.run(["clang", "-O2", "-mno-avx2", "-mno-f16c", "-ffreestanding", "-nostdlib", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
     y = np.zeros((M, N), np.float32)
-    ctypes.CDLL(str(so)).k(*[a.ctypes.data_as(ctypes.c_void_p) for a in (y, x, p, s.view(np.uint16), b.view(np.uint16))])
+    one_thread = np.zeros(2, np.uint64)   # the thread-pool buffer of a single-threaded call (kernels/threads.py)
+    ctypes.CDLL(str(so)).k(*[a.ctypes.data_as(ctypes.c_void_p) for a in (y, x, p, s.view(np.uint16), b.view(np.uint16), one_thread)])
   check_matmul(y, x, p, s, b, G)
 
 

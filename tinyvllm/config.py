@@ -207,6 +207,8 @@ class EngineConfig:
                            choices=("auto", "always"))
   batch_invariant: bool = _flag(False, "every sequence's logits bitwise identical alone and in any batch (CPU device: "
                                       "cpu and portable backends); costs 13-24% on batched decode and prefill of 4-bit models")
+  num_threads: int | None = _flag(None, "CPU threads for the C kernels on tinygrad's CPU device (default: every core "
+                                       "this process may use; results are the same for any count)", int)
   enable_prefix_caching: bool = _flag(True, "reuse the KV cache of prompt prefixes seen before (shared system prompts, "
                                             "chat turns); --no-enable-prefix-caching turns it off")
 
@@ -233,6 +235,9 @@ class EngineConfig:
     if not isinstance(self.batch_invariant, bool): raise ConfigError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
     if not isinstance(self.enable_prefix_caching, bool):
       raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+    if self.num_threads is not None and (not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool)
+                                         or not 1 <= self.num_threads <= 1024):
+      raise ConfigError(f"num_threads must be a positive integer, got {self.num_threads!r}")
     if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
       raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
 

@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   n_tasks = 1 + n_configs * (1 + n_decode + n_prefill + ("serving" in runs)) + len(peer_keys) * (1 + n_decode + n_prefill)
   bar = tqdm(total=n_tasks, desc="tinyvllm.bench", file=sys.stderr, unit="run")
   bar.set_postfix_str("device ceilings")
-  ceilings = device.measure(args.bandwidth_sizes, args.bandwidth_reps, args.matmul_size)
+  ceilings = device.measure(args.bandwidth_sizes, args.bandwidth_reps, args.matmul_size, threads=args.num_threads)
   bar.update()
   model_path = resolve_model(args.model)
   records = run_tinyvllm(args, runs, model_path, ceilings, rng, bar)
@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "model": _model_name(model_path), "kind": k, "batch_size": b, "context_len": ctx} | r
                   for name, results in peer_results.items() for (k, b, ctx), r in results.items()]
   if ceilings.device.split(":")[0] == "CPU":
-    notes.append("tinygrad's CPU device runs each kernel on one thread: the measured bandwidth is one core's; "
-                 "the numpy copy uses every core")
+    notes.append(f"tinygrad's CPU device runs each kernel on one thread; the engine's C kernels and the measured bandwidth "
+                 f"ceiling use {ceilings.threads} (--num-threads)")
   if args.draft_model:
     notes.append("speculative runs: bytes count the target model's steps only (the draft's reads are not counted)")
   print()

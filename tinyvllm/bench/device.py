@@ -50,6 +50,8 @@ class Ceilings:
   bandwidth_gbps: float = 0.0                  # tinygrad read+write kernel, best size and run
   bandwidth_by_size: dict[int, float] = field(default_factory=dict)
   numpy_copy_gbps: float | None = None         # numpy copy on every core (read + write), reference only
+  threaded_bandwidth_gbps: float | None = None # CPU device: the same kernel in our C, split over the engine's threads
+  threads: int = 1
   numpy_threads: int = 0
   matmul_gflops: float = 0.0                   # compute ceiling: the best of the two below
   tinygrad_matmul_gflops: float = 0.0
@@ -107,6 +109,30 @@ def tinygrad_bandwidth(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5) -> dict[int
   return out
 
 
+def threaded_bandwidth(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5, threads: int | None = None) -> tuple[float, int]:
+  """CPU device: GB/s of `y = x + 1` as a C kernel split over the engine's thread pool (kernels/threads.py), the best
+  size: tinygrad runs its own kernel on one core, while the engine's kernels use them all."""
+  from tinygrad import Device, Tensor, TinyJit, dtypes
+  from tinyvllm.kernels import cpu
+  from tinyvllm.kernels.threads import ThreadPool, default_threads
+  pool = ThreadPool(threads or default_threads())
+  best = 0.0
+  for mib in sizes_mib:
+    n = (mib << 20) // 4
+    name = f"add_one_{n}"
+    src = cpu.row_parallel_kernel(name, ["float *restrict y", "const float *restrict x"], n,
+                                  "for (long i = nb; i < ne; i++) y[i] = x[i] + 1.0f;", cpu.C_PARALLEL_DECLS, cpu.C_PARALLEL)
+    x = Tensor.ones(n).contiguous().realize()
+    jit = TinyJit(lambda x: Tensor.custom_kernel(Tensor.invalids(n, dtype=dtypes.float32), x, pool.buffer,
+                                                 fxn=lambda *p: cpu._program(name, src, *p))[0].realize())
+    for _ in range(2): jit(x)
+    best = max(best, 2 * n * 4 / _best_time(lambda: jit(x), Device["CPU"].synchronize, reps) / 1e9)
+    del x, jit
+  threads = pool.threads
+  pool.close()
+  return best, threads
+
+
 def numpy_copy_bandwidth(mib: int = 1024, reps: int = 5, threads: int | None = None) -> tuple[float, int]:
   """GB/s (read + written) of numpy copies of `mib` MiB split across `threads` threads (numpy releases the GIL)."""
   threads = threads or os.cpu_count() or 1
@@ -121,7 +147,7 @@ def numpy_copy_bandwidth(mib: int = 1024, reps: int = 5, threads: int | None = N
   return 2 * n * 4 / t / 1e9, threads
 
 
-def matmul_rates(n: int = 1024, reps: int = 5) -> tuple[float, float]:
+def matmul_rates(n: int = 1024, reps: int = 5, threads: int | None = None) -> tuple[float, float]:
   """GFLOP/s of an n x n x n float32 matmul in tinygrad, and of the engine's linear kernel (y = x @ W^T)
   with the same sizes (on the CPU device that is our C kernel, elsewhere tinygrad's matmul)."""
   from tinygrad import Device, Tensor, TinyJit
@@ -130,7 +156,7 @@ def matmul_rates(n: int = 1024, reps: int = 5) -> tuple[float, float]:
   sync = Device[dev].synchronize
   a, b = Tensor.rand(n, n, device=dev).realize(), Tensor.rand(n, n, device=dev).realize()
   rates = []
-  kernels = Kernels("portable", dev)
+  kernels = Kernels("portable", dev, num_threads=threads)
   for fn in (lambda a, b: (a @ b).realize(), lambda a, b: kernels.linear(a, {"weight": b}).realize()):
     jit = TinyJit(fn)
     for _ in range(2): jit(a, b)
@@ -138,15 +164,20 @@ def matmul_rates(n: int = 1024, reps: int = 5) -> tuple[float, float]:
   return rates[0], rates[1]
 
 
-def measure(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5, matmul_n: int = 1024, numpy_mib: int | None = None) -> Ceilings:
+def measure(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5, matmul_n: int = 1024, numpy_mib: int | None = None,
+            threads: int | None = None) -> Ceilings:
+  """The device's ceilings; `threads`: the engine's CPU threads (default every core)."""
   from tinygrad import Device
   brand, ncpu = apple_chip()
   gbps, source, unsure = published_bandwidth(brand, ncpu)
   c = Ceilings(device=Device.DEFAULT, chip=brand, published_gbps=gbps, published_source=source, published_unsure=unsure)
   c.bandwidth_by_size = tinygrad_bandwidth(sizes_mib, reps)
   c.bandwidth_gbps = max(c.bandwidth_by_size.values())
+  if c.device.split(":")[0] == "CPU":   # the engine's kernels use every core: so must its ceiling
+    c.threaded_bandwidth_gbps, c.threads = threaded_bandwidth(sizes_mib, reps, threads)
+    c.bandwidth_gbps = max(c.bandwidth_gbps, c.threaded_bandwidth_gbps)
   c.numpy_copy_gbps, c.numpy_threads = numpy_copy_bandwidth(numpy_mib or max(sizes_mib), reps)
-  c.tinygrad_matmul_gflops, c.engine_linear_gflops = matmul_rates(matmul_n, reps)
+  c.tinygrad_matmul_gflops, c.engine_linear_gflops = matmul_rates(matmul_n, reps, threads)
   c.matmul_gflops = max(c.tinygrad_matmul_gflops, c.engine_linear_gflops)
   return c
 

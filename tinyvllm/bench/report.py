@@ -55,7 +55,8 @@ def print_ceilings(c: Ceilings, file=None) -> None:
   file = file or sys.stdout   # looked up per call: sys.stdout may be replaced after import
   sizes = ", ".join(f"{m} MiB {g:.1f}" for m, g in c.bandwidth_by_size.items())
   print(f"device {c.device}" + (f", chip {c.chip}" if c.chip else ""), file=file)
-  print(f"  measured bandwidth (tinygrad, read+write): {c.bandwidth_gbps:.1f} GB/s  [{sizes}]", file=file)
+  print(f"  measured bandwidth (read+write): {c.bandwidth_gbps:.1f} GB/s  [tinygrad, one thread: {sizes}]" +
+        (f"  [our C kernel on {c.threads} threads: {c.threaded_bandwidth_gbps:.1f}]" if c.threaded_bandwidth_gbps else ""), file=file)
   if c.numpy_copy_gbps: print(f"  numpy copy on {c.numpy_threads} threads (reference): {c.numpy_copy_gbps:.1f} GB/s", file=file)
   if c.published_gbps:
     print(f"  published bandwidth: {c.published_gbps:g} GB/s{' (unsure)' if c.published_unsure else ''} - {c.published_source}", file=file)

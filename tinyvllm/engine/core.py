@@ -52,7 +52,7 @@ class EngineCore:
     self.max_model_len = max_model_len
     prepare_device(self.device)
     self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
-    self.kernels = Kernels(self.kernel_backend, self.device, config.batch_invariant)
+    self.kernels = Kernels(self.kernel_backend, self.device, config.batch_invariant, config.num_threads)
     model = self._build_model(ckpt.config, ckpt.tensors, dtype)
     self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.device, config.max_num_seqs)
     self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark, config.enable_prefix_caching)

@@ -9,6 +9,7 @@ import platform, re, sys
 from dataclasses import dataclass
 from tinygrad import Device, Tensor, dtypes
 from tinyvllm.kernels import cpu, portable
+from tinyvllm.kernels.threads import ThreadPool, default_threads
 
 BACKENDS = ("portable", "cpu", "metal", "emulator")
 
@@ -88,9 +89,12 @@ class Kernels:
 
   On the CPU device the float32 linears always use our C kernel (kernels/cpu.py): tinygrad's generated CPU
   matmuls are several times slower on decode shapes. RoPE + cache write and attention follow `backend`."""
-  def __init__(self, backend: str = "portable", device: str = "CPU", batch_invariant: bool = False):
+  def __init__(self, backend: str = "portable", device: str = "CPU", batch_invariant: bool = False, num_threads: int | None = None):
     self.backend, self.device, self.batch_invariant = backend, device, batch_invariant
     self.cpu = device.split(":")[0] == "CPU"
+    # the C kernels split their work over these threads (tinygrad's CPU device runs a kernel on one)
+    self.threads = ThreadPool(num_threads or default_threads(), device) if self.cpu else None
+    self.pool = self.threads.buffer if self.threads else None
     self.shaders = None   # the Metal kernels' host backend (real Metal or the emulator), when chosen
     if backend in ("metal", "emulator"):
       from tinyvllm.kernels import metal
@@ -127,7 +131,7 @@ class Kernels:
     if self.backend != "cpu": return None
     from tinyvllm.kernels import cpu_layer
     return cpu_layer.decoder_layer(h, weights, cfg, positions, slot_mapping, group.block_tables, group.token_seq,
-                                   group.q_pos.reshape(group.num_tokens), cos_sin, k_cache, v_cache, out, self.batch_invariant)
+                                   group.q_pos.reshape(group.num_tokens), cos_sin, k_cache, v_cache, out, self.batch_invariant, self.pool)
 
   def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """On the CPU device (float32) our C kernel, one row at a time: tinygrad's generated reduction orders the sum
@@ -140,17 +144,18 @@ class Kernels:
     "scales"/"biases" `[out, in/G]`), optional "bias"."""
     weight, bias = w["weight"], w.get("bias")
     if "scales" in w and "biases" not in w:                # 8-bit: only loaded where eight_bit says so
-      y = cpu.q8_linear(x, weight, w["scales"])
+      y = cpu.q8_linear(x, weight, w["scales"], self.pool)
       return y if bias is None else y + bias
     if "scales" in w:
       group = x.shape[-1] // w["scales"].shape[-1]
       if self.shaders is not None:
         from tinyvllm.kernels import metal
         y = metal.int4_matmul(x, weight, w["scales"], w["biases"], group, backend=self.shaders)
-      elif self.cpu and x.dtype == dtypes.float32: y = cpu.int4_linear(x, weight, w["scales"], w["biases"], group, self.batch_invariant)
+      elif self.cpu and x.dtype == dtypes.float32:
+        y = cpu.int4_linear(x, weight, w["scales"], w["biases"], group, self.batch_invariant, self.pool)
       else: y = portable.int4_linear(x, weight, w["scales"], w["biases"], group)
       return y if bias is None else y + bias
-    if self.cpu and x.dtype == weight.dtype == dtypes.float32: return cpu.linear_f32(x, weight, bias)
+    if self.cpu and x.dtype == weight.dtype == dtypes.float32: return cpu.linear_f32(x, weight, bias, self.pool)
     return portable.linear(x, weight, bias)
 
   def rope_and_cache_write(self, qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor,

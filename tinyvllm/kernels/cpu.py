@@ -7,8 +7,10 @@ runtime scalars, which TinyJit would need as bound Variables). The source is fre
 """
 from __future__ import annotations
 import functools
-from tinygrad import Tensor, Device, UOp, dtypes
+import numpy as np
+from tinygrad import Context, Tensor, Device, UOp, dtypes
 from tinygrad.uop.ops import Ops, KernelInfo
+from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
 
 # clang vector extensions compile to AVX2/AVX-512 on x86 and NEON on arm64 alike
 _VEC = r"""
@@ -20,13 +22,13 @@ static inline float hsum(vf v) { float s = 0; for (int i = 0; i < VW; i++) s += 
 """
 
 
-# float32 y[M,N] = x[M,K] @ w[N,K]^T. Tiles of 4 weight rows stay in L1 while every pair of x rows passes over
-# them, so each weight byte comes from memory once per call: decode is bound by the weight stream. Shared by
-# linear_f32 and the fused decoder layer (cpu_layer.py); needs _VEC.
+# float32 y[M, nb:ne] = x[M,K] @ w[nb:ne,K]^T (rows nb..ne-1 of the output; nb a multiple of 4). Tiles of 4 weight
+# rows stay in L1 while every pair of x rows passes over them, so each weight byte comes from memory once per call:
+# decode is bound by the weight stream. Shared by linear_f32 and the fused decoder layer (cpu_layer.py); needs _VEC.
 _MM_F32 = r"""
-static void mm_f32(float *restrict y, const float *restrict x, const float *restrict w, int M, int N, int K) {
-  for (int n0 = 0; n0 < N; n0 += 4) {
-    int nr = N - n0 < 4 ? N - n0 : 4;
+static void mm_f32(float *restrict y, const float *restrict x, const float *restrict w, int M, int N, int K, int nb, int ne) {
+  for (int n0 = nb; n0 < ne; n0 += 4) {
+    int nr = ne - n0 < 4 ? ne - n0 : 4;
     for (int m0 = 0; m0 < M; m0 += 2) {
       int mr = M - m0 < 2 ? M - m0 : 2;
       vf acc[2][4] = {{0}};
@@ -52,17 +54,40 @@ static void mm_f32(float *restrict y, const float *restrict x, const float *rest
 """
 
 
+def row_parallel_kernel(name: str, params: list[str], N: int, body: str, head: str = "", tail: str = "") -> str:
+  """The source of kernel `name(params..., pool)` that computes output rows [nb, ne) in `body`, the rows split over the
+  thread pool (kernels/threads.py) in runs of 4 (so each 4-row tile is computed whole, by one thread, the same way
+  for any thread count). `head` goes before the kernel (types, declarations: no function bodies, since tinygrad
+  calls the start of the code), `tail` after it (helper definitions)."""
+  local = lambda p: p.split()[-1].lstrip("*")
+  fields = " ".join(p.replace("restrict ", "") + ";" for p in params)
+  return f"""{head}
+void {name}({", ".join(params)}, const unsigned long long *restrict pool);
+struct {name}_ctx {{ {fields} }};
+static void {name}_rows(void *ctx, int part, int nparts);
+void {name}({", ".join(params)}, const unsigned long long *restrict pool) {{
+  struct {name}_ctx c = {{{", ".join(local(p) for p in params)}}};
+  tv_parallel(pool, {name}_rows, &c);
+}}
+static void {name}_rows(void *ctx, int part, int nparts) {{
+  struct {name}_ctx *c = ctx;
+  {" ".join(f"{p} = c->{local(p)};" for p in params)}
+  int nb, ne;
+  tv_share({-(-N // 4)}, part, nparts, &nb, &ne);
+  nb *= 4; ne = ne * 4 < {N} ? ne * 4 : {N};
+  {body}
+}}
+{tail}
+"""
+
+
 def _linear_f32_source(name: str, M: int, N: int, K: int, bias: bool) -> str:
   """y[M,N] = x[M,K] @ w[N,K]^T (+ b[N]) through mm_f32, with the sizes as constants."""
-  args = "float *restrict y, const float *restrict x, const float *restrict w" + (", const float *restrict b" if bias else "")
-  add_bias = f"for (int m = 0; m < {M}; m++) for (int n = 0; n < {N}; n++) y[(long)m * {N} + n] += b[n];" if bias else ""
-  return f"""{_VEC}{_MM_F32}
-void {name}({args});
-void {name}({args}) {{
-  mm_f32(y, x, w, {M}, {N}, {K});
-  {add_bias}
-}}
-"""
+  params = ["float *restrict y", "const float *restrict x", "const float *restrict w"] + (["const float *restrict b"] if bias else [])
+  add_bias = f"for (int m = 0; m < {M}; m++) for (int n = nb; n < ne; n++) y[(long)m * {N} + n] += b[n];" if bias else ""
+  head = C_PARALLEL_DECLS + "static void mm_f32(float *restrict y, const float *restrict x, const float *restrict w, int M, int N, int K, int nb, int ne);"
+  return row_parallel_kernel(name, params, N, f"mm_f32(y, x, w, {M}, {N}, {K}, nb, ne);\n  {add_bias}", head=head,
+                             tail=_VEC + _MM_F32 + C_PARALLEL)
 
 
 @functools.cache
@@ -77,13 +102,24 @@ def _program(name: str, src: str, *params: UOp) -> UOp:
                                UOp(Ops.BINARY, arg=_compiled(src))))
 
 
-def linear_f32(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-  """x `[M, K]` float32 @ weight `[N, K]`^T (+ bias `[N]`) on the CPU device."""
+def serial(device: str) -> Tensor:
+  """The pool buffer of a kernel run on one thread (kernels/threads.py), one per device, realized outside any capture."""
+  if device not in _serial_buffers:
+    with Context(CAPTURING=0): _serial_buffers[device] = Tensor(np.zeros(2, np.uint64), dtype=dtypes.uint64, device=device).realize()
+  return _serial_buffers[device]
+
+
+_serial_buffers: dict[str, Tensor] = {}
+
+
+def linear_f32(x: Tensor, weight: Tensor, bias: Tensor | None = None, pool: Tensor | None = None) -> Tensor:
+  """x `[M, K]` float32 @ weight `[N, K]`^T (+ bias `[N]`) on the CPU device; `pool`: a ThreadPool's buffer
+  (kernels/threads.py), or None for one thread."""
   (M, K), N = x.shape, weight.shape[0]
   name = f"linear_f32_{M}_{N}_{K}{'_b' if bias is not None else ''}"
   src = _linear_f32_source(name, M, N, K, bias is not None)
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
-  args = [out, x.contiguous(), weight] + ([bias] if bias is not None else [])
+  args = [out, x.contiguous(), weight] + ([bias] if bias is not None else []) + [serial(x.device) if pool is None else pool]
   return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
 
 
@@ -140,8 +176,8 @@ void {name}(float *restrict y, const float *restrict x, const float *restrict w)
 
 # **** int4 linear ****
 
-_INT4_ARGS = ("float *restrict y, const float *restrict x, const unsigned *restrict w, const unsigned short *restrict s, "
-              "const unsigned short *restrict b")
+_INT4_PARAMS = ["float *restrict y", "const float *restrict x", "const unsigned *restrict w", "const unsigned short *restrict s",
+                "const unsigned short *restrict b"]
 
 # fp16 -> float: F16C when present, else bit arithmetic (normal, subnormal, zero, inf/nan)
 _HALF = r"""
@@ -186,7 +222,7 @@ def _int4_gemv_body(N: int, K: int, G: int) -> str:
     for (int k = 8; k < {G}; k += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(x + g * {G} + k));
     xg[g] = hsum8(t);
   }}
-  for (int n0 = 0; n0 < {N}; n0 += 4) {{
+  for (int n0 = nb; n0 < ne; n0 += 4) {{
     const unsigned *wr[4];
     float sf[4][{NG}], bsum[4];
     for (int r = 0; r < 4; r++) {{   /* scales to float once per row; bias term as a dot product with xg */
@@ -238,7 +274,7 @@ def _int4_gemm_invariant_body(M: int, N: int, K: int, G: int) -> str:
       for (int k = 8; k < {G}; k += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(xr + k));
       xgs[m - c0][g] = hsum8(t);
     }}
-    for (int n0 = 0; n0 < {N}; n0 += 4) {{
+    for (int n0 = nb; n0 < ne; n0 += 4) {{
       for (int r = 0; r < 4; r++) {{
         long n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: a copy, never stored */
         const unsigned *wr = w + n * {WPR};
@@ -299,7 +335,7 @@ def _int4_gemm_body(M: int, N: int, K: int, G: int) -> str:
   float wf[4][{K}] __attribute__((aligned(32)));
   for (int c0 = 0; c0 < {M}; c0 += 64) {{
     int mend = c0 + 64 < {M} ? c0 + 64 : {M};
-    for (int n0 = 0; n0 < {N}; n0 += 4) {{
+    for (int n0 = nb; n0 < ne; n0 += 4) {{
       for (int r = 0; r < 4; r++) {{
         long n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: a copy, never stored */
         const unsigned *wr = w + n * {WPR};
@@ -331,7 +367,7 @@ def _int4_gemm_body(M: int, N: int, K: int, G: int) -> str:
 def _int4_fallback_body(M: int, N: int, K: int, G: int) -> str:
   NG, WPR = K // G, K // 8
   return f"""
-  for (int m = 0; m < {M}; m++) for (int n = 0; n < {N}; n++) {{
+  for (int m = 0; m < {M}; m++) for (int n = nb; n < ne; n++) {{
     float t = 0;
     for (int g = 0; g < {NG}; g++) {{
       float sq = 0, sx = 0;
@@ -359,32 +395,25 @@ def _int4_linear_source(name: str, M: int, N: int, K: int, G: int, invariant: bo
   biases [N,K/G] (docs/kernels.md, "INT4 weight layout"). Exact float arithmetic on the stored values (x is
   never rounded). The AVX2 path needs AVX2+FMA+F16C; other CPUs (arm64 included) compile the plain C loop.
   Unpacking keeps k in order, so x is read as it is. M > 1 needs 16*K bytes of stack for a dequantized tile."""
-  body = int4_body(M, N, K, G, invariant)
-  return f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  body = f"""#ifdef TV_AVX2
+{int4_body(M, N, K, G, invariant)}
+#else
+{_int4_fallback_body(M, N, K, G)}
+#endif"""
+  head = f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TV_AVX2 1
 #endif
-void {name}({_INT4_ARGS});
 static inline float h2f(unsigned short h);
 #ifdef TV_AVX2
 static inline float hsum8(__m256 v);
 #endif
-
-void {name}({_INT4_ARGS}) {{
-#ifdef TV_AVX2
-{body}
-#else
-{_int4_fallback_body(M, N, K, G)}
-#endif
-}}
-{_HALF}
-#ifdef TV_AVX2
-{_HSUM8}
-#endif
-"""
+{C_PARALLEL_DECLS}"""
+  return row_parallel_kernel(name, _INT4_PARAMS, N, body, head, tail=f"{_HALF}\n#ifdef TV_AVX2\n{_HSUM8}\n#endif\n{C_PARALLEL}")
 
 
-def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, invariant: bool = False) -> Tensor:
+def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, invariant: bool = False,
+                pool: Tensor | None = None) -> Tensor:
   """x `[M, K]` float32 @ W^T on the CPU device, W `[N, K]` stored as packed uint32 `[N, K/8]` with float16
   scales and biases `[N, K/group_size]` (w = scale * q + bias). Returns float32 `[M, N]`. `invariant`: each row
   computed exactly as alone (batch invariance), at some cost in speed when M > 1.
@@ -399,30 +428,20 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
   packed = packed if packed.dtype == dtypes.uint32 else packed.bitcast(dtypes.uint32)
   args = [out, x.cast(dtypes.float32).contiguous(), packed.contiguous(), scales.cast(dtypes.float16).contiguous(),
-          biases.cast(dtypes.float16).contiguous()]
+          biases.cast(dtypes.float16).contiguous(), serial(x.device) if pool is None else pool]
   return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
 
 
 # **** 8-bit linear (GGUF Q8_0 blocks: int8 codes, one float16 scale per 32) ****
 
-_Q8_ARGS = "float *restrict y, const float *restrict x, const signed char *restrict w, const unsigned short *restrict s"
+_Q8_PARAMS = ["float *restrict y", "const float *restrict x", "const signed char *restrict w", "const unsigned short *restrict s"]
 
 
 def _q8_linear_source(name: str, M: int, N: int, K: int) -> str:
   """y[M,N] = x[M,K] @ W^T, W = s * q per block of 32 along K. Each weight row is converted to float once per
   call, block by block, and used for all M rows of x: memory-bound for the few rows an LM head sees."""
   NB = K // 32
-  return f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define TV_AVX2 1
-#endif
-void {name}({_Q8_ARGS});
-static inline float h2f(unsigned short h);
-#ifdef TV_AVX2
-static inline float hsum8(__m256 v);
-#endif
-void {name}({_Q8_ARGS}) {{
-  for (int n = 0; n < {N}; n++) {{
+  body = f"""  for (int n = nb; n < ne; n++) {{
     const signed char *wr = w + (long)n * {K};
     const unsigned short *sr = s + (long)n * {NB};
     float acc[{M}];
@@ -451,20 +470,24 @@ void {name}({_Q8_ARGS}) {{
     }}
 #endif
     for (int m = 0; m < {M}; m++) y[(long)m * {N} + n] = acc[m];
-  }}
-}}
-{_HALF}
-#ifdef TV_AVX2
-{_HSUM8}
+  }}"""
+  head = f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TV_AVX2 1
 #endif
-"""
+static inline float h2f(unsigned short h);
+#ifdef TV_AVX2
+static inline float hsum8(__m256 v);
+#endif
+{C_PARALLEL_DECLS}"""
+  return row_parallel_kernel(name, _Q8_PARAMS, N, body, head, tail=f"{_HALF}\n#ifdef TV_AVX2\n{_HSUM8}\n#endif\n{C_PARALLEL}")
 
 
-def q8_linear(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+def q8_linear(x: Tensor, codes: Tensor, scales: Tensor, pool: Tensor | None = None) -> Tensor:
   """x `[M, K]` float32 @ W^T, W `[N, K]` as int8 codes with float16 scales `[N, K/32]` (w = scale * code)."""
   (M, K), N = x.shape, codes.shape[0]
   if K % 32 or tuple(scales.shape) != (N, K // 32): raise ValueError(f"8-bit weight {codes.shape} / scales {scales.shape} do not match x {x.shape}")
   name = f"q8_linear_{M}_{N}_{K}"
   src = _q8_linear_source(name, M, N, K)
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
-  return Tensor.custom_kernel(out, x.cast(dtypes.float32).contiguous(), codes, scales, fxn=lambda *p: _program(name, src, *p))[0]
+  return Tensor.custom_kernel(out, x.cast(dtypes.float32).contiguous(), codes, scales, serial(x.device) if pool is None else pool, fxn=lambda *p: _program(name, src, *p))[0]

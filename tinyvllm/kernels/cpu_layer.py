@@ -14,7 +14,8 @@ with 32-bit relative offsets, which break (a crash far from the cause) once the 
 from __future__ import annotations
 from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
-from tinyvllm.kernels.cpu import SQRT, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _program, int4_body, rms_norm_source
+from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
+from tinyvllm.kernels.cpu import SQRT, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _program, int4_body, rms_norm_source, serial
 
 TILE = 32   # keys scored at once in attention: one max and one rescale per tile instead of per key
 
@@ -47,12 +48,12 @@ class LinearSpec:
 
 
 def _linear_fn(name: str, spec: LinearSpec, M: int, invariant: bool) -> str:
-  """`static void name(y, x, weights...)`: y[M, N] = x[M, K] @ W^T (+ bias)."""
+  """`static void name(y, x, weights..., nb, ne)`: y[M, nb:ne] = x[M, K] @ W[nb:ne]^T (+ bias), nb a multiple of 4."""
   N, K = spec.n, spec.k
-  bias = f"for (int m = 0; m < {M}; m++) for (int n = 0; n < {N}; n++) y[(long)m * {N} + n] += {name}_bias[n];" if spec.bias else ""
+  bias = f"for (int m = 0; m < {M}; m++) for (int n = nb; n < ne; n++) y[(long)m * {N} + n] += {name}_bias[n];" if spec.bias else ""
   if spec.group:
     body = int4_body(M, N, K, spec.group, invariant)
-    return f"""static void {name}(float *restrict y, const float *restrict x, {", ".join(spec.args(name))}) {{
+    return f"""static void {name}(float *restrict y, const float *restrict x, {", ".join(spec.args(name))}, int nb, int ne) {{
   const unsigned *restrict w = {name}_w; const unsigned short *restrict s = {name}_s, *restrict b = {name}_b;
 #ifdef TV_AVX2
 {body}
@@ -62,8 +63,8 @@ def _linear_fn(name: str, spec: LinearSpec, M: int, invariant: bool) -> str:
   {bias}
 }}
 """
-  return f"""static void {name}(float *restrict y, const float *restrict x, {", ".join(spec.args(name))}) {{
-  mm_f32(y, x, {name}_w, {M}, {N}, {K});
+  return f"""static void {name}(float *restrict y, const float *restrict x, {", ".join(spec.args(name))}, int nb, int ne) {{
+  mm_f32(y, x, {name}_w, {M}, {N}, {K}, nb, ne);
   {bias}
 }}
 """
@@ -100,8 +101,12 @@ def _source(name: str, s: LayerShape, scale: float) -> str:
   params = ["float *restrict out", "float *restrict kc", "float *restrict vc", "float *restrict scratch", "const float *restrict h",
             "const int *restrict pos", "const int *restrict slots", "const int *restrict tables", "const int *restrict token_seq",
             "const int *restrict token_pos", "const float *restrict cs", "const float *restrict ln1", "const float *restrict ln2",
-            *s.qkv.args("qkv"), *s.o.args("o"), *s.gate_up.args("gate_up"), *s.down.args("down")]
-  call = lambda lin, spec, y, x: f"{lin}({y}, {x}, {', '.join(a.split()[-1] for a in spec.args(lin))});"
+            *s.qkv.args("qkv"), *s.o.args("o"), *s.gate_up.args("gate_up"), *s.down.args("down"),
+            "const unsigned long long *restrict pool"]
+  local = lambda p: p.split()[-1].lstrip("*")
+  # a projection over rows nb..ne-1, called from a pool part: its weights come from the layer's context struct
+  call = lambda lin, spec, y, x: f"{lin}({y}, {x}, {', '.join('c->' + local(a) for a in spec.args(lin))}, nb, ne);"
+  fields = " ".join(p.replace("restrict ", "") + ";" for p in params)
   return f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TV_AVX2 1
@@ -109,6 +114,8 @@ def _source(name: str, s: LayerShape, scale: float) -> str:
 #include <immintrin.h>
 #endif
 void {name}({", ".join(params)});
+{C_PARALLEL_DECLS}
+struct layer_ctx {{ {fields} float *xn, *qkv_out, *q, *att, *gu, *act, *prod; }};
 {_VEC}
 {_MATH}
 static inline float h2f(unsigned short h);
@@ -150,16 +157,18 @@ static void rope_write(float *restrict q, float *restrict kc, float *restrict vc
 }}
 
 /* token t attends to keys 0..token_pos[t] of block-table row token_seq[t] (-1: padding, zeros): causal in a
-   chunk and the whole cached prefix. The {G} query heads of a KV head share each K/V row read; online softmax. */
+   chunk and the whole cached prefix. The {G} query heads of a KV head share each K/V row read; online softmax.
+   Items ib..ie-1 of the (token, KV head) pairs, t = item / {KVH}: the unit the thread pool splits. */
 static void attention(float *restrict out, const float *restrict q, const float *restrict kc, const float *restrict vc,
-                      const int *restrict tables, const int *restrict token_seq, const int *restrict token_pos) {{
-  for (int t = 0; t < {T}; t++) {{
+                      const int *restrict tables, const int *restrict token_seq, const int *restrict token_pos, int ib, int ie) {{
+  for (int item = ib; item < ie; item++) {{
+    int t = item / {KVH}, g = item % {KVH};
     float *o = out + (long)t * {H * D};
     int seq = token_seq[t];
-    if (seq < 0) {{ for (int i = 0; i < {H * D}; i++) o[i] = 0; continue; }}
+    if (seq < 0) {{ for (int i = g * {G * D}; i < (g + 1) * {G * D}; i++) o[i] = 0; continue; }}
     const int *table = tables + (long)seq * {s.table_width};
     int n = token_pos[t] + 1;
-    for (int g = 0; g < {KVH}; g++) {{
+    {{
       const float *qg = q + ((long)t * {H} + g * {G}) * {D};
       float m[{G}], l[{G}], sc[{G}][{TILE}];
       vf acc[{G}][{DV}];
@@ -201,24 +210,55 @@ static void attention(float *restrict out, const float *restrict q, const float 
   }}
 }}
 
+/* the thread pool's parts (kernels/threads.py): rows of each projection in runs of 4, (token, KV head) pairs of
+   attention, elements of SiLU * up; norms, RoPE and residual adds are short and stay on the calling thread */
+#define SHARE_ROWS(n) int nb, ne; tv_share(((n) + 3) / 4, part, nparts, &nb, &ne); nb *= 4; ne = ne * 4 < (n) ? ne * 4 : (n);
+static void part_qkv(void *ctx, int part, int nparts) {{
+  struct layer_ctx *c = ctx; SHARE_ROWS({QKV}) {call("qkv", s.qkv, "c->qkv_out", "c->xn")}
+}}
+static void part_attention(void *ctx, int part, int nparts) {{
+  struct layer_ctx *c = ctx;
+  int ib, ie;
+  tv_share({T * KVH}, part, nparts, &ib, &ie);
+  attention(c->att, c->q, c->kc, c->vc, c->tables, c->token_seq, c->token_pos, ib, ie);
+}}
+static void part_o(void *ctx, int part, int nparts) {{
+  struct layer_ctx *c = ctx; SHARE_ROWS({E}) {call("o", s.o, "c->prod", "c->att")}
+}}
+static void part_gate_up(void *ctx, int part, int nparts) {{
+  struct layer_ctx *c = ctx; SHARE_ROWS({s.gate_up.n}) {call("gate_up", s.gate_up, "c->gu", "c->xn")}
+}}
+static void part_act(void *ctx, int part, int nparts) {{
+  struct layer_ctx *c = ctx;
+  int b, e;
+  tv_share({T * I}, part, nparts, &b, &e);
+  for (int j = b; j < e; j++) {{
+    int t = j / {I}, i = j % {I};
+    float g = c->gu[(long)t * {2 * I} + i], u = c->gu[(long)t * {2 * I} + {I} + i];
+    c->act[j] = g / (1.0f + exp_f32(-g)) * u;    /* SiLU(gate) * up */
+  }}
+}}
+static void part_down(void *ctx, int part, int nparts) {{
+  struct layer_ctx *c = ctx; SHARE_ROWS({E}) {call("down", s.down, "c->prod", "c->act")}
+}}
+
 void {name}({", ".join(params)}) {{
   float *xn = scratch, *qkv_out = xn + {T * E}, *q = qkv_out + {T * QKV}, *att = q + {T * H * D};
   float *gu = att + {T * H * D}, *act = gu + {T * s.gate_up.n}, *prod = act + {T * I};
+  struct layer_ctx c = {{{", ".join(local(p) for p in params)}, xn, qkv_out, q, att, gu, act, prod}};
   rms_norm(xn, h, ln1);
-  {call("qkv", s.qkv, "qkv_out", "xn")}
+  tv_parallel(pool, part_qkv, &c);
   rope_write(q, kc, vc, qkv_out, pos, cs, slots);
-  attention(att, q, kc, vc, tables, token_seq, token_pos);
-  {call("o", s.o, "prod", "att")}
+  tv_parallel(pool, part_attention, &c);
+  tv_parallel(pool, part_o, &c);
   for (long i = 0; i < {T * E}; i++) out[i] = h[i] + prod[i];
   rms_norm(xn, out, ln2);
-  {call("gate_up", s.gate_up, "gu", "xn")}
-  for (int t = 0; t < {T}; t++) for (int i = 0; i < {I}; i++) {{
-    float g = gu[(long)t * {2 * I} + i], u = gu[(long)t * {2 * I} + {I} + i];
-    act[(long)t * {I} + i] = g / (1.0f + exp_f32(-g)) * u;    /* SiLU(gate) * up */
-  }}
-  {call("down", s.down, "prod", "act")}
+  tv_parallel(pool, part_gate_up, &c);
+  tv_parallel(pool, part_act, &c);
+  tv_parallel(pool, part_down, &c);
   for (long i = 0; i < {T * E}; i++) out[i] += prod[i];
 }}
+{C_PARALLEL}
 {_HALF}
 #ifdef TV_AVX2
 {_HSUM8}
@@ -245,9 +285,10 @@ def supported(weights: dict, head_dim: int, hidden: int) -> bool:
 
 def decoder_layer(h: Tensor, w: dict[str, Tensor], cfg, positions: Tensor, slots: Tensor, tables: Tensor, token_seq: Tensor,
                   token_pos: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None,
-                  invariant: bool = False) -> Tensor:
+                  invariant: bool = False, pool: Tensor | None = None) -> Tensor:
   """One decoder layer: h `[T, hidden]` float32 -> `[T, hidden]`, written into `out` when given (a realized buffer,
-  so the caller can alternate two); k/v written into the caches in place. `w` holds the layer's weights under HF
+  so the caller can alternate two); k/v written into the caches in place; `pool`: a ThreadPool's buffer
+  (kernels/threads.py) to split the work over, or None for one thread. `w` holds the layer's weights under HF
   names relative to the layer, q/k/v and gate/up fused (see model/llama.py)."""
   T, E = h.shape
   D, I = cfg.head_dim, cfg.intermediate_size
@@ -262,5 +303,5 @@ def decoder_layer(h: Tensor, w: dict[str, Tensor], cfg, positions: Tensor, slots
   args = [out, k_cache, v_cache, scratch, h.contiguous(), positions, slots, tables.contiguous(), token_seq, token_pos.contiguous(),
           cos_sin, w["input_layernorm.weight"], w["post_attention_layernorm.weight"],
           *_linear_tensors(w, "self_attn.qkv_proj"), *_linear_tensors(w, "self_attn.o_proj"),
-          *_linear_tensors(w, "mlp.gate_up_proj"), *_linear_tensors(w, "mlp.down_proj")]
+          *_linear_tensors(w, "mlp.gate_up_proj"), *_linear_tensors(w, "mlp.down_proj"), serial(h.device) if pool is None else pool]
   return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]

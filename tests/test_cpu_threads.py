@@ -1,0 +1,108 @@
+"""The C kernels split over a thread pool (kernels/threads.py): results bitwise equal to one thread, for every kernel
+and end to end, and an idle pool sleeps.
+
+Each row of a linear and each (token, KV head) of attention is computed by one thread the same way whatever its part,
+so the comparisons are exact; the kernels themselves are checked against numpy (relative error, float32 tolerance
+1e-5: float accumulation in a different order than numpy's float64 over K <= 256 terms gives ~1e-7)."""
+from __future__ import annotations
+import time
+import numpy as np
+import pytest
+from tinygrad import Tensor
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.config import ConfigError
+from tinyvllm.kernels import cpu
+from tinyvllm.kernels.threads import ThreadPool
+from tinyvllm.quant import int4
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def pools():
+  made = {n: ThreadPool(n) for n in (2, 3)}
+  yield made
+  for p in made.values(): p.close()
+
+
+def rel_err(out, ref) -> float: return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("M", [1, 5, 70])
+def test_linears_split_over_threads(pools, M):
+  rng = np.random.default_rng(M)
+  N, K, G = 75, 256, 64                      # 75 rows: parts of 4-row runs that do not divide evenly
+  x, w = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32)
+  p, s, b = int4.quantize(w, G)
+  codes, sc = rng.integers(-127, 128, (N, K)).astype(np.int8), (rng.random((N, K // 32)) * 0.1 + 0.01).astype(np.float16)
+  refs = {"f32": x.astype(np.float64) @ w.T.astype(np.float64),
+          "int4": x.astype(np.float64) @ int4.dequantize(p, s, b, G, dtype=np.float64).T,
+          "q8": x.astype(np.float64) @ (codes.astype(np.float64) * np.repeat(sc.astype(np.float64), 32, 1)).T}
+  runs = {"f32": lambda pool: cpu.linear_f32(Tensor(x), Tensor(w), pool=pool),
+          "int4": lambda pool: cpu.int4_linear(Tensor(x), Tensor(p), Tensor(s), Tensor(b), G, pool=pool),
+          "int4_invariant": lambda pool: cpu.int4_linear(Tensor(x), Tensor(p), Tensor(s), Tensor(b), G, invariant=True, pool=pool),
+          "q8": lambda pool: cpu.q8_linear(Tensor(x), Tensor(codes), Tensor(sc), pool=pool)}
+  for name, run in runs.items():
+    one = run(None).numpy()
+    assert rel_err(one, refs[name.split("_")[0]]) < TOL, name
+    for n, pool in pools.items(): assert np.array_equal(run(pool.buffer).numpy(), one), (name, n)
+
+
+GEN = dict(max_tokens=24, ignore_eos=True, logprobs=3)
+
+
+def fingerprints(llm: LLM, prompts, params) -> list:
+  outs = llm.generate(prompts, params, use_tqdm=False)
+  return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("name,quantization", [("gqa", None), ("mha", None), ("gqa", "int4"), ("tied", "int4")])
+def test_generation_equal_for_any_thread_count(tiny_model_factory, name, quantization):
+  """Greedy and seeded sampling, several prompts (chunked prefill, batched decode), with 1, 2 and 3 threads."""
+  model = str(tiny_model_factory(name))
+  rng = np.random.default_rng(1)
+  prompts = [{"prompt_token_ids": rng.integers(4, 380, n).tolist()} for n in (5, 40, 90, 17)]
+  params = [SamplingParams(temperature=0, **GEN), SamplingParams(temperature=0.9, top_p=0.9, seed=5, **GEN)]
+  results = {}
+  for threads in (1, 2, 3):
+    llm = LLM(model, quantization=quantization, kernel_backend="cpu", num_threads=threads, max_num_batched_tokens=64)
+    try:
+      assert llm.llm_engine.call(lambda e: e.core.kernels.threads.threads) == threads
+      results[threads] = [fingerprints(llm, prompts, p) for p in params]
+    finally:
+      llm.shutdown()
+  assert results[2] == results[1] and results[3] == results[1]
+
+
+def test_threads_through_preemption_and_speculation(tiny_model):
+  rng = np.random.default_rng(2)
+  prompts = [{"prompt_token_ids": rng.integers(4, 380, n).tolist()} for n in (30, 60, 45, 80)]
+  params = SamplingParams(temperature=0, **GEN)
+  results = {}
+  for threads in (1, 2):
+    # a pool too small for the batch (sequences preempted and recomputed), and a draft of the model's first layer
+    for kw in (dict(num_kv_blocks=20, block_size=8), dict(draft_model="self:1", speculation="always")):
+      llm = LLM(str(tiny_model), kernel_backend="cpu", num_threads=threads, enable_prefix_caching=False, **kw)
+      try:
+        results[threads, "draft" in str(kw)] = fingerprints(llm, prompts, params)
+        if "num_kv_blocks" in kw: assert llm.llm_engine.call(lambda e: e.scheduler.num_preemptions) > 0
+      finally:
+        llm.shutdown()
+  assert results[2, False] == results[1, False] and results[2, True] == results[1, True]
+
+
+def test_idle_pool_sleeps(pools):
+  """Workers spin only briefly after a region, then sleep: an idle engine costs no CPU."""
+  pool = pools[3]
+  x, w = Tensor(np.ones((1, 64), np.float32)), Tensor(np.ones((40, 64), np.float32))
+  for _ in range(20): cpu.linear_f32(x, w, pool=pool.buffer).numpy()
+  time.sleep(0.1)                            # far past the spin window (0.2 ms)
+  cpu0, wall0 = time.process_time(), time.perf_counter()
+  time.sleep(0.5)
+  busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+  assert busy < 0.2, f"an idle pool of 3 threads kept {busy:.0%} of a core busy"
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4"])
+def test_bad_num_threads(tiny_model, bad):
+  with pytest.raises(ConfigError, match="num_threads"): LLM(str(tiny_model), num_threads=bad)

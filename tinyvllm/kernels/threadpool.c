@@ -1,0 +1,132 @@
+/* A pool of worker threads for tinyvllm's C kernels on tinygrad's CPU device (tinyvllm/kernels/threads.py).
+
+   tinygrad runs each kernel on one thread. Our kernels split their work (rows of a linear, heads of attention) into
+   `nparts` parts and hand them to tv_pool_run, which runs part 0 on the calling thread and the others on the
+   workers, and returns when all are done. A decode step runs a few hundred such regions, each tens of microseconds
+   long, so waking workers must cost about a microsecond: between regions they spin on a generation counter, and
+   only after TV_SPIN_NS without work (an idle engine, Python between steps) do they sleep on a condition variable.
+   The kernels reach tv_pool_run through an address stored in a buffer, so their compiled code does not depend on
+   this library's load address (tinygrad caches compiled kernels on disk by source). */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define TV_SPIN_NS 200000L   /* 0.2 ms: longer than the gaps inside a step, shorter than an idle poll */
+
+typedef void (*tv_task)(void *ctx, int part, int nparts);
+
+typedef struct tv_pool {
+  int n;                        /* threads, the caller included */
+  pthread_t *threads;
+  struct tv_worker *workers;
+  tv_task fn;
+  void *ctx;
+  atomic_long generation;       /* one more per region: workers run it when they see it change */
+  atomic_int remaining;         /* workers still running the current region */
+  atomic_int sleepers;
+  atomic_int stop;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+} tv_pool;
+
+typedef struct tv_worker { tv_pool *pool; int part; } tv_worker;
+
+static long now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ volatile("yield");
+#endif
+}
+
+static void *worker_main(void *arg) {
+  tv_worker *w = arg;
+  tv_pool *p = w->pool;
+  long seen = 0;
+  for (;;) {
+    long start = now_ns();
+    int spins = 0;
+    while (atomic_load(&p->generation) == seen && !atomic_load(&p->stop)) {
+      cpu_relax();
+      if (++spins % 1024 == 0 && now_ns() - start > TV_SPIN_NS) {
+        /* sleep; seq_cst on both sides: tv_pool_run bumps generation then reads sleepers, we bump sleepers then
+           read generation, so at least one of us sees the other and no wake-up is lost */
+        pthread_mutex_lock(&p->mu);
+        atomic_fetch_add(&p->sleepers, 1);
+        while (atomic_load(&p->generation) == seen && !atomic_load(&p->stop)) pthread_cond_wait(&p->cv, &p->mu);
+        atomic_fetch_sub(&p->sleepers, 1);
+        pthread_mutex_unlock(&p->mu);
+      }
+    }
+    if (atomic_load(&p->stop)) return NULL;
+    seen = atomic_load(&p->generation);
+    p->fn(p->ctx, w->part, p->n);
+    atomic_fetch_sub(&p->remaining, 1);
+  }
+}
+
+/* Run fn(ctx, part, n) for every part in 0..n-1, part 0 on the calling thread; returns when all have finished.
+   One caller at a time (the engine's model thread). */
+void tv_pool_run(tv_pool *p, tv_task fn, void *ctx) {
+  if (p->n == 1) { fn(ctx, 0, 1); return; }
+  p->fn = fn;
+  p->ctx = ctx;
+  atomic_store(&p->remaining, p->n - 1);
+  atomic_fetch_add(&p->generation, 1);
+  if (atomic_load(&p->sleepers) > 0) {
+    pthread_mutex_lock(&p->mu);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+  }
+  fn(ctx, 0, p->n);
+  while (atomic_load(&p->remaining) > 0) cpu_relax();
+}
+
+tv_pool *tv_pool_create(int n) {
+  tv_pool *p = calloc(1, sizeof(tv_pool));
+  if (!p) return NULL;
+  p->n = n < 1 ? 1 : n;
+  pthread_mutex_init(&p->mu, NULL);
+  pthread_cond_init(&p->cv, NULL);
+  p->threads = calloc(p->n, sizeof(pthread_t));
+  tv_worker *ws = p->workers = calloc(p->n, sizeof(tv_worker));
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, 8 << 20);   /* the GEMM bodies keep a dequantized tile of 4 rows on the stack */
+  for (int i = 1; i < p->n; i++) {
+    ws[i].pool = p;
+    ws[i].part = i;
+    if (pthread_create(&p->threads[i], &attr, worker_main, &ws[i]) != 0) {  /* fewer threads: the parts shrink */
+      atomic_store(&p->stop, 1);
+      for (int j = 1; j < i; j++) pthread_join(p->threads[j], NULL);
+      p->n = 1;
+      atomic_store(&p->stop, 0);
+      break;
+    }
+  }
+  pthread_attr_destroy(&attr);
+  return p;
+}
+
+int tv_pool_size(tv_pool *p) { return p->n; }
+
+void tv_pool_destroy(tv_pool *p) {
+  if (!p) return;
+  pthread_mutex_lock(&p->mu);
+  atomic_store(&p->stop, 1);
+  pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
+  for (int i = 1; i < p->n; i++) pthread_join(p->threads[i], NULL);
+  pthread_mutex_destroy(&p->mu);
+  pthread_cond_destroy(&p->cv);
+  free(p->threads);
+  free(p->workers);
+  free(p);
+}
