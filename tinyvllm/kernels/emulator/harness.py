@@ -8,6 +8,8 @@ Pipeline for one source (see docs/msl-subset.md for what it accepts):
   3. rewrite `threadgroup T x[N];` declarations into references to per-threadgroup memory, keeping line numbers;
   4. append one extern "C" descriptor per kernel and compile everything with the real shim into a shared object,
      cached on disk by a hash of all inputs; the runtime (fibers, barriers, guards) is a second shared object.
+     The code is compiled with plain pointers for device/threadgroup/constant (clang's alignment sanitizer skips
+     accesses through address-space pointers), while a -fsyntax-only pass with real address spaces checks them.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import os
 import re
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +27,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
-HARNESS_VERSION = "4"
+HARNESS_VERSION = "5"
 
 BUILTINS = {  # attribute -> field of __tv_thread (a 3-vector, or a scalar)
   "thread_position_in_grid": "gid", "threadgroup_position_in_grid": "tgid", "thread_position_in_threadgroup": "tid",
@@ -77,7 +80,8 @@ def _flags() -> list[str]:
        "-Xclang", "-fnative-half-type", "-Xclang", "-fnative-half-arguments-and-returns",
        "-Xclang", "-cl-single-precision-constant", "-Wno-unknown-attributes", "-Wno-ignored-attributes",
        "-Wno-unused-command-line-argument",
-       # a misaligned scalar or struct access traps (SIGILL) too
+       # a misaligned access of any type traps (SIGILL). clang does not instrument accesses through address-space
+       # pointers, so kernels are compiled with device/threadgroup/constant as plain pointers (see compile_source).
        "-fsanitize=alignment", "-fsanitize-trap=alignment"]
   # x86: SSE only, no AVX (so no F16C: the runtime converts half in software). Non-VEX vector instructions fault on a
   # misaligned 16-byte access, which Metal forbids: a float4 read of memory not 16-byte aligned is then an error here
@@ -94,6 +98,22 @@ def _run(cmd: list[str], what: str, input_text: str | None = None) -> str:
     raise EmulatorError(f"{what} failed: {cmd[0]} not found (install clang, or set CXX_EMULATOR)") from e
   if r.returncode != 0: raise EmulatorError(f"{what} failed:\n{r.stderr.strip()}")
   return r.stdout
+
+
+def _run_in_background(cmd: list[str], what: str, input_text: str):
+  """Start `cmd`; the returned function waits for it and raises like _run."""
+  result: list = []
+  def go():
+    try: result.append(subprocess.run(cmd, input=input_text, capture_output=True, text=True))
+    except FileNotFoundError as e: result.append(e)
+  t = threading.Thread(target=go, daemon=True)
+  t.start()
+  def wait():
+    t.join()
+    r = result[0]
+    if isinstance(r, FileNotFoundError): raise EmulatorError(f"{what} failed: {cmd[0]} not found (install clang, or set CXX_EMULATOR)") from r
+    if r.returncode != 0: raise EmulatorError(f"{what} failed:\n{r.stderr.strip()}")
+  return wait
 
 
 def _atomic_build(out: Path, build) -> Path:
@@ -376,12 +396,32 @@ def compile_source(src: str, name: str = "inline.metal", include_dirs: tuple[str
   kernels = parse_kernels(pre, name)
   if not kernels: raise EmulatorError(f"{name}: no kernels found")
   wrappers = "".join(_wrapper(i, k) for i, k in enumerate(kernels))
-  body = ("#define __TV_GENERIC_ADDRESS_SPACES 1\n" if generic_address_spaces else "") + _PROLOGUE + rewrite_threadgroup(strip_host_names(pre)) + '\n# 1 "<emulator wrappers>"\n' + wrappers
+  code = _PROLOGUE + rewrite_threadgroup(strip_host_names(pre)) + '\n# 1 "<emulator wrappers>"\n' + wrappers
+  generic = "#define __TV_GENERIC_ADDRESS_SPACES 1\n" + code
   shim = (INCLUDE / "metal_stdlib").read_text() + (HERE / "tv_abi.h").read_text()
-  key = hashlib.sha256((body + shim + " ".join(_flags()) + HARNESS_VERSION).encode()).hexdigest()[:16]
+  key = hashlib.sha256((code + str(generic_address_spaces) + shim + " ".join(_flags()) + HARNESS_VERSION).encode()).hexdigest()[:16]
   out = cache_dir() / f"{Path(name).stem}-{key}.so"
-  _atomic_build(out, lambda o: _run([_cxx(), *_flags(), "-x", "c++", "-I", str(INCLUDE), "-I", str(HERE), "-", "-o", str(o)],
-                                    f"compiling {name} for the emulator", input_text=body))
+  cc = [_cxx(), *_flags(), "-x", "c++", "-I", str(INCLUDE), "-I", str(HERE), "-"]
+
+  def build(o: Path):
+    # The object code uses plain pointers, so that the alignment sanitizer checks device and threadgroup accesses
+    # too (clang skips every access through an address-space pointer: a misaligned float2 read would pass).
+    # Alongside, a syntax-only compile with real address spaces keeps mixing them up a compile error, as in MSL.
+    if generic_address_spaces:
+      _run([*cc, "-o", str(o)], f"compiling {name} for the emulator", input_text=generic)
+      return
+    check = _run_in_background([*cc, "-fsyntax-only"], f"compiling {name} for the emulator", code)
+    try:
+      _run([*cc, "-o", str(o)], f"compiling {name} for the emulator", input_text=generic)
+    except EmulatorError:
+      check()   # an address-space error is the one to report
+      # Valid with address spaces, not without: overloads that differ only in address space. Compile as MSL has
+      # it; accesses to device and threadgroup memory are then not checked for alignment.
+      _run([*cc, "-o", str(o)], f"compiling {name} for the emulator", input_text=code)
+      return
+    check()
+
+  _atomic_build(out, build)
   lib = _loaded[mem_key] = Library(out, kernels)
   return lib
 

@@ -35,6 +35,7 @@ constexpr size_t kTgLimit = 32 << 10;         // Apple GPUs: 32 KB threadgroup m
 constexpr size_t kArenaSize = 64 << 10;
 constexpr int kMaxThreads = 1024;
 constexpr int kSlotBytes = 32;
+constexpr size_t kScratchBytes = 512;      // per SIMD-group, for collective simdgroup_matrix results
 const size_t kPage = (size_t)sysconf(_SC_PAGESIZE);
 
 enum State { RUN, WAIT_TG, WAIT_SIMD, DONE };
@@ -82,6 +83,9 @@ struct Exec {
   size_t arena_top = 0;
   std::vector<long> tg_off;
   std::vector<unsigned char> slots;  // [simdgroup][parity][lane][kSlotBytes]
+  std::vector<unsigned char> scratch;  // [simdgroup][kScratchBytes]
+  std::vector<unsigned> led;          // [simdgroup]: the last SIMD meeting (fiber gen after it) a lane has led
+  long group = 0;                     // linear index of the threadgroup running
   Launch* L = nullptr;
   Fiber* cur = nullptr;
   std::string error;                  // set by a fiber, picked up by the scheduler
@@ -266,11 +270,13 @@ bool run_threadgroup(Exec* ex, long g) {
   const tv_launch_desc* d = ex->L->d;
   unsigned gx = d->grid[0], gy = d->grid[1];
   ex->tg[0] = g % gx; ex->tg[1] = (g / gx) % gy; ex->tg[2] = g / ((long)gx * gy);
+  ex->group = g;
   int n = d->tg[0] * d->tg[1] * d->tg[2];
   int nsg = (n + 31) / 32;
   memset(ex->arena, 0xff, kTgLimit);
   ex->arena_top = 0;
   std::fill(ex->tg_off.begin(), ex->tg_off.end(), -1);
+  std::fill(ex->led.begin(), ex->led.end(), 0u);
   for (int i = 0; i < n; i++) {
     Fiber& f = ex->fibers[i];
     f.ex = ex; f.state = RUN; f.gen = 0; f.op = nullptr; f.line = 0; f.active = 0;
@@ -448,11 +454,13 @@ void* __tv_tg_alloc(int id, unsigned long size, unsigned long align) {
   Exec* ex = f->ex;
   if ((size_t)id >= ex->tg_off.size()) ex->tg_off.resize(id + 1, -1);
   if (ex->tg_off[id] < 0) {
-    // Arrays asking for less than 16-byte alignment are placed off a 16-byte boundary on purpose: Metal needs 16 bytes
-    // for float4/half8 access to threadgroup memory, and a kernel that reads a `float x[N]` through a float4 pointer
-    // without declaring it aligned then faults here (an aligned vector load) instead of working by luck.
+    // Arrays asking for less than 16-byte alignment are placed off a 16-byte boundary on purpose, so that a vector
+    // access the declaration does not guarantee traps (the kernels' alignment checks) instead of working by luck:
+    // in even threadgroups at 8 bytes past it (8-byte aligned, as a GPU would likely place it: a float2 read of a
+    // `float x[N]` at an odd index, or a float4 at x + 4i, is misaligned), in odd threadgroups at exactly the declared
+    // alignment past it (a float2 or half4 read of an array declared with 4-byte alignment is misaligned).
     size_t off = (ex->arena_top + 15) & ~(size_t)15;
-    if (align < 16) off += align;
+    if (align < 16) off += (ex->group & 1) ? align : 8;
     if (off + size > kTgLimit) {
       ex->error = fmt("threadgroup memory exceeds %zu bytes (declaration %d needs %lu more at offset %zu)", kTgLimit, id, size, off);
       f->state = DONE;
@@ -465,6 +473,17 @@ void* __tv_tg_alloc(int id, unsigned long size, unsigned long align) {
 }
 
 unsigned __tv_lane(void) { return t_exec->cur->t.lane; }
+
+// Called by a lane right after it leaves a SIMD meeting (no switch in between): *first is 1 for the first lane of
+// the SIMD-group to resume, while the others are still suspended at the meeting. Returns the SIMD-group's scratch.
+void* __tv_simd_lead(int* first) {
+  Fiber* f = t_exec->cur;
+  Exec* ex = f->ex;
+  unsigned& led = ex->led[f->t.sg];
+  *first = led != f->gen;
+  led = f->gen;
+  return &ex->scratch[(size_t)f->t.sg * kScratchBytes];
+}
 
 void __tv_fail(const char* msg, unsigned line) {
   Fiber* f = t_exec->cur;
@@ -511,6 +530,8 @@ int tv_launch(const tv_launch_desc* d, void* const* bufs, char* err, int errlen)
   auto prepare = [&](Exec* ex) {
     ex->ensure_fibers(nthreads);
     ex->slots.assign((size_t)((nthreads + 31) / 32) * 2 * 32 * kSlotBytes, 0xff);
+    ex->scratch.assign((size_t)((nthreads + 31) / 32) * kScratchBytes, 0xff);
+    ex->led.assign((nthreads + 31) / 32, 0u);
   };
   if (!t_cached) t_cached = new Exec();
   prepare(t_cached);
