@@ -8,6 +8,7 @@
    The kernels reach tv_pool_run through an address stored in a buffer, so their compiled code does not depend on
    this library's load address (tinygrad caches compiled kernels on disk by source). */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <time.h>
@@ -54,8 +55,10 @@ static void *worker_main(void *arg) {
     long start = now_ns();
     int spins = 0;
     while (atomic_load(&p->generation) == seen && !atomic_load(&p->stop)) {
-      cpu_relax();
-      if (++spins % 1024 == 0 && now_ns() - start > TV_SPIN_NS) {
+      /* a few pauses, then yield: with more runnable threads than cores (tinygrad's own threads, Python), a pure
+         spin would hold a core the thread we wait for needs */
+      if (++spins < 64) cpu_relax(); else sched_yield();
+      if (spins % 64 == 0 && now_ns() - start > TV_SPIN_NS) {
         /* sleep; seq_cst on both sides: tv_pool_run bumps generation then reads sleepers, we bump sleepers then
            read generation, so at least one of us sees the other and no wake-up is lost */
         pthread_mutex_lock(&p->mu);
@@ -86,7 +89,9 @@ void tv_pool_run(tv_pool *p, tv_task fn, void *ctx) {
     pthread_mutex_unlock(&p->mu);
   }
   fn(ctx, 0, p->n);
-  while (atomic_load(&p->remaining) > 0) cpu_relax();
+  for (int spins = 0; atomic_load(&p->remaining) > 0; spins++) {
+    if (spins < 64) cpu_relax(); else sched_yield();   /* a worker may be waiting for a core: let it have ours */
+  }
 }
 
 tv_pool *tv_pool_create(int n) {
