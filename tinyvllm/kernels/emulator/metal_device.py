@@ -15,7 +15,7 @@ the waits of tinygrad's MetalGraph, which before re-encoding a graph waits for t
 What it cannot show (Apple's compiler, real scheduling, timing) is listed in docs/msl-subset.md.
 """
 from __future__ import annotations
-import ctypes, math, mmap, os, re, sys, types
+import ctypes, hashlib, math, mmap, os, re, sys, types
 from dataclasses import dataclass, fields
 from tinygrad.device import Compiled, CompileError, Compiler, LRUAllocator, TinyELF
 from tinygrad.engine.jit import GraphRunner
@@ -47,6 +47,14 @@ class Counters:
 def uses_bfloat(src: str) -> bool: return re.search(r"\bbfloat", src) is not None
 
 
+def library_name(src: str) -> str:
+  """The file name a library compiles under: the compiler and every program loaded from it use the same one, so the
+  emulator compiles each source once (its cache keys include the name; a library of 98 kernels compiled per kernel
+  name took minutes on a cold cache)."""
+  first = re.search(r"(?:kernel|\[\[kernel\]\])\s+void\s+(\w+)", src)
+  return f"{first.group(1) if first else 'library'}-{hashlib.sha256(src.encode()).hexdigest()[:8]}.metal"
+
+
 def emulated_macos() -> str: return os.environ.get("TINYVLLM_EMULATE_MACOS", "14.0")
 
 
@@ -60,7 +68,7 @@ class MetalCompiler(Compiler):
     if int(macos.split(".")[0]) < 13 and re.search(r"\bsimdgroup_\w+8x8\b", src):
       # tinygrad asks for MSL 2.0 on macOS 12 and older, whose compiler has no simdgroup_matrix
       raise CompileError(f"(emulating macOS {macos}, MSL 2.0) error: unknown type name 'simdgroup_float8x8'")
-    try: emulator.compile_source(src, "tinygrad.metal", generic_address_spaces=uses_bfloat(src))
+    try: emulator.compile_source(src, library_name(src), generic_address_spaces=uses_bfloat(src))
     except emulator.EmulatorError as e: raise CompileError(str(e)) from None
     return LIBRARY_MAGIC + src.encode()
 
@@ -118,7 +126,7 @@ class MetalProgram:
     if not obj.lib.startswith(LIBRARY_MAGIC): raise RuntimeError(f"{obj.name}: not a library of the emulated Metal compiler")
     self.dev, self.name, self.signature, self._make_desc = dev, obj.name, obj.signature, make_desc
     src = obj.lib[len(LIBRARY_MAGIC):].decode()
-    self.library = emulator.compile_source(src, f"{obj.name}.metal", generic_address_spaces=uses_bfloat(src))
+    self.library = emulator.compile_source(src, library_name(src), generic_address_spaces=uses_bfloat(src))
     if obj.name not in self.library.kernels:   # what newFunctionWithName returning nil means on a Mac
       raise RuntimeError(f"the Metal library has no function named {obj.name!r} (it has {', '.join(sorted(self.library.kernels))})")
     self.kernel_addr = self.library.kernel_addr(obj.name)
