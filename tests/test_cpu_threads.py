@@ -106,3 +106,22 @@ def test_idle_pool_sleeps(pools):
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4"])
 def test_bad_num_threads(tiny_model, bad):
   with pytest.raises(ConfigError, match="num_threads"): LLM(str(tiny_model), num_threads=bad)
+
+
+def test_pool_after_close_and_in_a_forked_child(pools):
+  """A closed pool's buffer runs kernels on one thread; a forked child (no workers there) computes on its own thread
+  and exits cleanly. Both give the multi-threaded result bitwise."""
+  import os, signal
+  rng = np.random.default_rng(9)
+  x, w = Tensor(rng.standard_normal((3, 64)).astype(np.float32)), Tensor(rng.standard_normal((75, 64)).astype(np.float32))
+  pool = ThreadPool(3)
+  want = cpu.linear_f32(x, w, pool=pool.buffer).numpy()
+  pid = os.fork()
+  if pid == 0:   # the child: exit status 0 when the result matches, 1 when not; killed by the alarm if it hangs
+    signal.alarm(60)
+    try: os._exit(0 if np.array_equal(cpu.linear_f32(x, w, pool=pool.buffer).numpy(), want) else 1)
+    except BaseException: os._exit(2)
+  _, status = os.waitpid(pid, 0)
+  assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x}"
+  pool.close()
+  assert np.array_equal(cpu.linear_f32(x, w, pool=pool.buffer).numpy(), want)

@@ -18,7 +18,7 @@
 typedef void (*tv_task)(void *ctx, int part, int nparts);
 
 typedef struct tv_pool {
-  int n;                        /* threads, the caller included */
+  atomic_int n;                 /* threads, the caller included (1 once destroyed) */
   pthread_t *threads;
   struct tv_worker *workers;
   tv_task fn;
@@ -27,6 +27,7 @@ typedef struct tv_pool {
   atomic_int remaining;         /* workers still running the current region */
   atomic_int sleepers;
   atomic_int stop;
+  long epoch;                   /* fork_epoch when created */
   pthread_mutex_t mu;
   pthread_cond_t cv;
 } tv_pool;
@@ -68,51 +69,61 @@ static void *worker_main(void *arg) {
         pthread_mutex_unlock(&p->mu);
       }
     }
-    if (atomic_load(&p->stop)) return NULL;
-    seen = atomic_load(&p->generation);
+    long g = atomic_load(&p->generation);
+    if (g == seen) return NULL;   /* stopped; a region already published still runs, so its caller is not left waiting */
+    seen = g;
     p->fn(p->ctx, w->part, p->n);
     atomic_fetch_sub(&p->remaining, 1);
   }
 }
 
+/* Bumped in a forked child: its copy of a pool has no workers (fork copies only the calling thread). */
+static atomic_long fork_epoch;
+static void on_fork_child(void) { atomic_fetch_add(&fork_epoch, 1); }
+static pthread_once_t fork_hook = PTHREAD_ONCE_INIT;
+static void install_fork_hook(void) { pthread_atfork(NULL, NULL, on_fork_child); }
+
 /* Run fn(ctx, part, n) for every part in 0..n-1, part 0 on the calling thread; returns when all have finished.
-   One caller at a time (the engine's model thread). */
+   One caller at a time (tinygrad's CPU queue thread). In a forked child every part runs here, in order: the same
+   results, since a row's arithmetic does not depend on which part computes it. */
 void tv_pool_run(tv_pool *p, tv_task fn, void *ctx) {
-  if (p->n == 1) { fn(ctx, 0, 1); return; }
+  const int n = atomic_load(&p->n);
+  if (n == 1) { fn(ctx, 0, 1); return; }
+  if (atomic_load(&fork_epoch) != p->epoch) { for (int i = 0; i < n; i++) fn(ctx, i, n); return; }
   p->fn = fn;
   p->ctx = ctx;
-  atomic_store(&p->remaining, p->n - 1);
+  atomic_store(&p->remaining, n - 1);
   atomic_fetch_add(&p->generation, 1);
   if (atomic_load(&p->sleepers) > 0) {
     pthread_mutex_lock(&p->mu);
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
   }
-  fn(ctx, 0, p->n);
+  fn(ctx, 0, n);
   for (int spins = 0; atomic_load(&p->remaining) > 0; spins++) {
     if (spins < 64) cpu_relax(); else sched_yield();   /* a worker may be waiting for a core: let it have ours */
   }
 }
 
 tv_pool *tv_pool_create(int n) {
+  pthread_once(&fork_hook, install_fork_hook);
   tv_pool *p = calloc(1, sizeof(tv_pool));
   if (!p) return NULL;
   p->n = n < 1 ? 1 : n;
+  p->epoch = atomic_load(&fork_epoch);
   pthread_mutex_init(&p->mu, NULL);
   pthread_cond_init(&p->cv, NULL);
   p->threads = calloc(p->n, sizeof(pthread_t));
   tv_worker *ws = p->workers = calloc(p->n, sizeof(tv_worker));
+  if (!p->threads || !ws) { free(p->threads); free(ws); p->threads = NULL; p->workers = NULL; p->n = 1; return p; }
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setstacksize(&attr, 8 << 20);   /* the GEMM bodies keep a dequantized tile of 4 rows on the stack */
   for (int i = 1; i < p->n; i++) {
     ws[i].pool = p;
     ws[i].part = i;
-    if (pthread_create(&p->threads[i], &attr, worker_main, &ws[i]) != 0) {  /* fewer threads: the parts shrink */
-      atomic_store(&p->stop, 1);
-      for (int j = 1; j < i; j++) pthread_join(p->threads[j], NULL);
-      p->n = 1;
-      atomic_store(&p->stop, 0);
+    if (pthread_create(&p->threads[i], &attr, worker_main, &ws[i]) != 0) {
+      p->n = i;   /* fewer threads: the parts shrink (workers read n only after a region is published) */
       break;
     }
   }
@@ -123,15 +134,17 @@ tv_pool *tv_pool_create(int n) {
 int tv_pool_size(tv_pool *p) { return p->n; }
 
 void tv_pool_destroy(tv_pool *p) {
-  if (!p) return;
+  if (!p || atomic_load(&fork_epoch) != p->epoch) return;   /* a forked child's copy: no workers to stop */
   pthread_mutex_lock(&p->mu);
   atomic_store(&p->stop, 1);
   pthread_cond_broadcast(&p->cv);
   pthread_mutex_unlock(&p->mu);
   for (int i = 1; i < p->n; i++) pthread_join(p->threads[i], NULL);
-  pthread_mutex_destroy(&p->mu);
-  pthread_cond_destroy(&p->cv);
+  /* The struct itself stays (a few hundred bytes per engine): a kernel still queued in tinygrad when the pool is
+     collected finds n == 1 and runs its parts on its own thread, never freed memory. */
+  atomic_store(&p->n, 1);
   free(p->threads);
   free(p->workers);
-  free(p);
+  p->threads = NULL;
+  p->workers = NULL;
 }

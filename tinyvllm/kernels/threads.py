@@ -9,7 +9,7 @@ keeps working across processes. Parts split rows on fixed boundaries and each ro
 whatever part it falls in, so results are bitwise the same for any number of threads.
 """
 from __future__ import annotations
-import ctypes, hashlib, os, subprocess, sys, weakref
+import ctypes, hashlib, os, platform, subprocess, sys, weakref
 from pathlib import Path
 import numpy as np
 from tinygrad import Context, Tensor, dtypes
@@ -40,7 +40,8 @@ def _library() -> ctypes.CDLL:
   src = (HERE / "threadpool.c").read_text()
   root = Path(os.environ.get("TINYVLLM_CACHE") or Path.home() / ".cache" / "tinyvllm") / "threads"
   root.mkdir(parents=True, exist_ok=True)
-  out = root / f"libtvpool-{hashlib.sha256(src.encode()).hexdigest()[:16]}{'.dylib' if sys.platform == 'darwin' else '.so'}"
+  key = hashlib.sha256((src + platform.machine() + os.environ.get("CC", "clang")).encode()).hexdigest()[:16]
+  out = root / f"libtvpool-{key}{'.dylib' if sys.platform == 'darwin' else '.so'}"
   if not out.exists():
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     cmd = [os.environ.get("CC", "clang"), "-O2", "-shared", "-fPIC", "-pthread", str(HERE / "threadpool.c"), "-o", str(tmp)]
@@ -65,15 +66,26 @@ class ThreadPool:
   def __init__(self, threads: int, device: str = "CPU"):
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
       raise ValueError(f"num_threads must be a positive integer, got {threads!r}")
-    self.lib, self.handle = (None, None) if threads == 1 else (lib := _library(), lib.tv_pool_create(threads))
-    self.threads = threads if self.handle is None else self.lib.tv_pool_size(self.handle)
+    self.lib, self.handle = (None, None) if threads == 1 else (lib := _library(), lib.tv_pool_create(threads) or None)
+    self.threads = 1 if self.handle is None else self.lib.tv_pool_size(self.handle)
+    # stop the workers when the pool is collected, in the process that made it (a forked child's copy has none)
+    self._finalizer = weakref.finalize(self, _destroy, self.lib, self.handle, os.getpid()) if self.handle else None
+    if self._finalizer: self._finalizer.atexit = False   # at exit the OS ends the threads; a join could wait on a kernel
     entry = ctypes.cast(self.lib.tv_pool_run, ctypes.c_void_p).value if self.handle else 0
     # the buffer every parallel kernel takes; realized now, outside any TinyJit capture, and kept for the pool's life
     with Context(CAPTURING=0):
       self.buffer = Tensor(np.array([entry, self.handle or 0], np.uint64), dtype=dtypes.uint64, device=device).realize()
-    self._finalizer = weakref.finalize(self, self.lib.tv_pool_destroy, self.handle) if self.handle else (lambda: None)
 
   def close(self) -> None:
-    """Stop the workers (also done when the pool is collected, or at exit). The engine that owns the pool owns every
-    captured kernel holding its buffer, so none of them runs afterwards."""
+    """Stop the workers. Queued kernels finish first; kernels that run later with this pool's buffer run on one
+    thread (same results)."""
+    if self._finalizer is None or not self._finalizer.alive: return
+    from tinygrad import Device
+    buf = self.buffer.uop.buffer.ensure_allocated()
+    Device[buf.device].synchronize()
+    Device[buf.device].allocator._copyin(buf._buf, memoryview(np.zeros(2, np.uint64)).cast("B"))
     self._finalizer()
+
+
+def _destroy(lib, handle, pid: int) -> None:
+  if os.getpid() == pid: lib.tv_pool_destroy(handle)
