@@ -93,44 +93,42 @@ def _best_time(fn, sync, reps: int) -> float:
   return best
 
 
-def tinygrad_bandwidth(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5) -> dict[int, float]:
-  """GB/s of `y = x + 1` on float32 buffers of each size (bytes read + written), best of `reps` replays."""
+def _add_one_bandwidth(add_one, sizes_mib, reps: int) -> dict[int, float]:
+  """GB/s (read + written) of `add_one(x)` (y = x + 1) on float32 buffers of each size, best of `reps` replays."""
   from tinygrad import Device, Tensor, TinyJit
   dev = Device.DEFAULT
-  sync = Device[dev].synchronize
   out = {}
   for mib in sizes_mib:
     n = (mib << 20) // 4
     x = Tensor.ones(n, device=dev).contiguous().realize()
-    jit = TinyJit(lambda x: (x + 1).realize())
+    jit = TinyJit(lambda x: add_one(x).realize())
     for _ in range(2): jit(x)     # run, then capture
-    out[mib] = 2 * n * 4 / _best_time(lambda: jit(x), sync, reps) / 1e9
+    out[mib] = 2 * n * 4 / _best_time(lambda: jit(x), Device[dev].synchronize, reps) / 1e9
     del x, jit
   return out
+
+
+def tinygrad_bandwidth(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5) -> dict[int, float]:
+  """GB/s of tinygrad's own `y = x + 1` kernel on buffers of each size."""
+  return _add_one_bandwidth(lambda x: x + 1, sizes_mib, reps)
 
 
 def threaded_bandwidth(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5, threads: int | None = None) -> tuple[float, int]:
   """CPU device: GB/s of `y = x + 1` as a C kernel split over the engine's thread pool (kernels/threads.py), the best
   size: tinygrad runs its own kernel on one core, while the engine's kernels use them all."""
-  from tinygrad import Device, Tensor, TinyJit, dtypes
+  from tinygrad import Tensor, dtypes
   from tinyvllm.kernels import cpu
   from tinyvllm.kernels.threads import ThreadPool, default_threads
-  pool = ThreadPool(threads or default_threads())
-  best = 0.0
-  for mib in sizes_mib:
-    n = (mib << 20) // 4
-    name = f"add_one_{n}"
+
+  def add_one(x: Tensor) -> Tensor:
+    n, name = x.shape[0], f"add_one_{x.shape[0]}"
     src = cpu.row_parallel_kernel(name, ["float *restrict y", "const float *restrict x"], n,
                                   "for (long i = nb; i < ne; i++) y[i] = x[i] + 1.0f;", cpu.C_PARALLEL_DECLS, cpu.C_PARALLEL)
-    x = Tensor.ones(n).contiguous().realize()
-    jit = TinyJit(lambda x: Tensor.custom_kernel(Tensor.invalids(n, dtype=dtypes.float32), x, pool.buffer,
-                                                 fxn=lambda *p: cpu._program(name, src, *p))[0].realize())
-    for _ in range(2): jit(x)
-    best = max(best, 2 * n * 4 / _best_time(lambda: jit(x), Device["CPU"].synchronize, reps) / 1e9)
-    del x, jit
-  threads = pool.threads
-  pool.close()
-  return best, threads
+    return Tensor.custom_kernel(Tensor.invalids(n, dtype=dtypes.float32), x, pool.buffer, fxn=lambda *p: cpu._program(name, src, *p))[0]
+
+  pool = ThreadPool(threads or default_threads())
+  try: return max(_add_one_bandwidth(add_one, sizes_mib, reps).values()), pool.threads
+  finally: pool.close()
 
 
 def numpy_copy_bandwidth(mib: int = 1024, reps: int = 5, threads: int | None = None) -> tuple[float, int]:

@@ -42,14 +42,19 @@ def apple_gpu(device: str) -> tuple[str, str]:
   return dev.arch, getattr(dev, "macos_version", None) or platform.mac_ver()[0]
 
 
+def msl2_only(macos: str | None) -> bool:
+  """macOS 12 and older: tinygrad compiles Metal shaders as MSL 2.0 there, which has no simdgroup_matrix."""
+  major = (macos or "").split(".")[0]
+  return major.isdigit() and int(major) < 13
+
+
 def metal_kernels_problem(arch: str, macos: str) -> str | None:
   """Why tinyvllm's Metal kernels cannot run on this GPU and macOS, or None when they can."""
   m = re.fullmatch(r"Apple(\d+)", arch or "")
   if m is None or int(m.group(1)) < 7:
     return f"the GPU family is {arch or 'unknown'}, and tinyvllm's Metal kernels need Apple7 or later (M1 and newer: " \
            f"32-wide SIMD groups, simdgroup_matrix)"
-  major = macos.split(".")[0] if macos else ""
-  if major.isdigit() and int(major) < 13:
+  if msl2_only(macos):
     return f"macOS {macos}: tinygrad compiles Metal shaders as MSL 2.0 there, which has no simdgroup_matrix; " \
            f"tinyvllm's Metal kernels need macOS 13 or later"
   return None
@@ -60,7 +65,7 @@ def prepare_device(device: str) -> None:
   simdgroup_matrix: its tensor cores would not compile there, so they are turned off."""
   if device.split(":")[0] != "METAL": return
   macos = apple_gpu(device)[1]
-  if macos and macos.split(".")[0].isdigit() and int(macos.split(".")[0]) < 13:
+  if msl2_only(macos):
     from tinygrad.helpers import USE_TC
     if USE_TC.value:
       print(f"tinyvllm: tinygrad's tensor cores turned off: macOS {macos} compiles MSL 2.0, without simdgroup_matrix", file=sys.stderr)

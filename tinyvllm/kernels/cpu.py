@@ -54,27 +54,34 @@ static void mm_f32(float *restrict y, const float *restrict x, const float *rest
 """
 
 
+def c_param_name(param: str) -> str:
+  """The name in a C parameter declaration such as "const float *restrict x"."""
+  return param.split()[-1].lstrip("*")
+
+
+def c_struct_fields(params: list[str]) -> str:
+  """Struct fields holding these parameters (a pool part's context: the parts get one pointer)."""
+  return " ".join(p.replace("restrict ", "") + ";" for p in params)
+
+
 def row_parallel_kernel(name: str, params: list[str], N: int, body: str, head: str = "", tail: str = "") -> str:
   """The source of kernel `name(params..., pool)` that computes output rows [nb, ne) in `body`, the rows split over the
   thread pool (kernels/threads.py) in runs of 4 (so each 4-row tile is computed whole, by one thread, the same way
   for any thread count). `head` goes before the kernel (types, declarations: no function bodies, since tinygrad
   calls the start of the code), `tail` after it (helper definitions)."""
-  local = lambda p: p.split()[-1].lstrip("*")
-  fields = " ".join(p.replace("restrict ", "") + ";" for p in params)
   return f"""{head}
 void {name}({", ".join(params)}, const unsigned long long *restrict pool);
-struct {name}_ctx {{ {fields} }};
+struct {name}_ctx {{ {c_struct_fields(params)} }};
 static void {name}_rows(void *ctx, int part, int nparts);
 void {name}({", ".join(params)}, const unsigned long long *restrict pool) {{
-  struct {name}_ctx c = {{{", ".join(local(p) for p in params)}}};
+  struct {name}_ctx c = {{{", ".join(c_param_name(p) for p in params)}}};
   tv_parallel(pool, {name}_rows, &c);
 }}
 static void {name}_rows(void *ctx, int part, int nparts) {{
   struct {name}_ctx *c = ctx;
-  {" ".join(f"{p} = c->{local(p)};" for p in params)}
+  {" ".join(f"{p} = c->{c_param_name(p)};" for p in params)}
   int nb, ne;
-  tv_share({-(-N // 4)}, part, nparts, &nb, &ne);
-  nb *= 4; ne = ne * 4 < {N} ? ne * 4 : {N};
+  tv_share_rows({N}, part, nparts, &nb, &ne);
   {body}
 }}
 {tail}
@@ -102,14 +109,15 @@ def _program(name: str, src: str, *params: UOp) -> UOp:
                                UOp(Ops.BINARY, arg=_compiled(src))))
 
 
-def serial(device: str) -> Tensor:
+@functools.cache
+def _serial(device: str) -> Tensor:
   """The pool buffer of a kernel run on one thread (kernels/threads.py), one per device, realized outside any capture."""
-  if device not in _serial_buffers:
-    with Context(CAPTURING=0): _serial_buffers[device] = Tensor(np.zeros(2, np.uint64), dtype=dtypes.uint64, device=device).realize()
-  return _serial_buffers[device]
+  with Context(CAPTURING=0): return Tensor(np.zeros(2, np.uint64), dtype=dtypes.uint64, device=device).realize()
 
 
-_serial_buffers: dict[str, Tensor] = {}
+def pool_arg(pool: Tensor | None, device: str) -> Tensor:
+  """The thread-pool buffer a parallel kernel takes: a ThreadPool's, or for None the one-thread buffer."""
+  return _serial(device) if pool is None else pool
 
 
 def linear_f32(x: Tensor, weight: Tensor, bias: Tensor | None = None, pool: Tensor | None = None) -> Tensor:
@@ -119,7 +127,7 @@ def linear_f32(x: Tensor, weight: Tensor, bias: Tensor | None = None, pool: Tens
   name = f"linear_f32_{M}_{N}_{K}{'_b' if bias is not None else ''}"
   src = _linear_f32_source(name, M, N, K, bias is not None)
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
-  args = [out, x.contiguous(), weight] + ([bias] if bias is not None else []) + [serial(x.device) if pool is None else pool]
+  args = [out, x.contiguous(), weight] + ([bias] if bias is not None else []) + [pool_arg(pool, x.device)]
   return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
 
 
@@ -382,6 +390,20 @@ def _int4_fallback_body(M: int, N: int, K: int, G: int) -> str:
   }}"""
 
 
+# what the 4-bit and 8-bit linear kernels share around their bodies: AVX2 when the CPU has it (TV_AVX2), fp16
+# conversion, a horizontal sum, the thread pool; declarations before the kernel, definitions after it
+_AVX2_DECLS = f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TV_AVX2 1
+#endif
+static inline float h2f(unsigned short h);
+#ifdef TV_AVX2
+static inline float hsum8(__m256 v);
+#endif
+{C_PARALLEL_DECLS}"""
+_AVX2_DEFS = f"{_HALF}\n#ifdef TV_AVX2\n{_HSUM8}\n#endif\n{C_PARALLEL}"
+
+
 def int4_body(M: int, N: int, K: int, G: int, invariant: bool = False) -> str:
   """The AVX2 body for M rows: the GEMV for one row; for more, the dequantize-once GEMM, or with `invariant` the
   GEMM that repeats the GEMV's arithmetic on every row (bitwise batch invariance, measured 13-24% slower on
@@ -400,16 +422,7 @@ def _int4_linear_source(name: str, M: int, N: int, K: int, G: int, invariant: bo
 #else
 {_int4_fallback_body(M, N, K, G)}
 #endif"""
-  head = f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define TV_AVX2 1
-#endif
-static inline float h2f(unsigned short h);
-#ifdef TV_AVX2
-static inline float hsum8(__m256 v);
-#endif
-{C_PARALLEL_DECLS}"""
-  return row_parallel_kernel(name, _INT4_PARAMS, N, body, head, tail=f"{_HALF}\n#ifdef TV_AVX2\n{_HSUM8}\n#endif\n{C_PARALLEL}")
+  return row_parallel_kernel(name, _INT4_PARAMS, N, body, _AVX2_DECLS, _AVX2_DEFS)
 
 
 def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, invariant: bool = False,
@@ -428,7 +441,7 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
   packed = packed if packed.dtype == dtypes.uint32 else packed.bitcast(dtypes.uint32)
   args = [out, x.cast(dtypes.float32).contiguous(), packed.contiguous(), scales.cast(dtypes.float16).contiguous(),
-          biases.cast(dtypes.float16).contiguous(), serial(x.device) if pool is None else pool]
+          biases.cast(dtypes.float16).contiguous(), pool_arg(pool, x.device)]
   return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
 
 
@@ -471,16 +484,7 @@ def _q8_linear_source(name: str, M: int, N: int, K: int) -> str:
 #endif
     for (int m = 0; m < {M}; m++) y[(long)m * {N} + n] = acc[m];
   }}"""
-  head = f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define TV_AVX2 1
-#endif
-static inline float h2f(unsigned short h);
-#ifdef TV_AVX2
-static inline float hsum8(__m256 v);
-#endif
-{C_PARALLEL_DECLS}"""
-  return row_parallel_kernel(name, _Q8_PARAMS, N, body, head, tail=f"{_HALF}\n#ifdef TV_AVX2\n{_HSUM8}\n#endif\n{C_PARALLEL}")
+  return row_parallel_kernel(name, _Q8_PARAMS, N, body, _AVX2_DECLS, _AVX2_DEFS)
 
 
 def q8_linear(x: Tensor, codes: Tensor, scales: Tensor, pool: Tensor | None = None) -> Tensor:
@@ -490,4 +494,4 @@ def q8_linear(x: Tensor, codes: Tensor, scales: Tensor, pool: Tensor | None = No
   name = f"q8_linear_{M}_{N}_{K}"
   src = _q8_linear_source(name, M, N, K)
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
-  return Tensor.custom_kernel(out, x.cast(dtypes.float32).contiguous(), codes, scales, serial(x.device) if pool is None else pool, fxn=lambda *p: _program(name, src, *p))[0]
+  return Tensor.custom_kernel(out, x.cast(dtypes.float32).contiguous(), codes, scales, pool_arg(pool, x.device), fxn=lambda *p: _program(name, src, *p))[0]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
 from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
-from tinyvllm.kernels.cpu import SQRT, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _program, int4_body, rms_norm_source, serial
+from tinyvllm.kernels.cpu import SQRT, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _program, c_param_name, c_struct_fields, int4_body, pool_arg, rms_norm_source
 
 TILE = 32   # keys scored at once in attention: one max and one rescale per tile instead of per key
 
@@ -103,10 +103,8 @@ def _source(name: str, s: LayerShape, scale: float) -> str:
             "const int *restrict token_pos", "const float *restrict cs", "const float *restrict ln1", "const float *restrict ln2",
             *s.qkv.args("qkv"), *s.o.args("o"), *s.gate_up.args("gate_up"), *s.down.args("down"),
             "const unsigned long long *restrict pool"]
-  local = lambda p: p.split()[-1].lstrip("*")
   # a projection over rows nb..ne-1, called from a pool part: its weights come from the layer's context struct
-  call = lambda lin, spec, y, x: f"{lin}({y}, {x}, {', '.join('c->' + local(a) for a in spec.args(lin))}, nb, ne);"
-  fields = " ".join(p.replace("restrict ", "") + ";" for p in params)
+  call = lambda lin, spec, y, x: f"{lin}({y}, {x}, {', '.join('c->' + c_param_name(a) for a in spec.args(lin))}, nb, ne);"
   return f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TV_AVX2 1
@@ -115,7 +113,7 @@ def _source(name: str, s: LayerShape, scale: float) -> str:
 #endif
 void {name}({", ".join(params)});
 {C_PARALLEL_DECLS}
-struct layer_ctx {{ {fields} float *xn, *qkv_out, *q, *att, *gu, *act, *prod; }};
+struct layer_ctx {{ {c_struct_fields(params)} float *xn, *qkv_out, *q, *att, *gu, *act, *prod; }};
 {_VEC}
 {_MATH}
 static inline float h2f(unsigned short h);
@@ -212,7 +210,7 @@ static void attention(float *restrict out, const float *restrict q, const float 
 
 /* the thread pool's parts (kernels/threads.py): rows of each projection in runs of 4, (token, KV head) pairs of
    attention, elements of SiLU * up; norms, RoPE and residual adds are short and stay on the calling thread */
-#define SHARE_ROWS(n) int nb, ne; tv_share(((n) + 3) / 4, part, nparts, &nb, &ne); nb *= 4; ne = ne * 4 < (n) ? ne * 4 : (n);
+#define SHARE_ROWS(n) int nb, ne; tv_share_rows(n, part, nparts, &nb, &ne);
 static void part_qkv(void *ctx, int part, int nparts) {{
   struct layer_ctx *c = ctx; SHARE_ROWS({QKV}) {call("qkv", s.qkv, "c->qkv_out", "c->xn")}
 }}
@@ -245,7 +243,7 @@ static void part_down(void *ctx, int part, int nparts) {{
 void {name}({", ".join(params)}) {{
   float *xn = scratch, *qkv_out = xn + {T * E}, *q = qkv_out + {T * QKV}, *att = q + {T * H * D};
   float *gu = att + {T * H * D}, *act = gu + {T * s.gate_up.n}, *prod = act + {T * I};
-  struct layer_ctx c = {{{", ".join(local(p) for p in params)}, xn, qkv_out, q, att, gu, act, prod}};
+  struct layer_ctx c = {{{", ".join(c_param_name(p) for p in params)}, xn, qkv_out, q, att, gu, act, prod}};
   rms_norm(xn, h, ln1);
   tv_parallel(pool, part_qkv, &c);
   rope_write(q, kc, vc, qkv_out, pos, cs, slots);
@@ -303,5 +301,5 @@ def decoder_layer(h: Tensor, w: dict[str, Tensor], cfg, positions: Tensor, slots
   args = [out, k_cache, v_cache, scratch, h.contiguous(), positions, slots, tables.contiguous(), token_seq, token_pos.contiguous(),
           cos_sin, w["input_layernorm.weight"], w["post_attention_layernorm.weight"],
           *_linear_tensors(w, "self_attn.qkv_proj"), *_linear_tensors(w, "self_attn.o_proj"),
-          *_linear_tensors(w, "mlp.gate_up_proj"), *_linear_tensors(w, "mlp.down_proj"), serial(h.device) if pool is None else pool]
+          *_linear_tensors(w, "mlp.gate_up_proj"), *_linear_tensors(w, "mlp.down_proj"), pool_arg(pool, h.device)]
   return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]

@@ -16,12 +16,14 @@ from tinygrad import Context, Tensor, dtypes
 
 HERE = Path(__file__).resolve().parent
 
-# C shared by every kernel that splits its work: the pool call, and a contiguous share of `units` for one part.
+# C shared by every kernel that splits its work: the pool call, and a contiguous share of `units` (or of rows, in
+# runs of 4) for one part.
 # Declarations go before the kernel, definitions after it (tinygrad calls the start of a kernel's code).
 C_PARALLEL_DECLS = r"""
 typedef void (*tv_task)(void *ctx, int part, int nparts);
 static inline void tv_parallel(const unsigned long long *pool, tv_task fn, void *ctx);
 static inline void tv_share(int units, int part, int nparts, int *begin, int *end);
+static inline void tv_share_rows(int rows, int part, int nparts, int *begin, int *end);
 """
 C_PARALLEL = r"""
 static inline void tv_parallel(const unsigned long long *pool, tv_task fn, void *ctx) {
@@ -31,6 +33,12 @@ static inline void tv_parallel(const unsigned long long *pool, tv_task fn, void 
 static inline void tv_share(int units, int part, int nparts, int *begin, int *end) {
   *begin = (int)((long)units * part / nparts);
   *end = (int)((long)units * (part + 1) / nparts);
+}
+/* rows [begin, end) of `rows` for one part, in runs of 4: each 4-row tile is computed whole by one thread */
+static inline void tv_share_rows(int rows, int part, int nparts, int *begin, int *end) {
+  tv_share((rows + 3) / 4, part, nparts, begin, end);
+  *begin *= 4;
+  *end = *end * 4 < rows ? *end * 4 : rows;
 }
 """
 

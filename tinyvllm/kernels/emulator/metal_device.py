@@ -63,9 +63,9 @@ class MetalCompiler(Compiler):
   def __init__(self): super().__init__("compile_metal_emulated")
 
   def compile(self, src: str) -> bytes:
-    from tinyvllm.kernels import emulator
+    from tinyvllm.kernels import emulator, msl2_only
     macos = emulated_macos()
-    if int(macos.split(".")[0]) < 13 and re.search(r"\bsimdgroup_\w+8x8\b", src):
+    if msl2_only(macos) and re.search(r"\bsimdgroup_\w+8x8\b", src):
       # tinygrad asks for MSL 2.0 on macOS 12 and older, whose compiler has no simdgroup_matrix
       raise CompileError(f"(emulating macOS {macos}, MSL 2.0) error: unknown type name 'simdgroup_float8x8'")
     try: emulator.compile_source(src, library_name(src), generic_address_spaces=uses_bfloat(src))
