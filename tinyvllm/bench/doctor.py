@@ -81,13 +81,13 @@ def device_tests(timeout_s: float = 3600) -> Step:
   try: r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=test_file.parents[1])
   except subprocess.TimeoutExpired:
     return Step("tests/test_metal_device.py", False, f"timed out after {timeout_s:.0f} s")
+  if "No module named pytest" in r.stderr:
+    return Step("tests/test_metal_device.py", None, "skipped: pytest is not installed (pip install -e '.[test]')")
   lines = r.stdout.strip().splitlines()
   tally = next((l.strip("= ") for l in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", l)), "")
   failures = [l for l in lines if l.startswith(("FAILED", "ERROR"))][:20]
-  if "No module named pytest" in r.stderr:
-    return Step("tests/test_metal_device.py", None, "skipped: pytest is not installed (pip install -e '.[test]')")
-  ok = r.returncode == 0 and "passed" in tally
-  return Step("tests/test_metal_device.py", ok if "passed" in tally or r.returncode else None,
+  ok = None if r.returncode == 0 and "passed" not in tally else r.returncode == 0   # None: all skipped (no METAL device)
+  return Step("tests/test_metal_device.py", ok,
               tally or f"pytest exited with {r.returncode}", {"failures": failures} | ({} if tally else {"stderr": r.stderr[-2000:]}))
 
 
@@ -164,8 +164,9 @@ def report(env: dict, steps: list[Step]) -> str:
     mark = {True: "ok  ", False: "FAIL", None: "skip"}[s.ok]
     lines.append(f"[{mark}] {s.name}: {s.summary}")
     if s.name == "compile shaders":
-      lines += [f"         {name}: {res.splitlines()[0]}" + ("\n" + "\n".join("           " + l for l in res.splitlines()[1:]) if "\n" in res else "")
-                for name, res in s.details.items()]
+      for name, res in s.details.items():
+        first, *rest = res.splitlines()
+        lines += [f"         {name}: {first}", *(f"           {l}" for l in rest)]
     for f in s.details.get("failures", []): lines.append(f"         {f}")
     if s.name == "generation" and "text" in s.details: lines.append(f"         text: {s.details['text'][:160]!r}")
   lines.append("Paste this report into an issue at the tinyvllm repository.")
