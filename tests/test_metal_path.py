@@ -56,11 +56,11 @@ def run_metal(model, dtype: str, quant: str) -> dict:
   return json.loads(next(l for l in r.stdout.splitlines() if l.startswith("RESULT "))[7:])
 
 
-def cpu_tokens(model, dtype: str, quant: str, backend: str) -> list[list[int]]:
+def cpu_tokens(model, dtype: str, quant: str, backend: str, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
   from tinyvllm import LLM, SamplingParams
   llm = LLM(str(model), dtype=dtype, quantization=None if quant == "none" else quant, kernel_backend=backend, max_model_len=128)
   try:
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
   finally:
     llm.shutdown()
@@ -143,10 +143,4 @@ def test_older_macs_fall_back_to_portable(metal_model, env, why):
   notes = [l for l in r.stderr.splitlines() if l.startswith("tinyvllm: using the portable kernels")]
   assert len(notes) == 1 and why in notes[0], r.stderr[-2000:]
   assert res["error"] is not None and why in res["error"] and "kernel_backend='portable'" in res["error"]
-  from tinyvllm import LLM, SamplingParams
-  llm = LLM(str(metal_model), dtype="float32", kernel_backend="cpu", max_model_len=128)
-  try:
-    ref = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
-  finally:
-    llm.shutdown()
-  assert res["tokens"] == [list(o.outputs[0].token_ids) for o in ref]
+  assert res["tokens"] == cpu_tokens(metal_model, "float32", "none", "cpu", PROMPTS[:2], 6)
