@@ -55,6 +55,12 @@ def library_name(src: str) -> str:
   return f"{first.group(1) if first else 'library'}-{hashlib.sha256(src.encode()).hexdigest()[:8]}.metal"
 
 
+def compile_library(src: str):
+  """The emulator's build of a library: the compiler checks it, each program loads it (built once, then cached)."""
+  from tinyvllm.kernels import emulator
+  return emulator.compile_source(src, library_name(src), generic_address_spaces=uses_bfloat(src))
+
+
 def emulated_macos() -> str: return os.environ.get("TINYVLLM_EMULATE_MACOS", "14.0")
 
 
@@ -68,7 +74,7 @@ class MetalCompiler(Compiler):
     if msl2_only(macos) and re.search(r"\bsimdgroup_\w+8x8\b", src):
       # tinygrad asks for MSL 2.0 on macOS 12 and older, whose compiler has no simdgroup_matrix
       raise CompileError(f"(emulating macOS {macos}, MSL 2.0) error: unknown type name 'simdgroup_float8x8'")
-    try: emulator.compile_source(src, library_name(src), generic_address_spaces=uses_bfloat(src))
+    try: compile_library(src)
     except emulator.EmulatorError as e: raise CompileError(str(e)) from None
     return LIBRARY_MAGIC + src.encode()
 
@@ -121,12 +127,11 @@ class MetalAllocator(LRUAllocator):
 class MetalProgram:
   """One kernel of a library: launches it with the emulator, as a compute command encoder would dispatch it."""
   def __init__(self, dev: MetalDevice, obj: TinyELF):
-    from tinyvllm.kernels import emulator
     from tinyvllm.kernels.emulator.harness import make_desc
     if not obj.lib.startswith(LIBRARY_MAGIC): raise RuntimeError(f"{obj.name}: not a library of the emulated Metal compiler")
     self.dev, self.name, self.signature, self._make_desc = dev, obj.name, obj.signature, make_desc
     src = obj.lib[len(LIBRARY_MAGIC):].decode()
-    self.library = emulator.compile_source(src, library_name(src), generic_address_spaces=uses_bfloat(src))
+    self.library = compile_library(src)
     if obj.name not in self.library.kernels:   # what newFunctionWithName returning nil means on a Mac
       raise RuntimeError(f"the Metal library has no function named {obj.name!r} (it has {', '.join(sorted(self.library.kernels))})")
     self.kernel_addr = self.library.kernel_addr(obj.name)
