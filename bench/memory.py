@@ -33,8 +33,7 @@ q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.he
 params = v * h * (1 if cfg.tie_word_embeddings else 2) + h + L * (h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h)
 print(json.dumps({"quantization": quantization, "kernel_backend": engine.kernel_backend,
                   "weight_bytes": sum(t.nbytes for t in model_tensors(engine.runner.model)),
-                  "kv_cache_bytes": engine.block_manager.num_blocks * engine.runner.kv_bytes_per_block(
-                      cfg, engine.block_manager.block_size, engine.runner.model.dtype.itemsize),
+                  "kv_cache_bytes": engine.block_manager.num_blocks * engine.runner.kv_bytes_per_block,
                   "fp16_bytes": 2 * params, "parameters": params, "device_bytes": GlobalCounters.mem_used,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "baseline_rss_bytes": baseline}))

@@ -1,10 +1,18 @@
-"""Perplexity of SmolLM2-135M-Instruct on a fixed slice of the King James Bible, float vs 4-bit weights.
+"""Perplexity of SmolLM2-135M-Instruct on a fixed slice of the King James Bible: float vs 4-bit weights, or
+float vs quantized KV cache.
 
-A quality measure of the quantization alone, independent of tinyvllm's runtime: every variant is dequantized
-to float32 numpy and run by transformers' LlamaForCausalLM (fp32, torch on the CPU) over the same
-non-overlapping windows of tokens.
+Weights (the default): a quality measure of the weight quantization alone, independent of tinyvllm's runtime:
+every variant is dequantized to float32 numpy and run by transformers' LlamaForCausalLM (fp32, torch on the CPU)
+over the same non-overlapping windows of tokens.
 
   python bench/perplexity.py [--windows 40] [--window-len 512] [--json out.json]
+
+KV cache (`--kv-cache-dtype auto,int8`): the model as shipped, run by tinyvllm's engine (DEV=CPU, its default
+kernels) once per cache format over the same windows, each read in chunks of --chunk tokens so most keys come
+back from the cache. Reported per format: perplexity, and against the first format (the float cache) the mean
+KL divergence per token of the full next-token distributions and the share of tokens whose argmax agrees.
+
+  DEV=CPU python bench/perplexity.py --kv-cache-dtype auto,int8 [--windows 40] [--window-len 512] [--chunk 128]
 
 The reference is the default model as shipped (a Q4_1 GGUF with a Q8_0 embedding), decoded to float32: no
 unquantized SmolLM2 is reachable from here. So "int4" rows measure requantizing that model; Q4_1 is itself
@@ -70,8 +78,62 @@ def dequantized(tensors: dict[str, np.ndarray], G: int, method: str, emb: bool, 
   return out, nbytes
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+  x = logits.astype(np.float64)
+  x -= x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def kv_cache_main(args, tokens: np.ndarray, model: str | None) -> None:
+  """Every window through one engine per cache format, in lockstep, so each token's distributions compare directly."""
+  from tqdm import tqdm
+  from tinyvllm.engine.llm_engine import LLMEngine
+  from tinyvllm.engine.model_runner import WorkItem
+  formats = args.kv_cache_dtype.split(",")
+  blocks = -(-args.window_len // 16)
+  engines = [LLMEngine.from_kwargs(model, kv_cache_dtype=f, num_kv_blocks=blocks + 1, max_model_len=args.window_len,
+                                   max_num_batched_tokens=args.chunk, enable_prefix_caching=False) for f in formats]
+  table = list(range(blocks))   # one window at a time: it owns the first blocks of every cache
+  nll, kl, agree = np.zeros(len(formats)), np.zeros(len(formats)), np.zeros(len(formats))
+  count, t0 = 0, time.time()
+  for w in tqdm(tokens.reshape(-1, args.window_len), desc="windows", unit="window"):
+    logps = []
+    for engine in engines:
+      rows = []
+      for start in range(0, args.window_len, args.chunk):
+        _, chunk_logits, _ = engine.runner.execute([], [WorkItem(table, start, w[start:start + args.chunk].tolist())],
+                                                   prefill_all_logits=True)
+        rows.append(chunk_logits[0])
+      logps.append(log_softmax(np.concatenate(rows)[:-1]))   # position i predicts token i + 1
+    target = w[1:]
+    for i, lp in enumerate(logps):
+      nll[i] -= lp[np.arange(len(target)), target].sum()
+      kl[i] += (np.exp(logps[0]) * (logps[0] - lp)).sum()
+      agree[i] += (lp.argmax(-1) == logps[0].argmax(-1)).sum()
+    count += len(target)
+  rows = []
+  for i, f in enumerate(formats):
+    runner = engines[i].runner
+    rows.append({"kv_cache_dtype": f, "storage": runner.kv_format.storage, "perplexity": math.exp(nll[i] / count),
+                 "mean_kl": kl[i] / count, "top1_agreement": agree[i] / count,
+                 "kv_bytes_per_token": runner.kv_bytes_per_block // runner.block_size})
+  ref = rows[0]
+  print(f"\n{count} predicted tokens, {time.time() - t0:.0f}s; KL and agreement against the {ref['storage']} cache")
+  print(f"| KV cache | perplexity | vs {ref['storage']} | mean KL | top-1 agrees | KV bytes/token | tokens in the same memory |\n|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['storage']} | {r['perplexity']:.4f} | {(r['perplexity'] / ref['perplexity'] - 1) * 100:+.3f} % | {r['mean_kl']:.2e} | "
+          f"{r['top1_agreement']:.2%} | {r['kv_bytes_per_token']} | {ref['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x |")
+  if args.json:
+    args.json.write_text(json.dumps({"tokens": len(tokens), "windows": args.windows, "window_len": args.window_len,
+                                     "chunk": args.chunk, "rows": rows}, indent=2))
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--kv-cache-dtype", default=None, help="compare KV cache formats instead of weights, e.g. auto,int8 "
+                                                         "(the first is the reference)")
+  ap.add_argument("--chunk", type=int, default=128, help="KV cache mode: prefill chunk length")
+  ap.add_argument("--model", default=None, help="KV cache mode: the checkpoint (default: the default model)")
   ap.add_argument("--windows", type=int, default=40)
   ap.add_argument("--window-len", type=int, default=512)
   ap.add_argument("--threads", type=int, default=1)
@@ -79,6 +141,11 @@ def main():
   ap.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
   ap.add_argument("--json", type=Path, default=None)
   args = ap.parse_args()
+  if args.kv_cache_dtype:
+    from tinyvllm.model.weights import load_checkpoint
+    from tinyvllm.model.tokenizer import load_tokenizer
+    path = load_checkpoint(args.model).path
+    return kv_cache_main(args, kjv_tokens(load_tokenizer(path), args.windows * args.window_len), args.model)
   import torch
   torch.set_num_threads(args.threads)
   from tinyvllm.model.weights import load_checkpoint

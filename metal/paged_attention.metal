@@ -8,6 +8,16 @@
 //   context_lens  [num_seqs]                                    int32 (0 = padding row -> zeros)
 //   params        PagedParams
 // Query head h uses KV head h / G, G = n_heads / n_kv_heads <= 8.
+// c = i8 (kv_cache_dtype="int8", tinyvllm/kernels/kv_cache.py): the caches hold int8 codes (char) and two more
+// buffers follow them, one half scale per (slot, KV head), row (s, kvh) ~ k_scale[s * n_kv_heads + kvh] * codes:
+//   k_scale       [num_blocks, block_size, n_kv_heads]          half
+//   v_scale       [num_blocks, block_size, n_kv_heads]          half
+// The kernels dequantize in registers, never through a float copy of the cache: a lane converts its codes of a row
+// to float as it would convert half, every lane also reads the row's scale (one broadcast load), a score is
+// simd_sum(q . codes) * k_scale (one multiply per row and head) and a V row enters the output with weight
+// p * v_scale (one multiply per row and head). Rows are still one contiguous load across the SIMD-group (D bytes:
+// 64..128 B), so a key costs 2 * (D + 2) bytes instead of 2 * D * sizeof(c): 0.52x of a half cache at D = 64,
+// 0.51x at D = 128.
 //
 // Decode is a matrix-vector product per head: it is bound by reading K and V, so the design is about reading
 // each K/V row once, in full cache lines, with enough SIMD-groups in flight to hide the latency.
@@ -38,9 +48,11 @@
 //   Registers per lane: GMAX * (V + 2) floats of state + 4 V of K/V rows in flight + addressing: about 40
 //   (GMAX 2) .. 80 (GMAX 8, V 4), the real occupancy limit; q is read from threadgroup memory per step
 //   (conflict-free consecutive vectors) rather than held in G * V more registers.
-//   Bytes per (sequence, KV head): ctx * 2 * D * sizeof(c) of K/V + G * D * sizeof(x) of q
-//   + G * D * sizeof(x) written.
+//   Bytes per (sequence, KV head): ctx * 2 * D * sizeof(c) of K/V (int8: ctx * 2 * (D + 2), codes and scales)
+//   + G * D * sizeof(x) of q + G * D * sizeof(x) written.
 //   buffers: 0 q, 1 k_cache, 2 v_cache, 3 block_tables, 4 context_lens, 5 out [num_seqs, n_heads, D] x, 6 params
+//   paged_attention_decode_<x>_i8_<D>_g<GMAX>: 0 q, 1 k_cache, 2 v_cache, 3 k_scale, 4 v_scale, 5 block_tables,
+//   6 context_lens, 7 out, 8 params
 //
 // paged_attention_decode_partitioned_<x>_<c>_<D>_g<GMAX>   (wide tables, like vLLM's v2 / MLX's 2-pass)
 //   grid: (num_partitions, n_kv_heads, num_seqs), num_partitions = ceil(max_blocks * block_size / P),
@@ -52,8 +64,10 @@
 //   buffers: 0-4 as above, 5 tmp_out [num_seqs, n_heads, num_partitions, D] float,
 //            6 exp_sums [num_seqs, n_heads, num_partitions] float (sum of exp2(score - max)),
 //            7 max_logits (same shape) float (base-2 maximum score), 8 params
-//   Bytes per (sequence, KV head, used partition): min(P, rest) * 2 * D * sizeof(c) of K/V + G * D * sizeof(x)
-//   of q, + G * (D + 2) * 4 written.
+//   (..._partitioned_<x>_i8_<D>_g<GMAX>: 0-6 as the int8 one-pass kernel, 7 tmp_out, 8 exp_sums, 9 max_logits,
+//   10 params)
+//   Bytes per (sequence, KV head, used partition): min(P, rest) * 2 * D * sizeof(c) of K/V (int8: * 2 * (D + 2))
+//   + G * D * sizeof(x) of q, + G * (D + 2) * 4 written.
 //
 // paged_attention_reduce_<x>
 //   grid: (n_heads, num_seqs) threadgroups of 32 threads (one float4 chunk of D each).
@@ -86,11 +100,14 @@ METAL_FUNC float2 to_float(float2 v) { return v; }
 METAL_FUNC float2 to_float(half2 v) { return float2(v); }
 METAL_FUNC float4 to_float(float4 v) { return v; }
 METAL_FUNC float4 to_float(half4 v) { return float4(v); }
+METAL_FUNC float2 to_float(char2 v) { return float2(v); }   // int8 codes: exact in float
+METAL_FUNC float4 to_float(char4 v) { return float4(v); }
 
+// KV = float | half (a float cache; k_scale, v_scale unused) or char (int8 codes, a half scale per row)
 template <typename T, typename KV, int D, int V, int GMAX, bool PARTITIONED>
 METAL_FUNC void paged_decode_impl(
     device const T* q, device const KV* k_cache, device const KV* v_cache,
-    device const int* block_tables, device const int* context_lens,
+    device const half* k_scale, device const half* v_scale, device const int* block_tables, device const int* context_lens,
     device T* out, device float* tmp_out, device float* exp_sums, device float* max_logits,
     constant PagedParams& p, threadgroup float* qs, threadgroup float* red,
     uint3 tgid, uint tid, uint lane, uint sg) {
@@ -100,6 +117,7 @@ METAL_FUNC void paged_decode_impl(
   constexpr int NC = D / V;              // active lanes (V-element chunks of a row)
   typedef vec<float, V> fv;
   typedef vec<KV, V> kvv;
+  constexpr bool QUANT = sizeof(KV) == 1;   // int8 codes: rows carry a scale
   const float NEG_BIG = -FLT_MAX;        // finite "minus infinity"
 
   const int seq = tgid.z, kvh = tgid.y, part = tgid.x;
@@ -130,15 +148,27 @@ METAL_FUNC void paged_decode_impl(
 
   for (int k0 = kbeg + U * (int)sg; k0 < kend; k0 += U * NSG) {
     // Issue all row loads of the step first (key k0 is always valid, k0 + u may be past the end)
+    // Row scales (int8): every lane needs them, since the scores and weights are uniform across the SIMD-group.
+    // For a float cache they stay 1 and the multiplies fold away.
     fv kr[U], vr[U];
+    float ks[U], vs[U];
     for (int u = 0; u < U; u++) {
       kr[u] = fv(0.0f);
       vr[u] = fv(0.0f);
+      ks[u] = 1.0f;
+      vs[u] = 1.0f;
       const int k = k0 + u;
-      if (k < kend && active) {
-        const long at = (long)((table[k >> bshift] << bshift) + (k & (bs - 1))) * row_stride + col;
-        kr[u] = to_float(*(device const kvv*)(k_cache + at));
-        vr[u] = to_float(*(device const kvv*)(v_cache + at));
+      if (k < kend) {
+        const int slot = (table[k >> bshift] << bshift) + (k & (bs - 1));
+        if (active) {
+          const long at = (long)slot * row_stride + col;
+          kr[u] = to_float(*(device const kvv*)(k_cache + at));
+          vr[u] = to_float(*(device const kvv*)(v_cache + at));
+        }
+        if (QUANT) {
+          ks[u] = float(k_scale[(long)slot * p.n_kv_heads + kvh]);
+          vs[u] = float(v_scale[(long)slot * p.n_kv_heads + kvh]);
+        }
       }
     }
     for (int g = 0; g < GMAX; g++) {
@@ -147,7 +177,7 @@ METAL_FUNC void paged_decode_impl(
       float s[U];
       float mx = m[g];
       for (int u = 0; u < U; u++) {
-        s[u] = k0 + u < kend ? simd_sum(dot(qg, kr[u])) : NEG_BIG;   // uniform condition: no divergence
+        s[u] = k0 + u < kend ? simd_sum(dot(qg, kr[u])) * ks[u] : NEG_BIG;   // uniform condition: no divergence
         mx = max(mx, s[u]);
       }
       const float corr = exp2(m[g] - mx);
@@ -156,7 +186,7 @@ METAL_FUNC void paged_decode_impl(
       for (int u = 0; u < U; u++) {
         const float pu = exp2(s[u] - mx);
         lsum += pu;
-        acc += pu * vr[u];
+        acc += (pu * vs[u]) * vr[u];
       }
       m[g] = mx;
       l[g] = lsum;
@@ -218,8 +248,8 @@ template <typename T, typename KV, int D, int GMAX>
     uint sg [[simdgroup_index_in_threadgroup]]) {
   threadgroup __attribute__((aligned(16))) float qs[8 * D];   // read as float4 (and float2): Metal needs 16-byte alignment
   threadgroup float red[2 * 8];
-  paged_decode_impl<T, KV, D, D == 64 ? 2 : 4, GMAX, false>(q, k_cache, v_cache, block_tables, context_lens, out, nullptr,
-                                                            nullptr, nullptr, p, qs, red, tgid, tid, lane, sg);
+  paged_decode_impl<T, KV, D, D == 64 ? 2 : 4, GMAX, false>(q, k_cache, v_cache, nullptr, nullptr, block_tables, context_lens,
+                                                            out, nullptr, nullptr, nullptr, p, qs, red, tgid, tid, lane, sg);
 }
 
 template <typename T, typename KV, int D, int GMAX>
@@ -239,8 +269,53 @@ template <typename T, typename KV, int D, int GMAX>
     uint sg [[simdgroup_index_in_threadgroup]]) {
   threadgroup __attribute__((aligned(16))) float qs[8 * D];   // read as float4 (and float2): Metal needs 16-byte alignment
   threadgroup float red[2 * 8];
-  paged_decode_impl<T, KV, D, D == 64 ? 2 : 4, GMAX, true>(q, k_cache, v_cache, block_tables, context_lens, nullptr, tmp_out,
-                                                           exp_sums, max_logits, p, qs, red, tgid, tid, lane, sg);
+  paged_decode_impl<T, KV, D, D == 64 ? 2 : 4, GMAX, true>(q, k_cache, v_cache, nullptr, nullptr, block_tables, context_lens,
+                                                           nullptr, tmp_out, exp_sums, max_logits, p, qs, red, tgid, tid, lane, sg);
+}
+
+// The int8-cache kernels: the same, with the scale buffers after the caches
+template <typename T, int D, int GMAX>
+[[kernel]] void paged_attention_decode_i8(
+    device const T* q [[buffer(0)]],
+    device const char* k_cache [[buffer(1)]],
+    device const char* v_cache [[buffer(2)]],
+    device const half* k_scale [[buffer(3)]],
+    device const half* v_scale [[buffer(4)]],
+    device const int* block_tables [[buffer(5)]],
+    device const int* context_lens [[buffer(6)]],
+    device T* out [[buffer(7)]],
+    constant PagedParams& p [[buffer(8)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup __attribute__((aligned(16))) float qs[8 * D];   // read as float4 (and float2): Metal needs 16-byte alignment
+  threadgroup float red[2 * 8];
+  paged_decode_impl<T, char, D, D == 64 ? 2 : 4, GMAX, false>(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+                                                              out, nullptr, nullptr, nullptr, p, qs, red, tgid, tid, lane, sg);
+}
+
+template <typename T, int D, int GMAX>
+[[kernel]] void paged_attention_decode_partitioned_i8(
+    device const T* q [[buffer(0)]],
+    device const char* k_cache [[buffer(1)]],
+    device const char* v_cache [[buffer(2)]],
+    device const half* k_scale [[buffer(3)]],
+    device const half* v_scale [[buffer(4)]],
+    device const int* block_tables [[buffer(5)]],
+    device const int* context_lens [[buffer(6)]],
+    device float* tmp_out [[buffer(7)]],
+    device float* exp_sums [[buffer(8)]],
+    device float* max_logits [[buffer(9)]],
+    constant PagedParams& p [[buffer(10)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup __attribute__((aligned(16))) float qs[8 * D];
+  threadgroup float red[2 * 8];
+  paged_decode_impl<T, char, D, D == 64 ? 2 : 4, GMAX, true>(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+                                                             nullptr, tmp_out, exp_sums, max_logits, p, qs, red, tgid, tid, lane, sg);
 }
 
 template <typename T>
@@ -293,6 +368,18 @@ INSTANTIATE_DECODE_D(f32, float, f32, float)
 INSTANTIATE_DECODE_D(f32, float, f16, half)
 INSTANTIATE_DECODE_D(f16, half, f32, float)
 INSTANTIATE_DECODE_D(f16, half, f16, half)
+
+#define INSTANTIATE_DECODE_I8_G(xn, X, D, GM)                                                                      \
+  template [[host_name("paged_attention_decode_" #xn "_i8_" #D "_g" #GM)]] [[kernel]]                              \
+  decltype(paged_attention_decode_i8<X, D, GM>) paged_attention_decode_i8<X, D, GM>;                               \
+  template [[host_name("paged_attention_decode_partitioned_" #xn "_i8_" #D "_g" #GM)]] [[kernel]]                  \
+  decltype(paged_attention_decode_partitioned_i8<X, D, GM>) paged_attention_decode_partitioned_i8<X, D, GM>;
+#define INSTANTIATE_DECODE_I8(xn, X, D) \
+  INSTANTIATE_DECODE_I8_G(xn, X, D, 2) INSTANTIATE_DECODE_I8_G(xn, X, D, 4) INSTANTIATE_DECODE_I8_G(xn, X, D, 8)
+#define INSTANTIATE_DECODE_I8_D(xn, X) \
+  INSTANTIATE_DECODE_I8(xn, X, 64) INSTANTIATE_DECODE_I8(xn, X, 80) INSTANTIATE_DECODE_I8(xn, X, 96) INSTANTIATE_DECODE_I8(xn, X, 128)
+INSTANTIATE_DECODE_I8_D(f32, float)
+INSTANTIATE_DECODE_I8_D(f16, half)
 
 template [[host_name("paged_attention_reduce_f32")]] [[kernel]] decltype(paged_attention_reduce<float>) paged_attention_reduce<float>;
 template [[host_name("paged_attention_reduce_f16")]] [[kernel]] decltype(paged_attention_reduce<half>) paged_attention_reduce<half>;

@@ -15,6 +15,23 @@
 //     9 params       RopeParams
 //   Rotation (HF Llama rotate-half), per head vector x: out[i] = x[i]*cos[i] - x[i+D/2]*sin[i],
 //   out[i+D/2] = x[i+D/2]*cos[i] + x[i]*sin[i], for i < D/2; maths in float. D must be a multiple of 8.
+//
+// rope_cache_write_<x>_i8: the same for an int8 cache (kv_cache_dtype="int8", tinyvllm/kernels/kv_cache.py).
+//   grid: one threadgroup per token; threads: a multiple of 32 (the host uses 64: 2 SIMD-groups).
+//   buffers: 0-6 as above, then
+//     7 k_cache  [num_blocks, block_size, n_kv_heads, D]  char  int8 codes of the rotated key
+//     8 v_cache  [num_blocks, block_size, n_kv_heads, D]  char  int8 codes of the value
+//     9 k_scale  [num_blocks, block_size, n_kv_heads]     half  one scale per (slot, KV head)
+//    10 v_scale  [num_blocks, block_size, n_kv_heads]     half
+//    11 params   RopeParams
+//   Each head vector x (rotated k, or v) is quantized as the format defines it: amax = max|x_i|,
+//   s = half(amax / 127), code_i = clamp(rint(x_i / s), -127, 127), all codes 0 when s == 0 (x_i ~ s * code_i).
+//   q is rotated by all threads as in the float kernel. Then SIMD-group sg takes the head vectors sg, sg + NSG, ...
+//   (the n_kv_heads k heads, then the v heads); lane l < D/8 holds elements [4l, 4l + 4) and [D/2 + 4l, D/2 + 4l + 4)
+//   of it in registers (exactly the pair a rotation needs, so k is rotated in place), the amax is one simd_max over
+//   the SIMD-group (idle lanes contribute 0), and each lane writes its 8 codes as two char4 stores (4-byte aligned:
+//   D is a multiple of 8), lane 0 the scale. No threadgroup memory, no barrier. Bytes written per head vector:
+//   D + 2 (codes + scale) instead of D * sizeof(c).
 #include <metal_stdlib>
 using namespace metal;
 
@@ -81,9 +98,95 @@ template <typename T, typename C>
   }
 }
 
+// The rotated pair of float4 chunks at c and D/2 + c of one head vector
+template <typename T>
+METAL_FUNC void rotate_chunk(device const T* src, device const float* cs, int c, int half_d, thread float4& r1, thread float4& r2) {
+  const float4 co = *(device const float4*)(cs + c);
+  const float4 si = *(device const float4*)(cs + half_d + c);
+  const float4 x1 = float4(*(device const vec<T, 4>*)(src + c));
+  const float4 x2 = float4(*(device const vec<T, 4>*)(src + half_d + c));
+  r1 = x1 * co - x2 * si;
+  r2 = x2 * co + x1 * si;
+}
+
+METAL_FUNC char4 quantize4(float4 x, float inv_scale) {
+  return char4(clamp(rint(x * inv_scale), float4(-127.0f), float4(127.0f)));
+}
+
+template <typename T>
+[[kernel]] void rope_cache_write_i8(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device const int* positions [[buffer(3)]],
+    device const float* cos_sin [[buffer(4)]],
+    device const int* slot_mapping [[buffer(5)]],
+    device T* q_out [[buffer(6)]],
+    device char* k_cache [[buffer(7)]],
+    device char* v_cache [[buffer(8)]],
+    device half* k_scale [[buffer(9)]],
+    device half* v_scale [[buffer(10)]],
+    constant RopeParams& p [[buffer(11)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint3 tgsize [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  const int t = tgid.x, nthreads = tgsize.x, nsg = nthreads / 32;
+  const int D = p.head_dim, half_d = D / 2, chunks = half_d / 4;
+  const int hq = p.n_heads, hk = p.n_kv_heads;
+  const int slot = slot_mapping[t];
+  device const float* cs = cos_sin + (long)positions[t] * D;
+
+  // Rotate q: one work item per (head, float4 chunk of the first half)
+  for (int i = tid; i < hq * chunks; i += nthreads) {
+    const int h = i / chunks, c = 4 * (i % chunks);
+    float4 r1, r2;
+    rotate_chunk(q + ((long)t * hq + h) * D, cs, c, half_d, r1, r2);
+    device T* dst = q_out + ((long)t * hq + h) * D;
+    *(device vec<T, 4>*)(dst + c) = to_vec4<T>(r1);
+    *(device vec<T, 4>*)(dst + half_d + c) = to_vec4<T>(r2);
+  }
+  if (slot < 0) return;   // padding token: no cache write (the same for every thread of the threadgroup)
+
+  // Quantize the rotated k heads, then the v heads: one head vector per SIMD-group step (uniform loop)
+  const bool active = (int)lane < chunks;
+  const int c = 4 * (int)lane;
+  for (int j = (int)sg; j < 2 * hk; j += nsg) {
+    const bool is_k = j < hk;
+    const int h = is_k ? j : j - hk;
+    float4 a = float4(0.0f), b = float4(0.0f);   // elements [c, c + 4) and [D/2 + c, D/2 + c + 4)
+    if (active) {
+      if (is_k) {
+        rotate_chunk(k + ((long)t * hk + h) * D, cs, c, half_d, a, b);
+      } else {
+        device const T* src = v + ((long)t * hk + h) * D;
+        a = float4(*(device const vec<T, 4>*)(src + c));
+        b = float4(*(device const vec<T, 4>*)(src + half_d + c));
+      }
+    }
+    const float4 m4 = max(abs(a), abs(b));
+    const float amax = simd_max(max(max(m4.x, m4.y), max(m4.z, m4.w)));
+    const half s = half(amax / 127.0f);
+    const float inv = float(s) > 0.0f ? 1.0f / float(s) : 0.0f;   // s == 0: every code 0
+    const long row = (long)slot * hk + h;
+    if (active) {
+      device char* dst = (is_k ? k_cache : v_cache) + row * D;
+      *(device char4*)(dst + c) = quantize4(a, inv);
+      *(device char4*)(dst + half_d + c) = quantize4(b, inv);
+    }
+    if (lane == 0) (is_k ? k_scale : v_scale)[row] = s;
+  }
+}
+
 #define INSTANTIATE_ROPE(xn, X, cn, C) \
   template [[host_name("rope_cache_write_" #xn "_" #cn)]] [[kernel]] decltype(rope_cache_write<X, C>) rope_cache_write<X, C>;
 INSTANTIATE_ROPE(f32, float, f32, float)
 INSTANTIATE_ROPE(f32, float, f16, half)
 INSTANTIATE_ROPE(f16, half, f32, float)
 INSTANTIATE_ROPE(f16, half, f16, half)
+
+#define INSTANTIATE_ROPE_I8(xn, X) \
+  template [[host_name("rope_cache_write_" #xn "_i8")]] [[kernel]] decltype(rope_cache_write_i8<X>) rope_cache_write_i8<X>;
+INSTANTIATE_ROPE_I8(f32, float)
+INSTANTIATE_ROPE_I8(f16, half)

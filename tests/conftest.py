@@ -73,25 +73,33 @@ def tiny_model(tiny_model_factory) -> Path: return tiny_model_factory("gqa")
 
 
 def our_prefill_logits(path: Path, ids: list[int], kernel_backend: str = "portable", block_size: int = 16,
-                       quantization: str | None = None) -> "np.ndarray":
-  """Our model's logits at every position of `ids`, read through a scattered block table (no engine)."""
+                       quantization: str | None = None, kv_cache_dtype: str = "auto", return_cache: bool = False):
+  """Our model's logits at every position of `ids`, read through a scattered block table (no engine). With
+  `return_cache`: (logits, each layer's K/V/scales as numpy arrays in token order)."""
   import numpy as np
   from tinygrad import Device, Tensor
-  from tinyvllm.kernels import AttentionGroup, Kernels
+  from tinyvllm.kernels import AttentionGroup, make_kernels
+  from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
   from tinyvllm.model.llama import Llama, ModelInputs
   from tinyvllm.model.weights import load_checkpoint
   ckpt = load_checkpoint(path, quantization)
   cfg, dev, T = ckpt.config, Device.DEFAULT, len(ids)
-  model = Llama(cfg, ckpt.tensors, "float32", dev, Kernels(kernel_backend, dev), cfg.max_position_embeddings)
+  model = Llama(cfg, ckpt.tensors, "float32", dev, make_kernels(kernel_backend, dev), cfg.max_position_embeddings)
   n_blocks = -(-T // block_size)
   table = np.random.default_rng(7).permutation(max(64, 2 * n_blocks))[:n_blocks].astype(np.int32)   # out of order
-  shape = (len(table) * 2 + 64, block_size, cfg.num_key_value_heads, cfg.head_dim)
-  kv = [(Tensor.zeros(*shape).contiguous().realize(), Tensor.zeros(*shape).contiguous().realize()) for _ in range(cfg.num_hidden_layers)]
+  fmt = KVCacheFormat.resolve(kv_cache_dtype, "float32")
+  zeros = lambda shape, dtype: Tensor.zeros(*shape, dtype=dtype).contiguous().realize()
+  kv = [PagedKVCache.allocate(fmt, len(table) * 2 + 64, block_size, cfg.num_key_value_heads, cfg.head_dim, zeros)
+        for _ in range(cfg.num_hidden_layers)]
   pos = np.arange(T)
   i32 = lambda a: Tensor(np.asarray(a, np.int32))
   group = AttentionGroup(1, T, i32(table[None]), n_blocks, i32(pos[None]), i32([T]), i32(np.zeros(T)))
   inp = ModelInputs(i32(ids), i32(pos), i32(table[pos // block_size] * block_size + pos % block_size), [group], i32(pos))
-  return model(inp, kv).numpy()
+  logits = model(inp, kv).numpy()
+  if not return_cache: return logits
+  slots = table[pos // block_size] * block_size + pos % block_size
+  rows = lambda t: t.numpy().reshape(-1, *t.shape[2:])[slots]
+  return logits, [[rows(t) for t in cache.tensors()] for cache in kv]
 
 
 @contextlib.contextmanager

@@ -21,15 +21,15 @@ def test_prefill_logits_match_portable(tiny_model_factory, backend):
   assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["emulator", "cpu"])
-def test_generation_matches_portable(tiny_model_factory, backend):
+@pytest.mark.parametrize("backend,kv_cache_dtype", [("emulator", "auto"), ("cpu", "auto"), ("emulator", "int8")])
+def test_generation_matches_portable(tiny_model_factory, backend, kv_cache_dtype):
   path = tiny_model_factory("metal")
   rng = np.random.default_rng(1)
   prompts = [{"prompt_token_ids": rng.integers(4, 380, n).tolist()} for n in (5, 23, 11)]
   params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
   runs = {}
   for b in ("portable", backend):
-    llm = LLM(str(path), kernel_backend=b, block_size=8, num_kv_blocks=32, max_num_batched_tokens=32)
+    llm = LLM(str(path), kernel_backend=b, block_size=8, num_kv_blocks=32, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype)
     runs[b] = llm.generate(prompts, params, use_tqdm=False)
   for a, b in zip(runs["portable"], runs[backend]):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -1,5 +1,5 @@
 """`batch_invariant=True`: a sequence's logits are bitwise the same alone and in any batch, on the CPU device with
-the `cpu` and `portable` backends, for float and 4-bit weights, with chunked prefill, packed prefill and preemption.
+the `cpu` and `portable` backends, for float and 4-bit weights and an int8 KV cache, with chunked prefill, packed prefill and preemption.
 Compared: the top-5 logprobs of every generated token (float64 from the float32 logits), greedy and seeded."""
 from __future__ import annotations
 import numpy as np
@@ -24,11 +24,12 @@ def fingerprint(c) -> list:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "portable"])
-@pytest.mark.parametrize("quantization", [None, "int4"], ids=["float32", "int4"])
-def test_logits_bitwise_alone_and_in_any_batch(tiny_model, backend, quantization):
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [(None, "auto"), ("int4", "auto"), (None, "int8")],
+                         ids=["float32", "int4", "int8-kv"])
+def test_logits_bitwise_alone_and_in_any_batch(tiny_model, backend, quantization, kv_cache_dtype):
   rng = np.random.default_rng(0)
   prompts = [rng.integers(4, 380, n).tolist() for n in LENGTHS]
-  kw = dict(kernel_backend=backend, quantization=quantization, batch_invariant=True, enable_prefix_caching=False,
+  kw = dict(kernel_backend=backend, quantization=quantization, kv_cache_dtype=kv_cache_dtype, batch_invariant=True, enable_prefix_caching=False,
             block_size=8, max_num_batched_tokens=32)                  # prompts read in chunks, several per step
   engine = LLMEngine.from_kwargs(str(tiny_model), num_kv_blocks=256, **kw)
   for params in (SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=5),

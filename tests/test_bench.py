@@ -24,7 +24,7 @@ def tensors_fp32() -> list[TensorInfo]:
 
 def test_decode_bytes_and_flops_by_hand():
   # batch 2, each sequence attends to 5 tokens, fp32 cache and activations
-  t = accounting.decode_traffic(CFG, tensors_fp32(), batch=2, context=5, kv_dtype_bytes=4, act_dtype_bytes=4)
+  t = accounting.decode_traffic(CFG, tensors_fp32(), batch=2, context=5, kv_vector_bytes=4 * CFG.head_dim, act_dtype_bytes=4)
   per_layer = 32 + 32 + 512 + 256 + 768 + 384                   # norms, qkv, o, gate_up, down
   weights = 2 * per_layer + 32 + 320 + 2 * 32                    # layers, final norm, tied head (whole), 2 gathered rows
   assert t.weight_bytes == weights == 4384
@@ -41,7 +41,7 @@ def test_decode_bytes_and_flops_by_hand():
 
 def test_prefill_in_chunks_by_hand():
   # a 6-token prompt read in chunks of 4 then 2: weights read twice, keys 4 then 6, causal attention pairs 10 + 11
-  t = accounting.prefill_traffic(CFG, tensors_fp32(), prompt_len=6, chunk_len=4, kv_dtype_bytes=4, act_dtype_bytes=4)
+  t = accounting.prefill_traffic(CFG, tensors_fp32(), prompt_len=6, chunk_len=4, kv_vector_bytes=4 * CFG.head_dim, act_dtype_bytes=4)
   head_and_layers = 2 * 1984 + 32 + 320
   assert t.weight_bytes == 2 * head_and_layers + 6 * 32
   assert t.kv_read_bytes == (4 + 6) * 64 and t.kv_write_bytes == 6 * 64
@@ -128,6 +128,23 @@ def test_several_quantizations_run_in_one_bench(tiny_model, tmp_path):
   assert records[1]["weight_bytes_per_step"] < 0.5 * records[0]["weight_bytes_per_step"]   # packed: ~1/6 of float32
   with pytest.raises(SystemExit):
     main(["--quantization", "int8"])
+
+
+def test_kv_cache_dtypes_compared_in_one_bench(tiny_model, tmp_path):
+  """`--kv-cache-dtype auto,int8`: two engines, each record labelled with its cache format, and the int8 cache's
+  bytes read per step counted from its real size (head_dim + 2 bytes per head vector against 4 * head_dim)."""
+  from tinyvllm.bench.cli import main
+  out = tmp_path / "bench.json"
+  main(["--model", str(tiny_model), "--kv-cache-dtype", "auto,int8", "--runs", "decode", "--batch-sizes", "2",
+        "--context-lens", "40", "--steps", "2", "--warmup", "1", "--bandwidth-sizes", "1", "--bandwidth-reps", "1",
+        "--matmul-size", "32", "--no-peers", "--json", str(out)])
+  records = json.loads(out.read_text())["records"]
+  assert [r["kv_cache_dtype"] for r in records] == ["float32", "int8"]
+  D = json.loads((tiny_model / "config.json").read_text())
+  D = D.get("head_dim") or D["hidden_size"] // D["num_attention_heads"]
+  ratio = records[1]["kv_read_bytes_per_step"] / records[0]["kv_read_bytes_per_step"]
+  assert ratio == pytest.approx((D + 2) / (4 * D))
+  with pytest.raises(SystemExit): main(["--kv-cache-dtype", "fp8"])
 
 
 def test_bench_sizes_runs_to_the_model_before_measuring(tiny_model, tmp_path, monkeypatch):

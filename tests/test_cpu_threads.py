@@ -56,8 +56,9 @@ def fingerprints(llm: LLM, prompts, params) -> list:
   return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs]
 
 
-@pytest.mark.parametrize("name,quantization", [("gqa", None), ("mha", None), ("gqa", "int4"), ("tied", "int4")])
-def test_generation_equal_for_any_thread_count(tiny_model_factory, name, quantization):
+@pytest.mark.parametrize("name,quantization,kv_cache_dtype", [("gqa", None, "auto"), ("mha", None, "auto"), ("gqa", "int4", "auto"),
+                                                             ("tied", "int4", "auto"), ("gqa", None, "int8")])
+def test_generation_equal_for_any_thread_count(tiny_model_factory, name, quantization, kv_cache_dtype):
   """Greedy and seeded sampling, several prompts (chunked prefill, batched decode), with 1, 2 and 3 threads."""
   model = str(tiny_model_factory(name))
   rng = np.random.default_rng(1)
@@ -65,7 +66,8 @@ def test_generation_equal_for_any_thread_count(tiny_model_factory, name, quantiz
   params = [SamplingParams(temperature=0, **GEN), SamplingParams(temperature=0.9, top_p=0.9, seed=5, **GEN)]
   results = {}
   for threads in (1, 2, 3):
-    llm = LLM(model, quantization=quantization, kernel_backend="cpu", num_threads=threads, max_num_batched_tokens=64)
+    llm = LLM(model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, kernel_backend="cpu", num_threads=threads,
+              max_num_batched_tokens=64)
     try:
       assert llm.llm_engine.call(lambda e: e.core.kernels.threads.threads) == threads
       results[threads] = [fingerprints(llm, prompts, p) for p in params]

@@ -14,9 +14,11 @@ from tinygrad import Device, Tensor, dtypes
 from tinyvllm.kernels import metal as M
 
 try:
-  from test_metal_kernels import DT_PAIRS, INT4_SHAPES, attention_cases, decode_case, int4_case, prefill_case, rope_case
+  from test_metal_kernels import (DT_PAIRS, GQA, I8_PAIRS, INT4_SHAPES, attention_cases, decode_case, dt_id, int4_case,
+                                  prefill_case, rope_case)
 except ImportError:  # run as a package
-  from tests.test_metal_kernels import DT_PAIRS, INT4_SHAPES, attention_cases, decode_case, int4_case, prefill_case, rope_case
+  from tests.test_metal_kernels import (DT_PAIRS, GQA, I8_PAIRS, INT4_SHAPES, attention_cases, decode_case, dt_id, int4_case,
+                                        prefill_case, rope_case)
 
 
 def _metal_reason() -> str | None:
@@ -63,6 +65,18 @@ def test_int4_matmul_metal(shape, g, xdt):
 
 def test_long_context_metal():
   decode_case("metal", 128, 16, (8, 2), (dtypes.float16, dtypes.float16), lens=(1500, 3, 700, 1024), seed=2)
+
+
+@pytest.mark.parametrize("dts", I8_PAIRS, ids=lambda d: f"{dt_id(d[0])}-{dt_id(d[1])}")
+def test_int8_cache_metal(dts):
+  """An int8 KV cache (codes + float16 scales in a PagedKVCache): the cache write, one-pass and partitioned decode and
+  prefill, every head_dim, block sizes and GQA ratios in turn (the full matrix runs in test_metal_kernels.py)."""
+  for i, D in enumerate(M.HEAD_DIMS):
+    bs = M.BLOCK_SIZES[i % len(M.BLOCK_SIZES)]
+    rope_case("metal", D, (6, 2), dts, seed=i)
+    decode_case("metal", D, bs, GQA[i], dts, seed=i)
+    decode_case("metal", D, bs, GQA[(i + 1) % len(GQA)], dts, partition_size=2 * bs, seed=i)
+    prefill_case("metal", D, bs, GQA[(i + 2) % len(GQA)], dts, seed=i)
 
 
 # **** tinygrad's own kernels on the METAL device (what the model's norms, float linears and sampling inputs use) ****

@@ -9,6 +9,14 @@ Tolerances, relative error ||out - ref|| / ||ref||:
     exp (a few ulp); measured errors are ~1e-7, the margin covers Metal's fast paths and sums over long contexts.
   * F16_TOL 3e-3: half storage of q/K/V/x or of the output rounds each value to 2^-11 relative (~4.9e-4 worst,
     ~2e-4 RMS measured), then accumulated in float; 3e-3 leaves room for Metal's half conversions and fast math.
+
+int8 KV cache (`kv_cache_dtype="int8"`, tinyvllm/kernels/kv_cache.py): the attention references run in float64 on the
+cache dequantized by tests/kv_reference.py (codes * scale), so the quantization error itself is not in the comparison,
+only the kernels' arithmetic: the same tolerance as the activation dtype. With float32 activations the decode kernel
+converts codes exactly and multiplies scores and weights by the float16 scales in float (F32_TOL); the prefill kernel
+stages scale * code in float tiles, exact (7 + 11 significant bits). With float16 activations the prefill tiles are
+half, so scale * code rounds to 2^-11 relative like a half cache (F16_TOL). The cache write is checked code by code
+(see `rope_case`).
 """
 import numpy as np
 import pytest
@@ -16,18 +24,33 @@ from tinygrad import Tensor, TinyJit, dtypes
 
 from tinyvllm.kernels import metal as M
 from tinyvllm.kernels.emulator import EmulatorError, compile_source
+from tinyvllm.kernels.kv_cache import PagedKVCache
+
+try:
+  from kv_reference import dequantize_int8_ref, quantize_int8_ref
+except ImportError:  # run as a package
+  from tests.kv_reference import dequantize_int8_ref, quantize_int8_ref
 
 F32_TOL, F16_TOL = 1e-4, 3e-3
-NP = {dtypes.float32: np.float32, dtypes.float16: np.float16}
+NP = {dtypes.float32: np.float32, dtypes.float16: np.float16, dtypes.int8: np.int8}
+TG = {np.dtype(v): k for k, v in NP.items()}   # numpy dtype -> tinygrad dtype
 DT_PAIRS = [(dtypes.float32, dtypes.float32), (dtypes.float16, dtypes.float16), (dtypes.float32, dtypes.float16),
             (dtypes.float16, dtypes.float32)]
+I8_PAIRS = [(dtypes.float16, dtypes.int8), (dtypes.float32, dtypes.int8)]   # (activations, int8 cache)
 GQA = [(4, 4), (6, 2), (8, 2), (8, 1)]  # (n_heads, n_kv_heads): ratios 1, 3, 4, 8
 
 
-def attention_cases(dt_pairs):
-  """Parametrize a test over (D, bs, heads, dts): every head_dim, block size and GQA ratio, with these dtype pairs."""
-  cases = [pytest.param(D, bs, heads, dts, id=f"{D}-{bs}-gqa{heads[0] // heads[1]}-{dts[0].name}-{dts[1].name}")
-           for D in M.HEAD_DIMS for bs in M.BLOCK_SIZES for heads in GQA for dts in dt_pairs]
+def dt_id(d) -> str: return "int8" if d == dtypes.int8 else d.name   # tinygrad names int8 "signed char"
+
+
+def attention_cases(dt_pairs, every_block_size=True):
+  """Parametrize a test over (D, bs, heads, dts): every head_dim, block size and GQA ratio, with these dtype pairs.
+  every_block_size=False: block sizes take turns over the (D, GQA) pairs instead (the slot arithmetic does not depend
+  on the cache dtype, and every block size still meets every head_dim and every GQA ratio)."""
+  combos = [(D, bs, heads) for D in M.HEAD_DIMS for bs in M.BLOCK_SIZES for heads in GQA] if every_block_size else \
+           [(D, M.BLOCK_SIZES[(i + j) % len(M.BLOCK_SIZES)], heads) for i, D in enumerate(M.HEAD_DIMS) for j, heads in enumerate(GQA)]
+  cases = [pytest.param(D, bs, heads, dts, id=f"{D}-{bs}-gqa{heads[0] // heads[1]}-{dt_id(dts[0])}-{dt_id(dts[1])}")
+           for D, bs, heads in combos for dts in dt_pairs]
   return pytest.mark.parametrize("D,bs,heads,dts", cases)
 
 # **** references (float64) ****
@@ -39,6 +62,18 @@ def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
 
 
 def tol(*dts) -> float: return F16_TOL if dtypes.float16 in dts else F32_TOL
+
+
+def cache_f64(cache) -> tuple[np.ndarray, np.ndarray]:
+  """K and V of a numpy cache (k, v) or (k codes, v codes, k_scale, v_scale) in float64: what attention must read."""
+  if len(cache) == 2: return cache[0].astype(np.float64), cache[1].astype(np.float64)
+  k, v, ks, vs = cache
+  return dequantize_int8_ref(k, ks), dequantize_int8_ref(v, vs)
+
+
+def random_heads(rng, shape) -> np.ndarray:
+  """Random head vectors [..., D] of varied magnitudes (a log-normal factor per vector), so scales differ row to row."""
+  return rng.standard_normal(shape) * np.exp(rng.normal(0.0, 0.7, shape[:-1] + (1,)))
 
 
 def attention_ref(qv, k_cache, v_cache, table_row, ctx, scale):
@@ -93,19 +128,27 @@ def quantize_int4(rng, n, k, g):
 # **** inputs ****
 
 
+def random_cache(rng, num_blocks, bs, KVH, D, cache_dt) -> tuple[np.ndarray, ...]:
+  """A numpy cache full of random values: (k, v) float, or int8 (k codes, v codes, k_scale, v_scale) quantized from
+  random head vectors by the reference."""
+  if cache_dt != dtypes.int8:
+    return tuple(rng.standard_normal((num_blocks, bs, KVH, D)).astype(NP[cache_dt]) for _ in range(2))
+  (k, ks), (v, vs) = (quantize_int8_ref(random_heads(rng, (num_blocks, bs, KVH, D))) for _ in range(2))
+  return k, v, ks, vs
+
+
 def paged_inputs(rng, lens, bs, KVH, D, cache_dt, extra_blocks=2):
-  """Caches full of random values and block tables built from a shuffled free list (non-contiguous, unused = 0)."""
+  """A random cache (see random_cache) and block tables built from a shuffled free list (non-contiguous, unused = 0)."""
   need = sum(-(-n // bs) for n in lens)
   num_blocks = need + extra_blocks + 3
-  k_cache = rng.standard_normal((num_blocks, bs, KVH, D)).astype(NP[cache_dt])
-  v_cache = rng.standard_normal((num_blocks, bs, KVH, D)).astype(NP[cache_dt])
+  cache = random_cache(rng, num_blocks, bs, KVH, D, cache_dt)
   free = rng.permutation(num_blocks)
   tables = np.zeros((len(lens), max(-(-n // bs) for n in lens) + extra_blocks), np.int32)
   i = 0
   for s, n in enumerate(lens):
     tables[s, :-(-n // bs)] = free[i:i - (-n // bs)]
     i -= -n // bs
-  return k_cache, v_cache, tables
+  return cache, tables
 
 
 # **** runners: numpy in, numpy out ****
@@ -119,48 +162,56 @@ def direct_run(launch, arrays, order="forward", seed=0):
                            order=order, seed=seed)
 
 
-def run_decode(runner, q, k_cache, v_cache, tables, lens, scale, partition_size=None, order="forward"):
+def tensor_cache(cache, dev) -> PagedKVCache:
+  return PagedKVCache(*[Tensor(a, device=dev).realize() for a in cache])
+
+
+def run_decode(runner, q, cache, tables, lens, scale, partition_size=None, order="forward"):
   if runner == "direct":
     B, H, D = q.shape
-    ls = M.decode_launches(B, H, k_cache.shape[2], D, k_cache.shape[1], tables.shape[1], dtypes.float16 if q.dtype == np.float16
-                           else dtypes.float32, dtypes.float16 if k_cache.dtype == np.float16 else dtypes.float32, scale, partition_size)
+    k_cache = cache[0]
+    ls = M.decode_launches(B, H, k_cache.shape[2], D, k_cache.shape[1], tables.shape[1], TG[q.dtype], TG[k_cache.dtype], scale,
+                           partition_size)
     out = np.zeros_like(q)
-    if len(ls) == 1: direct_run(ls[0], [q, k_cache, v_cache, tables, lens, out], order)
+    if len(ls) == 1: direct_run(ls[0], [q, *cache, tables, lens, out], order)
     else:
       n = ls[0].grid[0]
       tmp, sums, maxes = np.zeros((B, H, n, D), np.float32), np.zeros((B, H, n), np.float32), np.zeros((B, H, n), np.float32)
-      direct_run(ls[0], [q, k_cache, v_cache, tables, lens, tmp, sums, maxes], order)
+      direct_run(ls[0], [q, *cache, tables, lens, tmp, sums, maxes], order)
       direct_run(ls[1], [tmp, sums, maxes, lens, out], order)
     return out
   dev = "METAL" if runner == "metal" else "CPU"
-  t = [Tensor(a, device=dev).realize() for a in (q, k_cache, v_cache, tables, lens)]
-  return M.paged_attention_decode(*t, scale, backend=runner, partition_size=partition_size).numpy()
+  t = [Tensor(a, device=dev).realize() for a in (q, tables, lens)]
+  return M.paged_attention_decode(t[0], tensor_cache(cache, dev), t[1], t[2], scale, backend=runner,
+                                  partition_size=partition_size).numpy()
 
 
-def run_prefill(runner, q, k_cache, v_cache, tables, token_seq, token_pos, scale, order="forward"):
+def run_prefill(runner, q, cache, tables, token_seq, token_pos, scale, order="forward"):
   if runner == "direct":
     T, H, D = q.shape
-    launch = M.prefill_launch(T, H, k_cache.shape[2], D, k_cache.shape[1], tables.shape[1], dtypes.float16 if q.dtype == np.float16
-                              else dtypes.float32, dtypes.float16 if k_cache.dtype == np.float16 else dtypes.float32, scale)
+    k_cache = cache[0]
+    launch = M.prefill_launch(T, H, k_cache.shape[2], D, k_cache.shape[1], tables.shape[1], TG[q.dtype], TG[k_cache.dtype], scale)
     out = np.zeros_like(q)
-    direct_run(launch, [q, k_cache, v_cache, tables, token_seq, token_pos, out], order)
+    direct_run(launch, [q, *cache, tables, token_seq, token_pos, out], order)
     return out
   dev = "METAL" if runner == "metal" else "CPU"
-  t = [Tensor(a, device=dev).realize() for a in (q, k_cache, v_cache, tables, token_seq, token_pos)]
-  return M.paged_attention_prefill(*t, scale, backend=runner).numpy()
+  t = [Tensor(a, device=dev).realize() for a in (q, tables, token_seq, token_pos)]
+  return M.paged_attention_prefill(t[0], tensor_cache(cache, dev), *t[1:], scale, backend=runner).numpy()
 
 
-def run_rope(runner, q, k, v, pos, cos_sin, k_cache, v_cache, slots, order="forward"):
+def run_rope(runner, q, k, v, pos, cos_sin, cache, slots, order="forward"):
+  """Returns (q_out, the cache after the write) as numpy arrays."""
   if runner == "direct":
     T, H, D = q.shape
-    launch = M.rope_launch(T, H, k.shape[1], D, dtypes.float16 if q.dtype == np.float16 else dtypes.float32,
-                           dtypes.float16 if k_cache.dtype == np.float16 else dtypes.float32)
-    q_out, kc, vc = np.zeros_like(q), k_cache.copy(), v_cache.copy()
-    direct_run(launch, [q, k, v, pos, cos_sin, slots, q_out, kc, vc], order)
-    return q_out, kc, vc
+    launch = M.rope_launch(T, H, k.shape[1], D, TG[q.dtype], TG[cache[0].dtype])
+    q_out, written = np.zeros_like(q), tuple(a.copy() for a in cache)
+    direct_run(launch, [q, k, v, pos, cos_sin, slots, q_out, *written], order)
+    return q_out, written
   dev = "METAL" if runner == "metal" else "CPU"
-  t = [Tensor(a, device=dev).realize() for a in (q, k, v, pos, cos_sin, k_cache, v_cache, slots)]
-  return tuple(x.numpy() for x in M.rope_and_cache_write(*t, backend=runner))
+  t = [Tensor(a, device=dev).realize() for a in (q, k, v, pos, cos_sin, slots)]
+  q_out, written = M.rope_and_cache_write(*t[:5], tensor_cache(cache, dev), t[5], backend=runner)
+  assert isinstance(written, PagedKVCache) and written.quantized == (len(cache) == 4)
+  return q_out.numpy(), tuple(x.numpy() for x in written.tensors())
 
 
 def run_int4(runner, x, packed, scales, biases, g, order="forward"):
@@ -180,13 +231,13 @@ def run_int4(runner, x, packed, scales, biases, g, order="forward"):
 def decode_case(runner, D, bs, heads, dts, partition_size=None, lens=(1, 37, 0, 70, 16), seed=0, order="forward"):
   (H, KVH), (qdt, cdt) = heads, dts
   rng = np.random.default_rng(seed)
-  k_cache, v_cache, tables = paged_inputs(rng, lens, bs, KVH, D, cdt)
+  cache, tables = paged_inputs(rng, lens, bs, KVH, D, cdt)
   q = rng.standard_normal((len(lens), H, D)).astype(NP[qdt])
   lens = np.array(lens, np.int32)
-  out = run_decode(runner, q, k_cache, v_cache, tables, lens, D ** -0.5, partition_size, order)
+  out = run_decode(runner, q, cache, tables, lens, D ** -0.5, partition_size, order)
   assert out.dtype == q.dtype and out.shape == q.shape
   assert not out[lens == 0].any(), "a padding row must give zeros"
-  err = rel_err(out, decode_ref(q, k_cache, v_cache, tables, lens, D ** -0.5))
+  err = rel_err(out, decode_ref(q, *cache_f64(cache), tables, lens, D ** -0.5))
   assert err < tol(qdt, cdt), err
   return err
 
@@ -198,12 +249,12 @@ def prefill_case(runner, D, bs, heads, dts, seed=0, order="forward", chunk=None)
   rng = np.random.default_rng(seed)
   lens, token_seq, token_pos = chunk or ((45, 9, 70), [0] * 6 + [-1] + [1] * 9 + [2] * 13,
                                          list(range(39, 45)) + [0] + list(range(9)) + list(range(57, 70)))
-  k_cache, v_cache, tables = paged_inputs(rng, lens, bs, KVH, D, cdt)
+  cache, tables = paged_inputs(rng, lens, bs, KVH, D, cdt)
   token_seq, token_pos = np.array(token_seq, np.int32), np.array(token_pos, np.int32)
   q = rng.standard_normal((len(token_seq), H, D)).astype(NP[qdt])
-  out = run_prefill(runner, q, k_cache, v_cache, tables, token_seq, token_pos, D ** -0.5, order)
+  out = run_prefill(runner, q, cache, tables, token_seq, token_pos, D ** -0.5, order)
   assert out.dtype == q.dtype and not out[token_seq < 0].any()
-  err = rel_err(out, prefill_ref(q, k_cache, v_cache, tables, token_seq, token_pos, D ** -0.5))
+  err = rel_err(out, prefill_ref(q, *cache_f64(cache), tables, token_seq, token_pos, D ** -0.5))
   assert err < tol(qdt, cdt), err
   return err
 
@@ -212,19 +263,67 @@ def rope_case(runner, D, heads, dts, seed=0, order="forward"):
   (H, KVH), (xdt, cdt) = heads, dts
   rng = np.random.default_rng(seed)
   T, num_blocks, bs = 9, 5, 8
-  q, k, v = (rng.standard_normal((T, h, D)).astype(NP[xdt]) for h in (H, KVH, KVH))
+  q = rng.standard_normal((T, H, D)).astype(NP[xdt])
+  k, v = (random_heads(rng, (T, KVH, D)).astype(NP[xdt]) for _ in range(2))
+  if cdt == dtypes.int8:   # a tiny (not zero) head vector: max|v| / 127 = 1.6e-8 rounds to float16 0: scale 0, codes 0
+    v[3, 0] = (v[3, 0].astype(np.float64) / np.abs(v[3, 0]).max() * 2e-6).astype(v.dtype)
   pos = rng.integers(0, 200, T).astype(np.int32)
   cos_sin = rope_table(256, D)
   slots = rng.permutation(num_blocks * bs)[:T].astype(np.int32)
   slots[[2, 5]] = -1  # padding tokens: no cache write
-  k_cache, v_cache = (rng.standard_normal((num_blocks, bs, KVH, D)).astype(NP[cdt]) for _ in range(2))
-  q_out, kc, vc = run_rope(runner, q, k, v, pos, cos_sin, k_cache, v_cache, slots, order)
-  k_ref, v_ref = k_cache.reshape(-1, KVH, D).astype(np.float64), v_cache.reshape(-1, KVH, D).astype(np.float64)
+  cache = random_cache(rng, num_blocks, bs, KVH, D, cdt)
+  q_out, written = run_rope(runner, q, k, v, pos, cos_sin, cache, slots, order)
   ok = slots >= 0
-  k_ref[slots[ok]], v_ref[slots[ok]] = rope_ref(k, pos, cos_sin)[ok], v[ok]
-  errs = rel_err(q_out, rope_ref(q, pos, cos_sin)), rel_err(kc.reshape(k_ref.shape), k_ref), rel_err(vc.reshape(v_ref.shape), v_ref)
-  assert max(errs) < tol(xdt, cdt), errs
+  k_new, v_new = rope_ref(k, pos, cos_sin)[ok], v[ok].astype(np.float64)
+  err_q = rel_err(q_out, rope_ref(q, pos, cos_sin))
+  assert err_q < tol(xdt), err_q
+  if cdt != dtypes.int8:
+    k_ref, v_ref = (c.reshape(-1, KVH, D).astype(np.float64) for c in cache)
+    k_ref[slots[ok]], v_ref[slots[ok]] = k_new, v_new
+    errs = err_q, rel_err(written[0].reshape(k_ref.shape), k_ref), rel_err(written[1].reshape(v_ref.shape), v_ref)
+    assert max(errs) < tol(xdt, cdt), errs
+    return max(errs)
+  # int8: the rows of unwritten slots are untouched, bit for bit
+  untouched = np.setdiff1d(np.arange(num_blocks * bs), slots[ok])
+  for before, after in zip(cache, written):
+    assert np.array_equal(before.reshape(num_blocks * bs, KVH, -1)[untouched], after.reshape(num_blocks * bs, KVH, -1)[untouched])
+  errs = [err_q]
+  for x, codes, scale in ((k_new, written[0], written[2]), (v_new, written[1], written[3])):
+    codes, scale = codes.reshape(-1, KVH, D)[slots[ok]], scale.reshape(-1, KVH)[slots[ok]]
+    errs.append(check_int8_rows(x, codes, scale))
   return max(errs)
+
+
+# Quantization error of the cache write for random_heads rows: each element is off by at most s / 2 (s = max|x| / 127,
+# rounded to float16), uniform in [-s/2, s/2] (RMS s / sqrt(12)); over a Gaussian head vector of D <= 128 elements
+# max|x| is ~2.5-3 standard deviations, so ||deq - x|| / ||x|| ~ 3 / (127 sqrt(12)) ~ 0.7 % (measured ~0.6 %).
+INT8_ROW_TOL = 1.2e-2
+
+
+def check_int8_rows(x, codes, scale) -> float:
+  """A kernel's int8 head vectors (codes [..., D], float16 scales [...]) against the float64 reference quantization of
+  the exact rows x: scales within one float16 ulp (the kernel divides max|x| by 127 in float, then rounds to half: a
+  second rounding); codes equal except +-1 at rounding ties of x / s, or where the scale took the neighbouring ulp;
+  every element of s * code within s / 2 of x (s == 0 only where max|x| / 127 underflows half). Returns the relative
+  error ||s * code - x|| / ||x||, checked against INT8_ROW_TOL."""
+  ref_codes, ref_scale = quantize_int8_ref(x)
+  assert codes.dtype == np.int8 and scale.dtype == np.float16
+  assert (np.abs(scale.astype(np.float64) - ref_scale) <= np.spacing(ref_scale).astype(np.float64)).all(), "scale off by > 1 ulp"
+  diff = codes.astype(np.int32) - ref_codes
+  assert np.abs(diff).max() <= 1, "a code is off by more than 1"
+  s_ref = ref_scale.astype(np.float64)[..., None]
+  ratio = np.abs(x) / np.where(s_ref > 0, s_ref, 1)
+  at_tie = np.abs(ratio - np.floor(ratio) - 0.5) < 1e-3
+  same_scale = np.broadcast_to((scale == ref_scale)[..., None], diff.shape)
+  assert (at_tie | ~same_scale)[diff != 0].all(), "a code differs from the reference away from a rounding tie"
+  s = scale.astype(np.float64)[..., None]
+  deq = dequantize_int8_ref(codes, scale)
+  zero = (scale == 0)[..., None]
+  assert (np.abs(deq - x) <= 0.5 * s * (1 + 1e-3) + zero * 127 * 2.0 ** -25).all(), "an element is off by more than s / 2"
+  assert not codes[scale == 0].any(), "a zero scale must come with zero codes"
+  err = rel_err(deq, x)
+  assert err < INT8_ROW_TOL, err
+  return err
 
 
 def int4_case(runner, m, n, k, g, xdt, seed=0, order="forward"):
@@ -254,7 +353,18 @@ def test_prefill(D, bs, heads, dts):
   prefill_case("direct", D, bs, heads, dts)
 
 
-@pytest.mark.parametrize("dts", DT_PAIRS, ids=lambda d: f"{d[0].name}-{d[1].name}")
+@attention_cases(I8_PAIRS, every_block_size=False)
+def test_decode_int8_cache(D, bs, heads, dts):
+  decode_case("direct", D, bs, heads, dts)
+  decode_case("direct", D, bs, heads, dts, partition_size=2 * bs, seed=1)
+
+
+@attention_cases(I8_PAIRS, every_block_size=False)
+def test_prefill_int8_cache(D, bs, heads, dts):
+  prefill_case("direct", D, bs, heads, dts)
+
+
+@pytest.mark.parametrize("dts", DT_PAIRS + I8_PAIRS, ids=lambda d: f"{dt_id(d[0])}-{dt_id(d[1])}")
 @pytest.mark.parametrize("D", M.HEAD_DIMS)
 def test_rope_and_cache_write(D, dts):
   rope_case("direct", D, (6, 2), dts)
@@ -278,11 +388,13 @@ def test_decode_long_context_partitions_automatically():
 
 
 def test_random_batches():
-  """Random batch compositions: lengths 0..150, random shapes and dtypes, shuffled chunk tokens, partitions."""
+  """Random batch compositions: lengths 0..150, random shapes and dtypes (int8 caches too), shuffled chunk tokens,
+  partitions."""
   rng = np.random.default_rng(11)
-  for i in range(12):
+  pairs = DT_PAIRS + I8_PAIRS
+  for i in range(14):
     D, bs = int(rng.choice(M.HEAD_DIMS)), int(rng.choice(M.BLOCK_SIZES))
-    heads, dts = GQA[rng.integers(len(GQA))], DT_PAIRS[rng.integers(len(DT_PAIRS))]
+    heads, dts = GQA[rng.integers(len(GQA))], pairs[i % len(pairs)]
     lens = tuple(int(n) for n in rng.integers(0, 150, rng.integers(1, 6)))
     decode_case("direct", D, bs, heads, dts, partition_size=int(rng.choice([0, bs, 4 * bs])), lens=lens, seed=i)
     lens = tuple(max(1, n) for n in lens)
@@ -307,6 +419,13 @@ def test_lane_orders(order):
     rope_case("direct", 64, (4, 2), (dtypes.float32, dtypes.float16), seed=seed, order=order)
     int4_case("direct", 5, 72, 256, 64, dtypes.float32, seed=seed, order=order)
     int4_case("direct", 40, 72, 256, 32, dtypes.float16, seed=seed, order=order)
+    # int8 caches: the cache write (amax across a SIMD-group), one-pass and partitioned decode, prefill
+    rope_case("direct", 80, (6, 2), (dtypes.float16, dtypes.int8), seed=seed, order=order)
+    rope_case("direct", 128, (4, 4), (dtypes.float32, dtypes.int8), seed=seed, order=order)
+    decode_case("direct", 96, 16, (8, 2), (dtypes.float16, dtypes.int8), seed=seed, order=order)
+    decode_case("direct", 64, 8, (6, 2), (dtypes.float32, dtypes.int8), partition_size=16, seed=seed, order=order)
+    prefill_case("direct", 128, 8, (8, 2), (dtypes.float16, dtypes.int8), seed=seed, order=order)
+    prefill_case("direct", 80, 16, (4, 4), (dtypes.float32, dtypes.int8), seed=seed, order=order)
 
 
 def test_public_functions_on_emulator():
@@ -317,15 +436,38 @@ def test_public_functions_on_emulator():
   rope_case("emulator", 64, (6, 2), (dtypes.float32, dtypes.float32))
   int4_case("emulator", 4, 64, 256, 64, dtypes.float32)
   int4_case("emulator", 20, 64, 256, 64, dtypes.float32)
+  # int8 caches: the PagedKVCache with its scales through the same functions
+  decode_case("emulator", 64, 16, (8, 2), (dtypes.float16, dtypes.int8))
+  decode_case("emulator", 128, 8, (6, 2), (dtypes.float32, dtypes.int8), partition_size=32)
+  prefill_case("emulator", 96, 16, (6, 2), (dtypes.float16, dtypes.int8))
+  rope_case("emulator", 64, (6, 2), (dtypes.float16, dtypes.int8))
 
 
-def test_tinyjit_decode_step():
-  """A jitted step (rope + cache write, decode, prefill, int4) replayed with changed inputs gives fresh results."""
+def test_public_functions_check_the_cache():
+  """A PagedKVCache whose tensors disagree is refused before any launch, with the reason."""
+  rng = np.random.default_rng(4)
+  (k, v, ks, vs), tables = paged_inputs(rng, (9,), 8, 2, 64, dtypes.int8)
+  t = lambda a: Tensor(a).realize()
+  q, bt, lens = t(rng.standard_normal((1, 4, 64)).astype(np.float32)), t(tables), t(np.array([9], np.int32))
+  with pytest.raises(ValueError, match="k_scale and v_scale"):
+    M.paged_attention_decode(q, PagedKVCache(t(k), t(v)), bt, lens, 0.125, backend="emulator")
+  with pytest.raises(ValueError, match="k_scale must be float16"):
+    M.paged_attention_decode(q, PagedKVCache(t(k), t(v), t(ks.astype(np.float32)), t(vs)), bt, lens, 0.125, backend="emulator")
+  with pytest.raises(ValueError, match="one dtype"):
+    M.paged_attention_prefill(q, PagedKVCache(t(k), t(v.astype(np.float16))), bt, t(np.zeros(1, np.int32)), lens, 0.125,
+                              backend="emulator")
+  with pytest.raises(TypeError, match="PagedKVCache"):
+    M.paged_attention_decode(q, (t(k), t(v)), bt, lens, 0.125, backend="emulator")
+
+
+@pytest.mark.parametrize("cache_dt", [dtypes.float32, dtypes.int8], ids=dt_id)
+def test_tinyjit_decode_step(cache_dt):
+  """A jitted step (rope + cache write, decode, prefill, int4) replayed with changed inputs gives fresh results; the
+  cache written by one replay (codes and scales, for int8) is what the next one reads."""
   rng = np.random.default_rng(7)
   D, H, KVH, bs, num_blocks, K, N, g = 64, 8, 2, 8, 24, 128, 40, 32
-  k_cache = Tensor(rng.standard_normal((num_blocks, bs, KVH, D)).astype(np.float32)).realize()
-  v_cache = Tensor(rng.standard_normal((num_blocks, bs, KVH, D)).astype(np.float32)).realize()
-  k_ref, v_ref = k_cache.numpy().reshape(-1, KVH, D).astype(np.float64), v_cache.numpy().reshape(-1, KVH, D).astype(np.float64)
+  cache = tensor_cache(random_cache(rng, num_blocks, bs, KVH, D, cache_dt), "CPU")
+  k_ref, v_ref = (a.reshape(-1, KVH, D) for a in cache_f64([c.numpy() for c in cache.tensors()]))
   cos_sin = rope_table(128, D)
   cs = Tensor(cos_sin).realize()
   packed, scales, biases, w = quantize_int4(rng, N, K, g)
@@ -335,10 +477,10 @@ def test_tinyjit_decode_step():
 
   @TinyJit
   def step(q, k, v, pos, slots, lens, x):
-    q_rot, kc, vc = M.rope_and_cache_write(q, k, v, pos, cs, k_cache, v_cache, slots, backend="emulator")
-    o = M.paged_attention_decode(q_rot, kc, vc, bt, lens, D ** -0.5, backend="emulator")
+    q_rot, written = M.rope_and_cache_write(q, k, v, pos, cs, cache, slots, backend="emulator")
+    o = M.paged_attention_decode(q_rot, written, bt, lens, D ** -0.5, backend="emulator")
     seq = Tensor([0, 1], dtype=dtypes.int32)
-    p = M.paged_attention_prefill(q_rot, kc, vc, bt, seq, pos, D ** -0.5, backend="emulator")
+    p = M.paged_attention_prefill(q_rot, written, bt, seq, pos, D ** -0.5, backend="emulator")
     y = M.int4_matmul(x, *wt, g, backend="emulator")
     return o.realize(), p.realize(), y.realize()
 
@@ -349,7 +491,12 @@ def test_tinyjit_decode_step():
     q, k, v = (rng.standard_normal((2, h, D)).astype(np.float32) for h in (H, KVH, KVH))
     x = rng.standard_normal((2, K)).astype(np.float32)
     o, p, y = step(*[Tensor(a).realize() for a in (q, k, v, pos, slots, lens, x)])
-    k_ref[slots], v_ref[slots] = rope_ref(k, pos, cos_sin), v
+    if cache_dt == dtypes.int8:   # the rows written in place, against the reference quantization of the new k and v
+      now = [c.numpy() for c in cache.tensors()]
+      for x_new, codes, sc in ((rope_ref(k, pos, cos_sin), now[0], now[2]), (v.astype(np.float64), now[1], now[3])):
+        check_int8_rows(x_new, codes.reshape(-1, KVH, D)[slots], sc.reshape(-1, KVH)[slots])
+      k_ref, v_ref = (a.reshape(-1, KVH, D) for a in cache_f64(now))
+    else: k_ref[slots], v_ref[slots] = rope_ref(k, pos, cos_sin), v
     ref = decode_ref(rope_ref(q, pos, cos_sin), k_ref.reshape(num_blocks, bs, KVH, D), v_ref.reshape(num_blocks, bs, KVH, D),
                      tables, lens, D ** -0.5)
     assert rel_err(o.numpy(), ref) < F32_TOL
@@ -373,10 +520,10 @@ def test_shipped_kernels_need_their_metal_fixes():
   assert old_attn != attn
   lib = compile_source(old_attn, "paged_attention_old.metal")
   rng = np.random.default_rng(3)
-  k_cache, v_cache, tables = paged_inputs(rng, (20, 5), 16, 2, 64, dtypes.float32)
+  cache, tables = paged_inputs(rng, (20, 5), 16, 2, 64, dtypes.float32)
   q, lens = rng.standard_normal((2, 8, 64)).astype(np.float32), np.array([20, 5], np.int32)
   (launch,) = M.decode_launches(2, 8, 2, 64, 16, tables.shape[1], dtypes.float32, dtypes.float32, 0.125)
-  args = [q, k_cache, v_cache, tables, lens, np.zeros_like(q), np.array(launch.params, np.int32)]
+  args = [q, *cache, tables, lens, np.zeros_like(q), np.array(launch.params, np.int32)]
   with pytest.raises(EmulatorError, match="misaligned"): lib.run(launch.kernel, args, launch.grid, launch.threads)
 
 
@@ -411,7 +558,7 @@ def test_decode_short_context_in_wide_table(order):
   D, bs, H, KVH, P = 64, 16, 8, 2, M.PARTITION_SIZE
   lens = (5, 0, P + 88, P)  # one partition, padding, two partitions, exactly one
   rng = np.random.default_rng(5)
-  k_cache, v_cache, tables = paged_inputs(rng, lens, bs, KVH, D, dtypes.float16, extra_blocks=128 - -(-max(lens) // bs))
+  cache, tables = paged_inputs(rng, lens, bs, KVH, D, dtypes.float16, extra_blocks=128 - -(-max(lens) // bs))
   q = rng.standard_normal((len(lens), H, D)).astype(np.float16)
   lens = np.array(lens, np.int32)
   ls = M.decode_launches(len(lens), H, KVH, D, bs, tables.shape[1], dtypes.float16, dtypes.float16, D ** -0.5)
@@ -421,7 +568,7 @@ def test_decode_short_context_in_wide_table(order):
   assert ls[1].grid == (H, len(lens), 1)
   used = -(-lens // P)
   tmp, sums, maxes = (np.full(s, np.nan, np.float32) for s in ((len(lens), H, nparts, D), (len(lens), H, nparts), (len(lens), H, nparts)))
-  direct_run(ls[0], [q, k_cache, v_cache, tables, lens, tmp, sums, maxes], order)
+  direct_run(ls[0], [q, *cache, tables, lens, tmp, sums, maxes], order)
   for b, u in enumerate(used):
     assert np.isfinite(tmp[b, :, :u]).all() and np.isfinite(sums[b, :, :u]).all() and np.isfinite(maxes[b, :, :u]).all()
     assert np.isnan(tmp[b, :, u:]).all() and np.isnan(sums[b, :, u:]).all(), f"seq {b}: a partition past the context was written"
@@ -429,7 +576,7 @@ def test_decode_short_context_in_wide_table(order):
   out = np.zeros_like(q)
   direct_run(ls[1], [tmp, sums, maxes, lens, out], order)
   assert not out[lens == 0].any()
-  err = rel_err(out, decode_ref(q, k_cache, v_cache, tables, lens, D ** -0.5))
+  err = rel_err(out, decode_ref(q, *cache_f64(cache), tables, lens, D ** -0.5))
   assert err < F16_TOL, err
   # the one-pass kernel on a narrow table agrees
   decode_case("direct", D, bs, (H, KVH), (dtypes.float16, dtypes.float16), lens=(5, 0, 300, 17), seed=5, order=order)
@@ -454,12 +601,37 @@ def test_prefill_long_chunk_shuffled():
   seq = np.array([0] * 100 + [1] * 6 + [-1] * 3, np.int32)
   pos = np.array(list(range(400, 500)) + list(range(30, 36)) + [0] * 3, np.int32)
   rng = np.random.default_rng(21)
-  k_cache, v_cache, tables = paged_inputs(rng, (500, 36), bs, KVH, D, dtypes.float16)
+  cache, tables = paged_inputs(rng, (500, 36), bs, KVH, D, dtypes.float16)
   q = rng.standard_normal((len(seq), H, D)).astype(np.float16)
   perm = rng.permutation(len(seq))
-  shuffled = run_prefill("direct", q[perm], k_cache, v_cache, tables, seq[perm], pos[perm], D ** -0.5)
+  shuffled = run_prefill("direct", q[perm], cache, tables, seq[perm], pos[perm], D ** -0.5)
   assert not shuffled[seq[perm] < 0].any()
-  err = rel_err(shuffled, prefill_ref(q[perm], k_cache, v_cache, tables, seq[perm], pos[perm], D ** -0.5))
+  err = rel_err(shuffled, prefill_ref(q[perm], *cache_f64(cache), tables, seq[perm], pos[perm], D ** -0.5))
   assert err < F16_TOL, err
-  ordered = run_prefill("direct", q, k_cache, v_cache, tables, seq, pos, D ** -0.5)
+  ordered = run_prefill("direct", q, cache, tables, seq, pos, D ** -0.5)
   assert np.array_equal(shuffled, ordered[perm])
+
+
+INT8_MSL = """#include <metal_stdlib>
+using namespace metal;
+// codes of x, 4 per thread (rint: ties to even, then a conversion toward zero), and the codes read back as float
+kernel void quantize(device const float* x [[buffer(0)]], device char* codes [[buffer(1)]], device float* back [[buffer(2)]],
+                     device const int* offset [[buffer(3)]], uint i [[thread_position_in_grid]]) {
+  *(device char4*)(codes + 4 * i) = char4(clamp(rint(*(device const float4*)(x + 4 * i)), float4(-127.0f), float4(127.0f)));
+  *(device float4*)(back + 4 * i) = float4(*(device const char4*)(codes + 4 * i + offset[0]));
+}
+"""
+
+
+def test_emulator_int8_vectors():
+  """What the int8 cache kernels need from the emulator, as MSL defines it: rint rounds ties to even, char4(float4)
+  converts element-wise, char is signed (-1 reads back as -1.0 on every host), and a char4 access needs 4-byte
+  alignment (an offset of 2 bytes is refused, as it would misread on a GPU)."""
+  lib = compile_source(INT8_MSL, "int8_vectors.metal")
+  x = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.6, -300.0, 3.2, -3.7, 64.49, -1.0], np.float32)
+  codes, back = np.zeros(12, np.int8), np.zeros(12, np.float32)
+  lib.run("quantize", [x, codes, back, np.array([0], np.int32)], (3, 1, 1), (1, 1, 1))
+  np.testing.assert_array_equal(codes, [0, 2, 2, 0, -2, -2, 127, -127, 3, -4, 64, -1])
+  np.testing.assert_array_equal(back, codes.astype(np.float32))
+  with pytest.raises(EmulatorError, match="misaligned"):
+    lib.run("quantize", [x, np.zeros(16, np.int8), back, np.array([2], np.int32)], (3, 1, 1), (1, 1, 1))

@@ -27,8 +27,8 @@ import json, sys
 from tinygrad import Device
 from tinyvllm import SamplingParams
 from tinyvllm.engine.llm_engine import LLMEngine
-model, dtype, quant, prompts, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
-engine = LLMEngine.from_kwargs(model, dtype=dtype, quantization=None if quant == "none" else quant, max_model_len=128)
+model, dtype, quant, prompts, max_tokens, kv = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+engine = LLMEngine.from_kwargs(model, dtype=dtype, quantization=None if quant == "none" else quant, max_model_len=128, kv_cache_dtype=kv)
 greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 for i, p in enumerate(prompts): engine.add_request(str(i), p, greedy)
 tokens = {}
@@ -48,17 +48,18 @@ print("RESULT " + json.dumps({"backend": engine.kernel_backend, "dtype": str(eng
 """
 
 
-def run_metal(model, dtype: str, quant: str) -> dict:
+def run_metal(model, dtype: str, quant: str, kv_cache_dtype: str = "auto") -> dict:
   env = {**os.environ, "DEV": "METAL", "TINYVLLM_EMULATE_METAL": "1"}
-  r = subprocess.run([sys.executable, "-c", CHILD, str(model), dtype, quant, json.dumps(PROMPTS), str(MAX_TOKENS)], env=env,
+  r = subprocess.run([sys.executable, "-c", CHILD, str(model), dtype, quant, json.dumps(PROMPTS), str(MAX_TOKENS), kv_cache_dtype], env=env,
                      capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(next(l for l in r.stdout.splitlines() if l.startswith("RESULT "))[7:])
 
 
-def cpu_tokens(model, dtype: str, quant: str, backend: str, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
+def cpu_tokens(model, dtype: str, quant: str, backend: str, prompts=PROMPTS, max_tokens=MAX_TOKENS, kv_cache_dtype="auto") -> list[list[int]]:
   from tinyvllm import LLM, SamplingParams
-  llm = LLM(str(model), dtype=dtype, quantization=None if quant == "none" else quant, kernel_backend=backend, max_model_len=128)
+  llm = LLM(str(model), dtype=dtype, quantization=None if quant == "none" else quant, kernel_backend=backend, max_model_len=128,
+            kv_cache_dtype=kv_cache_dtype)
   try:
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -95,6 +96,15 @@ def test_float32_tokens_equal_cpu(metal_model, quant):
   res = run_metal(metal_model, "float32", quant)
   assert res["backend"] == "metal" and res["dtype"] == "float"
   assert res["tokens"] == cpu_tokens(metal_model, "float32", quant, "cpu")
+  check_decode_step(res["steps"])
+
+
+def test_int8_kv_cache_tokens_equal_cpu(metal_model):
+  """An int8 KV cache through the Metal shaders (cache write in rope.metal, decode and prefill attention reading
+  codes and scales): float32 activations, greedy tokens equal to the CPU path's int8 cache token for token."""
+  res = run_metal(metal_model, "float32", "none", "int8")
+  assert res["backend"] == "metal"
+  assert res["tokens"] == cpu_tokens(metal_model, "float32", "none", "cpu", kv_cache_dtype="int8")
   check_decode_step(res["steps"])
 
 

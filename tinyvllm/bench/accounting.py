@@ -11,7 +11,8 @@ What is counted, per step:
                embedding. Quantized layers list their packed codes, scales and biases as separate tensors,
                so their real bytes are counted.
   KV read      each sequence's keys and values once per step, up to its last new token:
-               layers x 2 x n_kv_heads x head_dim x dtype bytes x (cached + new)
+               layers x 2 x n_kv_heads x (bytes of one head vector: head_dim x dtype bytes, plus its scale
+               in a quantized cache) x (cached + new)
                (the ideal of a flash-attention kernel; the engine's attention may read padding beyond it)
   KV written   the same row size x new tokens
   activations  an approximation: every kernel's inputs and outputs cross memory once. Per token per layer
@@ -57,9 +58,10 @@ class Traffic:
     return Traffic(*(getattr(self, f.name) * k for f in fields(self)))
 
 
-def kv_bytes_per_token(cfg, kv_dtype_bytes: int) -> int:
-  """K and V of one token across all layers."""
-  return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_dtype_bytes
+def kv_bytes_per_token(cfg, kv_vector_bytes: int) -> int:
+  """K and V of one token across all layers; `kv_vector_bytes`: one head vector of K as the cache stores it
+  (KVCacheFormat.bytes_per_head_vector)."""
+  return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * kv_vector_bytes
 
 
 def linear_params_per_layer(cfg) -> int:
@@ -86,12 +88,12 @@ def weight_bytes(cfg, tensors: list[TensorInfo], num_tokens: int) -> float:
   return total
 
 
-def step_traffic(cfg, tensors: list[TensorInfo], work: list[tuple[int, int]], kv_dtype_bytes: int,
+def step_traffic(cfg, tensors: list[TensorInfo], work: list[tuple[int, int]], kv_vector_bytes: int,
                  act_dtype_bytes: int) -> Traffic:
   """Bytes and FLOPs of one step that reads `new` tokens of each sequence `(cached, new)` in `work`."""
   T, R = sum(n for _, n in work), len(work)
   L, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
-  kvt = kv_bytes_per_token(cfg, kv_dtype_bytes)
+  kvt = kv_bytes_per_token(cfg, kv_vector_bytes)
   pairs = sum(n * c + n * (n + 1) // 2 for c, n in work)       # (query, visible key) pairs, causal
   flops = 2 * T * L * linear_params_per_layer(cfg) + 2 * R * cfg.vocab_size * cfg.hidden_size + 4 * L * H * D * pairs
   act = T * activation_bytes_per_token(cfg, act_dtype_bytes) + R * (cfg.hidden_size * act_dtype_bytes + cfg.vocab_size * 4)
@@ -99,22 +101,22 @@ def step_traffic(cfg, tensors: list[TensorInfo], work: list[tuple[int, int]], kv
                  kv_write_bytes=kvt * T, activation_bytes=act, flops=flops, tokens=T)
 
 
-def decode_traffic(cfg, tensors: list[TensorInfo], batch: int, context: float, kv_dtype_bytes: int,
+def decode_traffic(cfg, tensors: list[TensorInfo], batch: int, context: float, kv_vector_bytes: int,
                    act_dtype_bytes: int) -> Traffic:
   """One decode step of `batch` sequences that each attend to `context` tokens (their new one included).
   `context` may be fractional: the mean over a timed window."""
   whole = int(context)
-  t = step_traffic(cfg, tensors, [(whole - 1, 1)] * batch, kv_dtype_bytes, act_dtype_bytes)
+  t = step_traffic(cfg, tensors, [(whole - 1, 1)] * batch, kv_vector_bytes, act_dtype_bytes)
   extra = (context - whole) * batch
-  kvt = kv_bytes_per_token(cfg, kv_dtype_bytes)
+  kvt = kv_bytes_per_token(cfg, kv_vector_bytes)
   attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
   return t + Traffic(kv_read_bytes=kvt * extra, flops=attn * extra)
 
 
-def prefill_traffic(cfg, tensors: list[TensorInfo], prompt_len: int, chunk_len: int, kv_dtype_bytes: int,
+def prefill_traffic(cfg, tensors: list[TensorInfo], prompt_len: int, chunk_len: int, kv_vector_bytes: int,
                     act_dtype_bytes: int) -> Traffic:
   """A whole prompt read in chunks of `chunk_len` tokens (the engine's token budget), one step per chunk."""
   total = Traffic()
   for start in range(0, prompt_len, chunk_len):
-    total += step_traffic(cfg, tensors, [(start, min(chunk_len, prompt_len - start))], kv_dtype_bytes, act_dtype_bytes)
+    total += step_traffic(cfg, tensors, [(start, min(chunk_len, prompt_len - start))], kv_vector_bytes, act_dtype_bytes)
   return total

@@ -10,6 +10,7 @@ import argparse, gc, shlex, sys
 from pathlib import Path
 import numpy as np
 from tqdm import tqdm
+from tinyvllm.config import KV_CACHE_DTYPES
 from tinyvllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from tinyvllm.model.weights import resolve_model
 
@@ -30,11 +31,14 @@ def _ints(s: str) -> list[int]:
 QUANTIZATIONS = ("stored", "int4", "none")
 
 
-def _quantizations(s: str) -> list[str]:
-  items = [x.strip() for x in s.split(",") if x.strip()]
-  bad = [x for x in items if x not in QUANTIZATIONS]
-  if bad or not items: raise argparse.ArgumentTypeError(f"{s!r}: choose from {', '.join(QUANTIZATIONS)}, comma-separated")
-  return items
+def _choices(allowed: tuple[str, ...]):
+  """A comma-separated list of values from `allowed` (several compare in one run)."""
+  def parse(s: str) -> list[str]:
+    items = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items: raise argparse.ArgumentTypeError(f"{s!r}: choose from {', '.join(allowed)}, comma-separated")
+    return items
+  return parse
 
 
 def _range(s: str) -> tuple[int, int]:
@@ -54,9 +58,11 @@ def parser() -> argparse.ArgumentParser:
                               epilog=DEFAULTS_NOTE, formatter_class=_Help)
   m = p.add_argument_group("model and engine")
   m.add_argument("--model", default=None, help="HF directory, GGUF file or hub id (default: SmolLM2-135M-Instruct Q4_1 GGUF)")
-  m.add_argument("--quantization", default="stored", type=_quantizations,
+  m.add_argument("--quantization", default="stored", type=_choices(QUANTIZATIONS),
                  help="stored (the checkpoint as it is: the default model stays 4-bit), int4 (quantize float weights at "
                       "load) or none (dequantize 4-bit checkpoints); several, comma-separated, compare them in one run")
+  m.add_argument("--kv-cache-dtype", default="auto", type=_choices(KV_CACHE_DTYPES),
+                 help="KV cache storage: auto (the model dtype) or int8; several, comma-separated, compare them in one run")
   # the cache is sized to the runs, and --seed seeds the prompts too; with --draft-model runs go with speculation off and on
   add_engine_args(m, exclude=BENCH_SETS)
   r = p.add_argument_group("runs")
@@ -95,13 +101,14 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-BENCH_SETS = ("quantization", "seed", "max_model_len", "num_kv_blocks", "max_num_seqs")
+BENCH_SETS = ("quantization", "kv_cache_dtype", "seed", "max_model_len", "num_kv_blocks", "max_num_seqs")
 SPECULATION_ARGS = ("draft_model", "num_speculative_tokens", "speculation")
 
 
-def _engine_kwargs(args, quantization: str, speculative: bool, max_len: int, num_blocks: int, max_seqs: int) -> dict:
+def _engine_kwargs(args, quantization: str, kv_cache_dtype: str, speculative: bool, max_len: int, num_blocks: int,
+                   max_seqs: int) -> dict:
   kw = engine_kwargs(args, exclude=BENCH_SETS + SPECULATION_ARGS)
-  kw |= dict(max_model_len=max_len, num_kv_blocks=num_blocks, max_num_seqs=max_seqs, seed=args.seed)
+  kw |= dict(max_model_len=max_len, num_kv_blocks=num_blocks, max_num_seqs=max_seqs, seed=args.seed, kv_cache_dtype=kv_cache_dtype)
   if quantization != "stored": kw["quantization"] = quantization
   if speculative: kw |= {name: getattr(args, name) for name in SPECULATION_ARGS}
   return kw
@@ -164,18 +171,20 @@ def _model_name(path: Path) -> str: return path.name if path.name else str(path)
 
 
 def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> list[dict]:
-  """Every requested run on tinyvllm, once per configuration: each --quantization, with speculation off (and on
-  when a draft is given)."""
+  """Every requested run on tinyvllm, once per configuration: each --quantization and --kv-cache-dtype, with
+  speculation off (and on when a draft is given)."""
   from tinyvllm.bench import device, report, runs as runs_mod
   from tinyvllm.engine.llm_engine import LLMEngine
   from tinyvllm.config import ConfigError
   max_len, num_blocks, max_seqs = _cache_plan(args, runs)
   records = []
-  configs = [(q, spec) for q in args.quantization for spec in [False] + ([True] if args.draft_model else [])]
-  for quantization, speculative in configs:
-    bar.set_postfix_str(f"loading the model ({quantization})" + (" with its draft" if speculative else ""))
+  configs = [(q, kv, spec) for q in args.quantization for kv in args.kv_cache_dtype
+             for spec in [False] + ([True] if args.draft_model else [])]
+  for quantization, kv_cache_dtype, speculative in configs:
+    bar.set_postfix_str(f"loading the model ({quantization}, KV {kv_cache_dtype})" + (" with its draft" if speculative else ""))
     try:   # in this thread: each step is timed alone, not overlapped with the engine's next one
-      engine = LLMEngine.from_kwargs(args.model, **_engine_kwargs(args, quantization, speculative, max_len, num_blocks, max_seqs))
+      engine = LLMEngine.from_kwargs(args.model, **_engine_kwargs(args, quantization, kv_cache_dtype, speculative, max_len,
+                                                                  num_blocks, max_seqs))
     except (TypeError, ConfigError) as e:   # e.g. an engine argument this version of tinyvllm does not know
       sys.exit(f"tinyvllm's engine refused the arguments: {e}")
     bar.update()
@@ -184,6 +193,7 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
     common = {"engine": "tinyvllm", "device": ceilings.device, "machine": device.machine_description(),
               "model": _model_name(model_path), "quantization": f"int{bits}" if bits else "none", "quantization_setting": quantization,
               "dtype": "float32" if engine.runner.model.dtype.itemsize == 4 else "float16",
+              "kv_cache_dtype": engine.runner.kv_format.storage,
               "kernel_backend": engine.kernel_backend, "speculative": speculative,
               "draft_model": args.draft_model if speculative else None,
               "num_speculative_tokens": args.num_speculative_tokens if speculative else None, "prompts": args.prompts}
@@ -263,7 +273,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   except (ValueError, OSError) as e: sys.exit(f"--model: {e}")
   _fit_to_model(args, runs, context, notes)
   if not runs: sys.exit(f"nothing to measure: every run exceeds the model's context of {context} tokens ({'; '.join(notes)})")
-  n_configs = len(args.quantization) * (2 if args.draft_model else 1)
+  n_configs = len(args.quantization) * len(args.kv_cache_dtype) * (2 if args.draft_model else 1)
   n_decode = len(args.batch_sizes) * len(args.context_lens) if "decode" in runs else 0
   n_prefill = len(args.prefill_lens) if "prefill" in runs else 0
   n_tasks = 1 + n_configs * (1 + n_decode + n_prefill + ("serving" in runs)) + len(peer_keys) * (1 + n_decode + n_prefill)

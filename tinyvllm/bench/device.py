@@ -149,13 +149,14 @@ def matmul_rates(n: int = 1024, reps: int = 5, threads: int | None = None) -> tu
   """GFLOP/s of an n x n x n float32 matmul in tinygrad, and of the engine's linear kernel (y = x @ W^T)
   with the same sizes (on the CPU device that is our C kernel, elsewhere tinygrad's matmul)."""
   from tinygrad import Device, Tensor, TinyJit
-  from tinyvllm.kernels import Kernels
+  from tinyvllm.kernels import make_kernels
+  from tinyvllm.quant.formats import FLOAT, LinearWeights
   dev = Device.DEFAULT
   sync = Device[dev].synchronize
   a, b = Tensor.rand(n, n, device=dev).realize(), Tensor.rand(n, n, device=dev).realize()
   rates = []
-  kernels = Kernels("portable", dev, num_threads=threads)
-  for fn in (lambda a, b: (a @ b).realize(), lambda a, b: kernels.linear(a, {"weight": b}).realize()):
+  kernels = make_kernels("portable", dev, num_threads=threads)
+  for fn in (lambda a, b: (a @ b).realize(), lambda a, b: kernels.linear(a, LinearWeights(FLOAT, b)).realize()):
     jit = TinyJit(fn)
     for _ in range(2): jit(a, b)
     rates.append(2 * n ** 3 / _best_time(lambda: jit(a, b), sync, reps) / 1e9)

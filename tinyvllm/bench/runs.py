@@ -21,6 +21,7 @@ def model_tensors(model) -> list[TensorInfo]:
   quantization adds beside them). The RoPE table is left out (a few rows are read per token); a tensor held
   twice (a tied LM head) is listed once."""
   from tinygrad import Tensor
+  from tinyvllm.quant.formats import PARTS, LinearWeights
   out, seen = [], set()
 
   def add(name: str, t: Tensor):
@@ -31,7 +32,8 @@ def model_tensors(model) -> list[TensorInfo]:
   for i, layer in enumerate(model.layers):
     for name, t in layer.weights.items(): add(f"model.layers.{i}.{name}", t)
   for attr, val in vars(model).items():
-    items = val.items() if isinstance(val, dict) else [("weight", val)]
+    if isinstance(val, LinearWeights): items = [(part, getattr(val, part)) for part in PARTS]
+    else: items = val.items() if isinstance(val, dict) else [("weight", val)]
     for suffix, t in items:
       if not isinstance(t, Tensor) or attr == "cos_sin": continue
       if attr.startswith("embed"): add(f"model.embed_tokens.{suffix}" if attr == "embed_tokens" else f"model.embed_tokens.{attr}", t)
@@ -75,7 +77,8 @@ class Driver:
     model = engine.runner.model
     self.cfg = model.cfg
     self.tensors = model_tensors(model)
-    self.dtype_bytes = model.dtype.itemsize       # KV cache and activations share the model dtype
+    self.dtype_bytes = model.dtype.itemsize       # activations are in the model dtype; the KV cache in its own format
+    self.kv_vector_bytes = engine.runner.kv_format.bytes_per_head_vector(self.cfg.head_dim)
 
   def live(self) -> list:
     sch = self.engine.scheduler
@@ -96,7 +99,7 @@ class Driver:
       work = [(c, s.num_computed_tokens - c) for s, c in before.values() if s.num_computed_tokens > c]
       log.seconds += dt
       log.steps += 1
-      if work: log.traffic = log.traffic + step_traffic(self.cfg, self.tensors, work, self.dtype_bytes, self.dtype_bytes)
+      if work: log.traffic = log.traffic + step_traffic(self.cfg, self.tensors, work, self.kv_vector_bytes, self.dtype_bytes)
     return outs
 
   def prompt(self, rng: np.random.Generator, n: int) -> list[int]:

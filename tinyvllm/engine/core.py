@@ -17,7 +17,8 @@ from tinyvllm.engine.request import CoreOutput, EngineRequest, SchedulerStats, T
 from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.engine.sequence import Sequence
 from tinyvllm.engine.spec_decode import SpeculativeDecoder
-from tinyvllm.kernels import Kernels, default_dtype, prepare_device, resolve_backend
+from tinyvllm.kernels import default_dtype, make_kernels, prepare_device, resolve_backend
+from tinyvllm.kernels.kv_cache import KVCacheFormat
 from tinyvllm.model.llama import Llama
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.model.weights import Checkpoint, load_checkpoint
@@ -35,8 +36,9 @@ class EngineCore:
     if config.max_model_len is not None and config.max_model_len > model_max:
       raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's context length {model_max}")
     max_model_len = config.max_model_len or model_max
-    dtype_size = 4 if dtype == "float32" else 2
-    block_bytes = ModelRunner.kv_bytes_per_block(ckpt.config, config.block_size, dtype_size)
+    self.kv_format = KVCacheFormat.resolve(config.kv_cache_dtype, dtype)
+    cfg = ckpt.config
+    block_bytes = self.kv_format.bytes_per_block(cfg.num_hidden_layers, config.block_size, cfg.num_key_value_heads, cfg.head_dim)
     weight_bytes = sum(a.nbytes for a in ckpt.tensors.values())
     num_blocks = config.num_kv_blocks or self._blocks_from_memory(block_bytes, weight_bytes, max_model_len)
     capacity = num_blocks * config.block_size
@@ -52,16 +54,17 @@ class EngineCore:
     self.max_model_len = max_model_len
     prepare_device(self.device)
     self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
-    self.kernels = Kernels(self.kernel_backend, self.device, config.batch_invariant, config.num_threads)
+    self.kernels = make_kernels(self.kernel_backend, self.device, config.batch_invariant, config.num_threads)
     model = self._build_model(ckpt.config, ckpt.tensors, dtype)
-    self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.device, config.max_num_seqs)
+    self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.device, config.max_num_seqs, self.kv_format)
     self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark, config.enable_prefix_caching)
     self.spec: SpeculativeDecoder | None = None
     if config.draft_model is not None:
       draft = self._load_draft(config.draft_model, ckpt, tokenizer, dtype)
       # as many draft blocks as target blocks: a draft table never outgrows its target table, so the draft pool
       # cannot run dry while the target's has room
-      self.spec = SpeculativeDecoder(ModelRunner(draft, num_blocks, config.block_size, max_model_len, self.device, config.max_num_seqs),
+      self.spec = SpeculativeDecoder(ModelRunner(draft, num_blocks, config.block_size, max_model_len, self.device, config.max_num_seqs,
+                                                 self.kv_format),
                                      BlockManager(num_blocks, config.block_size, 0.0, config.enable_prefix_caching), config.num_speculative_tokens,
                                      always=config.speculation == "always")
     self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,

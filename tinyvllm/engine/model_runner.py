@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 from tinyvllm.kernels import AttentionGroup
+from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
 from tinyvllm.model.llama import Llama, ModelInputs
 
 MAX_SHAPES = 64   # captured pass shapes kept; the least recently used one is dropped beyond this
@@ -133,14 +134,16 @@ class ModelRunner:
   looks up the embeddings), one decoder *layer*, replayed once per layer with that layer's weights and
   cache, and the LM head. Capturing a whole 30-layer model instead costs seconds of tinygrad scheduling for
   every new shape; one layer costs a thirtieth of that, and a direct replay about 50 us."""
-  def __init__(self, model: Llama, num_blocks: int, block_size: int, max_model_len: int, device: str, max_num_seqs: int = 32):
+  def __init__(self, model: Llama, num_blocks: int, block_size: int, max_model_len: int, device: str, max_num_seqs: int = 32,
+               kv_format: KVCacheFormat | None = None):
     self.model, self.device, self.block_size, self.num_blocks = model, device, block_size, num_blocks
+    self.kv_format = kv_format or KVCacheFormat(model.dtype.name)
     self.max_num_seqs = max_num_seqs
     self.max_blocks = -(-max_model_len // block_size)   # block-table width; the used extent is a Variable
     self.kv_extent = UOp.variable("kv_blocks", 1, self.max_blocks)
     cfg = model.cfg
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    self.kv_caches = [(self._zeroed(shape), self._zeroed(shape)) for _ in range(cfg.num_hidden_layers)]
+    self.kv_caches = [PagedKVCache.allocate(self.kv_format, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, self._zeroed)
+                      for _ in range(cfg.num_hidden_layers)]
     self.layer_weights = [layer.tensors() for layer in model.layers]
     self.replays: OrderedDict[PassShape, tuple[Replay, tuple[Replay, ...], Replay]] = OrderedDict()
     # On Metal a layer replay is one MetalGraph command buffer, and re-running a graph first waits for its previous
@@ -150,11 +153,10 @@ class ModelRunner:
     self.input_buffers: dict[PassShape, Tensor] = {}
     self.hidden_buffers: dict[PassShape, tuple[Tensor, Tensor]] = {}
 
-  def _zeroed(self, shape: tuple[int, ...]) -> Tensor:
+  def _zeroed(self, shape: tuple[int, ...], dtype) -> Tensor:
     """A zero-filled cache tensor (attention multiplies masked-out entries by 0, and 0 * NaN garbage is NaN).
     On the CPU device it is fresh anonymous memory, which the OS hands out zeroed and maps page by page as
     blocks are first written: writing zeros instead took 6.5 s for the default 2 GB cache on this machine."""
-    dtype = self.model.dtype
     if self.device.split(":")[0] != "CPU": return self._buffer(shape, dtype)
     # private: pages read before they are written map the shared zero page instead of committing memory
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
@@ -167,9 +169,10 @@ class ModelRunner:
     """A realized, zero-filled device buffer (a whole buffer, so it can be a replay's input)."""
     return Tensor.zeros(*shape, dtype=dtype, device=self.device).contiguous().realize()
 
-  @staticmethod
-  def kv_bytes_per_block(cfg, block_size: int, dtype_size: int) -> int:
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype_size
+  @property
+  def kv_bytes_per_block(self) -> int:
+    cfg = self.model.cfg
+    return self.kv_format.bytes_per_block(cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
 
   def execute(self, decodes: list[WorkItem], prefills: list[WorkItem] = (), verifies: list[WorkItem] = (),
               prefill_all_logits: bool = False) -> tuple[np.ndarray, np.ndarray | list[np.ndarray], np.ndarray]:
@@ -232,10 +235,10 @@ class ModelRunner:
     h, positions, slots, q_pos, token_seq, rows, ctx, tables = inputs(self._upload(shape, packed))
     extent = (self.kv_extent.bind(used_blocks),)
     hidden = self._hidden_buffers(shape)
-    for i, (weights, (k_cache, v_cache)) in enumerate(zip(self.layer_weights, self.kv_caches)):
+    for i, (weights, cache) in enumerate(zip(self.layer_weights, self.kv_caches)):
       # layers write into two buffers in turn (a replay whose output buffer is also its input would copy it
       # first); the output is read from the buffer passed, as a replay returns the tensor of its capture
-      layers[i % len(layers)](h, hidden[i % 2], positions, slots, q_pos, token_seq, ctx, tables, k_cache, v_cache, *weights, bound=extent)
+      layers[i % len(layers)](h, hidden[i % 2], positions, slots, q_pos, token_seq, ctx, tables, *cache.tensors(), *weights, bound=extent)
       h = hidden[i % 2]
     logits = head(h, rows).uop.buffer
     return np.frombuffer(logits.as_memoryview(allow_zero_copy=True), np.float32).reshape(-1, self.model.cfg.vocab_size).copy()
@@ -267,13 +270,13 @@ class ModelRunner:
         fields[name], at = packed[at:at + size].clone(), at + size   # clone: a real buffer, not a view of packed
       return (self.model.embed(fields["tokens"]).contiguous(), *(fields[n] for n in FIELDS[1:]))
 
-    template = self.model.layers[0]
-    def layer(h, out, positions, slots, q_pos, token_seq, ctx, tables, k_cache, v_cache, *weights_and_extent):
-      *weights, extent = weights_and_extent
+    template, n_cache = self.model.layers[0], len(self.kv_caches[0].tensors())
+    def layer(h, out, positions, slots, q_pos, token_seq, ctx, tables, *cache_weights_and_extent):
+      *cache_and_weights, extent = cache_weights_and_extent
+      cache, weights = PagedKVCache.from_tensors(cache_and_weights[:n_cache]), cache_and_weights[n_cache:]
       group = AttentionGroup(P, C, tables.reshape(P, MB), extent, q_pos.reshape(1 if shape.packed else P, C), ctx, token_seq,
                              packed=shape.packed)
-      return template.with_tensors(weights)(h, ModelInputs(None, positions, slots, [group], None), self.model.cos_sin,
-                                            k_cache, v_cache, out)
+      return template.with_tensors(weights)(h, ModelInputs(None, positions, slots, [group], None), self.model.cos_sin, cache, out)
 
     layers = tuple(Replay(layer) for _ in range(self.layer_graphs))
     replays = (Replay(unpack), layers, Replay(lambda h, rows: self.model.logits(h, rows)))

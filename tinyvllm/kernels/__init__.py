@@ -1,14 +1,17 @@
-"""The kernel layer: one entry point per operation the model needs, dispatched to a backend.
+"""The kernel layer: the operations the model needs, as one backend object (`make_kernels`).
 
-Backends: "portable" (tinygrad tensor ops, any device), "cpu" (hand-written C on tinygrad's CPU device),
-"metal" (our .metal shaders on DEV=METAL) and "emulator" (the same shaders run on the CPU by our MSL
-emulator; slow, for tests and debugging). On the CPU device the linears always use the C kernels.
+Backends: "portable" (tinygrad tensor ops, any device: the `Kernels` base class), "cpu" (a whole layer in
+hand-written C on tinygrad's CPU device), "metal" (our .metal shaders on DEV=METAL) and "emulator" (the same
+shaders run on the CPU by our MSL emulator; slow, for tests and debugging). On the CPU device the norms and
+linears always use the C kernels.
 """
 from __future__ import annotations
 import platform, re, sys
 from dataclasses import dataclass
 from tinygrad import Device, Tensor, dtypes
-from tinyvllm.kernels import cpu, portable
+from tinyvllm.kernels import cpu, cpu_layer, metal, portable
+from tinyvllm.kernels.kv_cache import PagedKVCache
+from tinyvllm.quant.formats import INT4, INT8, LinearWeights
 from tinyvllm.kernels.threads import ThreadPool, default_threads
 
 BACKENDS = ("portable", "cpu", "metal", "emulator")
@@ -90,26 +93,23 @@ def resolve_backend(name: str, device: str) -> str:
 
 
 class Kernels:
-  """The operations of one Llama layer, on the chosen backend.
+  """The operations of one Llama layer (norm, linear, RoPE + cache write, attention; optionally the whole layer).
 
-  On the CPU device the float32 linears always use our C kernel (kernels/cpu.py): tinygrad's generated CPU
-  matmuls are several times slower on decode shapes. RoPE + cache write and attention follow `backend`."""
-  def __init__(self, backend: str = "portable", device: str = "CPU", batch_invariant: bool = False, num_threads: int | None = None):
-    self.backend, self.device, self.batch_invariant = backend, device, batch_invariant
+  This base class is the `portable` backend: tinygrad tensor ops on any device. The other backends are subclasses
+  that replace what they do better (`make_kernels` picks one). On the CPU device every backend's norms and linears
+  are our C kernels (kernels/cpu.py), split over a thread pool: tinygrad's generated CPU matmuls are several times
+  slower on decode shapes, and it runs each kernel on one thread."""
+  name = "portable"
+  packs_prefill = False   # can prefill chunks go back to back (packed AttentionGroups) rather than padded to the longest?
+
+  def __init__(self, device: str = "CPU", batch_invariant: bool = False, num_threads: int | None = None):
+    self.device, self.batch_invariant = device, batch_invariant
     self.cpu = device.split(":")[0] == "CPU"
-    # the C kernels split their work over these threads (tinygrad's CPU device runs a kernel on one)
     self.threads = ThreadPool(num_threads or default_threads(), device) if self.cpu else None
     self.pool = self.threads.buffer if self.threads else None
-    self.shaders = None   # the Metal kernels' host backend (real Metal or the emulator), when chosen
-    if backend in ("metal", "emulator"):
-      from tinyvllm.kernels import metal
-      self.shaders = metal.MetalBackend() if backend == "metal" else metal.EmulatorBackend()
 
   @property
-  def packs_prefill(self) -> bool:
-    """Can prefill chunks go back to back (packed AttentionGroups)? The fused CPU layer finds each token's sequence
-    from token_seq, so padding to the longest chunk, which costs up to half of a prefill pass, is not needed."""
-    return self.backend == "cpu"
+  def backend(self) -> str: return self.name
 
   @property
   def eight_bit(self) -> bool:
@@ -117,26 +117,13 @@ class Kernels:
     return self.cpu
 
   def check_model(self, head_dim: int, n_heads: int, n_kv_heads: int, block_size: int, dtype: str) -> None:
-    """Refuse, with the reason, a model the chosen backend's kernels cannot run."""
-    if self.backend == "cpu" and (dtype != "float32" or head_dim % 8):
-      raise ValueError(f"kernel_backend='cpu' runs float32 models with head_dim divisible by 8 (got {dtype}, head_dim "
-                       f"{head_dim}): use dtype='float32' or kernel_backend='portable'")
+    """Refuse, with the reason, a model this backend's kernels cannot run."""
 
-    if self.shaders is None: return
-    from tinyvllm.kernels import metal
-    if head_dim not in metal.HEAD_DIMS or block_size not in metal.BLOCK_SIZES or n_heads // n_kv_heads > 8:
-      raise ValueError(f"kernel_backend={self.backend!r} supports head_dim {metal.HEAD_DIMS}, block_size {metal.BLOCK_SIZES} "
-                       f"and up to 8 query heads per KV head; this model has head_dim {head_dim}, "
-                       f"{n_heads // n_kv_heads} query heads per KV head (block_size {block_size}): use kernel_backend='portable'")
-
-  def decoder_layer(self, h: Tensor, weights: dict[str, Tensor], cfg, group: AttentionGroup, positions: Tensor,
-                    slot_mapping: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None) -> Tensor | None:
-    """A whole decoder layer as one kernel, where the backend has one (`cpu`), written into `out` if given;
-    None means: compose it from the operations below."""
-    if self.backend != "cpu": return None
-    from tinyvllm.kernels import cpu_layer
-    return cpu_layer.decoder_layer(h, weights, cfg, positions, slot_mapping, group.block_tables, group.token_seq,
-                                   group.q_pos.reshape(group.num_tokens), cos_sin, k_cache, v_cache, out, self.batch_invariant, self.pool)
+  def decoder_layer(self, h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Tensor, Tensor], cfg, group: AttentionGroup,
+                    positions: Tensor, slot_mapping: Tensor, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None) -> Tensor | None:
+    """A whole decoder layer as one kernel, written into `out` if given, where the backend has one; None means:
+    compose it from the operations below."""
+    return None
 
   def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """On the CPU device (float32) our C kernel, one row at a time: tinygrad's generated reduction orders the sum
@@ -144,53 +131,94 @@ class Kernels:
     if self.cpu and x.dtype == dtypes.float32 and x.shape[-1] % 8 == 0: return cpu.rms_norm(x, weight, eps)
     return portable.rms_norm(x, weight, eps)
 
-  def linear(self, x: Tensor, w: dict[str, Tensor]) -> Tensor:
-    """x `[T, in]` @ W^T (+ bias). `w`: "weight" (float `[out, in]`, or packed 4-bit `[out, in/8]` with
-    "scales"/"biases" `[out, in/G]`), optional "bias"."""
-    weight, bias = w["weight"], w.get("bias")
-    if "scales" in w and "biases" not in w:                # 8-bit: only loaded where eight_bit says so
-      y = cpu.q8_linear(x, weight, w["scales"], self.pool)
-      return y if bias is None else y + bias
-    if "scales" in w:
-      group = x.shape[-1] // w["scales"].shape[-1]
-      if self.shaders is not None:
-        from tinyvllm.kernels import metal
-        y = metal.int4_matmul(x, weight, w["scales"], w["biases"], group, backend=self.shaders)
-      elif self.cpu and x.dtype == dtypes.float32:
-        y = cpu.int4_linear(x, weight, w["scales"], w["biases"], group, self.batch_invariant, self.pool)
-      else: y = portable.int4_linear(x, weight, w["scales"], w["biases"], group)
-      return y if bias is None else y + bias
-    if self.cpu and x.dtype == weight.dtype == dtypes.float32: return cpu.linear_f32(x, weight, bias, self.pool)
-    return portable.linear(x, weight, bias)
+  def linear(self, x: Tensor, w: LinearWeights) -> Tensor:
+    """x `[T, in]` @ W^T (+ bias), W in any stored format (quant/formats.py)."""
+    if w.format == INT8: y = cpu.q8_linear(x, w.weight, w.scales, self.pool)   # loaded as int8 only where eight_bit says so
+    elif w.format == INT4: y = self.int4_linear(x, w)
+    elif self.cpu and x.dtype == w.weight.dtype == dtypes.float32: return cpu.linear_f32(x, w.weight, w.bias, self.pool)
+    else: return portable.linear(x, w.weight, w.bias)
+    return y if w.bias is None else y + w.bias
+
+  def int4_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
+    if self.cpu and x.dtype == dtypes.float32:
+      return cpu.int4_linear(x, w.weight, w.scales, w.biases, w.group_size, self.batch_invariant, self.pool)
+    return portable.int4_linear(x, w.weight, w.scales, w.biases, w.group_size)
 
   def rope_and_cache_write(self, qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor,
-                           k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """qkv `[T, (H + 2 KVH) D]`: rotate q and k, write k and v into their cache slots.
+                           cache: PagedKVCache, slot_mapping: Tensor) -> tuple[Tensor, PagedKVCache]:
+    """qkv `[T, (H + 2 KVH) D]`: rotate q and k, write k and v into their cache slots (quantized for an int8 cache).
 
-    Returns (rotated q `[T, H, D]`, k_cache, v_cache), the caches ordered after the write."""
-    T, D = qkv.shape[0], k_cache.shape[-1]
-    q = qkv[:, :n_heads * D].reshape(T, n_heads, D)
-    k = qkv[:, n_heads * D:(n_heads + n_kv_heads) * D].reshape(T, n_kv_heads, D)
-    v = qkv[:, (n_heads + n_kv_heads) * D:].reshape(T, n_kv_heads, D)
-    if self.shaders is not None:
-      from tinyvllm.kernels import metal
-      return metal.rope_and_cache_write(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, backend=self.shaders)
+    Returns (rotated q `[T, H, D]`, the cache ordered after the write)."""
+    q, k, v = split_qkv(qkv, n_heads, n_kv_heads, cache.k.shape[-1])
     cs = cos_sin[positions]
-    q, k = portable.rope(q, cs), portable.rope(k, cs)
-    return q, portable.write_kv(k_cache, k, slot_mapping), portable.write_kv(v_cache, v, slot_mapping)
+    return portable.rope(q, cs), portable.write_cache(cache, portable.rope(k, cs), v, slot_mapping)
 
-  def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, group: AttentionGroup, scale: float) -> Tensor:
+  def attention(self, q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: float) -> Tensor:
     """q `[P*C, H, D]` of one group -> attention output `[P*C, H, D]`."""
     P, C = group.num_seqs, group.query_len
-    if self.shaders is not None:
-      from tinyvllm.kernels import metal
-      if C == 1:
-        return metal.paged_attention_decode(q, k_cache, v_cache, group.block_tables, group.context_lens, scale, backend=self.shaders)
-      return metal.paged_attention_prefill(q, k_cache, v_cache, group.block_tables, group.token_seq, group.q_pos.reshape(P * C),
-                                           scale, backend=self.shaders)
     tables = group.block_tables[:, :group.used_blocks]   # portable attention's cost follows the columns it reads
-    out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), k_cache, v_cache, tables, group.q_pos, scale)
+    out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), cache, tables, group.q_pos, scale)
     return out.reshape(P * C, *q.shape[1:])
+
+
+def split_qkv(qkv: Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+  """The fused projection's output `[T, (H + 2 KVH) D]` -> q `[T, H, D]`, k and v `[T, KVH, D]`."""
+  T, D = qkv.shape[0], head_dim
+  return (qkv[:, :n_heads * D].reshape(T, n_heads, D), qkv[:, n_heads * D:(n_heads + n_kv_heads) * D].reshape(T, n_kv_heads, D),
+          qkv[:, (n_heads + n_kv_heads) * D:].reshape(T, n_kv_heads, D))
+
+
+class CpuKernels(Kernels):
+  """`cpu`: a whole decoder layer as one C kernel (kernels/cpu_layer.py) on tinygrad's CPU device, float32.
+
+  It finds each token's sequence from token_seq, so prefill chunks are packed back to back: padding to the longest
+  chunk cost up to half of a prefill pass."""
+  name = "cpu"
+  packs_prefill = True
+
+  def check_model(self, head_dim: int, n_heads: int, n_kv_heads: int, block_size: int, dtype: str) -> None:
+    if dtype != "float32" or head_dim % 8:
+      raise ValueError(f"kernel_backend='cpu' runs float32 models with head_dim divisible by 8 (got {dtype}, head_dim "
+                       f"{head_dim}): use dtype='float32' or kernel_backend='portable'")
+
+  def decoder_layer(self, h, linears, norms, cfg, group, positions, slot_mapping, cos_sin, cache, out):
+    return cpu_layer.decoder_layer(h, linears, norms, cfg, positions, slot_mapping, group.block_tables, group.token_seq,
+                                   group.q_pos.reshape(group.num_tokens), cos_sin, cache, out, self.batch_invariant, self.pool)
+
+
+class ShaderKernels(Kernels):
+  """`metal` (DEV=METAL) and `emulator` (the same .metal shaders run on the CPU device by our MSL emulator; slow, for
+  tests and debugging): RoPE + cache write, attention and 4-bit linears are our shaders (kernels/metal.py)."""
+  def __init__(self, name: str, device: str = "CPU", batch_invariant: bool = False, num_threads: int | None = None):
+    super().__init__(device, batch_invariant, num_threads)
+    self.name = name
+    self.shaders = metal.MetalBackend() if name == "metal" else metal.EmulatorBackend()
+
+  def check_model(self, head_dim: int, n_heads: int, n_kv_heads: int, block_size: int, dtype: str) -> None:
+    if head_dim not in metal.HEAD_DIMS or block_size not in metal.BLOCK_SIZES or n_heads // n_kv_heads > 8:
+      raise ValueError(f"kernel_backend={self.name!r} supports head_dim {metal.HEAD_DIMS}, block_size {metal.BLOCK_SIZES} "
+                       f"and up to 8 query heads per KV head; this model has head_dim {head_dim}, "
+                       f"{n_heads // n_kv_heads} query heads per KV head (block_size {block_size}): use kernel_backend='portable'")
+
+  def int4_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
+    return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders)
+
+  def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping):
+    q, k, v = split_qkv(qkv, n_heads, n_kv_heads, cache.k.shape[-1])
+    return metal.rope_and_cache_write(q, k, v, positions, cos_sin, cache, slot_mapping, backend=self.shaders)
+
+  def attention(self, q, cache, group, scale):
+    if group.query_len == 1:
+      return metal.paged_attention_decode(q, cache, group.block_tables, group.context_lens, scale, backend=self.shaders)
+    return metal.paged_attention_prefill(q, cache, group.block_tables, group.token_seq, group.q_pos.reshape(group.num_tokens),
+                                         scale, backend=self.shaders)
+
+
+def make_kernels(backend: str = "portable", device: str = "CPU", batch_invariant: bool = False, num_threads: int | None = None) -> Kernels:
+  """The kernels of a resolved backend name (`resolve_backend`)."""
+  if backend in ("metal", "emulator"): return ShaderKernels(backend, device, batch_invariant, num_threads)
+  if backend not in BACKENDS: raise ValueError(f"unknown kernel_backend {backend!r}; choose {', '.join(BACKENDS)}")
+  return (CpuKernels if backend == "cpu" else Kernels)(device, batch_invariant, num_threads)
 
 
 def default_dtype(device: str) -> str:

@@ -14,9 +14,12 @@ with 32-bit relative offsets, which break (a crash far from the cause) once the 
 from __future__ import annotations
 from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
+from tinyvllm.kernels.kv_cache import PagedKVCache
+from tinyvllm.quant.formats import INT8, LinearWeights
 from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
 from tinyvllm.kernels.cpu import SQRT, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _program, c_param_name, c_struct_fields, int4_body, pool_arg, rms_norm_source
 
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")   # in the kernel's argument order
 TILE = 32   # keys scored at once in attention: one max and one rescale per tile instead of per key
 
 _MATH = r"""
@@ -87,6 +90,7 @@ class LayerShape:
   gate_up: LinearSpec
   down: LinearSpec
   invariant: bool = False   # 4-bit projections computed row by row as alone (batch invariance)
+  kv_int8: bool = False     # int8 K/V codes with a float16 scale per (slot, KV head): kernels/kv_cache.py
 
   @property
   def scratch(self) -> int:
@@ -98,7 +102,11 @@ class LayerShape:
 def _source(name: str, s: LayerShape, scale: float) -> str:
   T, E, H, KVH, D, I = s.tokens, s.hidden, s.n_heads, s.n_kv_heads, s.head_dim, s.intermediate
   G, DV, half, QKV = H // KVH, D // 8, D // 2, s.qkv.n
-  params = ["float *restrict out", "float *restrict kc", "float *restrict vc", "float *restrict scratch", "const float *restrict h",
+  vl = "vload_i8" if s.kv_int8 else "vload"
+  kv = "signed char" if s.kv_int8 else "float"
+  params = ["float *restrict out", f"{kv} *restrict kc", f"{kv} *restrict vc",
+            *(["unsigned short *restrict ks", "unsigned short *restrict vs"] if s.kv_int8 else []),
+            "float *restrict scratch", "const float *restrict h",
             "const int *restrict pos", "const int *restrict slots", "const int *restrict tables", "const int *restrict token_seq",
             "const int *restrict token_pos", "const float *restrict cs", "const float *restrict ln1", "const float *restrict ln2",
             *s.qkv.args("qkv"), *s.o.args("o"), *s.gate_up.args("gate_up"), *s.down.args("down"),
@@ -115,6 +123,8 @@ void {name}({", ".join(params)});
 {C_PARALLEL_DECLS}
 struct layer_ctx {{ {c_struct_fields(params)} float *xn, *qkv_out, *q, *att, *gu, *act, *prod; }};
 {_VEC}
+typedef signed char vc8 __attribute__((vector_size(8), aligned(1)));
+static inline vf vload_i8(const signed char *p) {{ return __builtin_convertvector(*(const vc8 *)p, vf); }}
 {_MATH}
 static inline float h2f(unsigned short h);
 #ifdef TV_AVX2
@@ -135,21 +145,22 @@ static inline void rope(float *restrict dst, const float *restrict x, const floa
   }}
 }}
 
+{_kv_store(s)}
 /* rotate q and k, write k and v into their cache slots (slot -1: a padding token, nothing written) */
-static void rope_write(float *restrict q, float *restrict kc, float *restrict vc, const float *restrict qkv,
-                       const int *restrict pos, const float *restrict cs, const int *restrict slots) {{
+static void rope_write(float *restrict q, struct layer_ctx *c, const float *restrict qkv) {{
   for (int t = 0; t < {T}; t++) {{
     const float *row = qkv + (long)t * {QKV};
-    int p = pos[t] < 0 ? 0 : pos[t] >= {s.max_pos} ? {s.max_pos - 1} : pos[t];
-    const float *c = cs + (long)p * {D}, *sn = c + {half};
-    for (int hd = 0; hd < {H}; hd++) rope(q + ((long)t * {H} + hd) * {D}, row + hd * {D}, c, sn);
-    int slot = slots[t];
+    int p = c->pos[t] < 0 ? 0 : c->pos[t] >= {s.max_pos} ? {s.max_pos - 1} : c->pos[t];
+    const float *cs = c->cs + (long)p * {D}, *sn = cs + {half};
+    for (int hd = 0; hd < {H}; hd++) rope(q + ((long)t * {H} + hd) * {D}, row + hd * {D}, cs, sn);
+    int slot = c->slots[t];
     if (slot < 0) continue;   /* a padding token; the source leaves out the cache size so one binary serves every size */
     for (int hd = 0; hd < {KVH}; hd++) {{
-      rope(kc + ((long)slot * {KVH} + hd) * {D}, row + ({H} + hd) * {D}, c, sn);
-      const float *v = row + ({H + KVH} + hd) * {D};
-      float *dst = vc + ((long)slot * {KVH} + hd) * {D};
-      for (int i = 0; i < {D}; i++) dst[i] = v[i];
+      long at = (long)slot * {KVH} + hd;
+      float k[{D}];
+      rope(k, row + ({H} + hd) * {D}, cs, sn);
+      store_kv(c->kc, {"c->ks" if s.kv_int8 else "0"}, at, k);
+      store_kv(c->vc, {"c->vs" if s.kv_int8 else "0"}, at, row + ({H + KVH} + hd) * {D});
     }}
   }}
 }}
@@ -157,8 +168,9 @@ static void rope_write(float *restrict q, float *restrict kc, float *restrict vc
 /* token t attends to keys 0..token_pos[t] of block-table row token_seq[t] (-1: padding, zeros): causal in a
    chunk and the whole cached prefix. The {G} query heads of a KV head share each K/V row read; online softmax.
    Items ib..ie-1 of the (token, KV head) pairs, t = item / {KVH}: the unit the thread pool splits. */
-static void attention(float *restrict out, const float *restrict q, const float *restrict kc, const float *restrict vc,
-                      const int *restrict tables, const int *restrict token_seq, const int *restrict token_pos, int ib, int ie) {{
+static void attention(float *restrict out, const float *restrict q, struct layer_ctx *c, int ib, int ie) {{
+  const {kv} *restrict kc = c->kc, *restrict vc = c->vc;
+  const int *restrict tables = c->tables, *restrict token_seq = c->token_seq, *restrict token_pos = c->token_pos;
   for (int item = ib; item < ie; item++) {{
     int t = item / {KVH}, g = item % {KVH};
     float *o = out + (long)t * {H * D};
@@ -173,19 +185,21 @@ static void attention(float *restrict out, const float *restrict q, const float 
       for (int hd = 0; hd < {G}; hd++) {{ m[hd] = -1e30f; l[hd] = 0; for (int i = 0; i < {DV}; i++) acc[hd][i] = (vf){{0}}; }}
       for (int j0 = 0; j0 < n; j0 += {TILE}) {{
         int nt = n - j0 < {TILE} ? n - j0 : {TILE};
-        const float *krow[{TILE}], *vrow[{TILE}];
+        const {kv} *krow[{TILE}], *vrow[{TILE}];
+        float kscale[{TILE}], vscale[{TILE}];   /* per-row dequantization scales (1 for a float cache) */
         for (int j = 0; j < nt; j++) {{
           int key = j0 + j;
           long slot = (long)table[key / {s.block_size}] * {s.block_size} + key % {s.block_size};
           krow[j] = kc + (slot * {KVH} + g) * {D};
           vrow[j] = vc + (slot * {KVH} + g) * {D};
+          {"kscale[j] = h2f(c->ks[slot * " + str(KVH) + " + g]); vscale[j] = h2f(c->vs[slot * " + str(KVH) + " + g]);" if s.kv_int8 else "kscale[j] = vscale[j] = 1.0f;"}
         }}
         for (int hd = 0; hd < {G}; hd++) {{
           float mt = m[hd];
           for (int j = 0; j < nt; j++) {{
             vf d = (vf){{0}};
-            for (int i = 0; i < {DV}; i++) d += vload(qg + hd * {D} + i * 8) * vload(krow[j] + i * 8);
-            sc[hd][j] = hsum(d) * {scale!r}f;
+            for (int i = 0; i < {DV}; i++) d += vload(qg + hd * {D} + i * 8) * {vl}(krow[j] + i * 8);
+            sc[hd][j] = hsum(d) * (kscale[j] * {scale!r}f);
             if (sc[hd][j] > mt) mt = sc[hd][j];
           }}
           float corr = exp_f32(m[hd] - mt);
@@ -193,9 +207,9 @@ static void attention(float *restrict out, const float *restrict q, const float 
           for (int i = 0; i < {DV}; i++) acc[hd][i] *= corr;
           m[hd] = mt;
           for (int j = 0; j < nt; j++) {{
-            float p = exp_f32(sc[hd][j] - mt);
+            float p = exp_f32(sc[hd][j] - mt), pv = p * vscale[j];
             l[hd] += p;
-            for (int i = 0; i < {DV}; i++) acc[hd][i] += p * vload(vrow[j] + i * 8);
+            for (int i = 0; i < {DV}; i++) acc[hd][i] += pv * {vl}(vrow[j] + i * 8);
           }}
         }}
       }}
@@ -218,7 +232,7 @@ static void part_attention(void *ctx, int part, int nparts) {{
   struct layer_ctx *c = ctx;
   int ib, ie;
   tv_share({T * KVH}, part, nparts, &ib, &ie);
-  attention(c->att, c->q, c->kc, c->vc, c->tables, c->token_seq, c->token_pos, ib, ie);
+  attention(c->att, c->q, c, ib, ie);
 }}
 static void part_o(void *ctx, int part, int nparts) {{
   struct layer_ctx *c = ctx; SHARE_ROWS({E}) {call("o", s.o, "c->prod", "c->att")}
@@ -246,7 +260,7 @@ void {name}({", ".join(params)}) {{
   struct layer_ctx c = {{{", ".join(c_param_name(p) for p in params)}, xn, qkv_out, q, att, gu, act, prod}};
   rms_norm(xn, h, ln1);
   tv_parallel(pool, part_qkv, &c);
-  rope_write(q, kc, vc, qkv_out, pos, cs, slots);
+  rope_write(q, &c, qkv_out);
   tv_parallel(pool, part_attention, &c);
   tv_parallel(pool, part_o, &c);
   for (long i = 0; i < {T * E}; i++) out[i] = h[i] + prod[i];
@@ -264,42 +278,73 @@ void {name}({", ".join(params)}) {{
 """
 
 
-def _spec(w: dict, name: str, k: int) -> LinearSpec:
-  n = w[f"{name}.weight"].shape[0]
-  group = k // w[f"{name}.scales"].shape[-1] if f"{name}.scales" in w else 0
-  return LinearSpec(n, k, group, f"{name}.bias" in w)
+def _spec(w: LinearWeights) -> LinearSpec:
+  if w.format == INT8: raise ValueError("kernel_backend='cpu' has no 8-bit layer linears: use kernel_backend='portable'")
+  return LinearSpec(w.weight.shape[0], w.in_features, w.group_size, w.bias is not None)
 
 
-def _linear_tensors(w: dict, name: str) -> list[Tensor]:
-  parts = ["weight", "scales", "biases"] if f"{name}.scales" in w else ["weight"]
-  return [w[f"{name}.{p}"] for p in parts] + ([w[f"{name}.bias"]] if f"{name}.bias" in w else [])
-
-
-def supported(weights: dict, head_dim: int, hidden: int) -> bool:
-  """float32 activations, 8-lane vectors along head_dim and hidden; 4-bit groups the AVX2 bodies handle."""
-  floats = [t for k, t in weights.items() if not k.endswith((".scales", ".biases")) and t.dtype != dtypes.uint32]
-  return head_dim % 8 == 0 and hidden % 8 == 0 and all(t.dtype == dtypes.float32 for t in floats)
-
-
-def decoder_layer(h: Tensor, w: dict[str, Tensor], cfg, positions: Tensor, slots: Tensor, tables: Tensor, token_seq: Tensor,
-                  token_pos: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None,
+def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Tensor, Tensor], cfg, positions: Tensor, slots: Tensor,
+                  tables: Tensor, token_seq: Tensor,
+                  token_pos: Tensor, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None,
                   invariant: bool = False, pool: Tensor | None = None) -> Tensor:
   """One decoder layer: h `[T, hidden]` float32 -> `[T, hidden]`, written into `out` when given (a realized buffer,
-  so the caller can alternate two); k/v written into the caches in place; `pool`: a ThreadPool's buffer
-  (kernels/threads.py) to split the work over, or None for one thread. `w` holds the layer's weights under HF
-  names relative to the layer, q/k/v and gate/up fused (see model/llama.py)."""
+  so the caller can alternate two); k/v written into the cache in place; `pool`: a ThreadPool's buffer
+  (kernels/threads.py) to split the work over, or None for one thread. `linears`: the layer's projections under HF
+  names relative to the layer, q/k/v and gate/up fused (see model/llama.py); `norms`: the two RMSNorm weights."""
   T, E = h.shape
   D, I = cfg.head_dim, cfg.intermediate_size
-  shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, k_cache.shape[1],
+  shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, cache.k.shape[1],
                      tables.shape[1], cos_sin.shape[0], float(cfg.rms_norm_eps),
-                     _spec(w, "self_attn.qkv_proj", E), _spec(w, "self_attn.o_proj", cfg.q_size),
-                     _spec(w, "mlp.gate_up_proj", E), _spec(w, "mlp.down_proj", I), invariant)
+                     *(_spec(linears[n]) for n in LINEARS), invariant, cache.quantized)
   name = f"llama_layer_{abs(hash(shape)):x}"
   src = _source(name, shape, D ** -0.5)
   if out is None: out = Tensor.invalids(T, E, dtype=dtypes.float32, device=h.device)
   scratch = Tensor.invalids(shape.scratch, dtype=dtypes.float32, device=h.device)
-  args = [out, k_cache, v_cache, scratch, h.contiguous(), positions, slots, tables.contiguous(), token_seq, token_pos.contiguous(),
-          cos_sin, w["input_layernorm.weight"], w["post_attention_layernorm.weight"],
-          *_linear_tensors(w, "self_attn.qkv_proj"), *_linear_tensors(w, "self_attn.o_proj"),
-          *_linear_tensors(w, "mlp.gate_up_proj"), *_linear_tensors(w, "mlp.down_proj"), pool_arg(pool, h.device)]
+  args = [out, *cache.tensors(), scratch, h.contiguous(), positions, slots, tables.contiguous(), token_seq, token_pos.contiguous(),
+          cos_sin, *norms, *(t for n in LINEARS for t in linears[n].tensors()), pool_arg(pool, h.device)]
   return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
+
+
+def _kv_store(s: LayerShape) -> str:
+  """`store_kv(cache, scales, at, x)`: head vector x into row `at` of a K or V cache, quantized for an int8 cache
+  (kernels/kv_cache.py: s = half(max|x| / 127), code = rint(x / s)). Rounding adds and subtracts 1.5 * 2^23,
+  exact in the default rounding mode for |v| <= 127 (no libm, and rintf is a call without SSE4.1)."""
+  D = s.head_dim
+  if not s.kv_int8:
+    return f"""static inline void store_kv(float *restrict cache, void *unused, long at, const float *restrict x) {{
+  for (int i = 0; i < {D}; i++) cache[at * {D} + i] = x[i];
+}}"""
+  return f"""{_F2H}
+static inline void store_kv(signed char *restrict cache, unsigned short *restrict scales, long at, const float *restrict x) {{
+  float amax = 0;
+  for (int i = 0; i < {D}; i++) {{ float a = x[i] < 0 ? -x[i] : x[i]; if (a > amax) amax = a; }}
+  unsigned short sh = f2h(amax / 127.0f);
+  float sc = h2f(sh);
+  scales[at] = sh;
+  for (int i = 0; i < {D}; i++) {{
+    float v = sc > 0 ? x[i] / sc : 0.0f;
+    v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+    cache[at * {D} + i] = (signed char)(int)((v + 12582912.0f) - 12582912.0f);
+  }}
+}}"""
+
+
+_F2H = r"""
+/* float -> float16 bits, round to nearest even */
+static inline unsigned short f2h(float f) {
+#if defined(__F16C__)
+  return _cvtss_sh(f, 0);
+#else
+  union { float f; unsigned u; } c = { f };
+  unsigned sign = (c.u >> 16) & 0x8000, a = c.u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7E00;                      /* NaN */
+  if (a >= 0x477FF000u) return sign | 0x7C00;                     /* rounds past 65504: inf */
+  if (a < 0x38800000u) {                                          /* subnormal half: units of 2^-24 */
+    union { unsigned u; float f; } m = { a };
+    return sign | (unsigned short)(int)((m.f * 16777216.0f + 12582912.0f) - 12582912.0f);
+  }
+  a -= 0x38000000u;                                               /* rebias the exponent from 127 to 15 */
+  return sign | (unsigned short)((a + 0x0FFFu + ((a >> 13) & 1)) >> 13);
+#endif
+}
+"""

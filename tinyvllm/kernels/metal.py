@@ -12,6 +12,10 @@ the grid. ONE function per kernel computes it from shapes and dtypes (`rope_laun
 
 Shape constants travel in a small int32 params buffer (created once per shape), never as runtime integer
 scalars, so no bound Variables are needed under TinyJit; dynamic data (lengths, positions, tables) are buffers.
+
+The paged KV cache travels as a `PagedKVCache` (tinyvllm.kernels.kv_cache): float32/float16 K and V, or int8 codes
+with a float16 scale per (slot, KV head). An int8 cache selects the `_i8` instantiations, whose buffer lists carry
+`k_scale` and `v_scale` right after the caches; the kernels dequantize as they read (see docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -29,7 +33,10 @@ from tinygrad import Context, Device, Tensor, UOp, dtypes
 from tinygrad.dtype import DType
 from tinygrad.uop.ops import KernelInfo, Ops
 
-DTYPE_NAMES = {dtypes.float32: "f32", dtypes.float16: "f16"}
+from tinyvllm.kernels.kv_cache import PagedKVCache
+
+DTYPE_NAMES = {dtypes.float32: "f32", dtypes.float16: "f16", dtypes.int8: "i8"}   # int8: KV caches only
+ACTIVATION_DTYPES = (dtypes.float32, dtypes.float16)
 HEAD_DIMS = (64, 80, 96, 128)
 BLOCK_SIZES = (8, 16, 32)
 GROUP_SIZES = (32, 64, 128)
@@ -53,8 +60,20 @@ def _f32_bits(x: float) -> int: return int(np.array(x, np.float32).view(np.int32
 
 
 def _dt(d: DType) -> str:
-  if d not in DTYPE_NAMES: raise ValueError(f"unsupported dtype {d}: kernels take float32 or float16")
+  """Name of an activation dtype (q, x, outputs): float32 or float16."""
+  if d not in ACTIVATION_DTYPES: raise ValueError(f"unsupported dtype {d}: kernels take float32 or float16")
   return DTYPE_NAMES[d]
+
+
+def _cache_dt(d: DType) -> str:
+  """Name of a KV-cache dtype: float32, float16, or int8 (codes with a float16 scale per slot and KV head)."""
+  if d not in DTYPE_NAMES: raise ValueError(f"unsupported KV cache dtype {d}: the caches hold float32, float16 or int8")
+  return DTYPE_NAMES[d]
+
+
+def _cache_buffers(cache_dtype: DType) -> tuple[str, ...]:
+  """The cache's buffers in a kernel's list: the scales follow the caches for an int8 cache."""
+  return ("k_cache", "v_cache") + (("k_scale", "v_scale") if cache_dtype == dtypes.int8 else ())
 
 
 def _check_head_dim(d: int):
@@ -65,8 +84,10 @@ def _check_head_dim(d: int):
 
 def rope_launch(num_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, x_dtype: DType, cache_dtype: DType) -> Launch:
   if head_dim % 8: raise ValueError(f"head_dim {head_dim} must be a multiple of 8")
-  return Launch("rope.metal", f"rope_cache_write_{_dt(x_dtype)}_{_dt(cache_dtype)}",
-                ("q", "k", "v", "positions", "cos_sin", "slot_mapping", "q_out", "k_cache", "v_cache"),
+  if cache_dtype == dtypes.int8 and head_dim > 256: raise ValueError(f"head_dim {head_dim}: an int8 cache needs D / 8 <= 32 lanes")
+  # 64 threads: the int8 kernel quantizes one head vector per SIMD-group, so the count stays a multiple of 32
+  return Launch("rope.metal", f"rope_cache_write_{_dt(x_dtype)}_{_cache_dt(cache_dtype)}",
+                ("q", "k", "v", "positions", "cos_sin", "slot_mapping", "q_out") + _cache_buffers(cache_dtype),
                 (num_tokens, n_heads, n_kv_heads, head_dim), (num_tokens, 1, 1), (64, 1, 1))
 
 
@@ -88,9 +109,9 @@ def decode_launches(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int,
   if block_size < 1 or block_size & (block_size - 1): raise ValueError(f"block_size {block_size} must be a power of two")
   max_keys = max_blocks * block_size
   if partition_size is None: partition_size = PARTITION_SIZE if max_keys > PARTITION_THRESHOLD else 0
-  x, c = _dt(q_dtype), _dt(cache_dtype)
+  x, c = _dt(q_dtype), _cache_dt(cache_dtype)
   gmax = next(g for g in (2, 4, 8) if g >= n_heads // n_kv_heads)
-  common = ("q", "k_cache", "v_cache", "block_tables", "context_lens")
+  common = ("q",) + _cache_buffers(cache_dtype) + ("block_tables", "context_lens")
   if not partition_size:
     return [Launch("paged_attention.metal", f"paged_attention_decode_{x}_{c}_{head_dim}_g{gmax}", common + ("out",),
                    _paged_params(num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, 0, 1, scale),
@@ -109,8 +130,8 @@ def prefill_launch(num_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int
   g = n_heads // n_kv_heads
   if n_heads % n_kv_heads or g > 16: raise ValueError(f"GQA ratio {n_heads}/{n_kv_heads} unsupported (<= 16)")
   tq = max(1, 32 // g)  # tokens per threadgroup: tq * g <= 32 query rows, 8 per SIMD-group (simdgroup_matrix tiles)
-  return Launch("paged_prefill.metal", f"paged_attention_prefill_{_dt(q_dtype)}_{_dt(cache_dtype)}_{head_dim}",
-                ("q", "k_cache", "v_cache", "block_tables", "token_seq", "token_pos", "out"),
+  return Launch("paged_prefill.metal", f"paged_attention_prefill_{_dt(q_dtype)}_{_cache_dt(cache_dtype)}_{head_dim}",
+                ("q",) + _cache_buffers(cache_dtype) + ("block_tables", "token_seq", "token_pos", "out"),
                 (num_tokens, n_heads, n_kv_heads, block_size, max_blocks, tq, _f32_bits(scale)),
                 (math.ceil(num_tokens / tq), n_kv_heads, 1), (128, 1, 1))
 
@@ -245,64 +266,89 @@ def _prepare(backend) -> _Backend:
 def _int32(t: Tensor) -> Tensor: return (t if t.dtype == dtypes.int32 else t.cast(dtypes.int32)).contiguous()
 
 
+def _check_cache(cache: PagedKVCache) -> DType:
+  """The cache's storage dtype, after checking that its tensors agree: K and V of one shape and dtype; an int8 cache
+  with float16 scales `[num_blocks, block_size, n_kv_heads]`, a float cache without scales."""
+  if not isinstance(cache, PagedKVCache): raise TypeError(f"the KV cache must be a PagedKVCache, got {type(cache).__name__}")
+  k, v = cache.k, cache.v
+  if k.shape != v.shape or k.dtype != v.dtype or len(k.shape) != 4:
+    raise ValueError(f"k and v caches must be [num_blocks, block_size, n_kv_heads, head_dim] of one dtype, got "
+                     f"{k.shape} {k.dtype} and {v.shape} {v.dtype}")
+  if (k.dtype == dtypes.int8) != cache.quantized or (cache.v_scale is None) != (cache.k_scale is None):
+    raise ValueError(f"an int8 cache needs k_scale and v_scale, a {k.dtype} cache none")
+  if cache.quantized:
+    for name, sc in (("k_scale", cache.k_scale), ("v_scale", cache.v_scale)):
+      if sc.dtype != dtypes.float16 or sc.shape != k.shape[:3]:
+        raise ValueError(f"{name} must be float16 {k.shape[:3]}, got {sc.dtype} {sc.shape}")
+  return k.dtype
+
+
 # ---------------------------------------------------------------------------------------------- public functions
 
-def paged_attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float,
+def paged_attention_decode(q: Tensor, cache: PagedKVCache, block_tables: Tensor, context_lens: Tensor, scale: float,
                            *, backend: str | _Backend, partition_size: int | None = None) -> Tensor:
   """Decode attention: one query token per sequence against its paged K/V.
 
   Args:
     q: [num_seqs, n_heads, head_dim] float32/float16.
-    k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim] float32/float16.
+    cache: the layer's PagedKVCache: k, v [num_blocks, block_size, n_kv_heads, head_dim] float32/float16, or int8
+      codes with k_scale, v_scale float16 [num_blocks, block_size, n_kv_heads] (dequantized inside the kernel).
     block_tables: int32 [num_seqs, max_blocks]; context_lens: int32 [num_seqs] (0 -> zeros).
     scale: softmax scale. partition_size: see `decode_launches`.
   Returns: [num_seqs, n_heads, head_dim] in q's dtype.
   """
   b = _prepare(backend)
-  (B, H, D), (_, bs, KVH, _) = q.shape, k_cache.shape
-  launches = decode_launches(B, H, KVH, D, bs, block_tables.shape[1], q.dtype, k_cache.dtype, scale, partition_size)
+  cache_dtype = _check_cache(cache)
+  (B, H, D), (_, bs, KVH, _) = q.shape, cache.k.shape
+  launches = decode_launches(B, H, KVH, D, bs, block_tables.shape[1], q.dtype, cache_dtype, scale, partition_size)
   q, bt, cl = q.contiguous(), _int32(block_tables), _int32(context_lens)
+  ins = [q, *cache.tensors(), bt, cl]
   out = Tensor.empty(B, H, D, dtype=q.dtype, device=q.device)
-  if len(launches) == 1: return b.run(launches[0], q, k_cache, v_cache, bt, cl, out)[5]
+  if len(launches) == 1: return b.run(launches[0], *ins, out)[len(ins)]
   nparts = launches[0].grid[0]
   tmp = Tensor.empty(B, H, nparts, D, dtype=dtypes.float32, device=q.device)
   sums, maxes = (Tensor.empty(B, H, nparts, dtype=dtypes.float32, device=q.device) for _ in range(2))
-  tmp, sums, maxes = b.run(launches[0], q, k_cache, v_cache, bt, cl, tmp, sums, maxes)[5:8]
+  tmp, sums, maxes = b.run(launches[0], *ins, tmp, sums, maxes)[len(ins):]
   return b.run(launches[1], tmp, sums, maxes, cl, out)[4]
 
 
-def paged_attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, token_seq: Tensor, token_pos: Tensor,
+def paged_attention_prefill(q: Tensor, cache: PagedKVCache, block_tables: Tensor, token_seq: Tensor, token_pos: Tensor,
                             scale: float, *, backend: str | _Backend) -> Tensor:
   """Prefill attention for a chunk of tokens whose K/V are already in the cache.
 
   Args:
-    q: [T, n_heads, head_dim]; token_seq: int32 [T] (row of block_tables, -1 = padding -> zeros);
+    q: [T, n_heads, head_dim]; cache: the layer's PagedKVCache (float or int8, as in `paged_attention_decode`);
+    token_seq: int32 [T] (row of block_tables, -1 = padding -> zeros);
     token_pos: int32 [T] absolute positions: token t attends to keys 0..token_pos[t] of its sequence.
   Returns: [T, n_heads, head_dim] in q's dtype.
   """
   b = _prepare(backend)
-  (T, H, D), (_, bs, KVH, _) = q.shape, k_cache.shape
-  launch = prefill_launch(T, H, KVH, D, bs, block_tables.shape[1], q.dtype, k_cache.dtype, scale)
+  cache_dtype = _check_cache(cache)
+  (T, H, D), (_, bs, KVH, _) = q.shape, cache.k.shape
+  launch = prefill_launch(T, H, KVH, D, bs, block_tables.shape[1], q.dtype, cache_dtype, scale)
+  ins = [q.contiguous(), *cache.tensors(), _int32(block_tables), _int32(token_seq), _int32(token_pos)]
   out = Tensor.empty(T, H, D, dtype=q.dtype, device=q.device)
-  return b.run(launch, q.contiguous(), k_cache, v_cache, _int32(block_tables), _int32(token_seq), _int32(token_pos), out)[6]
+  return b.run(launch, *ins, out)[len(ins)]
 
 
-def rope_and_cache_write(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                         slot_mapping: Tensor, *, backend: str | _Backend) -> tuple[Tensor, Tensor, Tensor]:
-  """Rotary embedding on q and k, and k/v written into the caches at slot_mapping (-1 = skip), in one kernel.
+def rope_and_cache_write(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
+                         slot_mapping: Tensor, *, backend: str | _Backend) -> tuple[Tensor, PagedKVCache]:
+  """Rotary embedding on q and k, and k/v written into the cache at slot_mapping (-1 = skip), in one kernel.
 
   Args:
     q: [T, n_heads, D]; k, v: [T, n_kv_heads, D]; positions: int32 [T]; cos_sin: float32 [max_positions, D];
-    k_cache, v_cache: realized [num_blocks, block_size, n_kv_heads, D] buffers, written in place.
-  Returns: (q_rot, k_cache, v_cache): keep reading the caches through the returned tensors.
+    cache: the layer's PagedKVCache of realized buffers, written in place. For an int8 cache each rotated k head
+      and each v head is quantized (codes and one float16 scale per slot and KV head, tinyvllm/kernels/kv_cache.py).
+  Returns: (q_rot, the cache ordered after the write): keep reading the cache through the returned one.
   """
   b = _prepare(backend)
+  cache_dtype = _check_cache(cache)
   T, H, D = q.shape
-  launch = rope_launch(T, H, k.shape[1], D, q.dtype, k_cache.dtype)
+  launch = rope_launch(T, H, k.shape[1], D, q.dtype, cache_dtype)
   q_out = Tensor.empty(T, H, D, dtype=q.dtype, device=q.device)
   res = b.run(launch, q.contiguous(), k.cast(q.dtype).contiguous(), v.cast(q.dtype).contiguous(), _int32(positions),
-              cos_sin.cast(dtypes.float32).contiguous(), _int32(slot_mapping), q_out, k_cache, v_cache)
-  return res[6], res[7], res[8]
+              cos_sin.cast(dtypes.float32).contiguous(), _int32(slot_mapping), q_out, *cache.tensors())
+  return res[6], cache.written(*res[7:])
 
 
 def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, *, backend: str | _Backend) -> Tensor:

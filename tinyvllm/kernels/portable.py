@@ -4,8 +4,10 @@ Shapes: T flat tokens, P sequences of an attention group with C query slots each
 KVH key/value heads, D head_dim, MB blocks per block table, BS block_size.
 """
 from __future__ import annotations
+import math
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import KernelInfo
+from tinyvllm.kernels.kv_cache import INT8_MAX, PagedKVCache
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -28,26 +30,52 @@ def rope(x: Tensor, cos_sin: Tensor) -> Tensor:
 
 
 def _cache_write_kernel(cache: UOp, rows: UOp, slots: UOp) -> UOp:
-  """cache[slot] = rows[t] for every t with a slot in range; padding tokens carry slot -1 and write nothing."""
-  t, h, d = UOp.range(rows.shape[0], 0), UOp.range(rows.shape[1], 1), UOp.range(rows.shape[2], 2)
-  n_slots, row_size = cache.shape[0] * cache.shape[1], cache.shape[2] * cache.shape[3]
+  """cache[slot] = rows[t] for every t with a slot in range; padding tokens carry slot -1 and write nothing.
+  A slot's row is everything after the cache's first two axes (block, offset): `[KVH, D]` of K or V, `[KVH]` of scales."""
+  row_size = math.prod(rows.shape[1:])
+  t, e = UOp.range(rows.shape[0], 0), UOp.range(row_size, 1)
+  n_slots = cache.shape[0] * cache.shape[1]
   slot = slots[t]
   # guard the index itself: 0.14 rejects gated stores on an INDEX built from a multi-dim subscript
-  dst = cache.flatten()[(slot * row_size + h * cache.shape[3] + d).valid((slot >= 0) & (slot < n_slots))]
-  return dst.store(rows[t, h, d].cast(cache.dtype)).end(t, h, d).sink(
-    arg=KernelInfo(name=f"kv_cache_write_{rows.shape[0]}_{rows.shape[1]}_{rows.shape[2]}", opts_to_apply=()))
+  dst = cache.flatten()[(slot * row_size + e).valid((slot >= 0) & (slot < n_slots))]
+  return dst.store(rows.flatten()[t * row_size + e].cast(cache.dtype)).end(t, e).sink(
+    arg=KernelInfo(name=f"kv_cache_write_{rows.shape[0]}_{row_size}_{cache.dtype.name}", opts_to_apply=()))
 
 
 def write_kv(cache: Tensor, rows: Tensor, slot_mapping: Tensor) -> Tensor:
-  """Scatter rows `[T, KVH, D]` into cache `[NB, BS, KVH, D]` at slot_mapping `[T]`, in place.
+  """Scatter rows `[T, ...]` into cache `[NB, BS, ...]` at slot_mapping `[T]`, in place.
 
   Returns the cache ordered after the write; read it through the returned tensor. Writing with
   `cache[...].assign(...)` instead rewrites the whole cache each step (cost grows with the cache)."""
   return Tensor.custom_kernel(cache, rows.contiguous(), slot_mapping, fxn=_cache_write_kernel)[0]
 
 
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, q_pos: Tensor,
-                    scale: float) -> Tensor:
+def quantize_int8(rows: Tensor) -> tuple[Tensor, Tensor]:
+  """Head vectors `[..., D]` -> (int8 codes, float16 scales `[...]`), kernels/kv_cache.py's format."""
+  x = rows.float()
+  # contiguous: stored as float16 before use; tinygrad folds a float32 -> float16 -> float32 round trip away, and
+  # codes made with the unrounded scale would be off by up to 2^-11 relative once dequantized with the stored one
+  scale = (x.abs().max(-1) / INT8_MAX).cast(dtypes.float16).contiguous()
+  s = scale.float().unsqueeze(-1)
+  codes = (s > 0).where((x / (s > 0).where(s, 1.0)).round().clip(-INT8_MAX, INT8_MAX), 0.0).cast(dtypes.int8)
+  return codes, scale
+
+
+def write_cache(cache: PagedKVCache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> PagedKVCache:
+  """Write K and V rows `[T, KVH, D]` into their slots, quantized when the cache is."""
+  if not cache.quantized: return cache.written(write_kv(cache.k, k, slot_mapping), write_kv(cache.v, v, slot_mapping))
+  (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+  return cache.written(write_kv(cache.k, kq, slot_mapping), write_kv(cache.v, vq, slot_mapping),
+                       write_kv(cache.k_scale, ks, slot_mapping), write_kv(cache.v_scale, vs, slot_mapping))
+
+
+def _gather(cache: Tensor, scale: Tensor | None, block_tables: Tensor, dtype) -> Tensor:
+  """Whole blocks by table index `[P, MB, BS, KVH, D]`, dequantized inside the expression that reads them."""
+  rows = cache[block_tables]
+  return rows.cast(dtype) if scale is None else rows.cast(dtype) * scale[block_tables].cast(dtype).unsqueeze(-1)
+
+
+def paged_attention(q: Tensor, cache: PagedKVCache, block_tables: Tensor, q_pos: Tensor, scale: float) -> Tensor:
   """Attention of q `[P, C, H, D]` to each sequence's paged K/V.
 
   block_tables `[P, MB]` int32, q_pos `[P, C]` int32: query slot (p, c) sees the key positions 0..q_pos[p, c]
@@ -55,11 +83,11 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
   least position 0, so padding rows stay finite; their output is ignored by the caller.
   """
   P, C, H, D = q.shape
-  _, BS, KVH, _ = k_cache.shape
+  _, BS, KVH, _ = cache.k.shape
   G, S = H // KVH, block_tables.shape[1] * BS
   # (P, MB, BS, KVH, D) -> (P, KVH, S, D): gathering whole blocks by table index compiles to direct loads
-  k = k_cache[block_tables].reshape(P, S, KVH, D).permute(0, 2, 1, 3)
-  v = v_cache[block_tables].reshape(P, S, KVH, D).permute(0, 2, 1, 3)
+  k = _gather(cache.k, cache.k_scale, block_tables, q.dtype).reshape(P, S, KVH, D).permute(0, 2, 1, 3)
+  v = _gather(cache.v, cache.v_scale, block_tables, q.dtype).reshape(P, S, KVH, D).permute(0, 2, 1, 3)
   q = q.reshape(P, C, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(P, KVH, G * C, D)          # (P, KVH, G*C, D)
   scores = (q @ k.transpose(-1, -2)).float() * scale                                      # (P, KVH, G*C, S)
   visible = Tensor.arange(S).reshape(1, 1, 1, S) <= q_pos.reshape(P, 1, 1, C, 1).expand(P, 1, G, C, 1).reshape(P, 1, G * C, 1)

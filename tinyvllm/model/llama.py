@@ -9,7 +9,9 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import AttentionGroup, Kernels, portable
+from tinyvllm.kernels.kv_cache import PagedKVCache
 from tinyvllm.quant import int4
+from tinyvllm.quant.formats import FLOAT, INT4, INT8, PARTS, LinearWeights, stored_format
 from tinyvllm.model.rope import cos_sin_table, inverse_frequencies
 from tinyvllm.model.weights import ModelLoadError, expected_tensors
 
@@ -23,38 +25,43 @@ class ModelInputs:
   logits_index: Tensor           # int32 [R]: flat rows whose next-token logits are wanted
 
 
+LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
 class LlamaLayer:
   """One decoder layer. Its weights live in a flat dict (HF names relative to the layer, q/k/v and gate/up
   fused), so a layer can be rebuilt around other tensors: the model runner replays one captured layer
-  with each layer's weights in turn."""
-  def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor], kernels: Kernels):
+  with each layer's weights in turn. `formats` records how each linear is stored (quant/formats.py)."""
+  def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor], kernels: Kernels, formats: dict[str, str] | None = None):
     self.cfg, self.weights, self.kernels = cfg, weights, kernels
+    self.formats = formats or {name: stored_format(weights, name) for name in LAYER_LINEARS}
+    self.linears = {name: LinearWeights.of(weights, name, fmt) for name, fmt in self.formats.items()}
 
   def tensors(self) -> list[Tensor]: return list(self.weights.values())
 
   def with_tensors(self, tensors: list[Tensor]) -> LlamaLayer:
-    return LlamaLayer(self.cfg, dict(zip(self.weights, tensors, strict=True)), self.kernels)
+    return LlamaLayer(self.cfg, dict(zip(self.weights, tensors, strict=True)), self.kernels, self.formats)
 
-  def linear(self, name: str, x: Tensor) -> Tensor: return self.kernels.linear(x, linear_params(self.weights, name))
+  def linear(self, name: str, x: Tensor) -> Tensor: return self.kernels.linear(x, self.linears[name])
 
-  def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-               out: Tensor | None = None) -> Tensor:
+  def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None) -> Tensor:
     """h `[T, hidden]` -> the layer's output, written into `out` when given (a realized buffer)."""
     cfg, kn, w = self.cfg, self.kernels, self.weights
-    if len(inp.groups) == 1 and (fused := kn.decoder_layer(h, w, cfg, inp.groups[0], inp.positions, inp.slot_mapping, cos_sin,
-                                                           k_cache, v_cache, out)) is not None:
+    norms = (w["input_layernorm.weight"], w["post_attention_layernorm.weight"])
+    if len(inp.groups) == 1 and (fused := kn.decoder_layer(h, self.linears, norms, cfg, inp.groups[0], inp.positions, inp.slot_mapping,
+                                                           cos_sin, cache, out)) is not None:
       return fused
-    result = self._compose(h, inp, cos_sin, k_cache, v_cache)
+    result = self._compose(h, inp, cos_sin, cache)
     return result if out is None else out.assign(result)
 
-  def _compose(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+  def _compose(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache) -> Tensor:
     cfg, kn, w = self.cfg, self.kernels, self.weights
     T, H, KVH, D = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qkv = self.linear("self_attn.qkv_proj", kn.rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps))
-    q, k_cache, v_cache = kn.rope_and_cache_write(qkv, H, KVH, inp.positions, cos_sin, k_cache, v_cache, inp.slot_mapping)
+    q, cache = kn.rope_and_cache_write(qkv, H, KVH, inp.positions, cos_sin, cache, inp.slot_mapping)
     outs, start = [], 0
     for g in inp.groups:
-      outs.append(kn.attention(q[start:start + g.num_tokens], k_cache, v_cache, g, D ** -0.5))
+      outs.append(kn.attention(q[start:start + g.num_tokens], cache, g, D ** -0.5))
       start += g.num_tokens
     attn = (outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])).reshape(T, H * D)
     h = h + self.linear("self_attn.o_proj", attn)
@@ -65,23 +72,15 @@ class LlamaLayer:
     return (h + self.linear("mlp.down_proj", act)).contiguous()
 
 
-LINEAR_PARTS = ("weight", "bias", "scales", "biases")   # a linear: its weight, optional bias, and 4-bit group params
-
-
-def linear_params(w: dict[str, Tensor], name: str) -> dict[str, Tensor]:
-  """The tensors of linear `name` in a flat weight dict: weight (float, or packed 4-bit with scales/biases), bias."""
-  return {part: w[f"{name}.{part}"] for part in LINEAR_PARTS if f"{name}.{part}" in w}
-
-
 class Llama:
   def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str, kernels: Kernels,
                max_positions: int):
     self.cfg, self.kernels, self.device = cfg, kernels, device
     self.dtype = dtypes.float32 if dtype == "float32" else dtypes.float16
     w = {name: Tensor(arr, device=device).realize() for name, arr in self._prepare(cfg, tensors, dtype, kernels.eight_bit).items()}
-    self.embed_tokens = linear_params(w, "model.embed_tokens")       # 4-bit in MLX checkpoints with quantized embeddings
+    self.embed_tokens = LinearWeights.of(w, "model.embed_tokens")   # 4-bit in MLX checkpoints with quantized embeddings
     self.norm = w["model.norm.weight"]
-    self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else linear_params(w, "lm_head")
+    self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else LinearWeights.of(w, "lm_head")
     self.layers = [LlamaLayer(cfg, {k[len(f"model.layers.{i}."):]: t for k, t in w.items() if k.startswith(f"model.layers.{i}.")}, kernels)
                    for i in range(cfg.num_hidden_layers)]
     inv_freq = inverse_frequencies(cfg, tensors.get("rope_freqs.weight"))
@@ -100,7 +99,8 @@ class Llama:
       _check(tensors, name, (size,), cfg)
       out[name] = np.ascontiguousarray(tensors[name], dtype=np_dtype)
     for name, (n, k) in linears.items():
-      if f"{name}.scales" in tensors and f"{name}.biases" not in tensors:   # 8-bit
+      fmt = stored_format(tensors, name)
+      if fmt == INT8:
         _check(tensors, f"{name}.weight", (n, k), cfg)
         _check(tensors, f"{name}.scales", (n, k // 32), cfg)
         if eight_bit:
@@ -108,7 +108,7 @@ class Llama:
           out[f"{name}.scales"] = np.ascontiguousarray(tensors[f"{name}.scales"], dtype=np.float16)
         else:
           out[f"{name}.weight"] = int4.dequantize_8bit(tensors[f"{name}.weight"], tensors[f"{name}.scales"]).astype(np_dtype)
-      elif f"{name}.scales" in tensors:                     # packed 4-bit
+      elif fmt == INT4:
         groups = tensors[f"{name}.scales"].shape[-1]
         _check(tensors, f"{name}.weight", (n, k // 8), cfg)
         for part in ("scales", "biases"): _check(tensors, f"{name}.{part}", (n, groups), cfg)
@@ -123,32 +123,33 @@ class Llama:
     for i in range(cfg.num_hidden_layers):
       for fused, parts in fuse.items():
         names = [f"model.layers.{i}.{part}" for part in parts]
-        quantized = [f"{n}.scales" in out for n in names]
-        if any(quantized) and not all(quantized) or len({out[f"{n}.scales"].shape[1] * 8 // out[f"{n}.weight"].shape[1]
-                                                          for n in names if f"{n}.scales" in out}) > 1:
-          for n in names:   # mixed formats or group sizes cannot share one matmul: fuse as floats
-            if f"{n}.scales" in out:
+        stored = [LinearWeights.of(out, n) for n in names]
+        if len({(p.format, p.group_size) for p in stored}) > 1:
+          for n, p in zip(names, stored):   # mixed formats or group sizes cannot share one matmul: fuse as floats
+            if p.format == INT8:
+              out[f"{n}.weight"] = int4.dequantize_8bit(out[f"{n}.weight"], out.pop(f"{n}.scales")).astype(np_dtype)
+            elif p.format == INT4:
               out[f"{n}.weight"] = int4.dequantize(out[f"{n}.weight"], out.pop(f"{n}.scales"), out.pop(f"{n}.biases")).astype(np_dtype)
-        for part in LINEAR_PARTS:
+        for part in PARTS:
           if f"{names[0]}.{part}" in out:
             out[f"model.layers.{i}.{fused}.{part}"] = np.concatenate([out.pop(f"{n}.{part}") for n in names], axis=0)
     return out
 
-  def __call__(self, inp: ModelInputs, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+  def __call__(self, inp: ModelInputs, kv_caches: list[PagedKVCache]) -> Tensor:
     """Returns float32 logits `[R, vocab]` for the rows in inp.logits_index."""
     h = self.embed(inp.tokens)
-    for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+    for layer, cache in zip(self.layers, kv_caches):
       # realizing layer by layer keeps each graph tinygrad schedules small (scheduling cost grows faster
       # than linearly with graph size); under TinyJit every realize is captured into the one replay
-      h = layer(h, inp, self.cos_sin, k_cache, v_cache).realize()
+      h = layer(h, inp, self.cos_sin, cache).realize()
     return self.logits(h, inp.logits_index)
 
   def embed(self, tokens: Tensor) -> Tensor:
     """(T, hidden): table rows, dequantized on the fly when the table is 4-bit."""
     e = self.embed_tokens
-    if "scales" not in e: return e["weight"][tokens]
-    if "biases" not in e: return portable.q8_rows(e["weight"][tokens], e["scales"][tokens]).cast(self.dtype)
-    return portable.int4_rows(e["weight"][tokens], e["scales"][tokens], e["biases"][tokens]).cast(self.dtype)
+    if e.format == FLOAT: return e.weight[tokens]
+    if e.format == INT8: return portable.q8_rows(e.weight[tokens], e.scales[tokens]).cast(self.dtype)
+    return portable.int4_rows(e.weight[tokens], e.scales[tokens], e.biases[tokens]).cast(self.dtype)
 
   def logits(self, h: Tensor, rows: Tensor) -> Tensor:
     h = self.kernels.rms_norm(h[rows], self.norm, self.cfg.rms_norm_eps)            # (R, hidden)

@@ -12,6 +12,7 @@ import numpy as np
 from tinyvllm.config import ModelConfig
 from tinyvllm.model.gguf_file import GGUFError, GGUFTensor, read_gguf
 from tinyvllm.quant import ggml, int4
+from tinyvllm.quant.formats import FLOAT, INT8, stored_format
 
 
 class ModelLoadError(ValueError):
@@ -65,13 +66,13 @@ def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = 
     ckpt = dataclasses.replace(ckpt, tensors=int4.dequantize_state_dict(ckpt.tensors), config=dataclasses.replace(ckpt.config, quantization=None))
   if quantization == "int4":
     # 8-bit tables (a GGUF's Q8_0 embedding) become 4-bit too: 4-bit everywhere is what "int4" asks for
-    eight_bit = {k[:-len(".scales")] for k in ckpt.tensors if k.endswith(".scales") and k[:-len(".scales")] + ".biases" not in ckpt.tensors}
+    eight_bit = {k[:-len(".scales")] for k in ckpt.tensors if k.endswith(".scales") and stored_format(ckpt.tensors, k[:-len(".scales")]) == INT8}
     tensors = {k: v for k, v in ckpt.tensors.items() if not any(k.startswith(b + ".") for b in eight_bit)}
     tensors.update({f"{b}.weight": int4.dequantize_8bit(ckpt.tensors[f"{b}.weight"], ckpt.tensors[f"{b}.scales"]) for b in eight_bit})
     group = (ckpt.config.quantization or {}).get("group_size", 64)
     for name, w in list(tensors.items()):
       base = name[:-len(".weight")]
-      if w.ndim == 2 and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES) and f"{base}.scales" not in tensors \
+      if w.ndim == 2 and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES) and stored_format(tensors, base) == FLOAT \
          and w.shape[1] % group == 0:
         try: tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = int4.quantize(np.asarray(w, np.float32), group, "rtn")
         except ValueError as e: raise ModelLoadError(f"{ckpt.path}: tensor {name} cannot be quantized to 4 bits: {e}") from None

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 import numpy as np
 from tinyvllm.quant import ggml
+from tinyvllm.quant.formats import INT4, stored_format
 
 GROUP_SIZES = (32, 64, 128)
 METHODS = ("rtn", "clip")
@@ -258,7 +259,7 @@ def dequantize_state_dict(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarra
     if k.endswith(".scales"):
       base = k[:-len(".scales")]
       w, s = tensors[f"{base}.weight"], tensors[k]
-      if f"{base}.biases" in tensors: out[f"{base}.weight"] = dequantize(w, s, tensors[f"{base}.biases"])
+      if stored_format(tensors, base) == INT4: out[f"{base}.weight"] = dequantize(w, s, tensors[f"{base}.biases"])
       else: out[f"{base}.weight"] = dequantize_8bit(w, s)
   return out
 

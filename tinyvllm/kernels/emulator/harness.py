@@ -27,7 +27,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
-HARNESS_VERSION = "5"
+HARNESS_VERSION = "6"
 
 BUILTINS = {  # attribute -> field of __tv_thread (a 3-vector, or a scalar)
   "thread_position_in_grid": "gid", "threadgroup_position_in_grid": "tgid", "thread_position_in_threadgroup": "tid",
@@ -77,6 +77,7 @@ def _cxx() -> str: return os.environ.get("CXX_EMULATOR", "clang++")
 
 def _flags() -> list[str]:
   f = ["-std=c++17", "-O2", "-fPIC", "-shared", "-fno-exceptions", "-fno-rtti", "-ffp-contract=off",
+       "-fsigned-char",   # MSL's char is signed (int8 KV-cache codes); aarch64 Linux would make it unsigned
        "-Xclang", "-fnative-half-type", "-Xclang", "-fnative-half-arguments-and-returns",
        "-Xclang", "-cl-single-precision-constant", "-Wno-unknown-attributes", "-Wno-ignored-attributes",
        "-Wno-unused-command-line-argument",

@@ -1,0 +1,132 @@
+"""The int8 KV cache (`kv_cache_dtype="int8"`): its size, its writes and its attention on every CPU-side backend,
+against the float64 numpy reference of the format (tests/kv_reference.py). The Metal kernels' int8 variants are
+tested in tests/test_metal_kernels.py."""
+from __future__ import annotations
+import numpy as np
+import pytest
+from tinygrad import Tensor, dtypes
+from conftest import our_prefill_logits
+from kv_reference import dequantize_int8_ref, quantize_int8_ref
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.config import ConfigError
+from tinyvllm.kernels import portable
+from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
+
+
+def rel_err(out, ref) -> float: return float(np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref))
+
+
+def zeros(shape, dtype): return Tensor.zeros(*shape, dtype=dtype).contiguous().realize()
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_bytes_per_block_and_capacity(head_dim):
+  """Counted by hand: K and V, per layer, per token, per KV head: head_dim codes + a 2-byte scale (int8)."""
+  layers, bs, kvh = 30, 16, 3
+  count = lambda per_vector: 2 * layers * bs * kvh * per_vector
+  assert KVCacheFormat("int8").bytes_per_block(layers, bs, kvh, head_dim) == count(head_dim + 2)
+  assert KVCacheFormat("float16").bytes_per_block(layers, bs, kvh, head_dim) == count(2 * head_dim)
+  assert KVCacheFormat("float32").bytes_per_block(layers, bs, kvh, head_dim) == count(4 * head_dim)
+  ratio16, ratio32 = (2 * head_dim) / (head_dim + 2), (4 * head_dim) / (head_dim + 2)
+  assert ratio16 >= 1.9 and ratio32 >= 3.8   # the issue's capacity targets, for every head_dim the kernels take
+
+
+def test_resolve_and_bad_values(tiny_model):
+  assert KVCacheFormat.resolve("auto", "float16").storage == "float16"
+  assert KVCacheFormat.resolve("int8", "float32").quantized
+  for bad in ("fp8", "int4", "INT8", None):
+    with pytest.raises(ConfigError, match="kv_cache_dtype"): LLM(str(tiny_model), kv_cache_dtype=bad)
+
+
+def test_portable_write_matches_reference():
+  """Fresh random K/V rows at scattered slots, two padding tokens (slot -1) that must write nothing."""
+  rng = np.random.default_rng(0)
+  T, KVH, D, NB, BS = 37, 2, 64, 12, 8
+  k = (rng.standard_normal((T, KVH, D)) * rng.uniform(0.1, 5, (T, KVH, 1))).astype(np.float32)
+  v = rng.standard_normal((T, KVH, D)).astype(np.float32)
+  slots = rng.permutation(NB * BS)[:T].astype(np.int32)
+  slots[[3, 20]] = -1
+  cache = PagedKVCache.allocate(KVCacheFormat("int8"), NB, BS, KVH, D, zeros)
+  cache = portable.write_cache(cache, Tensor(k), Tensor(v), Tensor(slots))
+  kq, vq, ks, vs = (t.numpy().reshape(NB * BS, *t.shape[2:]) for t in cache.tensors())
+  written = slots >= 0
+  for codes, scales, x in ((kq, ks, k), (vq, vs, v)):
+    ref_codes, ref_scales = quantize_int8_ref(x[written])
+    # float32 amax / 127 and x / s against float64: a code may differ by one where x / s lies within float32
+    # rounding of a half-integer, a scale by one float16 step where amax / 127 lies on a rounding boundary
+    assert np.abs(codes[slots[written]].astype(int) - ref_codes).max() <= 1
+    assert (codes[slots[written]] == ref_codes).mean() > 0.999
+    np.testing.assert_allclose(scales[slots[written]].astype(np.float64), ref_scales.astype(np.float64), rtol=2 ** -10)
+    untouched = np.setdiff1d(np.arange(NB * BS), slots[written])
+    assert not codes[untouched].any() and not scales[untouched].any()
+
+
+def attention_ref(q, k, v, tables, q_pos, scale):
+  """float64 attention of q [P, C, H, D] over dequantized K/V [NB*BS, KVH, D]."""
+  P, C, H, D = q.shape
+  KVH, BS = k.shape[1], k.shape[0] // 64
+  out = np.zeros(q.shape)
+  for p in range(P):
+    slots = (tables[p][:, None] * BS + np.arange(BS)).reshape(-1)
+    for c in range(C):
+      n = q_pos[p, c] + 1
+      for h in range(H):
+        kk, vv = k[slots[:n], h // (H // KVH)], v[slots[:n], h // (H // KVH)]
+        s = kk @ q[p, c, h] * scale
+        w = np.exp(s - s.max())
+        out[p, c, h] = w @ vv / w.sum()
+  return out
+
+
+def test_portable_attention_reads_int8():
+  """Random codes and scales (never zeros), causal chunks over scattered blocks: float32 arithmetic on exactly
+  representable dequantized values, so 1e-5 relative covers the summation order; a wrong scale or index is O(1)."""
+  rng = np.random.default_rng(1)
+  NB, BS, KVH, D, H, P, C, MB = 64, 8, 2, 64, 4, 3, 5, 6
+  codes = [rng.integers(-127, 128, (NB, BS, KVH, D)).astype(np.int8) for _ in range(2)]
+  scales = [rng.uniform(0.001, 0.05, (NB, BS, KVH)).astype(np.float16) for _ in range(2)]
+  cache = PagedKVCache(*(Tensor(a) for a in (*codes, *scales)))
+  tables = np.stack([rng.permutation(NB)[:MB] for _ in range(P)]).astype(np.int32)
+  q_pos = np.stack([np.arange(C) + rng.integers(0, MB * BS - C) for _ in range(P)]).astype(np.int32)
+  q = rng.standard_normal((P, C, H, D)).astype(np.float32)
+  out = portable.paged_attention(Tensor(q), cache, Tensor(tables), Tensor(q_pos), D ** -0.5).numpy()
+  k, v = (dequantize_int8_ref(c, s).reshape(NB * BS, KVH, D) for c, s in zip(codes, scales))
+  assert rel_err(out, attention_ref(q.astype(np.float64), k, v, tables, q_pos, D ** -0.5)) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["portable", "cpu"])
+def test_model_cache_and_logits(tiny_model_factory, backend):
+  """A 60-token prefill through the whole model. Layer 0's cached K/V are the float run's, quantized by the
+  reference; logits move from the float cache's by the int8 noise only (measured ~1.5% on this random model,
+  whose logits are small; a wrong dequantization moves them by O(100%)); the cpu layer's int8 logits equal the
+  portable path's within float32 summation order."""
+  path = tiny_model_factory("gqa")
+  ids = np.random.default_rng(2).integers(4, 380, 60).tolist()
+  ref_logits, ref_cache = our_prefill_logits(path, ids, backend, block_size=8, return_cache=True)
+  logits, cache = our_prefill_logits(path, ids, backend, block_size=8, kv_cache_dtype="int8", return_cache=True)
+  (k_ref, v_ref), (kq, vq, ks, vs) = ref_cache[0], cache[0]
+  for codes, scales, x in ((kq, ks, k_ref), (vq, vs, v_ref)):
+    ref_codes, ref_scales = quantize_int8_ref(x)
+    assert np.abs(codes.astype(int) - ref_codes).max() <= 1 and (codes == ref_codes).mean() > 0.999
+    np.testing.assert_allclose(scales.astype(np.float64), ref_scales.astype(np.float64), rtol=2 ** -10)
+  assert 1e-4 < rel_err(logits, ref_logits) < 0.05
+  if backend == "cpu":
+    portable_logits = our_prefill_logits(path, ids, "portable", block_size=8, kv_cache_dtype="int8")
+    assert rel_err(logits, portable_logits) < 1e-4
+
+
+def test_generation_cpu_matches_portable(tiny_model_factory):
+  """Greedy decode with an int8 cache: chunked prefill, batched decode, preemption-free; tokens equal across backends."""
+  path = tiny_model_factory("gqa")
+  rng = np.random.default_rng(3)
+  prompts = [{"prompt_token_ids": rng.integers(4, 380, n).tolist()} for n in (5, 33, 70)]
+  params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+  runs = {}
+  for b in ("portable", "cpu"):
+    llm = LLM(str(path), kernel_backend=b, kv_cache_dtype="int8", block_size=8, num_kv_blocks=48, max_num_batched_tokens=32)
+    runs[b] = llm.generate(prompts, params, use_tqdm=False)
+    llm.shutdown()
+  for a, b in zip(runs["portable"], runs["cpu"]):
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+      assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in lp_a) < 1e-3
