@@ -275,7 +275,7 @@ def post(url: str, path: str, body, headers=None) -> httpx.Response:
   ("/v1/chat/completions", {"messages": MESSAGES, "temperature": "hot"}, 400, "temperature", "valid number"),
   ("/v1/chat/completions", {"messages": MESSAGES, "top_p": 0}, 400, "top_p", "(0, 1]"),
   ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
-  ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+  ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}}, 400, "response_format", "'json_schema'"),
   ("/v1/chat/completions", {"messages": MESSAGES, "temprature": 0.5}, 400, "temprature", "unknown field"),
   ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs", "logprobs=true"),
   ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages", "only text"),
@@ -426,3 +426,60 @@ def test_continuous_usage_in_completion_streams(server):
     chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
   counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
   assert counts == sorted(counts) and counts[-1] == 5 and not chunks[-1]["choices"]
+
+
+# **** structured output ****
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"], "properties": {
+  "name": {"type": "string", "maxLength": 4}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+  "x-guidance": {"whitespace_flexible": False}}   # a random model could write whitespace forever; llguidance's option
+
+
+def test_response_format_json_schema_through_the_openai_client(server, client, tiny_model):
+  import jsonschema
+  out = client.chat.completions.create(model=tiny_model.name, messages=MESSAGES, temperature=1.0, n=4, max_tokens=100, seed=3,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                                              "strict": True}})
+  assert len(out.choices) == 4
+  for choice in out.choices:
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+  # streamed: the deltas join to a valid document too
+  chunks = client.chat.completions.create(model=tiny_model.name, messages=MESSAGES, temperature=1.0, max_tokens=100, seed=4, stream=True,
+                                          response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+  jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), PERSON)
+
+
+def test_response_format_json_object_and_structured_outputs_on_completions(server, client, tiny_model, offline):
+  # +100 on "{" and "}" makes each certain wherever the grammar allows it: "{}" at once, where the bias alone would
+  # repeat braces until max_tokens
+  braces = {str(offline.get_tokenizer().encode(b, add_special_tokens=False)[0]): 100 for b in "{}"}
+  out = client.completions.create(model=tiny_model.name, prompt="Hello", max_tokens=8, logit_bias=braces, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})   # vLLM's, on completions too
+  assert out.choices[0].text == "{}" and out.choices[0].finish_reason == "stop"
+  out = client.completions.create(model=tiny_model.name, prompt=["Hello", "The quick"], n=3, max_tokens=20, temperature=1.0, seed=1,
+                                  extra_body={"structured_outputs": {"regex": r"[a-z]{2,4}-[0-9]{2}"}})
+  assert len(out.choices) == 6 and all(re.fullmatch(r"[a-z]{2,4}-[0-9]{2}", c.text) for c in out.choices)
+  out = client.chat.completions.create(model=tiny_model.name, messages=MESSAGES, max_tokens=10, temperature=1.0, n=5,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+  assert {c.message.content for c in out.choices} <= {"yes", "no"}
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+  ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+   "response_format", "response_format.json_schema.schema: invalid JSON schema: Invalid type: foo"),
+  ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+   "json_schema.schema must be a JSON schema"),
+  ("/v1/completions", {"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "structured_outputs.regex: invalid regular expression"),
+  ("/v1/completions", {"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs", "invalid grammar"),
+  ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
+  ("/v1/completions", {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag is not supported"),
+  ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "not both"),
+  ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json", "structured_outputs"),
+])
+def test_structured_output_errors_are_400s(server, path, body, param, words):
+  base = {"messages": MESSAGES} if "chat" in path else {"prompt": "Hi"}
+  r = post(server[0], path, {**base, **body})
+  assert r.status_code == 400, r.text
+  err = r.json()["error"]
+  assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error"

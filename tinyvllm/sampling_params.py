@@ -1,10 +1,61 @@
-"""SamplingParams: vLLM's names and defaults, validated once when built."""
+"""SamplingParams and StructuredOutputsParams: vLLM's names and defaults, validated once when built."""
 from __future__ import annotations
+import json as jsonlib
 import math, numbers
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5   # temperatures this small sample as greedy (vLLM's rule): dividing by them overflows
+
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+  """Constrain the output (vLLM's names): exactly one of `json` (a JSON schema, as a dict or its JSON text),
+  `regex`, `choice` (the output is one of these strings), `grammar` (Lark, llguidance's dialect, or GBNF) and
+  `json_object=True` (any JSON object). What the grammar itself says is checked when the request is added (the
+  tokenizer is needed for that); here only the shape. See docs/structured-output.md."""
+  json: str | dict | None = None
+  regex: str | None = None
+  choice: list[str] | None = None
+  grammar: str | None = None
+  json_object: bool | None = None
+  disable_any_whitespace: bool = False     # json / json_object: no whitespace between JSON tokens (compact output)
+  whitespace_pattern: str | None = None    # json / json_object: a regex every run of whitespace must match
+
+  def __post_init__(self):
+    def bad(name, why): raise ValueError(f"StructuredOutputsParams.{name} {why}, got {getattr(self, name)!r:.200}")
+    given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+    if len(given) != 1:
+      raise ValueError(f"StructuredOutputsParams needs exactly one of {', '.join(CONSTRAINTS)}; "
+                       f"got {', '.join(given) if given else 'none'}")
+    if isinstance(self.json, str):
+      try: schema = jsonlib.loads(self.json)
+      except ValueError as e: raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+      if not isinstance(schema, dict): bad("json", "must be a JSON object (a schema)")
+    elif self.json is not None and not isinstance(self.json, dict): bad("json", "must be a JSON schema: a dict or its JSON text")
+    for name in ("regex", "grammar", "whitespace_pattern"):
+      if getattr(self, name) is not None and not isinstance(getattr(self, name), str): bad(name, "must be a string")
+    if self.grammar is not None and not self.grammar.strip(): bad("grammar", "must not be empty")
+    if self.choice is not None:
+      if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+        bad("choice", "must be a non-empty list of non-empty strings")
+      self.choice = list(self.choice)
+    if self.json_object not in (None, True, False): bad("json_object", "must be true or false")
+    if not isinstance(self.disable_any_whitespace, bool): bad("disable_any_whitespace", "must be true or false")
+
+  @property
+  def kind(self) -> str:
+    """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
+    return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+
+  @property
+  def schema(self) -> dict | None:
+    """The JSON schema of a json constraint (parsed when given as text); {"type": "object"} for json_object."""
+    if self.json_object: return {"type": "object"}
+    return jsonlib.loads(self.json) if isinstance(self.json, str) else self.json
 
 
 @dataclass
@@ -28,6 +79,7 @@ class SamplingParams:
   prompt_logprobs: int | None = None   # top-k logprobs per prompt token, plus the prompt token's own
   skip_special_tokens: bool = True
   include_stop_str_in_output: bool = False
+  structured_outputs: StructuredOutputsParams | None = None   # a JSON schema, regex, choice or grammar the output obeys
   stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
   def __post_init__(self):
@@ -72,6 +124,8 @@ class SamplingParams:
           bad("logit_bias", "must map token ids (integers >= 0) to finite numbers")
         bias[int(key)] = float(v)
       self.logit_bias = bias or None
+    if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+      bad("structured_outputs", "must be a StructuredOutputsParams")
 
   @property
   def greedy(self) -> bool: return self.temperature < GREEDY_BELOW

@@ -19,9 +19,11 @@ from tinyvllm.engine.sequence import Sequence
 from tinyvllm.engine.spec_decode import SpeculativeDecoder
 from tinyvllm.kernels import default_dtype, make_kernels, prepare_device, resolve_backend
 from tinyvllm.kernels.kv_cache import KVCacheFormat
+from tinyvllm.kernels.threads import default_threads
 from tinyvllm.model.llama import Llama
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.model.weights import Checkpoint, load_checkpoint
+from tinyvllm.structured_output import MaskWorker, apply_bias
 
 
 class EngineCore:
@@ -73,6 +75,9 @@ class EngineCore:
                                packed_prefill=self.kernels.packs_prefill)
     self.requests: dict[str, list[Sequence]] = {}
     self._seed_stream = np.random.default_rng(config.seed)
+    # structured output: a step's token masks, on a worker thread while the model runs if the step leaves a core idle
+    cores = default_threads()
+    self.masks = MaskWorker(spare_core=self.device.split(":")[0] != "CPU" or (config.num_threads or cores) < cores)
 
   def _build_model(self, cfg, tensors, dtype: str) -> Llama:
     self.kernels.check_model(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, self.config.block_size, dtype)
@@ -117,7 +122,8 @@ class EngineCore:
     params, seqs = req.params, []
     for i in range(params.n):
       seed = [params.seed, i] if params.seed is not None else self._seed_stream.integers(2**63)
-      seqs.append(Sequence(req.request_id, i, req.prompt_token_ids, params, np.random.default_rng(seed), req.metrics))
+      seqs.append(Sequence(req.request_id, i, req.prompt_token_ids, params, np.random.default_rng(seed), req.metrics,
+                           req.grammar.new_state() if req.grammar is not None else None))
     self.requests[req.request_id] = seqs
     for seq in seqs: self.scheduler.add(seq)
 
@@ -190,24 +196,30 @@ class EngineCore:
     if self.spec and decodes and self.spec.policy.should_speculate(len(decodes)):
       # a run of k drafts must fit the context: sequences near max_model_len decode plainly in the same step
       fits = [s for s in decodes if s.num_tokens + self.spec.k <= self.max_model_len]
-      proposals = self.spec.propose(fits, self._penalized) or [] if fits else []
+      proposals = self.spec.propose(fits, self._processed) or [] if fits else []
       if proposals: decodes, speculated = [s for s in decodes if s not in fits], fits
     want_prompt_logprobs = any(self._wants_prompt_logprobs(c.seq) for c in sched.prefills)
-    decode_logits, prefill_logits, verify_logits = self.runner.execute(
-      [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:]) for s in decodes],
-      [WorkItem(c.seq.block_table, c.seq.num_computed_tokens, c.seq.token_ids[c.seq.num_computed_tokens:][:c.num_tokens])
-       for c in sched.prefills],
-      [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:] + p.drafts) for s, p in zip(speculated, proposals)],
-      prefill_all_logits=want_prompt_logprobs)
+    # structured output: the masks of the tokens sampled this step, computed while the model runs when it pays (MaskPolicy)
+    pending = self.masks.start([s.grammar for s in decodes if s.grammar] +
+                               [c.seq.grammar for c in sched.prefills if c.completes_prompt and c.seq.grammar])
+    try:
+      decode_logits, prefill_logits, verify_logits = self.runner.execute(
+        [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:]) for s in decodes],
+        [WorkItem(c.seq.block_table, c.seq.num_computed_tokens, c.seq.token_ids[c.seq.num_computed_tokens:][:c.num_tokens])
+         for c in sched.prefills],
+        [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:] + p.drafts) for s, p in zip(speculated, proposals)],
+        prefill_all_logits=want_prompt_logprobs)
+    finally: pending.wait()   # even when the pass failed: the worker must be done with the matchers
     sampled: dict[Sequence, list[int]] = {}
     drafted = accepted = 0
     for seq, logits in zip(decodes, decode_logits):
-      self._guarded(seq, outputs, lambda: self._sample(seq, logits[None], outputs, sampled))
+      self._guarded(seq, outputs, lambda: self._sample(seq, logits[None], outputs, sampled, seq.grammar and pending.bias(seq.grammar)))
     for chunk, logits in zip(sched.prefills, prefill_logits):
       rows = logits if want_prompt_logprobs else logits[None]     # every slot of the chunk, or its last
       def sample_chunk(chunk=chunk, rows=rows):
         if self._wants_prompt_logprobs(chunk.seq): self._prompt_logprobs(chunk.seq, chunk.seq.num_computed_tokens, rows, outputs)
-        if chunk.completes_prompt: self._sample(chunk.seq, rows[-1:], outputs, sampled)
+        if chunk.completes_prompt:
+          self._sample(chunk.seq, rows[-1:], outputs, sampled, chunk.seq.grammar and pending.bias(chunk.seq.grammar))
       self._guarded(chunk.seq, outputs, sample_chunk)
     for seq, proposal, logits in zip(speculated, proposals, verify_logits):
       drafted += len(proposal.drafts)
@@ -219,15 +231,20 @@ class EngineCore:
     try: fn()
     except Exception as e: self._fail(seq, e, outputs)
 
-  def _sample(self, seq: Sequence, logits: np.ndarray, outputs, sampled) -> None:
-    """One token from logits `[1, V]` at the sequence's newest token."""
+  def _sample(self, seq: Sequence, logits: np.ndarray, outputs, sampled, mask: np.ndarray | None = None) -> None:
+    """One token from logits `[1, V]` at the sequence's newest token; `mask`: the grammar's bias row (structured
+    output: -inf for the tokens it does not allow there), applied first, so penalties, sampling and logprobs all
+    see it."""
     seq.metrics.num_target_steps += 1
+    if mask is not None: logits = apply_bias(logits, mask)
     token = sampler.sample(self._penalized(seq, logits[0]), seq.params, seq.generator)
     self._record(seq, [token], logits, outputs, sampled)
 
   def _verify(self, seq: Sequence, proposal, logits: np.ndarray, outputs, sampled) -> None:
     """Check one speculated run: logits `[k+1, V]` are the target's at the last token and at each draft."""
     drafts, k = proposal.drafts, len(proposal.drafts)
+    if seq.grammar is not None:   # row i under the mask after drafts[:i]: the ones the draft sampled under, plus the last
+      logits = np.stack([apply_bias(logits[i], seq.grammar.mask_after(drafts[:i])) for i in range(k + 1)])
     processed = [self._penalized(seq, logits[i], drafts[:i]) for i in range(k + 1)]
     if seq.params.greedy:
       tokens = sampler.speculative_accept_greedy([int(np.argmax(x)) for x in processed], drafts)
@@ -265,7 +282,17 @@ class EngineCore:
     p = seq.params
     banned = sorted(self.scheduler.eos_token_ids | set(p.stop_token_ids or [])) \
       if seq.num_output_tokens + len(extra) < p.min_tokens else None
-    return sampler.apply_penalties(logits, seq.token_ids + list(extra), seq.num_prompt_tokens, p, banned)
+    out = sampler.apply_penalties(logits, seq.token_ids + list(extra), seq.num_prompt_tokens, p, banned)
+    if banned and seq.grammar is not None and not np.isfinite(out).any():
+      # a complete grammar allows only EOS: the grammar wins over min_tokens (all -inf would sample nothing)
+      out = sampler.apply_penalties(logits, seq.token_ids + list(extra), seq.num_prompt_tokens, p)
+    return out
+
+  def _processed(self, seq: Sequence, logits: np.ndarray, extra: list[int] = ()) -> np.ndarray:
+    """What the draft model samples from: its logits under the grammar's mask after `extra` (the drafts so far),
+    then penalized as the target's will be."""
+    if seq.grammar is not None: logits = apply_bias(logits, seq.grammar.mask_after(list(extra)))
+    return self._penalized(seq, logits, extra)
 
   # ---- finishing ----
 

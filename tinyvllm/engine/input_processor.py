@@ -11,11 +11,13 @@ from tinyvllm.engine.request import EngineRequest
 from tinyvllm.model.tokenizer import Tokenizer, TokenizerError
 from tinyvllm.outputs import RequestMetrics
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.structured_output import GrammarCompiler
 
 
 class InputProcessor:
   def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int):
     self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+    self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
   def process(self, request_id: str, prompt, params: SamplingParams | None = None,
               arrival_time: float | None = None) -> EngineRequest:
@@ -26,8 +28,10 @@ class InputProcessor:
     text, ids = self.tokenize(prompt)
     self.check_prompt(ids)
     self.check_params(params)
+    # compiled here, in the caller's thread: an invalid schema, regex or grammar is refused before anything is queued
+    grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
     metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time, num_prompt_tokens=len(ids))
-    return EngineRequest(request_id, text, ids, params, metrics)
+    return EngineRequest(request_id, text, ids, params, metrics, grammar)
 
   def tokenize(self, prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str): return prompt, self.tokenizer.encode(prompt)

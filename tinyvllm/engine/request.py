@@ -8,8 +8,11 @@ stages fill in turn (see `RequestMetrics`).
 """
 from __future__ import annotations
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from tinyvllm.outputs import RequestMetrics
 from tinyvllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING: from tinyvllm.structured_output import Grammar
 
 TopLogprobs = list[tuple[int, float, int]]   # (token id, logprob, rank) for the top-k tokens and the chosen one
 
@@ -22,6 +25,7 @@ class EngineRequest:
   prompt_token_ids: list[int]
   params: SamplingParams
   metrics: RequestMetrics
+  grammar: Grammar | None = None                    # params.structured_outputs, compiled and checked
 
 
 @dataclass

@@ -11,8 +11,9 @@ and starts after it (at least the last token is recomputed: its logits give the 
 of one request share their prompt this way: the others wait until the first has read it.
 
 After the model step, `update_from_output` is the one place where sequences change: it advances
-`num_computed_tokens`, appends the sampled tokens, registers blocks that became full and computed in the prefix
-cache, applies the stop rules and gives back the blocks of speculative tokens the target rejected.
+`num_computed_tokens`, appends the sampled tokens, advances a constrained sequence's grammar (rolling back drafts
+the target rejected), registers blocks that became full and computed in the prefix cache, applies the stop rules
+and gives back the blocks of speculative tokens the target rejected.
 """
 from __future__ import annotations
 from collections import deque
@@ -193,6 +194,7 @@ class Scheduler:
       if (stop := self._stop_reason(seq, token)) is not None:
         tokens = tokens[:i + 1]
         break
+    if seq.grammar is not None: seq.grammar.commit(tokens)   # structured output: the matcher follows the kept tokens
     if self.blocks.enable_caching:
       self.blocks.extend_hashes(seq.block_hashes, seq.token_ids)
       seq.num_registered_blocks = self.blocks.register(seq.block_table, seq.block_hashes, seq.num_registered_blocks,
@@ -207,7 +209,9 @@ class Scheduler:
 
   def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
     p = seq.params
-    if token in self.eos_token_ids and not p.ignore_eos: return "stop", None
+    # a constrained sequence ends at EOS even with ignore_eos: the grammar allows EOS only once it is complete, and
+    # nothing after it
+    if token in self.eos_token_ids and (not p.ignore_eos or seq.grammar is not None): return "stop", None
     if p.stop_token_ids and token in p.stop_token_ids: return "stop", token
     if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens: return "length", None
     if seq.num_tokens >= self.max_model_len: return "length", None

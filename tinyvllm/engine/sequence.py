@@ -3,9 +3,12 @@
 It is the engine core's record: token ids, not text (output processing keeps the text)."""
 from __future__ import annotations
 import enum, itertools
+from typing import TYPE_CHECKING
 import numpy as np
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.outputs import RequestMetrics
+
+if TYPE_CHECKING: from tinyvllm.structured_output import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -18,7 +21,7 @@ class Sequence:
   _ids = itertools.count()
 
   def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-               generator: np.random.Generator, metrics: RequestMetrics):
+               generator: np.random.Generator, metrics: RequestMetrics, grammar: GrammarState | None = None):
     self.seq_id = next(Sequence._ids)
     self.request_id, self.index, self.params = request_id, index, params
     self.prompt_token_ids = list(prompt_token_ids)
@@ -32,6 +35,7 @@ class Sequence:
     self.draft_num_computed = 0
     self.draft_num_registered = 0              # leading draft blocks registered in the draft's prefix cache
     self.generator = generator                 # this sequence's own random stream: batch composition never changes it
+    self.grammar = grammar                     # structured output: where its tokens stand in the grammar (None: free)
     # prompt positions whose logprobs were sent (prompt_logprobs): a recompute after preemption sends none again
     self.num_prompt_logprobs_sent = 0
     self.finish_reason: str | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, re
 from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -70,6 +70,9 @@ class _Request(BaseModel):
   include_stop_str_in_output: bool | None = False
   skip_special_tokens: bool | None = True
   prompt_logprobs: int | None = None
+  # output constraints: OpenAI's response_format, or vLLM's structured_outputs (StructuredOutputsParams' fields)
+  response_format: dict[str, Any] | None = None
+  structured_outputs: dict[str, Any] | None = None
 
   @model_validator(mode="after")
   def _null_means_default(self):
@@ -81,10 +84,40 @@ class _Request(BaseModel):
       value = getattr(self, name, None) if name in type(self).model_fields else (self.model_extra or {}).get(name)
       if value is not None and value != unused and not (callable(unused) and unused(value)):
         raise APIError(400, f"'{name}' is not supported by this server yet", param=name, code="unsupported_field")
-    extra = sorted(set(self.model_extra or {}) - {n for n, _ in self.UNSUPPORTED})
+    for name, key in GUIDED.items():
+      if (self.model_extra or {}).get(name) is not None:
+        raise APIError(400, f"'{name}' is vLLM's old name and is not supported: send structured_outputs={{\"{key}\": ...}}",
+                       param=name, code="unsupported_field")
+    extra = sorted(set(self.model_extra or {}) - {n for n, _ in self.UNSUPPORTED} - set(GUIDED))
     if extra: raise APIError(400, f"unknown field '{extra[0]}'", param=extra[0], code="unknown_field")
     if self.stream_options is not None and not self.stream:
       raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+  @property
+  def constraint_field(self) -> str | None:
+    """The field the output constraint came from (for errors): response_format, structured_outputs or None."""
+    if self.response_format is not None and self.response_format.get("type") != "text": return "response_format"
+    return "structured_outputs" if self.structured_outputs is not None else None
+
+  def constraint(self) -> StructuredOutputsParams | None:
+    """The output constraint of `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}; "text" is none) or of vLLM's `structured_outputs`; a malformed one is a 400."""
+    field = self.constraint_field
+    if field is None: return None
+    if field == "response_format" and self.structured_outputs is not None:
+      raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+    if field == "response_format": kw = _response_format(self.response_format)
+    else:
+      unknown = sorted(set(self.structured_outputs) - STRUCTURED_OUTPUTS_FIELDS - {"disable_fallback"})
+      if unknown: raise APIError(400, f"structured_outputs.{unknown[0]} is not supported by this server", param=field,
+                                 code="unsupported_field")
+      kw = {k: v for k, v in self.structured_outputs.items() if k != "disable_fallback"}   # we never fall back anyway
+    try:
+      return StructuredOutputsParams(**kw)
+    except ValueError as e:
+      message = str(e).replace("StructuredOutputsParams", "structured_outputs")
+      if field == "response_format": message = message.replace("structured_outputs.json", "response_format.json_schema.schema")
+      raise APIError(400, message, param=field) from None
 
   def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     """SamplingParams from the body; an invalid value is a 400 naming its field."""
@@ -92,7 +125,7 @@ class _Request(BaseModel):
               logit_bias=self.logit_bias, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
               ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
               prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-              include_stop_str_in_output=self.include_stop_str_in_output)
+              include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=self.constraint())
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
       if getattr(self, name) is not None: kw[name] = getattr(self, name)
     try:
@@ -103,16 +136,32 @@ class _Request(BaseModel):
 
 
 def _text_only(value) -> bool: return value == ["text"]
-def _plain_text(value) -> bool: return isinstance(value, dict) and value.get("type") == "text"
+# vLLM's older request fields -> the structured_outputs key that replaced each
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_OUTPUTS_FIELDS = frozenset(f for f in StructuredOutputsParams.__dataclass_fields__)
+
+
+def _response_format(rf: dict) -> dict:
+  """StructuredOutputsParams keywords from OpenAI's response_format (json_object or json_schema)."""
+  def refuse(message: str): raise APIError(400, f"response_format{message}", param="response_format")
+  kind = rf.get("type")
+  allowed = {"json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+  if kind not in allowed: refuse(f".type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+  if set(rf) - allowed[kind]: refuse(f": unknown field '{sorted(set(rf) - allowed[kind])[0]}' for type {kind}")
+  if kind == "json_object": return {"json_object": True}
+  spec = rf.get("json_schema")
+  if not isinstance(spec, dict): refuse(".json_schema must be an object with 'name' and 'schema'")
+  if set(spec) - {"name", "description", "schema", "strict"}:
+    refuse(f".json_schema: unknown field '{sorted(set(spec) - {'name', 'description', 'schema', 'strict'})[0]}'")
+  if not isinstance(spec.get("schema"), dict): refuse(".json_schema.schema must be a JSON schema (an object)")
+  return {"json": spec["schema"]}   # strict or not, the schema is enforced: every token is masked by it
 def _no_tools(value) -> bool: return value in ("none", [], None)
 
 
 class ChatCompletionRequest(_Request):
   UNSUPPORTED: ClassVar[tuple] = (("tools", _no_tools), ("tool_choice", _no_tools), ("functions", _no_tools), ("function_call", _no_tools),
-                 ("parallel_tool_calls", lambda v: True), ("response_format", _plain_text), ("modalities", _text_only),
-                 ("audio", None), ("prediction", None), ("reasoning_effort", None), ("web_search_options", None),
-                 ("structured_outputs", None), ("guided_json", None), ("guided_regex", None), ("guided_choice", None),
-                 ("guided_grammar", None))
+                 ("parallel_tool_calls", lambda v: True), ("modalities", _text_only),
+                 ("audio", None), ("prediction", None), ("reasoning_effort", None), ("web_search_options", None))
   messages: list[dict[str, Any]]
   logprobs: bool | None = False
   top_logprobs: int | None = None
@@ -124,8 +173,7 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-  UNSUPPORTED: ClassVar[tuple] = (("suffix", None), ("structured_outputs", None), ("response_format", _plain_text),
-                 ("guided_json", None), ("guided_regex", None), ("guided_choice", None), ("guided_grammar", None))
+  UNSUPPORTED: ClassVar[tuple] = (("suffix", None),)
   prompt: str | list[str] | list[int] | list[list[int]]
   max_tokens: int | None = 16               # OpenAI's default for completions
   logprobs: int | None = None

@@ -56,6 +56,17 @@ class OpenAIServing:
                           f"tokens, more than this model's context length (max_model_len) of {limit}; lower "
                           f"{max_tokens_field} or shorten the prompt", param=max_tokens_field, code="context_length_exceeded")
 
+  async def check_constraint(self, params: SamplingParams, field: str | None) -> None:
+    """Compile the request's output constraint now, so a schema, regex or grammar llguidance refuses is a 400 naming
+    the field the client used. On a worker thread: a large schema takes milliseconds to compile, and the event loop
+    keeps streaming meanwhile. The engine's input processing then finds it compiled (a cache hit)."""
+    if params.structured_outputs is None: return
+    try: await asyncio.to_thread(self.engine.input_processor.grammars.compile, params.structured_outputs)
+    except ValueError as e:
+      message = str(e)
+      if field == "response_format": message = message.replace("structured_outputs.json", "response_format.json_schema.schema", 1)
+      raise APIError(400, message, param=field) from None
+
   async def add_requests(self, request_id: str, prompts: list[dict], params: SamplingParams, prompt_field: str) -> list[RequestStream]:
     """Queue one engine request per prompt (ids `request_id`, or `request_id-i` for several). All or none: a
     refused one aborts those already added."""

@@ -24,6 +24,7 @@ class OpenAIServingChat(OpenAIServing):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     self.check_length(len(prompt["prompt_token_ids"]), max_tokens, "messages", max_tokens_field)
     params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, body.prompt_logprobs)
+    await self.check_constraint(params, body.constraint_field)
     request_id, started = f"chatcmpl-{uuid.uuid4().hex}", time.time()
     stream = (await self.add_requests(request_id, [prompt], params, "messages"))[0]
     if body.stream:

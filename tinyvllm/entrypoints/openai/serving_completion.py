@@ -25,6 +25,7 @@ class OpenAIServingCompletion(OpenAIServing):
     for p in prompts: self.check_length(len(p["prompt_token_ids"]), body.max_tokens, "prompt", "max_tokens")
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else body.prompt_logprobs
     params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs)
+    await self.check_constraint(params, body.constraint_field)
     request_id, started = f"cmpl-{uuid.uuid4().hex}", time.time()
     streams = await self.add_requests(request_id, prompts, params, "prompt")
     if body.stream:

@@ -17,8 +17,9 @@ from typing import Any, Callable
 import regex
 
 from tinyvllm.model.gguf_file import GGUFError, read_gguf_metadata
-from tinyvllm.model.tokenizer import (Tokenizer, TokenizerError, byte_level_decoder, decode_byte_level, split_special,
-                                      END_OF_TURN_TOKENS)
+from tinyvllm.model.tokenizer.base import END_OF_TURN_TOKENS, Tokenizer, split_special
+from tinyvllm.model.tokenizer.byte_level import byte_level_decoder, decode_byte_level
+from tinyvllm.model.tokenizer.errors import TokenizerError
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
