@@ -1,12 +1,12 @@
-"""The int8 KV cache (`kv_cache_dtype="int8"`): its size, its writes and its attention on every CPU-side backend,
-against the float64 numpy reference of the format (tests/kv_reference.py). The Metal kernels' int8 variants are
-tested in tests/test_metal_kernels.py."""
+"""Quantized KV caches (`kv_cache_dtype="int8"`, `"int4"` rotated and unrotated): their size, their writes and their
+attention on the CPU-side backends, against the float64 numpy reference of each format (tests/kv_reference.py, its
+rotation from scipy's Hadamard matrix). The Metal kernels' int8 variants are tested in tests/test_metal_kernels.py."""
 from __future__ import annotations
 import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 from conftest import our_prefill_logits
-from kv_reference import dequantize_int8_ref, quantize_int8_ref
+from kv_reference import dequantize_int4_ref, dequantize_int8_ref, quantize_int4_ref, quantize_int8_ref, unpack_int4_ref
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.config import ConfigError
 from tinyvllm.kernels import portable
@@ -25,6 +25,8 @@ def test_bytes_per_block_and_capacity(head_dim):
   layers, bs, kvh = 30, 16, 3
   count = lambda per_vector: 2 * layers * bs * kvh * per_vector
   assert KVCacheFormat("int8").bytes_per_block(layers, bs, kvh, head_dim) == count(head_dim + 2)
+  assert KVCacheFormat("int4", True).bytes_per_block(layers, bs, kvh, head_dim) == count(head_dim // 2 + 2)
+  assert 2 * head_dim / (head_dim // 2 + 2) >= 3.5   # int4: 3.76x float16 at head_dim 64, 3.88x at 128
   assert KVCacheFormat("float16").bytes_per_block(layers, bs, kvh, head_dim) == count(2 * head_dim)
   assert KVCacheFormat("float32").bytes_per_block(layers, bs, kvh, head_dim) == count(4 * head_dim)
   ratio16, ratio32 = (2 * head_dim) / (head_dim + 2), (4 * head_dim) / (head_dim + 2)
@@ -34,7 +36,9 @@ def test_bytes_per_block_and_capacity(head_dim):
 def test_resolve_and_bad_values(tiny_model):
   assert KVCacheFormat.resolve("auto", "float16").storage == "float16"
   assert KVCacheFormat.resolve("int8", "float32").quantized
-  for bad in ("fp8", "int4", "INT8", None):
+  assert KVCacheFormat.resolve("int4", "float32") == KVCacheFormat("int4", rotated=True)
+  assert KVCacheFormat.resolve("int4-unrotated", "float32") == KVCacheFormat("int4", rotated=False)
+  for bad in ("fp8", "int2", "INT8", None):
     with pytest.raises(ConfigError, match="kv_cache_dtype"): LLM(str(tiny_model), kv_cache_dtype=bad)
 
 
@@ -130,3 +134,85 @@ def test_generation_cpu_matches_portable(tiny_model_factory):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
       assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in lp_a) < 1e-3
+
+
+def codes_and_scales(cache_rows: list[np.ndarray], int4: bool):
+  """(K codes, V codes, K scales, V scales) of a cache's rows, int4 codes unpacked."""
+  kq, vq, ks, vs = cache_rows
+  return (unpack_int4_ref(kq), unpack_int4_ref(vq)) if int4 else (kq, vq), (ks, vs)
+
+
+def check_codes(codes, scales, x, kv_cache_dtype):
+  """Codes within one step of the reference (a tie, or float32 against float64 rounding of x / s or of the
+  rotation's sums), almost all equal; scales within one float16 step."""
+  ref_codes, ref_scales = quantize_int8_ref(x) if kv_cache_dtype == "int8" else quantize_int4_ref(x, kv_cache_dtype == "int4")
+  assert np.abs(codes.astype(int) - ref_codes).max() <= 1 and (codes == ref_codes).mean() > 0.995
+  np.testing.assert_allclose(scales.astype(np.float64), ref_scales.astype(np.float64), rtol=2 ** -10)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int4", "int4-unrotated"])
+def test_portable_int4_write_matches_reference(kv_cache_dtype):
+  rng = np.random.default_rng(4)
+  T, KVH, D, NB, BS = 29, 2, 96, 8, 8     # head_dim 96: the rotation is three Hadamard blocks of 32
+  k = (rng.standard_normal((T, KVH, D)) * rng.uniform(0.1, 5, (T, KVH, 1))).astype(np.float32)
+  k[:, :, 7] *= 20                        # an outlier channel, as real keys have: what the rotation is for
+  v = rng.standard_normal((T, KVH, D)).astype(np.float32)
+  slots = rng.permutation(NB * BS)[:T].astype(np.int32)
+  slots[5] = -1
+  fmt = KVCacheFormat.resolve(kv_cache_dtype, "float32")
+  cache = PagedKVCache.allocate(fmt, NB, BS, KVH, D, zeros)
+  cache = portable.write_cache(cache, Tensor(k), Tensor(v), Tensor(slots))
+  rows = [t.numpy().reshape(NB * BS, *t.shape[2:]) for t in cache.tensors()]
+  (kq, vq), (ks, vs) = codes_and_scales(rows, True)
+  w = slots[slots >= 0]
+  check_codes(kq[w], ks[w], k[slots >= 0], kv_cache_dtype)
+  check_codes(vq[w], vs[w], v[slots >= 0], kv_cache_dtype)
+  untouched = np.setdiff1d(np.arange(NB * BS), w)
+  assert not rows[0][untouched].any() and not rows[2][untouched].any()
+  # what the rotation buys on keys with an outlier channel: the round trip's error, measured on the reference
+  err = lambda rot: rel_err(dequantize_int4_ref(*(np.asarray(a) for a in _packed_ref(k, rot)), rotated=rot), k)
+  if kv_cache_dtype == "int4": assert err(True) < 0.5 * err(False)
+
+
+def _packed_ref(x, rotated):
+  codes, scale = quantize_int4_ref(x, rotated)
+  c = (codes + 8).astype(np.uint8)
+  return c[..., 0::2] | (c[..., 1::2] << 4), scale
+
+
+@pytest.mark.parametrize("rotated", [True, False])
+def test_portable_attention_reads_int4(rotated):
+  """Random packed codes and scales: the cache holds rotated vectors y, meaning R y; float32 arithmetic on exact
+  dequantized values plus the two rotations' float32 sums, so 1e-5 relative."""
+  rng = np.random.default_rng(5)
+  NB, BS, KVH, D, H, P, C, MB = 64, 8, 2, 64, 6, 2, 4, 5
+  packed = [rng.integers(0, 256, (NB, BS, KVH, D // 2)).astype(np.uint8) for _ in range(2)]
+  scales = [rng.uniform(0.01, 0.3, (NB, BS, KVH)).astype(np.float16) for _ in range(2)]
+  cache = PagedKVCache(*(Tensor(a) for a in (*packed, *scales)), rotated=rotated)
+  tables = np.stack([rng.permutation(NB)[:MB] for _ in range(P)]).astype(np.int32)
+  q_pos = np.stack([np.arange(C) + rng.integers(0, MB * BS - C) for _ in range(P)]).astype(np.int32)
+  q = rng.standard_normal((P, C, H, D)).astype(np.float32)
+  out = portable.paged_attention(Tensor(q), cache, Tensor(tables), Tensor(q_pos), D ** -0.5).numpy()
+  k, v = (dequantize_int4_ref(p, s, rotated).reshape(NB * BS, KVH, D) for p, s in zip(packed, scales))
+  assert rel_err(out, attention_ref(q.astype(np.float64), k, v, tables, q_pos, D ** -0.5)) < 1e-5
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int4", "int4-unrotated"])
+def test_cpu_layer_int4_matches_portable_and_reference(tiny_model_factory, kv_cache_dtype):
+  """The fused C layer's int4 cache (its own fast Walsh-Hadamard transform, nibble packing and unpacking in
+  vectors) against the portable path (tested above against numpy): layer 0's codes against the reference of the
+  float run's K/V, and logits equal within float32 summation order."""
+  path = tiny_model_factory("gqa")
+  ids = np.random.default_rng(6).integers(4, 380, 50).tolist()
+  _, ref_cache = our_prefill_logits(path, ids, "cpu", block_size=8, return_cache=True)
+  logits, cache = our_prefill_logits(path, ids, "cpu", block_size=8, kv_cache_dtype=kv_cache_dtype, return_cache=True)
+  (kq, vq), (ks, vs) = codes_and_scales(cache[0], True)
+  check_codes(kq, ks, ref_cache[0][0], kv_cache_dtype)
+  check_codes(vq, vs, ref_cache[0][1], kv_cache_dtype)
+  portable_logits = our_prefill_logits(path, ids, "portable", block_size=8, kv_cache_dtype=kv_cache_dtype)
+  assert rel_err(logits, portable_logits) < 1e-4
+
+
+def test_metal_backends_refuse_int4(tiny_model_factory):
+  with pytest.raises(ValueError, match="kv_cache_dtype='int4'"):
+    LLM(str(tiny_model_factory("metal")), kernel_backend="emulator", kv_cache_dtype="int4", num_kv_blocks=16)

@@ -6,7 +6,9 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 ROPE_TYPES = ("default", "linear", "llama3")
-KV_CACHE_DTYPES = ("auto", "int8")   # auto: the model dtype; int8: codes + a float16 scale per token and KV head
+# auto: the model dtype; int8: codes + a float16 scale per token and KV head; int4: 4-bit codes of K and V rotated along
+# head_dim (Hadamard) + a float16 scale; int4-unrotated: the same without the rotation, to measure what it buys
+KV_CACHE_DTYPES = ("auto", "int8", "int4", "int4-unrotated")
 
 
 class ConfigError(ValueError):
@@ -193,8 +195,10 @@ class EngineConfig:
   num_kv_blocks: int | None = _flag(None, "KV cache blocks (default: sized from free memory)", int)
   max_num_seqs: int = _flag(32, "sequences decoded together at most")
   max_num_batched_tokens: int = _flag(512, "tokens per step at most (the prefill chunk length)")
-  kv_cache_dtype: str = _flag("auto", "KV cache storage: auto (the model dtype) or int8 (8-bit codes with a float16 scale "
-                                      "per token and KV head: 1.94x the tokens of float16 in the same memory)",
+  kv_cache_dtype: str = _flag("auto", "KV cache storage: auto (the model dtype), int8 (8-bit codes with a float16 scale "
+                                      "per token and KV head: 1.94x the tokens of float16 in the same memory) or int4 "
+                                      "(K and V rotated along head_dim, then 4-bit: 3.76x; cpu and portable backends); "
+                                      "int4-unrotated only measures what the rotation buys",
                               choices=KV_CACHE_DTYPES)
   kernel_backend: str = _flag("auto", "attention/linear kernels (auto: metal on METAL, cpu on CPU)",
                               choices=("auto", "portable", "cpu", "metal", "emulator"))

@@ -137,7 +137,8 @@ class ModelRunner:
   def __init__(self, model: Llama, num_blocks: int, block_size: int, max_model_len: int, device: str, max_num_seqs: int = 32,
                kv_format: KVCacheFormat | None = None):
     self.model, self.device, self.block_size, self.num_blocks = model, device, block_size, num_blocks
-    self.kv_format = kv_format or KVCacheFormat(model.dtype.name)
+    self.kv_format = kv_format or KVCacheFormat("float32" if model.dtype == dtypes.float32 else "float16")
+    model.kernels.check_kv_cache(self.kv_format)
     self.max_num_seqs = max_num_seqs
     self.max_blocks = -(-max_model_len // block_size)   # block-table width; the used extent is a Variable
     self.kv_extent = UOp.variable("kv_blocks", 1, self.max_blocks)
@@ -273,7 +274,7 @@ class ModelRunner:
     template, n_cache = self.model.layers[0], len(self.kv_caches[0].tensors())
     def layer(h, out, positions, slots, q_pos, token_seq, ctx, tables, *cache_weights_and_extent):
       *cache_and_weights, extent = cache_weights_and_extent
-      cache, weights = PagedKVCache.from_tensors(cache_and_weights[:n_cache]), cache_and_weights[n_cache:]
+      cache, weights = self.kv_caches[0].with_tensors(cache_and_weights[:n_cache]), cache_and_weights[n_cache:]
       group = AttentionGroup(P, C, tables.reshape(P, MB), extent, q_pos.reshape(1 if shape.packed else P, C), ctx, token_seq,
                              packed=shape.packed)
       return template.with_tensors(weights)(h, ModelInputs(None, positions, slots, [group], None), self.model.cos_sin, cache, out)

@@ -10,7 +10,7 @@ import platform, re, sys
 from dataclasses import dataclass
 from tinygrad import Device, Tensor, dtypes
 from tinyvllm.kernels import cpu, cpu_layer, metal, portable
-from tinyvllm.kernels.kv_cache import PagedKVCache
+from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
 from tinyvllm.quant.formats import INT4, INT8, LinearWeights
 from tinyvllm.kernels.threads import ThreadPool, default_threads
 
@@ -119,6 +119,9 @@ class Kernels:
   def check_model(self, head_dim: int, n_heads: int, n_kv_heads: int, block_size: int, dtype: str) -> None:
     """Refuse, with the reason, a model this backend's kernels cannot run."""
 
+  def check_kv_cache(self, fmt: KVCacheFormat) -> None:
+    """Refuse, with the reason, a KV cache format this backend's kernels cannot read."""
+
   def decoder_layer(self, h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Tensor, Tensor], cfg, group: AttentionGroup,
                     positions: Tensor, slot_mapping: Tensor, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None) -> Tensor | None:
     """A whole decoder layer as one kernel, written into `out` if given, where the backend has one; None means:
@@ -149,7 +152,7 @@ class Kernels:
     """qkv `[T, (H + 2 KVH) D]`: rotate q and k, write k and v into their cache slots (quantized for an int8 cache).
 
     Returns (rotated q `[T, H, D]`, the cache ordered after the write)."""
-    q, k, v = split_qkv(qkv, n_heads, n_kv_heads, cache.k.shape[-1])
+    q, k, v = split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim)
     cs = cos_sin[positions]
     return portable.rope(q, cs), portable.write_cache(cache, portable.rope(k, cs), v, slot_mapping)
 
@@ -200,11 +203,16 @@ class ShaderKernels(Kernels):
                        f"and up to 8 query heads per KV head; this model has head_dim {head_dim}, "
                        f"{n_heads // n_kv_heads} query heads per KV head (block_size {block_size}): use kernel_backend='portable'")
 
+  def check_kv_cache(self, fmt: KVCacheFormat) -> None:
+    if fmt.storage == "int4":
+      raise ValueError(f"kernel_backend={self.name!r} reads float and int8 KV caches; kv_cache_dtype='int4' runs on the cpu and "
+                       f"portable backends: use kv_cache_dtype='int8' (or kernel_backend='portable')")
+
   def int4_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders)
 
   def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping):
-    q, k, v = split_qkv(qkv, n_heads, n_kv_heads, cache.k.shape[-1])
+    q, k, v = split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim)
     return metal.rope_and_cache_write(q, k, v, positions, cos_sin, cache, slot_mapping, backend=self.shaders)
 
   def attention(self, q, cache, group, scale):

@@ -90,7 +90,11 @@ class LayerShape:
   gate_up: LinearSpec
   down: LinearSpec
   invariant: bool = False   # 4-bit projections computed row by row as alone (batch invariance)
-  kv_int8: bool = False     # int8 K/V codes with a float16 scale per (slot, KV head): kernels/kv_cache.py
+  kv_storage: str = "float" # float | int8 | int4: K/V codes with a float16 scale per (slot, KV head), kernels/kv_cache.py
+  kv_rotated: bool = False  # int4: stored rotated by the Hadamard matrix R along head_dim
+
+  @property
+  def kv_quantized(self) -> bool: return self.kv_storage != "float"
 
   @property
   def scratch(self) -> int:
@@ -102,10 +106,16 @@ class LayerShape:
 def _source(name: str, s: LayerShape, scale: float) -> str:
   T, E, H, KVH, D, I = s.tokens, s.hidden, s.n_heads, s.n_kv_heads, s.head_dim, s.intermediate
   G, DV, half, QKV = H // KVH, D // 8, D // 2, s.qkv.n
-  vl = "vload_i8" if s.kv_int8 else "vload"
-  kv = "signed char" if s.kv_int8 else "float"
+  vl = {"float": "vload", "int8": "vload_i8", "int4": "vload_i4"}[s.kv_storage]
+  kv = {"float": "float", "int8": "signed char", "int4": "unsigned char"}[s.kv_storage]
+  row, step = (D // 2, 4) if s.kv_storage == "int4" else (D, 8)   # cache elements per head vector, per 8 values
+  hb = D & -D   # the rotation's Hadamard block: the largest power of two dividing D
+  rotate_q = "" if not s.kv_rotated else f"""      float qr[{G * D}];   /* scores against rotated keys: (Rq).(Rk) = q.k */
+      for (int i = 0; i < {G * D}; i++) qr[i] = qg[i];
+      for (int hd = 0; hd < {G}; hd++) rotate_vec(qr + hd * {D});
+      qg = qr;"""
   params = ["float *restrict out", f"{kv} *restrict kc", f"{kv} *restrict vc",
-            *(["unsigned short *restrict ks", "unsigned short *restrict vs"] if s.kv_int8 else []),
+            *(["unsigned short *restrict ks", "unsigned short *restrict vs"] if s.kv_quantized else []),
             "float *restrict scratch", "const float *restrict h",
             "const int *restrict pos", "const int *restrict slots", "const int *restrict tables", "const int *restrict token_seq",
             "const int *restrict token_pos", "const float *restrict cs", "const float *restrict ln1", "const float *restrict ln2",
@@ -125,6 +135,21 @@ struct layer_ctx {{ {c_struct_fields(params)} float *xn, *qkv_out, *q, *att, *gu
 {_VEC}
 typedef signed char vc8 __attribute__((vector_size(8), aligned(1)));
 static inline vf vload_i8(const signed char *p) {{ return __builtin_convertvector(*(const vc8 *)p, vf); }}
+typedef unsigned char vu4 __attribute__((vector_size(4), aligned(1)));
+typedef unsigned char vu8 __attribute__((vector_size(8)));
+/* 8 int4 codes from 4 bytes (element 2i in the low nibble of byte i), as floats in [-7, 7] */
+static inline vf vload_i4(const unsigned char *p) {{
+  vu4 b = *(const vu4 *)p, lo = b & 15, hi = b >> 4;
+  return __builtin_convertvector((vu8)__builtin_shufflevector(lo, hi, 0, 4, 1, 5, 2, 6, 3, 7), vf) - 8.0f;
+}}
+/* x <- R x: the normalized fast Walsh-Hadamard transform in blocks of {hb} (R symmetric and its own inverse) */
+static inline void rotate_vec(float *x) {{
+  for (int b0 = 0; b0 < {D}; b0 += {hb})
+    for (int len = 1; len < {hb}; len <<= 1)
+      for (int i = b0; i < b0 + {hb}; i += 2 * len)
+        for (int j = i; j < i + len; j++) {{ float a = x[j], c = x[j + len]; x[j] = a + c; x[j + len] = a - c; }}
+  for (int i = 0; i < {D}; i++) x[i] *= {hb ** -0.5!r}f;
+}}
 {_MATH}
 static inline float h2f(unsigned short h);
 #ifdef TV_AVX2
@@ -159,8 +184,8 @@ static void rope_write(float *restrict q, struct layer_ctx *c, const float *rest
       long at = (long)slot * {KVH} + hd;
       float k[{D}];
       rope(k, row + ({H} + hd) * {D}, cs, sn);
-      store_kv(c->kc, {"c->ks" if s.kv_int8 else "0"}, at, k);
-      store_kv(c->vc, {"c->vs" if s.kv_int8 else "0"}, at, row + ({H + KVH} + hd) * {D});
+      store_kv(c->kc, {"c->ks" if s.kv_quantized else "0"}, at, k);
+      store_kv(c->vc, {"c->vs" if s.kv_quantized else "0"}, at, row + ({H + KVH} + hd) * {D});
     }}
   }}
 }}
@@ -180,6 +205,7 @@ static void attention(float *restrict out, const float *restrict q, struct layer
     int n = token_pos[t] + 1;
     {{
       const float *qg = q + ((long)t * {H} + g * {G}) * {D};
+{rotate_q}
       float m[{G}], l[{G}], sc[{G}][{TILE}];
       vf acc[{G}][{DV}];
       for (int hd = 0; hd < {G}; hd++) {{ m[hd] = -1e30f; l[hd] = 0; for (int i = 0; i < {DV}; i++) acc[hd][i] = (vf){{0}}; }}
@@ -190,15 +216,15 @@ static void attention(float *restrict out, const float *restrict q, struct layer
         for (int j = 0; j < nt; j++) {{
           int key = j0 + j;
           long slot = (long)table[key / {s.block_size}] * {s.block_size} + key % {s.block_size};
-          krow[j] = kc + (slot * {KVH} + g) * {D};
-          vrow[j] = vc + (slot * {KVH} + g) * {D};
-          {"kscale[j] = h2f(c->ks[slot * " + str(KVH) + " + g]); vscale[j] = h2f(c->vs[slot * " + str(KVH) + " + g]);" if s.kv_int8 else "kscale[j] = vscale[j] = 1.0f;"}
+          krow[j] = kc + (slot * {KVH} + g) * {row};
+          vrow[j] = vc + (slot * {KVH} + g) * {row};
+          {"kscale[j] = h2f(c->ks[slot * " + str(KVH) + " + g]); vscale[j] = h2f(c->vs[slot * " + str(KVH) + " + g]);" if s.kv_quantized else "kscale[j] = vscale[j] = 1.0f;"}
         }}
         for (int hd = 0; hd < {G}; hd++) {{
           float mt = m[hd];
           for (int j = 0; j < nt; j++) {{
             vf d = (vf){{0}};
-            for (int i = 0; i < {DV}; i++) d += vload(qg + hd * {D} + i * 8) * {vl}(krow[j] + i * 8);
+            for (int i = 0; i < {DV}; i++) d += vload(qg + hd * {D} + i * 8) * {vl}(krow[j] + i * {step});
             sc[hd][j] = hsum(d) * (kscale[j] * {scale!r}f);
             if (sc[hd][j] > mt) mt = sc[hd][j];
           }}
@@ -209,7 +235,7 @@ static void attention(float *restrict out, const float *restrict q, struct layer
           for (int j = 0; j < nt; j++) {{
             float p = exp_f32(sc[hd][j] - mt), pv = p * vscale[j];
             l[hd] += p;
-            for (int i = 0; i < {DV}; i++) acc[hd][i] += pv * {vl}(vrow[j] + i * 8);
+            for (int i = 0; i < {DV}; i++) acc[hd][i] += pv * {vl}(vrow[j] + i * {step});
           }}
         }}
       }}
@@ -217,6 +243,7 @@ static void attention(float *restrict out, const float *restrict q, struct layer
         float inv = 1.0f / l[hd];
         float *oh = o + (g * {G} + hd) * {D};
         for (int i = 0; i < {DV}; i++) {{ vf r = acc[hd][i] * inv; for (int e = 0; e < 8; e++) oh[i * 8 + e] = r[e]; }}
+        {"rotate_vec(oh);   /* sum_j p_j v_j = R sum_j p_j (R v_j) */" if s.kv_rotated else ""}
       }}
     }}
   }}
@@ -295,7 +322,8 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
   D, I = cfg.head_dim, cfg.intermediate_size
   shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, cache.k.shape[1],
                      tables.shape[1], cos_sin.shape[0], float(cfg.rms_norm_eps),
-                     *(_spec(linears[n]) for n in LINEARS), invariant, cache.quantized)
+                     *(_spec(linears[n]) for n in LINEARS), invariant,
+                     "int4" if cache.int4 else "int8" if cache.quantized else "float", cache.rotated)
   name = f"llama_layer_{abs(hash(shape)):x}"
   src = _source(name, shape, D ** -0.5)
   if out is None: out = Tensor.invalids(T, E, dtype=dtypes.float32, device=h.device)
@@ -306,11 +334,29 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
 
 
 def _kv_store(s: LayerShape) -> str:
-  """`store_kv(cache, scales, at, x)`: head vector x into row `at` of a K or V cache, quantized for an int8 cache
-  (kernels/kv_cache.py: s = half(max|x| / 127), code = rint(x / s)). Rounding adds and subtracts 1.5 * 2^23,
-  exact in the default rounding mode for |v| <= 127 (no libm, and rintf is a call without SSE4.1)."""
+  """`store_kv(cache, scales, at, x)`: head vector x into row `at` of a K or V cache, quantized for an int8 or int4
+  cache (kernels/kv_cache.py: s = half(max|x| / 127 or 7), code = rint(x / s); int4 rotated first, codes + 8 packed
+  two per byte). Rounding adds and subtracts 1.5 * 2^23, exact in the default rounding mode for |v| <= 127 (no libm,
+  and rintf is a call without SSE4.1)."""
   D = s.head_dim
-  if not s.kv_int8:
+  if s.kv_storage == "int4":
+    return f"""{_F2H}
+static inline int code4(float v, float sc) {{
+  v = sc > 0 ? v / sc : 0.0f;
+  v = v > 7.0f ? 7.0f : v < -7.0f ? -7.0f : v;
+  return (int)((v + 12582912.0f) - 12582912.0f) + 8;
+}}
+static inline void store_kv(unsigned char *restrict cache, unsigned short *restrict scales, long at, const float *restrict x_in) {{
+  float x[{D}], amax = 0;
+  for (int i = 0; i < {D}; i++) x[i] = x_in[i];
+  {"rotate_vec(x);" if s.kv_rotated else ""}
+  for (int i = 0; i < {D}; i++) {{ float a = x[i] < 0 ? -x[i] : x[i]; if (a > amax) amax = a; }}
+  unsigned short sh = f2h(amax / 7.0f);
+  float sc = h2f(sh);
+  scales[at] = sh;
+  for (int i = 0; i < {D // 2}; i++) cache[at * {D // 2} + i] = (unsigned char)(code4(x[2 * i], sc) | code4(x[2 * i + 1], sc) << 4);
+}}"""
+  if not s.kv_quantized:
     return f"""static inline void store_kv(float *restrict cache, void *unused, long at, const float *restrict x) {{
   for (int i = 0; i < {D}; i++) cache[at * {D} + i] = x[i];
 }}"""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import KernelInfo
-from tinyvllm.kernels.kv_cache import INT8_MAX, PagedKVCache
+from tinyvllm.kernels.kv_cache import INT4_MAX, INT8_MAX, PagedKVCache, hadamard_tensor
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -50,21 +50,39 @@ def write_kv(cache: Tensor, rows: Tensor, slot_mapping: Tensor) -> Tensor:
   return Tensor.custom_kernel(cache, rows.contiguous(), slot_mapping, fxn=_cache_write_kernel)[0]
 
 
-def quantize_int8(rows: Tensor) -> tuple[Tensor, Tensor]:
-  """Head vectors `[..., D]` -> (int8 codes, float16 scales `[...]`), kernels/kv_cache.py's format."""
+def quantize(rows: Tensor, levels: int) -> tuple[Tensor, Tensor]:
+  """Head vectors `[..., D]` -> (codes in [-levels, levels] as float, float16 scales `[...]`), kernels/kv_cache.py's rule."""
   x = rows.float()
   # contiguous: stored as float16 before use; tinygrad folds a float32 -> float16 -> float32 round trip away, and
   # codes made with the unrounded scale would be off by up to 2^-11 relative once dequantized with the stored one
-  scale = (x.abs().max(-1) / INT8_MAX).cast(dtypes.float16).contiguous()
+  scale = (x.abs().max(-1) / levels).cast(dtypes.float16).contiguous()
   s = scale.float().unsqueeze(-1)
-  codes = (s > 0).where((x / (s > 0).where(s, 1.0)).round().clip(-INT8_MAX, INT8_MAX), 0.0).cast(dtypes.int8)
-  return codes, scale
+  return (s > 0).where((x / (s > 0).where(s, 1.0)).round().clip(-levels, levels), 0.0), scale
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+  """Codes in [-7, 7] `[..., D]` -> uint8 `[..., D/2]`: code + 8, element 2i in the low nibble."""
+  c = (codes + 8).cast(dtypes.uint8)
+  return c[..., 0::2] + c[..., 1::2] * 16
+
+
+def unpack_int4(packed: Tensor, dtype) -> Tensor:
+  """uint8 `[..., D/2]` -> codes `[..., D]` in `dtype`."""
+  pairs = Tensor.stack(packed & 15, packed >> 4, dim=-1)
+  return (pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2).cast(dtype) - 8)
+
+
+def rotate(x: Tensor, head_dim: int) -> Tensor:
+  """x `[..., D]` @ R (R symmetric: also R x), the int4 cache's Hadamard rotation."""
+  return (x.float() @ hadamard_tensor(head_dim, x.device)).cast(x.dtype)
 
 
 def write_cache(cache: PagedKVCache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> PagedKVCache:
-  """Write K and V rows `[T, KVH, D]` into their slots, quantized when the cache is."""
+  """Write K and V rows `[T, KVH, D]` into their slots, quantized (and rotated) when the cache is."""
   if not cache.quantized: return cache.written(write_kv(cache.k, k, slot_mapping), write_kv(cache.v, v, slot_mapping))
-  (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+  if cache.rotated: k, v = rotate(k, cache.head_dim), rotate(v, cache.head_dim)
+  (kq, ks), (vq, vs) = (quantize(x, INT4_MAX if cache.int4 else INT8_MAX) for x in (k, v))
+  kq, vq = (pack_int4(c) if cache.int4 else c.cast(dtypes.int8) for c in (kq, vq))
   return cache.written(write_kv(cache.k, kq, slot_mapping), write_kv(cache.v, vq, slot_mapping),
                        write_kv(cache.k_scale, ks, slot_mapping), write_kv(cache.v_scale, vs, slot_mapping))
 
@@ -72,7 +90,8 @@ def write_cache(cache: PagedKVCache, k: Tensor, v: Tensor, slot_mapping: Tensor)
 def _gather(cache: Tensor, scale: Tensor | None, block_tables: Tensor, dtype) -> Tensor:
   """Whole blocks by table index `[P, MB, BS, KVH, D]`, dequantized inside the expression that reads them."""
   rows = cache[block_tables]
-  return rows.cast(dtype) if scale is None else rows.cast(dtype) * scale[block_tables].cast(dtype).unsqueeze(-1)
+  rows = unpack_int4(rows, dtype) if rows.dtype == dtypes.uint8 else rows.cast(dtype)
+  return rows if scale is None else rows * scale[block_tables].cast(dtype).unsqueeze(-1)
 
 
 def paged_attention(q: Tensor, cache: PagedKVCache, block_tables: Tensor, q_pos: Tensor, scale: float) -> Tensor:
@@ -85,6 +104,7 @@ def paged_attention(q: Tensor, cache: PagedKVCache, block_tables: Tensor, q_pos:
   P, C, H, D = q.shape
   _, BS, KVH, _ = cache.k.shape
   G, S = H // KVH, block_tables.shape[1] * BS
+  if cache.rotated: q = rotate(q, D)   # scores against rotated keys: (Rq).(Rk) = q.k
   # (P, MB, BS, KVH, D) -> (P, KVH, S, D): gathering whole blocks by table index compiles to direct loads
   k = _gather(cache.k, cache.k_scale, block_tables, q.dtype).reshape(P, S, KVH, D).permute(0, 2, 1, 3)
   v = _gather(cache.v, cache.v_scale, block_tables, q.dtype).reshape(P, S, KVH, D).permute(0, 2, 1, 3)
@@ -96,6 +116,7 @@ def paged_attention(q: Tensor, cache: PagedKVCache, block_tables: Tensor, q_pos:
   # scheduler from fusing two layers' P@V into one slow kernel
   e = (scores - scores.max(-1, keepdim=True)).exp().contiguous()
   out = ((e.cast(v.dtype) @ v).float() / e.sum(-1, keepdim=True)).cast(q.dtype).contiguous()  # (P, KVH, G*C, D)
+  if cache.rotated: out = rotate(out, D).contiguous()   # sum_j p_j v_j = R sum_j p_j (R v_j)
   return out.reshape(P, KVH, G, C, D).permute(0, 3, 1, 2, 4).reshape(P, C, H, D)
 
 
