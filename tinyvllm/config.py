@@ -217,6 +217,10 @@ class EngineConfig:
                                       "cpu and portable backends); costs 13-24% on batched decode and prefill of 4-bit models")
   num_threads: int | None = _flag(None, "CPU threads for the C kernels on tinygrad's CPU device (default: every core "
                                        "this process may use; results are the same for any count)", int)
+  tensor_parallel_size: int = _flag(1, "tinygrad devices each layer is sharded over (DEV's type, numbered 0..N-1: CPU:0, CPU:1, "
+                                          "NV:0, ...): attention and KV heads and FFN columns split, one all-reduce after the "
+                                          "attention and one after the MLP; N must divide the attention and KV heads; "
+                                          "portable kernels")
   enable_prefix_caching: bool = _flag(True, "reuse the KV cache of prompt prefixes seen before (shared system prompts, "
                                             "chat turns); --no-enable-prefix-caching turns it off")
 
@@ -248,6 +252,8 @@ class EngineConfig:
     if self.num_threads is not None and (not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool)
                                          or not 1 <= self.num_threads <= 1024):
       raise ConfigError(f"num_threads must be a positive integer, got {self.num_threads!r}")
+    if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) or self.tensor_parallel_size < 1:
+      raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
     if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
       raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
 

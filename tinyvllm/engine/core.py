@@ -21,6 +21,7 @@ from tinyvllm.kernels import default_dtype, make_kernels, prepare_device, resolv
 from tinyvllm.kernels.kv_cache import KVCacheFormat
 from tinyvllm.kernels.threads import default_threads
 from tinyvllm.model.llama import Llama
+from tinyvllm.model.tensor_parallel import parallel_backend, parallel_devices
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.model.weights import Checkpoint, load_checkpoint
 from tinyvllm.structured_output import MaskWorker, apply_bias
@@ -32,6 +33,8 @@ class EngineCore:
     gives the end-of-sequence ids and checks that a draft model shares the vocabulary."""
     self.config = config
     self.device = Device.DEFAULT
+    # the device the model runs on, or with tensor parallelism the devices each layer is split over (model/tensor_parallel.py)
+    self.devices = parallel_devices(self.device, config.tensor_parallel_size)
     self.model_config = ckpt.config
     dtype = default_dtype(self.device) if config.dtype == "auto" else config.dtype
     model_max = ckpt.config.max_position_embeddings
@@ -55,17 +58,17 @@ class EngineCore:
       max_model_len = capacity
     self.max_model_len = max_model_len
     prepare_device(self.device)
-    self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
-    self.kernels = make_kernels(self.kernel_backend, self.device, config.batch_invariant, config.num_threads)
+    self.kernel_backend = parallel_backend(config) or resolve_backend(config.kernel_backend, self.device)
+    self.kernels = make_kernels(self.kernel_backend, self.devices, config.batch_invariant, config.num_threads)
     model = self._build_model(ckpt.config, ckpt.tensors, dtype)
-    self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.device, config.max_num_seqs, self.kv_format)
+    self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.devices, config.max_num_seqs, self.kv_format)
     self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark, config.enable_prefix_caching)
     self.spec: SpeculativeDecoder | None = None
     if config.draft_model is not None:
       draft = self._load_draft(config.draft_model, ckpt, tokenizer, dtype)
       # as many draft blocks as target blocks: a draft table never outgrows its target table, so the draft pool
       # cannot run dry while the target's has room
-      self.spec = SpeculativeDecoder(ModelRunner(draft, num_blocks, config.block_size, max_model_len, self.device, config.max_num_seqs,
+      self.spec = SpeculativeDecoder(ModelRunner(draft, num_blocks, config.block_size, max_model_len, self.devices, config.max_num_seqs,
                                                  self.kv_format),
                                      BlockManager(num_blocks, config.block_size, 0.0, config.enable_prefix_caching), config.num_speculative_tokens,
                                      always=config.speculation == "always")
@@ -81,7 +84,7 @@ class EngineCore:
 
   def _build_model(self, cfg, tensors, dtype: str) -> Llama:
     self.kernels.check_model(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, self.config.block_size, dtype)
-    return Llama(cfg, tensors, dtype, self.device, self.kernels, self.max_model_len)
+    return Llama(cfg, tensors, dtype, self.devices, self.kernels, self.max_model_len)
 
   def _load_draft(self, name: str, target: Checkpoint, tokenizer: Tokenizer, dtype: str) -> Llama:
     """The draft model: any checkpoint LLM loads with the same vocabulary, or "self:N", the target's first N layers

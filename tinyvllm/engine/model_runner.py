@@ -6,17 +6,20 @@ attention sees one AttentionGroup. Shapes are rounded up to buckets; each shape 
 replayed after that (see `Replay`).
 """
 from __future__ import annotations
-import ctypes, math, mmap
+import ctypes, functools, math, mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 import numpy as np
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
+from tinygrad.uop.ops import Ops
 from tinyvllm.kernels import AttentionGroup
 from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
 from tinyvllm.model.llama import Llama, ModelInputs
+from tinyvllm.model.tensor_parallel import sharded_empty
 
 MAX_SHAPES = 64   # captured pass shapes kept; the least recently used one is dropped beyond this
 FIELDS = ("tokens", "positions", "slots", "q_pos", "token_seq", "rows", "ctx", "tables")
+KV_HEAD_AXIS = 2  # of every cache tensor ([blocks, block_size, KV heads, ...]): split over the devices with tensor parallelism
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -65,7 +68,13 @@ class Replay:
   resolved once (`_plan`), and a replay only swaps in the input buffers and calls the programs. Callers pass
   the same kinds of buffers in the same order each time, which is what TinyJit's checks verify. Inputs are
   whole buffers, never views (a view would need resolving per call), and never a buffer the graph itself
-  writes (TinyJit copies those; such calls take the general path)."""
+  writes (TinyJit copies those; such calls take the general path).
+
+  A multi-device capture (tensor parallelism) is planned the same way, one entry per device a kernel runs on, and
+  its copies between devices (the all-reduces) as the executor would do them: the same calls, in the same order,
+  with their buffers resolved once. TinyJit's executor instead walks each kernel's whole program once per call to
+  find its device index, which cost more than the kernels themselves on the CPU devices here (docs/architecture.md,
+  "Tensor parallelism")."""
   def __init__(self, fn):
     def run(*args):
       out = fn(*args)
@@ -75,56 +84,96 @@ class Replay:
     self.jit = TinyJit(run)
     self.jit.cnt = 1   # capture on the first call: weights and caches are realized, a warm-up run would only cost time
     self.plan: list | None = None
-    self.device: str | None = None               # the one device every planned kernel runs on
-    self.handles: dict[UOp, object] = {}          # input buffer -> device handle
+    self.handles: dict[UOp, tuple] = {}           # input buffer -> its device handle(s), one per device it spans
 
   def __call__(self, *args: Tensor, bound: tuple[UOp, ...] = ()):
     if self.jit.captured is None:
       out = self.jit(*args, *bound)
-      self.device, self.plan = self._plan(self.jit.captured)
+      self.plan = self._plan(self.jit.captured)
       return out
-    inputs = [a.uop.base for a in args]
+    inputs = [input_uop(a) for a in args]
     var_vals = {var.expr: val for var, val in (b.unbind() for b in bound)}
     if self.plan is None or any(u in self.jit.captured._written_uops for u in inputs):
       return self.jit.captured(inputs, var_vals)
     handles = self.handles
-    raw = [handles[u] if u in handles else self._handle(u) for u in inputs]
-    for rt, specs, info in self.plan:
+    raw = [h for u in inputs for h in (handles[u] if u in handles else self._handle(u))]
+    for rt, specs, info, device_vars in self.plan:
+      if rt is None:   # a copy between devices
+        specs()
+        continue
+      vals = {**var_vals, **device_vars} if device_vars else var_vals
       args = [raw[slot] if slot is not None else handle for slot, handle in specs]
-      global_size, local_size = info.launch_dims(var_vals)
-      rt(*args, global_size=global_size, local_size=local_size, vals=info.vals(var_vals))
+      global_size, local_size = info.launch_dims(vals)
+      rt(*args, global_size=global_size, local_size=local_size, vals=info.vals(vals))
     return self.jit.captured.ret
 
-  def _handle(self, u: UOp):
-    """The device handle of an input buffer, looked up once: callers pass long-lived buffers (weights, caches,
+  def _handle(self, u: UOp) -> tuple:
+    """The device handle(s) of an input buffer, looked up once: callers pass long-lived buffers (weights, caches,
     the runner's own input and hidden buffers), and resolving ~20 per layer replay cost ~0.2 ms each time.
     The cache keeps those buffers alive: a caller must not pass short-lived tensors."""
-    self.handles[u] = u.buffer.ensure_allocated().get_buf(self.device)
+    self.handles[u] = tuple(b.ensure_allocated().get_buf(b.device) for b in _device_buffers(u.buffer))
     return self.handles[u]
 
   @staticmethod
-  def _plan(captured) -> tuple[str | None, list | None]:
-    """(device, [(runtime, arguments, program info) per kernel]), or (None, None) when the captured graph holds
-    anything but plain kernels on one device with whole-buffer arguments. An argument is (input slot, None), or
-    (None, device handle) for a buffer the graph holds itself (weights, scratch): those handles are looked up
-    once, here, not per replay."""
+  def _plan(captured) -> list | None:
+    """[(runtime, arguments, program info, device variables) per kernel and device it runs on], or None when the
+    captured graph holds anything but plain kernels and copies with whole-buffer arguments. An argument is (input
+    slot, None), or (None, device handle) for a buffer the graph holds itself (weights, scratch): those handles are
+    looked up once, here, not per replay. A copy is (None, a call doing it, None, None). Input slots count one per
+    device: a multi-device input takes as many slots as it has devices."""
     from tinygrad.device import Buffer
     from tinygrad.engine.realize import get_call_arg_uops, get_runtime
-    from tinygrad.uop.ops import Ops
-    plan, devices = [], {call.src[1].device for call in captured.linear.src}
-    if len(devices) != 1 or not isinstance(device := devices.pop(), str): return None, None
+    from tinygrad.uop.ops import AxisType
+    spans = [len(d) if isinstance(d := info[3], tuple) else 1 for info in captured.expected_input_info]
+    first = [sum(spans[:i]) for i in range(len(spans))]   # each input's first slot in the flat list of handles
+    plan = []
     for call in captured.linear.src:
       ast = call.src[0]
-      if ast.op is not Ops.PROGRAM: return None, None
-      args, specs = get_call_arg_uops(call), []
-      for i in ast.arg.globals:
-        u = args[i]
-        if u.op is Ops.PARAM: specs.append((u.arg.slot, None))
-        elif any(x.op is Ops.PARAM for x in u.toposort()): return None, None   # derived from an input: resolved per call
-        elif isinstance(buf := u.buffer, Buffer): specs.append((None, buf.ensure_allocated().get_buf(device)))
-        else: return None, None
-      plan.append((get_runtime(device, ast), specs, ast.arg))
-    return device, plan
+      args = get_call_arg_uops(call)
+      if ast.op is Ops.COPY:
+        if any(x.op is Ops.PARAM for a in args for x in a.toposort()): return None
+        for dest, src in zip(*(_device_buffers(a.buffer) for a in args[:2])):
+          if (copy := _copy(dest.ensure_allocated(), src.ensure_allocated())) is None: return None
+          plan.append((None, copy, None, None))
+        continue
+      if ast.op is not Ops.PROGRAM: return None
+      devices = call.src[1].device if isinstance(call.src[1].device, tuple) else (call.src[1].device,)
+      # as tinygrad's unwrap_multi: a kernel that reads its device index gets it as the _device_num variable
+      numbered = len(devices) > 1 and any((x.op is Ops.RANGE and x.arg[-1] is AxisType.DEVICE) or
+                                          (x.op is Ops.PARAM and x.arg.name == "_device_num") for x in ast.toposort())
+      for j, device in enumerate(devices):
+        specs = []
+        for i in ast.arg.globals:
+          u = args[i]
+          if u.op is Ops.PARAM and spans[u.arg.slot] == len(devices): specs.append((first[u.arg.slot] + j, None))
+          elif any(x.op is Ops.PARAM for x in u.toposort()): return None   # derived from an input: resolved per call
+          elif isinstance(buf := u.buffer, Buffer) and len(devices) == 1: specs.append((None, buf.ensure_allocated().get_buf(device)))
+          elif not isinstance(buf, Buffer) and len(buf.bufs) == len(devices):
+            specs.append((None, buf.bufs[j].ensure_allocated().get_buf(device)))
+          else: return None
+        plan.append((get_runtime(device, ast), specs, ast.arg, {"_device_num": j} if numbered else {}))
+    return plan
+
+
+def _device_buffers(buf) -> list:
+  """A Buffer's per-device buffers: itself, or a MultiBuffer's one per device."""
+  return buf.bufs if hasattr(buf, "bufs") else [buf]
+
+
+def _copy(dest, src):
+  """A call copying src to dest as tinygrad's executor does (engine/realize.py exec_copy), or None for a kind it
+  leaves to the executor (disk)."""
+  if hasattr(dest.allocator, "_transfer") and dest.allocator.supports_transfer and dest.device.split(":")[0] == src.device.split(":")[0]:
+    return functools.partial(dest.allocator._transfer, dest._buf, src._buf, dest.nbytes, src_dev=src.allocator.dev, dest_dev=dest.allocator.dev)
+  if src.device.startswith("DISK"): return None
+  if hasattr(dest.allocator, "_as_buffer"):
+    return functools.partial(src.allocator._copyout, dest.as_memoryview(force_zero_copy=True), src._buf)
+  return functools.partial(dest.allocator._copyin, dest._buf, src.as_memoryview(allow_zero_copy=True))
+
+
+def input_uop(t: Tensor) -> UOp:
+  """The buffer TinyJit takes for an input tensor: a multi-device tensor's (split or copied over devices) included."""
+  return (t.uop.src[0] if t.uop.op is Ops.UNSHARD else t.uop).base
 
 
 class ModelRunner:
@@ -133,10 +182,15 @@ class ModelRunner:
   Each pass shape gets three captures: an input pass (unpacks the step's integers into separate buffers and
   looks up the embeddings), one decoder *layer*, replayed once per layer with that layer's weights and
   cache, and the LM head. Capturing a whole 30-layer model instead costs seconds of tinygrad scheduling for
-  every new shape; one layer costs a thirtieth of that, and a direct replay about 50 us."""
-  def __init__(self, model: Llama, num_blocks: int, block_size: int, max_model_len: int, device: str, max_num_seqs: int = 32,
-               kv_format: KVCacheFormat | None = None):
+  every new shape; one layer costs a thirtieth of that, and a direct replay about 50 us.
+
+  With tensor parallelism `device` is a tuple of devices (model/tensor_parallel.py): the KV cache is split by KV head,
+  the hidden state and the step's integers are copied to every device, and the logits come back on the first."""
+  def __init__(self, model: Llama, num_blocks: int, block_size: int, max_model_len: int, device: str | tuple[str, ...],
+               max_num_seqs: int = 32, kv_format: KVCacheFormat | None = None):
     self.model, self.device, self.block_size, self.num_blocks = model, device, block_size, num_blocks
+    self.devices = device if isinstance(device, tuple) else (device,)
+    self.kind = self.devices[0].split(":")[0]
     self.kv_format = kv_format or KVCacheFormat("float32" if model.dtype == dtypes.float32 else "float16")
     model.kernels.check_kv_cache(self.kv_format)
     self.max_num_seqs = max_num_seqs
@@ -150,15 +204,17 @@ class ModelRunner:
     # On Metal a layer replay is one MetalGraph command buffer, and re-running a graph first waits for its previous
     # run: with one capture, every layer would wait for the layer before it and the GPU would idle while Python
     # encodes the next. Two captures taken in turn wait only for the layer before last, while the last one runs.
-    self.layer_graphs = 2 if device.split(":")[0] == "METAL" else 1
+    self.layer_graphs = 2 if self.kind == "METAL" else 1
     self.input_buffers: dict[PassShape, Tensor] = {}
     self.hidden_buffers: dict[PassShape, tuple[Tensor, Tensor]] = {}
 
   def _zeroed(self, shape: tuple[int, ...], dtype) -> Tensor:
     """A zero-filled cache tensor (attention multiplies masked-out entries by 0, and 0 * NaN garbage is NaN).
     On the CPU device it is fresh anonymous memory, which the OS hands out zeroed and maps page by page as
-    blocks are first written: writing zeros instead took 6.5 s for the default 2 GB cache on this machine."""
-    if self.device.split(":")[0] != "CPU": return self._buffer(shape, dtype)
+    blocks are first written: writing zeros instead took 6.5 s for the default 2 GB cache on this machine.
+    With tensor parallelism the tensor is split by KV head, one such buffer per device."""
+    if len(self.devices) > 1: return self._sharded_zeroed(shape, dtype)
+    if self.kind != "CPU": return self._buffer(shape, dtype)
     # private: pages read before they are written map the shared zero page instead of committing memory
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
     mem = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, **({"flags": flags} if flags is not None else {}))
@@ -166,9 +222,21 @@ class ModelRunner:
     t.uop.buffer.host_memory = mem   # the buffer borrows this memory: keep it alive exactly as long as the buffer
     return t
 
-  def _buffer(self, shape: tuple[int, ...], dtype) -> Tensor:
-    """A realized, zero-filled device buffer (a whole buffer, so it can be a replay's input)."""
-    return Tensor.zeros(*shape, dtype=dtype, device=self.device).contiguous().realize()
+  def _sharded_zeroed(self, shape: tuple[int, ...], dtype) -> Tensor:
+    if self.kind != "CPU":
+      return Tensor.zeros(*shape, dtype=dtype).shard(self.devices, KV_HEAD_AXIS).contiguous().realize()
+    t = sharded_empty(shape, dtype, self.devices, KV_HEAD_AXIS)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
+    for buf in t.uop.buffer.bufs:
+      mem = mmap.mmap(-1, buf.nbytes, **({"flags": flags} if flags is not None else {}))
+      buf.allocate(external_ptr=ctypes.addressof(ctypes.c_char.from_buffer(mem)))
+      buf.host_memory = mem
+    return t
+
+  def _buffer(self, shape: tuple[int, ...], dtype, device: str | tuple[str, ...] | None = None) -> Tensor:
+    """A realized, zero-filled device buffer (a whole buffer, so it can be a replay's input); on a tuple of devices,
+    a copy on each."""
+    return Tensor.zeros(*shape, dtype=dtype, device=device or self.device).contiguous().realize()
 
   @property
   def kv_bytes_per_block(self) -> int:
@@ -254,7 +322,7 @@ class ModelRunner:
     """Copy the step's integers into this shape's input buffer directly. Realizing a new Tensor each step would
     cost milliseconds: tinygrad's scheduler walks every live tensor (the weights included) on each realize."""
     if shape not in self.input_buffers:
-      self.input_buffers[shape] = self._buffer((len(packed),), dtypes.int32)
+      self.input_buffers[shape] = self._buffer((len(packed),), dtypes.int32, self.devices[0])
     buf = self.input_buffers[shape].uop.buffer.ensure_allocated()
     Device[buf.device].allocator._copyin(buf._buf, memoryview(np.ascontiguousarray(packed, np.int32)).cast("B"))
     return self.input_buffers[shape]
@@ -266,6 +334,7 @@ class ModelRunner:
     P, C, MB = shape.num_seqs, shape.query_len, self.max_blocks
 
     def unpack(packed: Tensor):
+      if len(self.devices) > 1: packed = packed.shard(self.devices)   # every device reads the step's integers
       fields, at = {}, 0
       for name, size in zip(FIELDS, shape.sizes(MB)):
         fields[name], at = packed[at:at + size].clone(), at + size   # clone: a real buffer, not a view of packed

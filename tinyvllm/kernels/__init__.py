@@ -101,6 +101,7 @@ class Kernels:
   slower on decode shapes, and it runs each kernel on one thread."""
   name = "portable"
   packs_prefill = False   # can prefill chunks go back to back (packed AttentionGroups) rather than padded to the longest?
+  shards = 1              # devices a layer is split over (tensor parallelism: kernels/sharded.py)
 
   def __init__(self, device: str = "CPU", batch_invariant: bool = False, num_threads: int | None = None):
     self.device, self.batch_invariant = device, batch_invariant
@@ -155,6 +156,10 @@ class Kernels:
     q, k, v = split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim)
     cs = cos_sin[positions]
     return portable.rope(q, cs), portable.write_cache(cache, portable.rope(k, cs), v, slot_mapping)
+
+  def swiglu(self, gate_up: Tensor, inter: int) -> Tensor:
+    """silu(gate) * up of the fused gate/up projection's output `[T, 2 * inter]`."""
+    return gate_up[:, :inter].silu() * gate_up[:, inter:]
 
   def attention(self, q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: float) -> Tensor:
     """q `[P*C, H, D]` of one group -> attention output `[P*C, H, D]`."""
@@ -222,8 +227,14 @@ class ShaderKernels(Kernels):
                                          scale, backend=self.shaders)
 
 
-def make_kernels(backend: str = "portable", device: str = "CPU", batch_invariant: bool = False, num_threads: int | None = None) -> Kernels:
-  """The kernels of a resolved backend name (`resolve_backend`)."""
+def make_kernels(backend: str = "portable", device: str | tuple[str, ...] = "CPU", batch_invariant: bool = False,
+                 num_threads: int | None = None) -> Kernels:
+  """The kernels of a resolved backend name (`resolve_backend`); on a tuple of devices (tensor parallelism), the
+  portable kernels over multi-device tensors (kernels/sharded.py)."""
+  if isinstance(device, tuple):
+    if backend != "portable": raise ValueError(f"kernel_backend={backend!r} runs on one device; tensor parallelism runs 'portable'")
+    from tinyvllm.kernels.sharded import ShardedKernels
+    return ShardedKernels(device, batch_invariant, num_threads)
   if backend in ("metal", "emulator"): return ShaderKernels(backend, device, batch_invariant, num_threads)
   if backend not in BACKENDS: raise ValueError(f"unknown kernel_backend {backend!r}; choose {', '.join(BACKENDS)}")
   return (CpuKernels if backend == "cpu" else Kernels)(device, batch_invariant, num_threads)

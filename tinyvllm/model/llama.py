@@ -12,6 +12,7 @@ from tinyvllm.kernels import AttentionGroup, Kernels, portable
 from tinyvllm.kernels.kv_cache import PagedKVCache
 from tinyvllm.quant import int4
 from tinyvllm.quant.formats import FLOAT, INT4, INT8, PARTS, LinearWeights, stored_format
+from tinyvllm.model import tensor_parallel
 from tinyvllm.model.rope import cos_sin_table, inverse_frequencies
 from tinyvllm.model.weights import ModelLoadError, expected_tensors
 
@@ -68,23 +69,31 @@ class LlamaLayer:
     gate_up = self.linear("mlp.gate_up_proj", kn.rms_norm(h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps))
     inter = cfg.intermediate_size
     # materialise the activation: fused into the down projection it is recomputed for every output row
-    act = (gate_up[:, :inter].silu() * gate_up[:, inter:]).contiguous()
+    act = kn.swiglu(gate_up, inter).contiguous()
     return (h + self.linear("mlp.down_proj", act)).contiguous()
 
 
 class Llama:
-  def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str, kernels: Kernels,
+  def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str | tuple[str, ...], kernels: Kernels,
                max_positions: int):
+    """`device`: one device, or a tuple of devices to split every layer over (tensor parallelism, model/tensor_parallel.py)."""
     self.cfg, self.kernels, self.device = cfg, kernels, device
     self.dtype = dtypes.float32 if dtype == "float32" else dtypes.float16
-    w = {name: Tensor(arr, device=device).realize() for name, arr in self._prepare(cfg, tensors, dtype, kernels.eight_bit).items()}
+    arrays = self._prepare(cfg, tensors, dtype, kernels.eight_bit)
+    if isinstance(device, tuple):
+      n = len(device)
+      tensor_parallel.check_shardable(cfg, n)
+      arrays = tensor_parallel.shard_layout(cfg, arrays, n, dtype)
+      w = {name: tensor_parallel.place(arr, device, tensor_parallel.shard_axis(name, cfg, n)) for name, arr in arrays.items()}
+    else: w = {name: Tensor(arr, device=device).realize() for name, arr in arrays.items()}
     self.embed_tokens = LinearWeights.of(w, "model.embed_tokens")   # 4-bit in MLX checkpoints with quantized embeddings
     self.norm = w["model.norm.weight"]
     self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else LinearWeights.of(w, "lm_head")
     self.layers = [LlamaLayer(cfg, {k[len(f"model.layers.{i}."):]: t for k, t in w.items() if k.startswith(f"model.layers.{i}.")}, kernels)
                    for i in range(cfg.num_hidden_layers)]
     inv_freq = inverse_frequencies(cfg, tensors.get("rope_freqs.weight"))
-    self.cos_sin = Tensor(cos_sin_table(inv_freq, max_positions), device=device).realize()
+    table = cos_sin_table(inv_freq, max_positions)
+    self.cos_sin = tensor_parallel.place(table, device, None) if isinstance(device, tuple) else Tensor(table, device=device).realize()
 
   @staticmethod
   def _prepare(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, eight_bit: bool) -> dict[str, np.ndarray]:
@@ -153,7 +162,9 @@ class Llama:
 
   def logits(self, h: Tensor, rows: Tensor) -> Tensor:
     h = self.kernels.rms_norm(h[rows], self.norm, self.cfg.rms_norm_eps)            # (R, hidden)
-    return self.kernels.linear(h, self.lm_head).float()
+    logits = self.kernels.linear(h, self.lm_head).float()
+    # tensor parallel: each device's share of the vocabulary (or a whole copy), gathered on the first device
+    return logits if isinstance(logits.device, str) else logits.to(logits.device[0])
 
 
 def _check(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...], cfg: ModelConfig) -> None:
