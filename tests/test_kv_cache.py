@@ -27,6 +27,8 @@ def test_bytes_per_block_and_capacity(head_dim):
   assert KVCacheFormat("int8").bytes_per_block(layers, bs, kvh, head_dim) == count(head_dim + 2)
   assert KVCacheFormat("int4", True).bytes_per_block(layers, bs, kvh, head_dim) == count(head_dim // 2 + 2)
   assert 2 * head_dim / (head_dim // 2 + 2) >= 3.5   # int4: 3.76x float16 at head_dim 64, 3.88x at 128
+  # k8v4: int8 keys, int4 values
+  assert KVCacheFormat("k8v4", True).bytes_per_block(layers, bs, kvh, head_dim) == count(head_dim + 2) // 2 + count(head_dim // 2 + 2) // 2
   assert KVCacheFormat("float16").bytes_per_block(layers, bs, kvh, head_dim) == count(2 * head_dim)
   assert KVCacheFormat("float32").bytes_per_block(layers, bs, kvh, head_dim) == count(4 * head_dim)
   ratio16, ratio32 = (2 * head_dim) / (head_dim + 2), (4 * head_dim) / (head_dim + 2)
@@ -38,6 +40,7 @@ def test_resolve_and_bad_values(tiny_model):
   assert KVCacheFormat.resolve("int8", "float32").quantized
   assert KVCacheFormat.resolve("int4", "float32") == KVCacheFormat("int4", rotated=True)
   assert KVCacheFormat.resolve("int4-unrotated", "float32") == KVCacheFormat("int4", rotated=False)
+  assert KVCacheFormat.resolve("k8v4", "float16") == KVCacheFormat("k8v4", rotated=True)
   for bad in ("fp8", "int2", "INT8", None):
     with pytest.raises(ConfigError, match="kv_cache_dtype"): LLM(str(tiny_model), kv_cache_dtype=bad)
 
@@ -65,10 +68,10 @@ def test_portable_write_matches_reference():
     assert not codes[untouched].any() and not scales[untouched].any()
 
 
-def attention_ref(q, k, v, tables, q_pos, scale):
+def attention_ref(q, k, v, tables, q_pos, scale, BS):
   """float64 attention of q [P, C, H, D] over dequantized K/V [NB*BS, KVH, D]."""
   P, C, H, D = q.shape
-  KVH, BS = k.shape[1], k.shape[0] // 64
+  KVH = k.shape[1]
   out = np.zeros(q.shape)
   for p in range(P):
     slots = (tables[p][:, None] * BS + np.arange(BS)).reshape(-1)
@@ -95,7 +98,7 @@ def test_portable_attention_reads_int8():
   q = rng.standard_normal((P, C, H, D)).astype(np.float32)
   out = portable.paged_attention(Tensor(q), cache, Tensor(tables), Tensor(q_pos), D ** -0.5).numpy()
   k, v = (dequantize_int8_ref(c, s).reshape(NB * BS, KVH, D) for c, s in zip(codes, scales))
-  assert rel_err(out, attention_ref(q.astype(np.float64), k, v, tables, q_pos, D ** -0.5)) < 1e-5
+  assert rel_err(out, attention_ref(q.astype(np.float64), k, v, tables, q_pos, D ** -0.5, BS)) < 1e-5
 
 
 @pytest.mark.parametrize("backend", ["portable", "cpu"])
@@ -194,10 +197,10 @@ def test_portable_attention_reads_int4(rotated):
   q = rng.standard_normal((P, C, H, D)).astype(np.float32)
   out = portable.paged_attention(Tensor(q), cache, Tensor(tables), Tensor(q_pos), D ** -0.5).numpy()
   k, v = (dequantize_int4_ref(p, s, rotated).reshape(NB * BS, KVH, D) for p, s in zip(packed, scales))
-  assert rel_err(out, attention_ref(q.astype(np.float64), k, v, tables, q_pos, D ** -0.5)) < 1e-5
+  assert rel_err(out, attention_ref(q.astype(np.float64), k, v, tables, q_pos, D ** -0.5, BS)) < 1e-5
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int4", "int4-unrotated"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int4", "int4-unrotated", "k8v4"])
 def test_cpu_layer_int4_matches_portable_and_reference(tiny_model_factory, kv_cache_dtype):
   """The fused C layer's int4 cache (its own fast Walsh-Hadamard transform, nibble packing and unpacking in
   vectors) against the portable path (tested above against numpy): layer 0's codes against the reference of the
@@ -206,9 +209,10 @@ def test_cpu_layer_int4_matches_portable_and_reference(tiny_model_factory, kv_ca
   ids = np.random.default_rng(6).integers(4, 380, 50).tolist()
   _, ref_cache = our_prefill_logits(path, ids, "cpu", block_size=8, return_cache=True)
   logits, cache = our_prefill_logits(path, ids, "cpu", block_size=8, kv_cache_dtype=kv_cache_dtype, return_cache=True)
-  (kq, vq), (ks, vs) = codes_and_scales(cache[0], True)
-  check_codes(kq, ks, ref_cache[0][0], kv_cache_dtype)
-  check_codes(vq, vs, ref_cache[0][1], kv_cache_dtype)
+  kq, vq, ks, vs = cache[0]
+  k8 = kv_cache_dtype == "k8v4"   # int8 keys beside rotated int4 values
+  check_codes(kq if k8 else unpack_int4_ref(kq), ks, ref_cache[0][0], "int8" if k8 else kv_cache_dtype)
+  check_codes(unpack_int4_ref(vq), vs, ref_cache[0][1], "int4" if k8 else kv_cache_dtype)
   portable_logits = our_prefill_logits(path, ids, "portable", block_size=8, kv_cache_dtype=kv_cache_dtype)
   assert rel_err(logits, portable_logits) < 1e-4
 
@@ -216,3 +220,25 @@ def test_cpu_layer_int4_matches_portable_and_reference(tiny_model_factory, kv_ca
 def test_metal_backends_refuse_int4(tiny_model_factory):
   with pytest.raises(ValueError, match="kv_cache_dtype='int4'"):
     LLM(str(tiny_model_factory("metal")), kernel_backend="emulator", kv_cache_dtype="int4", num_kv_blocks=16)
+
+
+def test_portable_k8v4_write_and_attention():
+  """int8 keys (unrotated) beside rotated int4 values: each tensor against its own reference, then attention over
+  both (q is not rotated, the output is)."""
+  rng = np.random.default_rng(7)
+  T, KVH, D, NB, BS, H = 21, 2, 64, 8, 8, 4
+  k, v = (rng.standard_normal((T, KVH, D)).astype(np.float32) for _ in range(2))
+  slots = rng.permutation(NB * BS)[:T].astype(np.int32)
+  cache = PagedKVCache.allocate(KVCacheFormat.resolve("k8v4", "float32"), NB, BS, KVH, D, zeros)
+  assert cache.k.dtype == dtypes.int8 and cache.v.dtype == dtypes.uint8 and not cache.k_rotated and cache.v_rotated
+  cache = portable.write_cache(cache, Tensor(k), Tensor(v), Tensor(slots))
+  kq, vq, ks, vs = (t.numpy().reshape(NB * BS, *t.shape[2:]) for t in cache.tensors())
+  check_codes(kq[slots], ks[slots], k, "int8")
+  check_codes(unpack_int4_ref(vq[slots]), vs[slots], v, "int4")
+  tables = rng.permutation(NB)[None, :3].astype(np.int32)
+  q_pos = np.arange(5, 10, dtype=np.int32)[None]
+  q = rng.standard_normal((1, 5, H, D)).astype(np.float32)
+  out = portable.paged_attention(Tensor(q), cache, Tensor(tables), Tensor(q_pos), D ** -0.5).numpy()
+  k_ref = dequantize_int8_ref(kq, ks)
+  v_ref = dequantize_int4_ref(vq, vs, rotated=True)
+  assert rel_err(out, attention_ref(q.astype(np.float64), k_ref, v_ref, tables, q_pos, D ** -0.5, BS)) < 1e-5

@@ -7,8 +7,9 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 ROPE_TYPES = ("default", "linear", "llama3")
 # auto: the model dtype; int8: codes + a float16 scale per token and KV head; int4: 4-bit codes of K and V rotated along
-# head_dim (Hadamard) + a float16 scale; int4-unrotated: the same without the rotation, to measure what it buys
-KV_CACHE_DTYPES = ("auto", "int8", "int4", "int4-unrotated")
+# head_dim (Hadamard) + a float16 scale; k8v4: int8 keys, int4 values; int4-unrotated: int4 without the rotation, to
+# measure what it buys
+KV_CACHE_DTYPES = ("auto", "int8", "k8v4", "int4", "int4-unrotated")
 
 
 class ConfigError(ValueError):
@@ -196,8 +197,9 @@ class EngineConfig:
   max_num_seqs: int = _flag(32, "sequences decoded together at most")
   max_num_batched_tokens: int = _flag(512, "tokens per step at most (the prefill chunk length)")
   kv_cache_dtype: str = _flag("auto", "KV cache storage: auto (the model dtype), int8 (8-bit codes with a float16 scale "
-                                      "per token and KV head: 1.94x the tokens of float16 in the same memory) or int4 "
-                                      "(K and V rotated along head_dim, then 4-bit: 3.76x; cpu and portable backends); "
+                                      "per token and KV head: 1.94x the tokens of float16 in the same memory), k8v4 (int8 "
+                                      "keys, values rotated along head_dim then 4-bit: 2.56x) or int4 (keys too: 3.76x); "
+                                      "k8v4 and int4 on the cpu and portable backends; "
                                       "int4-unrotated only measures what the rotation buys",
                               choices=KV_CACHE_DTYPES)
   kernel_backend: str = _flag("auto", "attention/linear kernels (auto: metal on METAL, cpu on CPU)",

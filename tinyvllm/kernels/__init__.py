@@ -209,8 +209,8 @@ class ShaderKernels(Kernels):
                        f"{n_heads // n_kv_heads} query heads per KV head (block_size {block_size}): use kernel_backend='portable'")
 
   def check_kv_cache(self, fmt: KVCacheFormat) -> None:
-    if fmt.storage == "int4":
-      raise ValueError(f"kernel_backend={self.name!r} reads float and int8 KV caches; kv_cache_dtype='int4' runs on the cpu and "
+    if "int4" in (fmt.k_storage, fmt.v_storage):
+      raise ValueError(f"kernel_backend={self.name!r} reads float and int8 KV caches; kv_cache_dtype='int4' and 'k8v4' run on the cpu and "
                        f"portable backends: use kv_cache_dtype='int8' (or kernel_backend='portable')")
 
   def int4_linear(self, x: Tensor, w: LinearWeights) -> Tensor:

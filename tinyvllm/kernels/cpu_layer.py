@@ -90,11 +90,13 @@ class LayerShape:
   gate_up: LinearSpec
   down: LinearSpec
   invariant: bool = False   # 4-bit projections computed row by row as alone (batch invariance)
-  kv_storage: str = "float" # float | int8 | int4: K/V codes with a float16 scale per (slot, KV head), kernels/kv_cache.py
-  kv_rotated: bool = False  # int4: stored rotated by the Hadamard matrix R along head_dim
+  k_storage: str = "float"  # float | int8 | int4: K codes with a float16 scale per (slot, KV head), kernels/kv_cache.py
+  v_storage: str = "float"  # the same for V (k8v4: int8 keys, int4 values)
+  k_rotated: bool = False   # int4: stored rotated by the Hadamard matrix R along head_dim
+  v_rotated: bool = False
 
   @property
-  def kv_quantized(self) -> bool: return self.kv_storage != "float"
+  def kv_quantized(self) -> bool: return self.k_storage != "float"
 
   @property
   def scratch(self) -> int:
@@ -106,15 +108,17 @@ class LayerShape:
 def _source(name: str, s: LayerShape, scale: float) -> str:
   T, E, H, KVH, D, I = s.tokens, s.hidden, s.n_heads, s.n_kv_heads, s.head_dim, s.intermediate
   G, DV, half, QKV = H // KVH, D // 8, D // 2, s.qkv.n
-  vl = {"float": "vload", "int8": "vload_i8", "int4": "vload_i4"}[s.kv_storage]
-  kv = {"float": "float", "int8": "signed char", "int4": "unsigned char"}[s.kv_storage]
-  row, step = (D // 2, 4) if s.kv_storage == "int4" else (D, 8)   # cache elements per head vector, per 8 values
+  load = {"float": "vload", "int8": "vload_i8", "int4": "vload_i4"}
+  ctype = {"float": "float", "int8": "signed char", "int4": "unsigned char"}
+  kl, vl, kt, vt = load[s.k_storage], load[s.v_storage], ctype[s.k_storage], ctype[s.v_storage]
+  # cache elements per head vector, and per 8 values
+  (krow_len, kstep), (vrow_len, vstep) = ((D // 2, 4) if st == "int4" else (D, 8) for st in (s.k_storage, s.v_storage))
   hb = D & -D   # the rotation's Hadamard block: the largest power of two dividing D
-  rotate_q = "" if not s.kv_rotated else f"""      float qr[{G * D}];   /* scores against rotated keys: (Rq).(Rk) = q.k */
+  rotate_q = "" if not s.k_rotated else f"""      float qr[{G * D}];   /* scores against rotated keys: (Rq).(Rk) = q.k */
       for (int i = 0; i < {G * D}; i++) qr[i] = qg[i];
       for (int hd = 0; hd < {G}; hd++) rotate_vec(qr + hd * {D});
       qg = qr;"""
-  params = ["float *restrict out", f"{kv} *restrict kc", f"{kv} *restrict vc",
+  params = ["float *restrict out", f"{kt} *restrict kc", f"{vt} *restrict vc",
             *(["unsigned short *restrict ks", "unsigned short *restrict vs"] if s.kv_quantized else []),
             "float *restrict scratch", "const float *restrict h",
             "const int *restrict pos", "const int *restrict slots", "const int *restrict tables", "const int *restrict token_seq",
@@ -170,7 +174,9 @@ static inline void rope(float *restrict dst, const float *restrict x, const floa
   }}
 }}
 
-{_kv_store(s)}
+{_F2H if s.kv_quantized else ""}
+{_kv_store("store_k", s.k_storage, s.k_rotated, D)}
+{_kv_store("store_v", s.v_storage, s.v_rotated, D)}
 /* rotate q and k, write k and v into their cache slots (slot -1: a padding token, nothing written) */
 static void rope_write(float *restrict q, struct layer_ctx *c, const float *restrict qkv) {{
   for (int t = 0; t < {T}; t++) {{
@@ -184,8 +190,8 @@ static void rope_write(float *restrict q, struct layer_ctx *c, const float *rest
       long at = (long)slot * {KVH} + hd;
       float k[{D}];
       rope(k, row + ({H} + hd) * {D}, cs, sn);
-      store_kv(c->kc, {"c->ks" if s.kv_quantized else "0"}, at, k);
-      store_kv(c->vc, {"c->vs" if s.kv_quantized else "0"}, at, row + ({H + KVH} + hd) * {D});
+      store_k(c->kc, {"c->ks" if s.kv_quantized else "0"}, at, k);
+      store_v(c->vc, {"c->vs" if s.kv_quantized else "0"}, at, row + ({H + KVH} + hd) * {D});
     }}
   }}
 }}
@@ -194,7 +200,8 @@ static void rope_write(float *restrict q, struct layer_ctx *c, const float *rest
    chunk and the whole cached prefix. The {G} query heads of a KV head share each K/V row read; online softmax.
    Items ib..ie-1 of the (token, KV head) pairs, t = item / {KVH}: the unit the thread pool splits. */
 static void attention(float *restrict out, const float *restrict q, struct layer_ctx *c, int ib, int ie) {{
-  const {kv} *restrict kc = c->kc, *restrict vc = c->vc;
+  const {kt} *restrict kc = c->kc;
+  const {vt} *restrict vc = c->vc;
   const int *restrict tables = c->tables, *restrict token_seq = c->token_seq, *restrict token_pos = c->token_pos;
   for (int item = ib; item < ie; item++) {{
     int t = item / {KVH}, g = item % {KVH};
@@ -211,20 +218,21 @@ static void attention(float *restrict out, const float *restrict q, struct layer
       for (int hd = 0; hd < {G}; hd++) {{ m[hd] = -1e30f; l[hd] = 0; for (int i = 0; i < {DV}; i++) acc[hd][i] = (vf){{0}}; }}
       for (int j0 = 0; j0 < n; j0 += {TILE}) {{
         int nt = n - j0 < {TILE} ? n - j0 : {TILE};
-        const {kv} *krow[{TILE}], *vrow[{TILE}];
+        const {kt} *krow[{TILE}];
+        const {vt} *vrow[{TILE}];
         float kscale[{TILE}], vscale[{TILE}];   /* per-row dequantization scales (1 for a float cache) */
         for (int j = 0; j < nt; j++) {{
           int key = j0 + j;
           long slot = (long)table[key / {s.block_size}] * {s.block_size} + key % {s.block_size};
-          krow[j] = kc + (slot * {KVH} + g) * {row};
-          vrow[j] = vc + (slot * {KVH} + g) * {row};
+          krow[j] = kc + (slot * {KVH} + g) * {krow_len};
+          vrow[j] = vc + (slot * {KVH} + g) * {vrow_len};
           {"kscale[j] = h2f(c->ks[slot * " + str(KVH) + " + g]); vscale[j] = h2f(c->vs[slot * " + str(KVH) + " + g]);" if s.kv_quantized else "kscale[j] = vscale[j] = 1.0f;"}
         }}
         for (int hd = 0; hd < {G}; hd++) {{
           float mt = m[hd];
           for (int j = 0; j < nt; j++) {{
             vf d = (vf){{0}};
-            for (int i = 0; i < {DV}; i++) d += vload(qg + hd * {D} + i * 8) * {vl}(krow[j] + i * {step});
+            for (int i = 0; i < {DV}; i++) d += vload(qg + hd * {D} + i * 8) * {kl}(krow[j] + i * {kstep});
             sc[hd][j] = hsum(d) * (kscale[j] * {scale!r}f);
             if (sc[hd][j] > mt) mt = sc[hd][j];
           }}
@@ -235,7 +243,7 @@ static void attention(float *restrict out, const float *restrict q, struct layer
           for (int j = 0; j < nt; j++) {{
             float p = exp_f32(sc[hd][j] - mt), pv = p * vscale[j];
             l[hd] += p;
-            for (int i = 0; i < {DV}; i++) acc[hd][i] += pv * {vl}(vrow[j] + i * {step});
+            for (int i = 0; i < {DV}; i++) acc[hd][i] += pv * {vl}(vrow[j] + i * {vstep});
           }}
         }}
       }}
@@ -243,7 +251,7 @@ static void attention(float *restrict out, const float *restrict q, struct layer
         float inv = 1.0f / l[hd];
         float *oh = o + (g * {G} + hd) * {D};
         for (int i = 0; i < {DV}; i++) {{ vf r = acc[hd][i] * inv; for (int e = 0; e < 8; e++) oh[i * 8 + e] = r[e]; }}
-        {"rotate_vec(oh);   /* sum_j p_j v_j = R sum_j p_j (R v_j) */" if s.kv_rotated else ""}
+        {"rotate_vec(oh);   /* sum_j p_j v_j = R sum_j p_j (R v_j) */" if s.v_rotated else ""}
       }}
     }}
   }}
@@ -323,7 +331,8 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
   shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, cache.k.shape[1],
                      tables.shape[1], cos_sin.shape[0], float(cfg.rms_norm_eps),
                      *(_spec(linears[n]) for n in LINEARS), invariant,
-                     "int4" if cache.int4 else "int8" if cache.quantized else "float", cache.rotated)
+                     *(("int4" if int4 else "int8" if cache.quantized else "float") for int4 in (cache.k_int4, cache.v_int4)),
+                     cache.k_rotated, cache.v_rotated)
   name = f"llama_layer_{abs(hash(shape)):x}"
   src = _source(name, shape, D ** -0.5)
   if out is None: out = Tensor.invalids(T, E, dtype=dtypes.float32, device=h.device)
@@ -333,35 +342,32 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
   return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
 
 
-def _kv_store(s: LayerShape) -> str:
-  """`store_kv(cache, scales, at, x)`: head vector x into row `at` of a K or V cache, quantized for an int8 or int4
+def _kv_store(name: str, storage: str, rotated: bool, D: int) -> str:
+  """`name(cache, scales, at, x)`: head vector x into row `at` of a K or V cache, quantized for an int8 or int4
   cache (kernels/kv_cache.py: s = half(max|x| / 127 or 7), code = rint(x / s); int4 rotated first, codes + 8 packed
   two per byte). Rounding adds and subtracts 1.5 * 2^23, exact in the default rounding mode for |v| <= 127 (no libm,
   and rintf is a call without SSE4.1)."""
-  D = s.head_dim
-  if s.kv_storage == "int4":
-    return f"""{_F2H}
-static inline int code4(float v, float sc) {{
+  if storage == "int4":
+    return f"""static inline int {name}_code(float v, float sc) {{
   v = sc > 0 ? v / sc : 0.0f;
   v = v > 7.0f ? 7.0f : v < -7.0f ? -7.0f : v;
   return (int)((v + 12582912.0f) - 12582912.0f) + 8;
 }}
-static inline void store_kv(unsigned char *restrict cache, unsigned short *restrict scales, long at, const float *restrict x_in) {{
+static inline void {name}(unsigned char *restrict cache, unsigned short *restrict scales, long at, const float *restrict x_in) {{
   float x[{D}], amax = 0;
   for (int i = 0; i < {D}; i++) x[i] = x_in[i];
-  {"rotate_vec(x);" if s.kv_rotated else ""}
+  {"rotate_vec(x);" if rotated else ""}
   for (int i = 0; i < {D}; i++) {{ float a = x[i] < 0 ? -x[i] : x[i]; if (a > amax) amax = a; }}
   unsigned short sh = f2h(amax / 7.0f);
   float sc = h2f(sh);
   scales[at] = sh;
-  for (int i = 0; i < {D // 2}; i++) cache[at * {D // 2} + i] = (unsigned char)(code4(x[2 * i], sc) | code4(x[2 * i + 1], sc) << 4);
+  for (int i = 0; i < {D // 2}; i++) cache[at * {D // 2} + i] = (unsigned char)({name}_code(x[2 * i], sc) | {name}_code(x[2 * i + 1], sc) << 4);
 }}"""
-  if not s.kv_quantized:
-    return f"""static inline void store_kv(float *restrict cache, void *unused, long at, const float *restrict x) {{
+  if storage == "float":
+    return f"""static inline void {name}(float *restrict cache, void *unused, long at, const float *restrict x) {{
   for (int i = 0; i < {D}; i++) cache[at * {D} + i] = x[i];
 }}"""
-  return f"""{_F2H}
-static inline void store_kv(signed char *restrict cache, unsigned short *restrict scales, long at, const float *restrict x) {{
+  return f"""static inline void {name}(signed char *restrict cache, unsigned short *restrict scales, long at, const float *restrict x) {{
   float amax = 0;
   for (int i = 0; i < {D}; i++) {{ float a = x[i] < 0 ? -x[i] : x[i]; if (a > amax) amax = a; }}
   unsigned short sh = f2h(amax / 127.0f);

@@ -7,6 +7,9 @@ scale per (slot, KV head) beside them, `[num_blocks, block_size, n_kv_heads]`.
 int8 (`kv_cache_dtype="int8"`), per head vector x (K after RoPE):
   amax = max_i |x_i|, s = float16(amax / 127), code_i = clamp(rint(x_i / s), -127, 127) (0 when s == 0), x_i ~ s * code_i.
 
+k8v4 (`"k8v4"`): keys as int8, values as int4 (rotated). Keys are the sensitive half: at 2.56x the tokens of float16
+this costs a fifth of int4's perplexity (docs/quantization.md).
+
 int4 (`"int4"`): the same with 7 for 127 after rotating x by R, the orthonormal Hadamard matrix along head_dim
 (block diagonal with blocks of the largest power of two dividing head_dim: 64 -> one block, 80 -> 16, 96 -> 32).
 Codes + 8 (1..15) are packed two per byte, element 2i in the low nibble: uint8 `[..., head_dim / 2]`. A rotation
@@ -34,7 +37,8 @@ STORAGE_DTYPES = {"float32": dtypes.float32, "float16": dtypes.float16, "int8": 
 
 @dataclass(frozen=True)
 class KVCacheFormat:
-  """How a cache stores K and V: `storage` ("float32" | "float16" | "int8" | "int4"), `rotated` (int4 only)."""
+  """How a cache stores K and V: `storage` ("float32" | "float16" | "int8" | "int4" | "k8v4": int8 keys, int4 values),
+  `rotated` (int4 tensors only)."""
   storage: str
   rotated: bool = False
 
@@ -43,17 +47,26 @@ class KVCacheFormat:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
       raise ConfigError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got {kv_cache_dtype!r}")
     if kv_cache_dtype == "auto": return KVCacheFormat(model_dtype)
-    return KVCacheFormat("int4", kv_cache_dtype == "int4") if kv_cache_dtype.startswith("int4") else KVCacheFormat(kv_cache_dtype)
+    if kv_cache_dtype in ("int4", "k8v4"): return KVCacheFormat(kv_cache_dtype, rotated=True)
+    return KVCacheFormat("int4") if kv_cache_dtype == "int4-unrotated" else KVCacheFormat(kv_cache_dtype)
 
   @property
-  def quantized(self) -> bool: return self.storage in ("int8", "int4")
+  def k_storage(self) -> str: return "int8" if self.storage == "k8v4" else self.storage
   @property
-  def dtype(self): return STORAGE_DTYPES[self.storage]
+  def v_storage(self) -> str: return "int4" if self.storage == "k8v4" else self.storage
+  @property
+  def quantized(self) -> bool: return self.k_storage in ("int8", "int4")
+  @property
+  def dtype(self): return STORAGE_DTYPES[self.k_storage]
+
+  @staticmethod
+  def _vector_bytes(storage: str, head_dim: int) -> int:
+    if storage == "int4": return head_dim // 2 + 2
+    return head_dim * STORAGE_DTYPES[storage].itemsize + (2 if storage == "int8" else 0)
 
   def bytes_per_head_vector(self, head_dim: int) -> int:
-    """Bytes one (slot, KV head) of K (or of V) takes: the elements, plus the scale when quantized."""
-    if self.storage == "int4": return head_dim // 2 + 2
-    return head_dim * self.dtype.itemsize + (2 if self.quantized else 0)
+    """Bytes one (slot, KV head) of K or of V takes on average: the elements, plus the scale when quantized."""
+    return (self._vector_bytes(self.k_storage, head_dim) + self._vector_bytes(self.v_storage, head_dim)) // 2
 
   def bytes_per_block(self, num_layers: int, block_size: int, n_kv_heads: int, head_dim: int) -> int:
     """K and V of every layer for one block of tokens."""
@@ -86,14 +99,20 @@ class PagedKVCache:
   v: Tensor
   k_scale: Tensor | None = None
   v_scale: Tensor | None = None
-  rotated: bool = False     # int4: K and V stored rotated by R (see the module docstring)
+  rotated: bool = False     # its int4 tensors are stored rotated by R (see the module docstring)
 
   @property
   def quantized(self) -> bool: return self.k_scale is not None
   @property
-  def int4(self) -> bool: return self.k.dtype == dtypes.uint8
+  def k_int4(self) -> bool: return self.k.dtype == dtypes.uint8
   @property
-  def head_dim(self) -> int: return self.k.shape[-1] * (2 if self.int4 else 1)
+  def v_int4(self) -> bool: return self.v.dtype == dtypes.uint8
+  @property
+  def k_rotated(self) -> bool: return self.rotated and self.k_int4
+  @property
+  def v_rotated(self) -> bool: return self.rotated and self.v_int4
+  @property
+  def head_dim(self) -> int: return self.k.shape[-1] * (2 if self.k_int4 else 1)
 
   def tensors(self) -> list[Tensor]:
     """Every tensor, in a fixed order (a replay's inputs); `with_tensors` rebuilds the cache from them."""
@@ -103,10 +122,10 @@ class PagedKVCache:
   def allocate(fmt: KVCacheFormat, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                zeros: Callable[[tuple[int, ...], object], Tensor]) -> PagedKVCache:
     """A cache of `fmt`, its tensors made by `zeros(shape, dtype)` (a realized, zero-filled buffer)."""
-    rows, width = (num_blocks, block_size, n_kv_heads), head_dim // 2 if fmt.storage == "int4" else head_dim
-    if not fmt.quantized: return PagedKVCache(zeros((*rows, width), fmt.dtype), zeros((*rows, width), fmt.dtype))
-    return PagedKVCache(zeros((*rows, width), fmt.dtype), zeros((*rows, width), fmt.dtype),
-                        zeros(rows, dtypes.float16), zeros(rows, dtypes.float16), fmt.rotated)
+    rows = (num_blocks, block_size, n_kv_heads)
+    k, v = (zeros((*rows, head_dim // 2 if s == "int4" else head_dim), STORAGE_DTYPES[s]) for s in (fmt.k_storage, fmt.v_storage))
+    if not fmt.quantized: return PagedKVCache(k, v)
+    return PagedKVCache(k, v, zeros(rows, dtypes.float16), zeros(rows, dtypes.float16), fmt.rotated)
 
   def with_tensors(self, tensors: list[Tensor]) -> PagedKVCache:
     """This cache's format around other tensors (in `tensors()` order): a replayed layer rebuilds its cache so."""

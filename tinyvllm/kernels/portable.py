@@ -80,11 +80,17 @@ def rotate(x: Tensor, head_dim: int) -> Tensor:
 def write_cache(cache: PagedKVCache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> PagedKVCache:
   """Write K and V rows `[T, KVH, D]` into their slots, quantized (and rotated) when the cache is."""
   if not cache.quantized: return cache.written(write_kv(cache.k, k, slot_mapping), write_kv(cache.v, v, slot_mapping))
-  if cache.rotated: k, v = rotate(k, cache.head_dim), rotate(v, cache.head_dim)
-  (kq, ks), (vq, vs) = (quantize(x, INT4_MAX if cache.int4 else INT8_MAX) for x in (k, v))
-  kq, vq = (pack_int4(c) if cache.int4 else c.cast(dtypes.int8) for c in (kq, vq))
+  (kq, ks), (vq, vs) = (_quantized(x, int4, rotated, cache.head_dim)
+                        for x, int4, rotated in ((k, cache.k_int4, cache.k_rotated), (v, cache.v_int4, cache.v_rotated)))
   return cache.written(write_kv(cache.k, kq, slot_mapping), write_kv(cache.v, vq, slot_mapping),
                        write_kv(cache.k_scale, ks, slot_mapping), write_kv(cache.v_scale, vs, slot_mapping))
+
+
+def _quantized(x: Tensor, int4: bool, rotated: bool, head_dim: int) -> tuple[Tensor, Tensor]:
+  """(stored codes, scales) of head vectors x for an int8 or int4 (packed, optionally rotated) tensor."""
+  if rotated: x = rotate(x, head_dim)
+  codes, scale = quantize(x, INT4_MAX if int4 else INT8_MAX)
+  return (pack_int4(codes) if int4 else codes.cast(dtypes.int8)), scale
 
 
 def _gather(cache: Tensor, scale: Tensor | None, block_tables: Tensor, dtype) -> Tensor:
@@ -104,7 +110,7 @@ def paged_attention(q: Tensor, cache: PagedKVCache, block_tables: Tensor, q_pos:
   P, C, H, D = q.shape
   _, BS, KVH, _ = cache.k.shape
   G, S = H // KVH, block_tables.shape[1] * BS
-  if cache.rotated: q = rotate(q, D)   # scores against rotated keys: (Rq).(Rk) = q.k
+  if cache.k_rotated: q = rotate(q, D)   # scores against rotated keys: (Rq).(Rk) = q.k
   # (P, MB, BS, KVH, D) -> (P, KVH, S, D): gathering whole blocks by table index compiles to direct loads
   k = _gather(cache.k, cache.k_scale, block_tables, q.dtype).reshape(P, S, KVH, D).permute(0, 2, 1, 3)
   v = _gather(cache.v, cache.v_scale, block_tables, q.dtype).reshape(P, S, KVH, D).permute(0, 2, 1, 3)
@@ -116,7 +122,7 @@ def paged_attention(q: Tensor, cache: PagedKVCache, block_tables: Tensor, q_pos:
   # scheduler from fusing two layers' P@V into one slow kernel
   e = (scores - scores.max(-1, keepdim=True)).exp().contiguous()
   out = ((e.cast(v.dtype) @ v).float() / e.sum(-1, keepdim=True)).cast(q.dtype).contiguous()  # (P, KVH, G*C, D)
-  if cache.rotated: out = rotate(out, D).contiguous()   # sum_j p_j v_j = R sum_j p_j (R v_j)
+  if cache.v_rotated: out = rotate(out, D).contiguous()   # sum_j p_j v_j = R sum_j p_j (R v_j)
   return out.reshape(P, KVH, G, C, D).permute(0, 3, 1, 2, 4).reshape(P, C, H, D)
 
 
