@@ -116,14 +116,20 @@ def test_bench_refuses_bad_arguments():
   with pytest.raises(SystemExit): main(["--runs", "decode,bogus"])
 
 
+def small_decode_bench(model, tmp_path, *flags: str, batch: int = 1, context: int = 8) -> list[dict]:
+  """The records of a tiny decode-only bench run with `flags` added."""
+  from tinyvllm.bench.cli import main
+  out = tmp_path / "bench.json"
+  main(["--model", str(model), *flags, "--runs", "decode", "--batch-sizes", str(batch), "--context-lens", str(context),
+        "--steps", "2", "--warmup", "1", "--bandwidth-sizes", "1", "--bandwidth-reps", "1", "--matmul-size", "32",
+        "--no-peers", "--json", str(out)])
+  return json.loads(out.read_text())["records"]
+
+
 def test_several_quantizations_run_in_one_bench(tiny_model, tmp_path):
   """`--quantization stored,int4` loads the model twice and labels each record with what was loaded."""
   from tinyvllm.bench.cli import main
-  out = tmp_path / "bench.json"
-  main(["--model", str(tiny_model), "--quantization", "stored,int4", "--runs", "decode", "--batch-sizes", "1",
-        "--context-lens", "8", "--steps", "2", "--warmup", "1", "--bandwidth-sizes", "1", "--bandwidth-reps", "1",
-        "--matmul-size", "32", "--no-peers", "--json", str(out)])
-  records = json.loads(out.read_text())["records"]
+  records = small_decode_bench(tiny_model, tmp_path, "--quantization", "stored,int4")
   assert [r["quantization"] for r in records] == ["none", "int4"]
   assert records[1]["weight_bytes_per_step"] < 0.5 * records[0]["weight_bytes_per_step"]   # packed: ~1/6 of float32
   with pytest.raises(SystemExit):
@@ -134,11 +140,7 @@ def test_kv_cache_dtypes_compared_in_one_bench(tiny_model, tmp_path):
   """`--kv-cache-dtype auto,int8`: two engines, each record labelled with its cache format, and the int8 cache's
   bytes read per step counted from its real size (head_dim + 2 bytes per head vector against 4 * head_dim)."""
   from tinyvllm.bench.cli import main
-  out = tmp_path / "bench.json"
-  main(["--model", str(tiny_model), "--kv-cache-dtype", "auto,int8", "--runs", "decode", "--batch-sizes", "2",
-        "--context-lens", "40", "--steps", "2", "--warmup", "1", "--bandwidth-sizes", "1", "--bandwidth-reps", "1",
-        "--matmul-size", "32", "--no-peers", "--json", str(out)])
-  records = json.loads(out.read_text())["records"]
+  records = small_decode_bench(tiny_model, tmp_path, "--kv-cache-dtype", "auto,int8", batch=2, context=40)
   assert [r["kv_cache_dtype"] for r in records] == ["float32", "int8"]
   D = json.loads((tiny_model / "config.json").read_text())
   D = D.get("head_dim") or D["hidden_size"] // D["num_attention_heads"]
