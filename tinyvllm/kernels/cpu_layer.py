@@ -14,7 +14,7 @@ with 32-bit relative offsets, which break (a crash far from the cause) once the 
 from __future__ import annotations
 from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
-from tinyvllm.kernels.kv_cache import PagedKVCache
+from tinyvllm.kernels.kv_cache import PagedKVCache, hadamard_block
 from tinyvllm.quant.formats import INT8, LinearWeights
 from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
 from tinyvllm.kernels.cpu import SQRT, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _program, c_param_name, c_struct_fields, int4_body, pool_arg, rms_norm_source
@@ -113,7 +113,7 @@ def _source(name: str, s: LayerShape, scale: float) -> str:
   kl, vl, kt, vt = load[s.k_storage], load[s.v_storage], ctype[s.k_storage], ctype[s.v_storage]
   # cache elements per head vector, and per 8 values
   (krow_len, kstep), (vrow_len, vstep) = ((D // 2, 4) if st == "int4" else (D, 8) for st in (s.k_storage, s.v_storage))
-  hb = D & -D   # the rotation's Hadamard block: the largest power of two dividing D
+  hb = hadamard_block(D)
   rotate_q = "" if not s.k_rotated else f"""      float qr[{G * D}];   /* scores against rotated keys: (Rq).(Rk) = q.k */
       for (int i = 0; i < {G * D}; i++) qr[i] = qg[i];
       for (int hd = 0; hd < {G}; hd++) rotate_vec(qr + hd * {D});
@@ -174,7 +174,7 @@ static inline void rope(float *restrict dst, const float *restrict x, const floa
   }}
 }}
 
-{_F2H if s.kv_quantized else ""}
+{_F2H + _KV_QUANT if s.kv_quantized else ""}
 {_kv_store("store_k", s.k_storage, s.k_rotated, D)}
 {_kv_store("store_v", s.v_storage, s.v_rotated, D)}
 /* rotate q and k, write k and v into their cache slots (slot -1: a padding token, nothing written) */
@@ -344,41 +344,43 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
 
 def _kv_store(name: str, storage: str, rotated: bool, D: int) -> str:
   """`name(cache, scales, at, x)`: head vector x into row `at` of a K or V cache, quantized for an int8 or int4
-  cache (kernels/kv_cache.py: s = half(max|x| / 127 or 7), code = rint(x / s); int4 rotated first, codes + 8 packed
-  two per byte). Rounding adds and subtracts 1.5 * 2^23, exact in the default rounding mode for |v| <= 127 (no libm,
-  and rintf is a call without SSE4.1)."""
-  if storage == "int4":
-    return f"""static inline int {name}_code(float v, float sc) {{
-  v = sc > 0 ? v / sc : 0.0f;
-  v = v > 7.0f ? 7.0f : v < -7.0f ? -7.0f : v;
-  return (int)((v + 12582912.0f) - 12582912.0f) + 8;
-}}
-static inline void {name}(unsigned char *restrict cache, unsigned short *restrict scales, long at, const float *restrict x_in) {{
-  float x[{D}], amax = 0;
-  for (int i = 0; i < {D}; i++) x[i] = x_in[i];
-  {"rotate_vec(x);" if rotated else ""}
-  for (int i = 0; i < {D}; i++) {{ float a = x[i] < 0 ? -x[i] : x[i]; if (a > amax) amax = a; }}
-  unsigned short sh = f2h(amax / 7.0f);
-  float sc = h2f(sh);
-  scales[at] = sh;
-  for (int i = 0; i < {D // 2}; i++) cache[at * {D // 2} + i] = (unsigned char)({name}_code(x[2 * i], sc) | {name}_code(x[2 * i + 1], sc) << 4);
-}}"""
+  cache by `_KV_QUANT` (int4: rotated first, codes + 8 packed two per byte)."""
   if storage == "float":
     return f"""static inline void {name}(float *restrict cache, void *unused, long at, const float *restrict x) {{
   for (int i = 0; i < {D}; i++) cache[at * {D} + i] = x[i];
 }}"""
-  return f"""static inline void {name}(signed char *restrict cache, unsigned short *restrict scales, long at, const float *restrict x) {{
-  float amax = 0;
-  for (int i = 0; i < {D}; i++) {{ float a = x[i] < 0 ? -x[i] : x[i]; if (a > amax) amax = a; }}
-  unsigned short sh = f2h(amax / 127.0f);
-  float sc = h2f(sh);
-  scales[at] = sh;
-  for (int i = 0; i < {D}; i++) {{
-    float v = sc > 0 ? x[i] / sc : 0.0f;
-    v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-    cache[at * {D} + i] = (signed char)(int)((v + 12582912.0f) - 12582912.0f);
-  }}
+  if storage == "int8":
+    return f"""static inline void {name}(signed char *restrict cache, unsigned short *restrict scales, long at, const float *restrict x) {{
+  float sc = kv_scale(x, {D}, 127.0f, scales + at);
+  for (int i = 0; i < {D}; i++) cache[at * {D} + i] = (signed char)kv_code(x[i], sc, 127.0f);
 }}"""
+  return f"""static inline void {name}(unsigned char *restrict cache, unsigned short *restrict scales, long at, const float *restrict x_in) {{
+  float x[{D}];
+  for (int i = 0; i < {D}; i++) x[i] = x_in[i];
+  {"rotate_vec(x);" if rotated else ""}
+  float sc = kv_scale(x, {D}, 7.0f, scales + at);
+  for (int i = 0; i < {D // 2}; i++)
+    cache[at * {D // 2} + i] = (unsigned char)((kv_code(x[2 * i], sc, 7.0f) + 8) | (kv_code(x[2 * i + 1], sc, 7.0f) + 8) << 4);
+}}"""
+
+
+# kernels/kv_cache.py's rule, shared by the int8 and int4 stores
+_KV_QUANT = r"""
+/* s = half(max|x| / levels): stored in *bits, returned as float */
+static inline float kv_scale(const float *restrict x, int n, float levels, unsigned short *bits) {
+  float amax = 0;
+  for (int i = 0; i < n; i++) { float a = x[i] < 0 ? -x[i] : x[i]; if (a > amax) amax = a; }
+  *bits = f2h(amax / levels);
+  return h2f(*bits);
+}
+/* rint(clamp(v / s, -levels, levels)), 0 when s == 0. Rounding adds and subtracts 1.5 * 2^23, exact in the default
+   rounding mode for |v| <= 127 (no libm, and rintf is a call without SSE4.1). */
+static inline int kv_code(float v, float sc, float levels) {
+  v = sc > 0 ? v / sc : 0.0f;
+  v = v > levels ? levels : v < -levels ? -levels : v;
+  return (int)((v + 12582912.0f) - 12582912.0f);
+}
+"""
 
 
 _F2H = r"""
