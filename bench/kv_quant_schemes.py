@@ -25,19 +25,18 @@ def main():
   args = ap.parse_args()
   import torch
   import transformers.models.llama.modeling_llama as llama
-  from scipy.linalg import hadamard
   sys.path.insert(0, str(Path(__file__).parent))
   from perplexity import kjv_tokens
   from tinyvllm.model.tokenizer import load_tokenizer
   from tinyvllm.model.weights import load_checkpoint
+  from tinyvllm.kernels.kv_cache import hadamard
   from tinyvllm.quant.calibrate import hf_llama
   ckpt = load_checkpoint(None, "none")
   tokens = kjv_tokens(load_tokenizer(ckpt.path), args.windows * args.window_len)
   model = hf_llama(ckpt.config, ckpt.tensors)
   model.config._attn_implementation = "eager"
   D = ckpt.config.head_dim
-  R = torch.tensor(hadamard(D & -D) / math.sqrt(D & -D), dtype=torch.float32)
-  R = torch.block_diag(*[R] * (D // (D & -D)))
+  R = torch.tensor(hadamard(D), dtype=torch.float32)   # the engine's own rotation (kernels/kv_cache.py)
 
   def roundtrip(x, bits, rotate, group):
     if bits is None: return x

@@ -124,7 +124,7 @@ def threaded_bandwidth(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5, threads: in
     n, name = x.shape[0], f"add_one_{x.shape[0]}"
     src = cpu.row_parallel_kernel(name, ["float *restrict y", "const float *restrict x"], n,
                                   "for (long i = nb; i < ne; i++) y[i] = x[i] + 1.0f;", cpu.C_PARALLEL_DECLS, cpu.C_PARALLEL)
-    return Tensor.custom_kernel(Tensor.invalids(n, dtype=dtypes.float32), x, pool.buffer, fxn=lambda *p: cpu._program(name, src, *p))[0]
+    return cpu.run_kernel((name, src), Tensor.invalids(n, dtype=dtypes.float32), x, pool.buffer)
 
   pool = ThreadPool(threads or default_threads())
   try: return max(_add_one_bandwidth(add_one, sizes_mib, reps).values()), pool.threads

@@ -155,6 +155,13 @@ class Replay:
     return plan
 
 
+def _zero_pages(nbytes: int) -> mmap.mmap:
+  """Fresh anonymous memory: zeroed by the OS and mapped page by page as it is first written. Private, so pages read
+  before they are written map the shared zero page instead of committing memory."""
+  flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
+  return mmap.mmap(-1, nbytes, **({"flags": flags} if flags is not None else {}))
+
+
 def _device_buffers(buf) -> list:
   """A Buffer's per-device buffers: itself, or a MultiBuffer's one per device."""
   return buf.bufs if hasattr(buf, "bufs") else [buf]
@@ -215,9 +222,7 @@ class ModelRunner:
     With tensor parallelism the tensor is split by KV head, one such buffer per device."""
     if len(self.devices) > 1: return self._sharded_zeroed(shape, dtype)
     if self.kind != "CPU": return self._buffer(shape, dtype)
-    # private: pages read before they are written map the shared zero page instead of committing memory
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
-    mem = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, **({"flags": flags} if flags is not None else {}))
+    mem = _zero_pages(math.prod(shape) * dtype.itemsize)
     t = Tensor.from_blob(ctypes.addressof(ctypes.c_char.from_buffer(mem)), shape, dtype=dtype, device=self.device)
     t.uop.buffer.host_memory = mem   # the buffer borrows this memory: keep it alive exactly as long as the buffer
     return t
@@ -226,9 +231,8 @@ class ModelRunner:
     if self.kind != "CPU":
       return Tensor.zeros(*shape, dtype=dtype).shard(self.devices, KV_HEAD_AXIS).contiguous().realize()
     t = sharded_empty(shape, dtype, self.devices, KV_HEAD_AXIS)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
     for buf in t.uop.buffer.bufs:
-      mem = mmap.mmap(-1, buf.nbytes, **({"flags": flags} if flags is not None else {}))
+      mem = _zero_pages(buf.nbytes)
       buf.allocate(external_ptr=ctypes.addressof(ctypes.c_char.from_buffer(mem)))
       buf.host_memory = mem
     return t

@@ -120,15 +120,25 @@ def pool_arg(pool: Tensor | None, device: str) -> Tensor:
   return _serial(device) if pool is None else pool
 
 
+def run_kernel(kernel: tuple[str, str], *args: Tensor) -> Tensor:
+  """A (name, C source) kernel run as a tinygrad custom kernel over `args`; returns the first, its output."""
+  name, src = kernel
+  return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
+
+
+def linear_f32_kernel(M: int, N: int, K: int, bias: bool) -> tuple[str, str]:
+  """(name, source) of the float32 linear `y[M, N] = x[M, K] @ w[N, K]^T (+ b)`: args y, x, w, (b,) pool."""
+  name = f"linear_f32_{M}_{N}_{K}{'_b' if bias else ''}"
+  return name, _linear_f32_source(name, M, N, K, bias)
+
+
 def linear_f32(x: Tensor, weight: Tensor, bias: Tensor | None = None, pool: Tensor | None = None) -> Tensor:
   """x `[M, K]` float32 @ weight `[N, K]`^T (+ bias `[N]`) on the CPU device; `pool`: a ThreadPool's buffer
   (kernels/threads.py), or None for one thread."""
   (M, K), N = x.shape, weight.shape[0]
-  name = f"linear_f32_{M}_{N}_{K}{'_b' if bias is not None else ''}"
-  src = _linear_f32_source(name, M, N, K, bias is not None)
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
   args = [out, x.contiguous(), weight] + ([bias] if bias is not None else []) + [pool_arg(pool, x.device)]
-  return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
+  return run_kernel(linear_f32_kernel(M, N, K, bias is not None), *args)
 
 
 
@@ -436,13 +446,17 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group
   if packed.shape[1] * 8 != K: raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} (K/8 words per row)")
   if group_size % 8 or K % group_size or tuple(scales.shape) != (N, K // group_size) or tuple(biases.shape) != (N, K // group_size):
     raise ValueError(f"scales {scales.shape} / biases {biases.shape} do not match W [{N}, {K}] with group_size {group_size}")
-  name = f"int4_linear_{M}_{N}_{K}_{group_size}{'_inv' if invariant and M > 1 else ''}"
-  src = _int4_linear_source(name, M, N, K, group_size, invariant)
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
   packed = packed if packed.dtype == dtypes.uint32 else packed.bitcast(dtypes.uint32)
   args = [out, x.cast(dtypes.float32).contiguous(), packed.contiguous(), scales.cast(dtypes.float16).contiguous(),
           biases.cast(dtypes.float16).contiguous(), pool_arg(pool, x.device)]
-  return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
+  return run_kernel(int4_linear_kernel(M, N, K, group_size, invariant), *args)
+
+
+def int4_linear_kernel(M: int, N: int, K: int, G: int, invariant: bool = False) -> tuple[str, str]:
+  """(name, source) of the 4-bit linear for these sizes: args y, x, packed, scales, biases, pool."""
+  name = f"int4_linear_{M}_{N}_{K}_{G}{'_inv' if invariant and M > 1 else ''}"
+  return name, _int4_linear_source(name, M, N, K, G, invariant)
 
 
 # **** 8-bit linear (GGUF Q8_0 blocks: int8 codes, one float16 scale per 32) ****

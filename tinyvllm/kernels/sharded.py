@@ -66,16 +66,11 @@ class ShardedKernels(Kernels):
     else: return None
     m, nl, kl = local
     if w.format == INT4:
-      G = w.group_size
-      name = f"int4_linear_{m}_{nl}_{kl}_{G}{'_inv' if self.batch_invariant and m > 1 else ''}"
-      src = cpu._int4_linear_source(name, m, nl, kl, G, self.batch_invariant)
+      kernel = cpu.int4_linear_kernel(m, nl, kl, w.group_size, self.batch_invariant)
       args = [w.weight.contiguous(), w.scales.cast(dtypes.float16).contiguous(), w.biases.cast(dtypes.float16).contiguous()]
     else:
-      name = f"linear_f32_{m}_{nl}_{kl}"
-      src = cpu._linear_f32_source(name, m, nl, kl, False)
-      args = [w.weight]
-    out = self._empty(out_shape, out_axis)
-    y = Tensor.custom_kernel(out, x.contiguous(), *args, self.pool, fxn=lambda *p: cpu._program(name, src, *p))[0]
+      kernel, args = cpu.linear_f32_kernel(m, nl, kl, False), [w.weight]
+    y = cpu.run_kernel(kernel, self._empty(out_shape, out_axis), x.contiguous(), *args, self.pool)
     return y.sum(0) if out_axis == 0 else y   # row-parallel: the all-reduce
 
   def _empty(self, shape: tuple[int, ...], axis: int | None) -> Tensor:
