@@ -43,10 +43,10 @@ class GrammarState:
     for token in drafts[len(self.drafts):]:
       if _first_eos(self.drafts, self.eos_ids) == len(self.drafts): self._consume(token)   # nothing after an EOS
       self.drafts.append(token)
-    if _first_eos(self.drafts, self.eos_ids) < n:   # past the end: any row that samples something; the commit drops it
-      row = np.zeros(self.mask_words, np.int32)
-      for t in self.eos_ids: row.view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
-      self._masks[n] = bias_from_bitmask(row, self.vocab_size)
+    if _first_eos(self.drafts, self.eos_ids) < n:   # past the end (a draft was EOS, so eos_ids has one): any row that
+      row = np.full(self.vocab_size, -np.inf, np.float32)   # samples something does; the commit drops it
+      row[sorted(self.eos_ids)] = 0
+      self._masks[n] = row
     else: self._masks[n] = self.bias()
     return self._masks[n]
 
