@@ -32,7 +32,9 @@ def main():
   rows, rng = [], np.random.default_rng(0)
   for B in batches:
     for ctx in contexts:
-      max_len = ctx + args.warmup + args.steps + 8
+      # sequences prefilled first decode while the later ones prefill (512-token chunks): leave room for those
+      # tokens too, so no sequence finishes before the timed rounds end and every step decodes all B
+      max_len = ctx + B * -(-ctx // 512) + B + args.warmup + args.steps + 8
       blocks = B * -(-max_len // 16) + 1
       engines = [LLMEngine.from_kwargs(args.model, kv_cache_dtype=f, max_model_len=max_len, num_kv_blocks=blocks,
                                        max_num_seqs=B, enable_prefix_caching=False) for f in formats]
@@ -43,15 +45,18 @@ def main():
         for i, p in enumerate(prompts): e.add_request(str(i), p, params)
         while any(s.num_computed_tokens < ctx for s in e.scheduler.running + list(e.scheduler.waiting)): e.step()
       times = [[] for _ in engines]
+      context = statistics.mean(s.num_computed_tokens for s in engines[0].scheduler.running)
       for r in tqdm(range(args.warmup + args.steps), desc=f"decode B={B} ctx={ctx}", unit="round", file=sys.stderr):
         for i, e in enumerate(engines):
           t = time.perf_counter()
           e.step()
           if r >= args.warmup: times[i].append(time.perf_counter() - t)
+          assert len(e.scheduler.running) == B, "a sequence finished or was preempted inside the timed rounds"
       base = statistics.median(times[0])
       for f, e, ts in zip(formats, engines, times):
         med = statistics.median(ts)
-        rows.append({"kv_cache_dtype": f, "batch_size": B, "context_len": ctx, "median_step_ms": med * 1e3,
+        rows.append({"kv_cache_dtype": f, "batch_size": B, "context_len": ctx, "mean_context_at_start": context,
+                     "median_step_ms": med * 1e3,
                      "tokens_per_s": B / med, "speed_vs_first": base / med, "steps_ms": [t * 1e3 for t in ts],
                      "kv_bytes_per_token": e.runner.kv_bytes_per_block // e.runner.block_size})
       del engines

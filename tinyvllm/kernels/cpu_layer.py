@@ -108,12 +108,20 @@ class LayerShape:
 def _source(name: str, s: LayerShape, scale: float) -> str:
   T, E, H, KVH, D, I = s.tokens, s.hidden, s.n_heads, s.n_kv_heads, s.head_dim, s.intermediate
   G, DV, half, QKV = H // KVH, D // 8, D // 2, s.qkv.n
-  load = {"float": "vload", "int8": "vload_i8", "int4": "vload_i4"}
+  vl = {"float": "vload", "int8": "vload_i8", "int4": "vload_i4"}
   ctype = {"float": "float", "int8": "signed char", "int4": "unsigned char"}
-  kl, vl, kt, vt = load[s.k_storage], load[s.v_storage], ctype[s.k_storage], ctype[s.v_storage]
-  # cache elements per head vector, and per 8 values
-  (krow_len, kstep), (vrow_len, vstep) = ((D // 2, 4) if st == "int4" else (D, 8) for st in (s.k_storage, s.v_storage))
+  kt, vt = ctype[s.k_storage], ctype[s.v_storage]
+  # cache elements per head vector, per 8 values
+  row = {st: (D // 2 if st == "int4" else D) for st in (s.k_storage, s.v_storage)}
+  step = {st: (4 if st == "int4" else 8) for st in (s.k_storage, s.v_storage)}
   hb = hadamard_block(D)
+  NB8 = TILE // 8
+  # a quantized row is converted to float once per tile (shared by the G query heads); a float row is read in place
+  def rows(kind: str, st: str) -> str:
+    ptr = f"{kind}c + (slot * {KVH} + g) * {row[st]}"
+    if st == "float": return f"{kind}p[j] = {ptr};"
+    return (f"{{ const {ctype[st]} *r = {ptr}; float *d = {kind}buf + j * {D}; "
+            f"for (int i = 0; i < {DV}; i++) *(vf_u *)(d + i * 8) = {vl[st]}(r + i * {step[st]}); {kind}p[j] = d; }}")
   rotate_q = "" if not s.k_rotated else f"""      float qr[{G * D}];   /* scores against rotated keys: (Rq).(Rk) = q.k */
       for (int i = 0; i < {G * D}; i++) qr[i] = qg[i];
       for (int hd = 0; hd < {G}; hd++) rotate_vec(qr + hd * {D});
@@ -155,6 +163,32 @@ static inline void rotate_vec(float *x) {{
   for (int i = 0; i < {D}; i++) x[i] *= {hb ** -0.5!r}f;
 }}
 {_MATH}
+typedef int vi __attribute__((vector_size(32)));
+static inline vf vsel(vi m, vf a, vf b) {{ return (vf)(((vi)a & m) | ((vi)b & ~m)); }}   /* m ? a : b, lane by lane */
+/* exp_f32 on 8 lanes: the same steps (k rounded half away from zero, ln 2 in two parts, degree-6 polynomial) */
+static inline vf exp8(vf x) {{
+  vi under = x < -87.0f;
+  x = vsel(x > 88.0f, (vf){{0}} + 88.0f, x);
+  x = vsel(under, (vf){{0}} - 87.0f, x);    /* keeps the int conversion in range; the lane becomes 0 below */
+  vi k = __builtin_convertvector(x * 1.44269504f + vsel(x < 0.0f, (vf){{0}} - 0.5f, (vf){{0}} + 0.5f), vi);
+  vf kf = __builtin_convertvector(k, vf);
+  vf r = (x - kf * 0.693145751953125f) - kf * 1.428606765330187e-06f;
+  vf p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.008333334f + r * 0.0013888889f)))));
+  vf e = p * (vf)((k + 127) << 23);
+  return (vf)((vi)e & ~under);
+}}
+/* the 8 sums of d[0..7] as the lanes of one vector: a transpose-style pairwise tree instead of 8 horizontal sums */
+static inline vf hsum8x(const vf *d) {{
+#define TV_P1(a, b) (__builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15))
+#define TV_P2(a, b) (__builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15))
+#define TV_P3(a, b) (__builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15))
+  vf r0 = TV_P1(d[0], d[1]), r1 = TV_P1(d[2], d[3]), r2 = TV_P1(d[4], d[5]), r3 = TV_P1(d[6], d[7]);
+  vf s0 = TV_P2(r0, r1), s1 = TV_P2(r2, r3);
+  return TV_P3(s0, s1);
+#undef TV_P1
+#undef TV_P2
+#undef TV_P3
+}}
 static inline float h2f(unsigned short h);
 #ifdef TV_AVX2
 static inline float hsum8(__m256 v);
@@ -203,6 +237,8 @@ static void attention(float *restrict out, const float *restrict q, struct layer
   const {kt} *restrict kc = c->kc;
   const {vt} *restrict vc = c->vc;
   const int *restrict tables = c->tables, *restrict token_seq = c->token_seq, *restrict token_pos = c->token_pos;
+  {f"float kbuf[{TILE * D}] __attribute__((aligned(32)));" if s.k_storage != "float" else ""}
+  {f"float vbuf[{TILE * D}] __attribute__((aligned(32)));" if s.v_storage != "float" else ""}
   for (int item = ib; item < ie; item++) {{
     int t = item / {KVH}, g = item % {KVH};
     float *o = out + (long)t * {H * D};
@@ -213,37 +249,56 @@ static void attention(float *restrict out, const float *restrict q, struct layer
     {{
       const float *qg = q + ((long)t * {H} + g * {G}) * {D};
 {rotate_q}
-      float m[{G}], l[{G}], sc[{G}][{TILE}];
+      float m[{G}], l[{G}];
       vf acc[{G}][{DV}];
       for (int hd = 0; hd < {G}; hd++) {{ m[hd] = -1e30f; l[hd] = 0; for (int i = 0; i < {DV}; i++) acc[hd][i] = (vf){{0}}; }}
       for (int j0 = 0; j0 < n; j0 += {TILE}) {{
-        int nt = n - j0 < {TILE} ? n - j0 : {TILE};
-        const {kt} *krow[{TILE}];
-        const {vt} *vrow[{TILE}];
-        float kscale[{TILE}], vscale[{TILE}];   /* per-row dequantization scales (1 for a float cache) */
-        for (int j = 0; j < nt; j++) {{
-          int key = j0 + j;
+        int nt = n - j0 < {TILE} ? n - j0 : {TILE}, nb8 = (nt + 7) / 8;
+        const float *kp[{TILE}], *vp[{TILE}];   /* the tile's K and V rows as floats */
+        float kscale[{TILE}] __attribute__((aligned(32))), vscale[{TILE}] __attribute__((aligned(32)));   /* per-row dequantization scales (1 for a float cache) */
+        for (int j = 0; j < nb8 * 8; j++) {{   /* keys past nt (to a multiple of 8) repeat key j0: scored, then masked */
+          int key = j0 + (j < nt ? j : 0);
           long slot = (long)table[key / {s.block_size}] * {s.block_size} + key % {s.block_size};
-          krow[j] = kc + (slot * {KVH} + g) * {krow_len};
-          vrow[j] = vc + (slot * {KVH} + g) * {vrow_len};
-          {"kscale[j] = h2f(c->ks[slot * " + str(KVH) + " + g]); vscale[j] = h2f(c->vs[slot * " + str(KVH) + " + g]);" if s.kv_quantized else "kscale[j] = vscale[j] = 1.0f;"}
+          {rows("k", s.k_storage)}
+          {"kscale[j] = h2f(c->ks[slot * " + str(KVH) + " + g]);" if s.kv_quantized else "kscale[j] = 1.0f;"}
+          if (j < nt) {{
+            {rows("v", s.v_storage)}
+            {"vscale[j] = h2f(c->vs[slot * " + str(KVH) + " + g]);" if s.kv_quantized else "vscale[j] = 1.0f;"}
+          }} else vscale[j] = 0.0f;
         }}
+        const vi lane = {{0, 1, 2, 3, 4, 5, 6, 7}};
         for (int hd = 0; hd < {G}; hd++) {{
-          float mt = m[hd];
-          for (int j = 0; j < nt; j++) {{
-            vf d = (vf){{0}};
-            for (int i = 0; i < {DV}; i++) d += vload(qg + hd * {D} + i * 8) * {kl}(krow[j] + i * {kstep});
-            sc[hd][j] = hsum(d) * (kscale[j] * {scale!r}f);
-            if (sc[hd][j] > mt) mt = sc[hd][j];
+          const float *qh = qg + hd * {D};
+          vf sc[{NB8}], mx = (vf){{0}} + m[hd];
+          for (int b = 0; b < nb8; b++) {{   /* 8 keys' scores at once */
+            vf d[8];
+            for (int e = 0; e < 8; e++) d[e] = (vf){{0}};
+            for (int i = 0; i < {DV}; i++) {{
+              vf qv = vload(qh + i * 8);
+              for (int e = 0; e < 8; e++) d[e] += qv * vload(kp[b * 8 + e] + i * 8);
+            }}
+            vf sb = hsum8x(d) * (*(const vf *)(kscale + b * 8) * {scale!r}f);
+            sb = vsel(lane + b * 8 < nt, sb, (vf){{0}} - 1e30f);
+            sc[b] = sb;
+            mx = vsel(sb > mx, sb, mx);
           }}
+          float mt = mx[0];
+          for (int e = 1; e < 8; e++) if (mx[e] > mt) mt = mx[e];
           float corr = exp_f32(m[hd] - mt);
           l[hd] *= corr;
           for (int i = 0; i < {DV}; i++) acc[hd][i] *= corr;
           m[hd] = mt;
+          float pv[{TILE}] __attribute__((aligned(32)));
+          vf ls = (vf){{0}};
+          for (int b = 0; b < nb8; b++) {{
+            vf p = exp8(sc[b] - mt);
+            ls += p;
+            *(vf *)(pv + b * 8) = p * *(const vf *)(vscale + b * 8);
+          }}
+          l[hd] += hsum(ls);
           for (int j = 0; j < nt; j++) {{
-            float p = exp_f32(sc[hd][j] - mt), pv = p * vscale[j];
-            l[hd] += p;
-            for (int i = 0; i < {DV}; i++) acc[hd][i] += pv * {vl}(vrow[j] + i * {vstep});
+            float w = pv[j];
+            for (int i = 0; i < {DV}; i++) acc[hd][i] += w * vload(vp[j] + i * 8);
           }}
         }}
       }}
