@@ -92,21 +92,7 @@ class Replay:
       out = self.jit(*args, *bound)
       self.plan = self._plan(self.jit.captured)
       return out
-    inputs = [input_uop(a) for a in args]
-    var_vals = {var.expr: val for var, val in (b.unbind() for b in bound)}
-    if self.plan is None or any(u in self.jit.captured._written_uops for u in inputs):
-      return self.jit.captured(inputs, var_vals)
-    handles = self.handles
-    raw = [h for u in inputs for h in (handles[u] if u in handles else self._handle(u))]
-    for rt, specs, info, device_vars in self.plan:
-      if rt is None:   # a copy between devices
-        specs()
-        continue
-      vals = {**var_vals, **device_vars} if device_vars else var_vals
-      args = [raw[slot] if slot is not None else handle for slot, handle in specs]
-      global_size, local_size = info.launch_dims(vals)
-      rt(*args, global_size=global_size, local_size=local_size, vals=info.vals(vals))
-    return self.jit.captured.ret
+    return self.bind(*args)({var.expr: val for var, val in (b.unbind() for b in bound)})
 
   def bind(self, *args: Tensor) -> "BoundReplay":
     """This replay with its inputs fixed: for the runner's passes, whose inputs are the same long-lived buffers every
@@ -166,14 +152,13 @@ class BoundReplay:
   """A `Replay` bound to one list of inputs, called with the variables' values only.
 
   Each kernel's arguments are gathered once, and its launch (sizes, variable arguments) once per distinct set of
-  variable values (the KV extent changes every block_size tokens). A decode step makes one such call per layer: the
-  general replay spent about 40 us of Python per layer resolving 24 inputs and the launch sizes (1.2 ms a step on
-  the default model, 13 % of a batch-1 decode step). Inputs the capture writes, or a capture without a plan, take
-  the general path on every call."""
+  variable values (the KV extent changes every block_size tokens). The runner binds each pass once and a decode
+  step makes one call per layer: resolving a layer's 24 inputs and launch sizes on every call cost about 40 us of
+  Python (1.2 ms a step on the default model, 13 % of a batch-1 decode step). `Replay.__call__` binds per call.
+  Inputs the capture writes, or a capture without a plan, take TinyJit's own path on every call."""
   def __init__(self, replay: Replay, args: tuple[Tensor, ...]):
-    self.replay, self.args = replay, args
-    inputs = [input_uop(a) for a in args]
-    captured = replay.jit.captured
+    self.captured = captured = replay.jit.captured
+    self.inputs = inputs = [input_uop(a) for a in args]
     self.steps = None
     if replay.plan is not None and not any(u in captured._written_uops for u in inputs):
       raw = [h for u in inputs for h in (replay.handles[u] if u in replay.handles else replay._handle(u))]
@@ -182,9 +167,9 @@ class BoundReplay:
     self.launches: dict[tuple, list[Callable[[], None]]] = {}   # variable values -> each step's launch
     self.ret = captured.ret
 
-  def __call__(self, var_vals: dict[str, int], bound: tuple[UOp, ...] = ()) -> Tensor | tuple[Tensor, ...]:
-    """Run with `var_vals` (name -> value); `bound`: the same values as bound variables, for the general path."""
-    if self.steps is None: return self.replay(*self.args, bound=bound)
+  def __call__(self, var_vals: dict[str, int]) -> Tensor | tuple[Tensor, ...]:
+    """Run with `var_vals` (variable name -> value)."""
+    if self.steps is None: return self.captured(self.inputs, var_vals)
     key = tuple(var_vals.values())
     if (launches := self.launches.get(key)) is None:
       if len(self.launches) > 256: self.launches.clear()
@@ -366,7 +351,7 @@ class ModelRunner:
         (replay.bind(*args), reads_extent) for replay, args, reads_extent in self._pass_calls(shape, inputs.jit.captured.ret)]
     else:
       var_vals = {self.kv_extent.expr: used_blocks}
-      for call, reads_extent in bound: out = call(var_vals, extent) if reads_extent else call({})
+      for call, reads_extent in bound: out = call(var_vals if reads_extent else {})
     logits = out.uop.buffer
     return np.frombuffer(logits.as_memoryview(allow_zero_copy=True), np.float32).reshape(-1, self.model.cfg.vocab_size).copy()
 
