@@ -23,16 +23,23 @@ LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 TILE = 32   # keys scored at once in attention: one max and one rescale per tile instead of per key
 
 _MATH = r"""
-/* e^x = 2^k e^r, k = round(x / ln 2), |r| <= ln(2)/2: degree-6 Taylor polynomial, within 2.3e-7 relative */
-static inline float exp_f32(float x) {
-  if (x < -87.0f) return 0.0f;                 /* e^x underflows below this */
-  if (x > 88.0f) x = 88.0f;
-  int k = (int)(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f));
-  float r = (x - (float)k * 0.693145751953125f) - (float)k * 1.428606765330187e-06f;   /* ln 2 in two parts */
-  float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.008333334f + r * 0.0013888889f)))));
-  union { int i; float f; } scale = { .i = (k + 127) << 23 };
-  return p * scale.f;
+typedef int vi __attribute__((vector_size(32)));
+static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }   /* m ? a : b, lane by lane */
+/* e^x on 8 lanes = 2^k e^r, k = round(x / ln 2) (half away from zero), |r| <= ln(2)/2: degree-6 Taylor polynomial,
+   within 2.3e-7 relative; 0 below -87, where e^x underflows */
+static inline vf exp8(vf x) {
+  vi under = x < -87.0f;
+  x = vsel(x > 88.0f, (vf){0} + 88.0f, x);
+  x = vsel(under, (vf){0} - 87.0f, x);    /* keeps the int conversion in range; the lane becomes 0 below */
+  vi k = __builtin_convertvector(x * 1.44269504f + vsel(x < 0.0f, (vf){0} - 0.5f, (vf){0} + 0.5f), vi);
+  vf kf = __builtin_convertvector(k, vf);
+  vf r = (x - kf * 0.693145751953125f) - kf * 1.428606765330187e-06f;   /* ln 2 in two parts */
+  vf p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.008333334f + r * 0.0013888889f)))));
+  vf e = p * (vf)((k + 127) << 23);
+  return (vf)((vi)e & ~under);
 }
+/* the scalar e^x: one lane of exp8, so softmax's vector and scalar exps cannot drift apart */
+static inline float exp_f32(float x) { return exp8((vf){0} + x)[0]; }
 """ + SQRT
 
 
@@ -163,20 +170,6 @@ static inline void rotate_vec(float *x) {{
   for (int i = 0; i < {D}; i++) x[i] *= {hb ** -0.5!r}f;
 }}
 {_MATH}
-typedef int vi __attribute__((vector_size(32)));
-static inline vf vsel(vi m, vf a, vf b) {{ return (vf)(((vi)a & m) | ((vi)b & ~m)); }}   /* m ? a : b, lane by lane */
-/* exp_f32 on 8 lanes: the same steps (k rounded half away from zero, ln 2 in two parts, degree-6 polynomial) */
-static inline vf exp8(vf x) {{
-  vi under = x < -87.0f;
-  x = vsel(x > 88.0f, (vf){{0}} + 88.0f, x);
-  x = vsel(under, (vf){{0}} - 87.0f, x);    /* keeps the int conversion in range; the lane becomes 0 below */
-  vi k = __builtin_convertvector(x * 1.44269504f + vsel(x < 0.0f, (vf){{0}} - 0.5f, (vf){{0}} + 0.5f), vi);
-  vf kf = __builtin_convertvector(k, vf);
-  vf r = (x - kf * 0.693145751953125f) - kf * 1.428606765330187e-06f;
-  vf p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.008333334f + r * 0.0013888889f)))));
-  vf e = p * (vf)((k + 127) << 23);
-  return (vf)((vi)e & ~under);
-}}
 /* the 8 sums of d[0..7] as the lanes of one vector: a transpose-style pairwise tree instead of 8 horizontal sums */
 static inline vf hsum8x(const vf *d) {{
 #define TV_P1(a, b) (__builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15))
@@ -334,10 +327,14 @@ static void part_act(void *ctx, int part, int nparts) {{
   struct layer_ctx *c = ctx;
   int b, e;
   tv_share({T * I}, part, nparts, &b, &e);
-  for (int j = b; j < e; j++) {{
+  for (int j = b; j < e;) {{   /* SiLU(gate) * up, 8 at a time inside a token's row */
     int t = j / {I}, i = j % {I};
-    float g = c->gu[(long)t * {2 * I} + i], u = c->gu[(long)t * {2 * I} + {I} + i];
-    c->act[j] = g / (1.0f + exp_f32(-g)) * u;    /* SiLU(gate) * up */
+    const float *g = c->gu + (long)t * {2 * I} + i, *u = g + {I};
+    if (i + 8 <= {I} && j + 8 <= e) {{
+      vf gv = vload(g);
+      *(vf_u *)(c->act + j) = gv / (1.0f + exp8(-gv)) * vload(u);
+      j += 8;
+    }} else {{ c->act[j] = g[0] / (1.0f + exp_f32(-g[0])) * u[0]; j++; }}
   }}
 }}
 static void part_down(void *ctx, int part, int nparts) {{
