@@ -185,7 +185,8 @@ def _launch(rt, args: list, info, var_vals: dict[str, int]) -> Callable[[], None
   on each call (about 10 us for a layer's 25 arguments)."""
   global_size, local_size = info.launch_dims(var_vals)
   vals = info.vals(var_vals)
-  if type(rt).__name__ == "CPUProgram" and not rt.lvp and not rt.runtimevars and tuple(global_size) == (1, 1, 1):
+  from tinygrad.runtime.ops_cpu import CPUProgram
+  if isinstance(rt, CPUProgram) and not rt.lvp and not rt.runtimevars and tuple(global_size) == (1, 1, 1):
     return functools.partial(rt.fxn, *(ctypes.c_uint64(x) for x in [*(b.va_addr for b in args), *vals]))
   return functools.partial(rt, *args, global_size=global_size, local_size=local_size, vals=vals)
 
@@ -344,11 +345,10 @@ class ModelRunner:
     upload = self._upload(shape, packed)
     extent = (self.kv_extent.bind(used_blocks),)
     if (bound := self.bound_passes.get(shape)) is None:   # this shape's first pass: captured, then bound
-      out = None
-      for replay, args, reads_extent in self._pass_calls(shape, inputs(upload)):
-        out = replay(*args, bound=extent if reads_extent else ())
+      calls = self._pass_calls(shape, inputs(upload))   # a replay returns its capture's own output tensors
+      for replay, args, reads_extent in calls: out = replay(*args, bound=extent if reads_extent else ())
       bound = self.bound_passes[shape] = [(inputs.bind(upload), False)] + [
-        (replay.bind(*args), reads_extent) for replay, args, reads_extent in self._pass_calls(shape, inputs.jit.captured.ret)]
+        (replay.bind(*args), reads_extent) for replay, args, reads_extent in calls]
     else:
       var_vals = {self.kv_extent.expr: used_blocks}
       for call, reads_extent in bound: out = call(var_vals if reads_extent else {})
