@@ -26,15 +26,16 @@ def main():
   ap.add_argument("--json", type=Path, default=None)
   args = ap.parse_args()
   from tinyvllm import SamplingParams
+  from tinyvllm.config import EngineConfig
   from tinyvllm.engine.llm_engine import LLMEngine
   formats = args.kv_cache_dtype.split(",")
   batches, contexts = [int(x) for x in args.batch_sizes.split(",")], [int(x) for x in args.context_lens.split(",")]
   rows, rng = [], np.random.default_rng(0)
   for B in batches:
     for ctx in contexts:
-      # sequences prefilled first decode while the later ones prefill (512-token chunks): leave room for those
-      # tokens too, so no sequence finishes before the timed rounds end and every step decodes all B
-      max_len = ctx + B * -(-ctx // 512) + B + args.warmup + args.steps + 8
+      # sequences prefilled first decode while the later ones prefill (in chunks of the engine's default
+      # max_num_batched_tokens): leave room for those tokens too, so every timed step decodes all B
+      max_len = ctx + B * -(-ctx // EngineConfig.max_num_batched_tokens) + B + args.warmup + args.steps + 8
       blocks = B * -(-max_len // 16) + 1
       engines = [LLMEngine.from_kwargs(args.model, kv_cache_dtype=f, max_model_len=max_len, num_kv_blocks=blocks,
                                        max_num_seqs=B, enable_prefix_caching=False) for f in formats]
