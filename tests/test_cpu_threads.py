@@ -3,7 +3,9 @@ and end to end, and an idle pool sleeps.
 
 Each row of a linear and each (token, KV head) of attention is computed by one thread the same way whatever its part,
 so the comparisons are exact; the kernels themselves are checked against numpy (relative error, float32 tolerance
-1e-5: float accumulation in a different order than numpy's float64 over K <= 256 terms gives ~1e-7)."""
+1e-5: float accumulation in a different order than numpy's float64 over K <= 256 terms gives ~1e-7). The 4-bit GEMV
+and the invariant GEMM round x to 16 bits per group of 64 first (kernels/cpu.py), ~3e-5 relative on these Gaussian
+inputs, so they get 1e-4 (x rounded to 8 bits would be ~100x over it)."""
 from __future__ import annotations
 import time
 import numpy as np
@@ -16,6 +18,7 @@ from tinyvllm.kernels.threads import ThreadPool
 from tinyvllm.quant import int4
 
 TOL = 1e-5
+TOL_X16 = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,8 @@ def test_linears_split_over_threads(pools, M):
           "q8": lambda pool: cpu.q8_linear(Tensor(x), Tensor(codes), Tensor(sc), pool=pool)}
   for name, run in runs.items():
     one = run(None).numpy()
-    assert rel_err(one, refs[name.split("_")[0]]) < TOL, name
+    x16 = name == "int4_invariant" or name == "int4" and M == 1
+    assert rel_err(one, refs[name.split("_")[0]]) < (TOL_X16 if x16 else TOL), name
     for n, pool in pools.items(): assert np.array_equal(run(pool.buffer).numpy(), one), (name, n)
 
 

@@ -62,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
                  help="stored (the checkpoint as it is: the default model stays 4-bit), int4 (quantize float weights at "
                       "load) or none (dequantize 4-bit checkpoints); several, comma-separated, compare them in one run")
   m.add_argument("--kv-cache-dtype", default="auto", type=_choices(KV_CACHE_DTYPES),
-                 help="KV cache storage: auto (the model dtype) or int8; several, comma-separated, compare them in one run")
+                 help="KV cache storage: auto (the model dtype), int8, int4 or k8v4 (docs/quantization.md); several, comma-separated, compare them in one run")
   # the cache is sized to the runs, and --seed seeds the prompts too; with --draft-model runs go with speculation off and on
   add_engine_args(m, exclude=BENCH_SETS)
   r = p.add_argument_group("runs")

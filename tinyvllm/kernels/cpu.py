@@ -227,46 +227,98 @@ _UNPACK = "_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi
 _CONSTS = "const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);"
 
 
-def _int4_gemv_body(N: int, K: int, G: int) -> str:
-  """M == 1, four weight rows at a time (four FMA chains). y = sum_g s_g * sum(x*q) + sum_g b_g * xsum_g: the
-  vector loop only unpacks codes and multiplies by x; the bias term is one short dot product per row.
-  Prefetching past the last row is harmless (a prefetch never faults)."""
-  NG, WPR, WPG = K // G, K // 8, G // 8
+# The GEMV's integer dot product. Each row of x is quantized to 16 bits per group of G inputs (scale = the group's
+# largest |x| / 32767, round to nearest), so a group's dot product with the 4-bit codes is a sum of integer products,
+# exact in int32: two vpmaddwd per 32 codes instead of converting every code to float (a third of the instructions,
+# and the float GEMV was compute-bound on two cores). The codes enter centred, q - 8 (w = s*(q - 8) + (b + 8s)), so
+# the rounding of x is weighted by |q - 8| <= 8 rather than by q <= 15: the only rounding added is x's, at most half
+# a step per input, |x| max / 65534 of the group (llama.cpp's Q4_1 x Q8_1 dot rounds x to 8 bits, 256x coarser).
+# The group sums of x that multiply the biases stay float. Within each 32-input chunk the codes go even inputs
+# first, then odd: the order a 16-byte load of packed nibbles unpacks in (low nibbles are the even inputs).
+_X16_CONSTS = ("const __m256i nib = _mm256_set1_epi16(15), ones = _mm256_set1_epi16(1);"
+               "const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), eight = _mm256_set1_ps(8.0f);")
+
+
+def _x16_row(xr: str, K: int, G: int) -> str:
+  """C statements filling xq[K] (16-bit codes, chunk order above), dx[K/G] (their scales), xs[K/G] (float sums of
+  x per group) and xc[K/G] (8 times the codes' sums in each int32 lane of the dot product: subtracted, they turn
+  sum(q * x) into sum((q - 8) * x)) from the float row `xr`. Shared by the GEMV and the invariant GEMM, so both
+  round x identically."""
   return f"""
-  {_CONSTS}
-  float xg[{NG}];
-  for (int g = 0; g < {NG}; g++) {{
-    __m256 t = _mm256_loadu_ps(x + g * {G});
-    for (int k = 8; k < {G}; k += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(x + g * {G} + k));
-    xg[g] = hsum8(t);
-  }}
-  for (int n0 = nb; n0 < ne; n0 += 4) {{
-    const unsigned *wr[4];
-    float sf[4][{NG}], bsum[4];
-    for (int r = 0; r < 4; r++) {{   /* scales to float once per row; bias term as a dot product with xg */
-      int n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: recompute it, store nothing */
-      wr[r] = w + (long)n * {WPR};
-      const unsigned short *sr = s + (long)n * {NG}, *br = b + (long)n * {NG};
+  for (int g = 0; g < {K // G}; g++) {{
+    const float *xg_ = {xr} + g * {G};
+    __m256 sum = _mm256_loadu_ps(xg_), amax = _mm256_and_ps(sum, absmask);
+    for (int k = 8; k < {G}; k += 8) {{
+      __m256 v = _mm256_loadu_ps(xg_ + k);
+      sum = _mm256_add_ps(sum, v);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v, absmask));
+    }}
+    xs[g] = hsum8(sum);
+    __m128 mh = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    mh = _mm_max_ps(mh, _mm_movehl_ps(mh, mh));
+    float xmax = _mm_cvtss_f32(_mm_max_ss(mh, _mm_shuffle_ps(mh, mh, 1)));
+    dx[g] = xmax * (1.0f / 32767.0f);
+    __m256 inv = _mm256_set1_ps(xmax > 0 ? 32767.0f / xmax : 0.0f);
+    __m256i lanes = _mm256_setzero_si256();
+    for (int c = g * {G}; c < (g + 1) * {G}; c += 32) {{
+      int qi[32] __attribute__((aligned(32)));
+      for (int j = 0; j < 4; j++) _mm256_store_si256((__m256i *)(qi + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps({xr} + c + 8 * j), inv)));
+      for (int t = 0; t < 16; t++) {{ xq[c + t] = (short)qi[2 * t]; xq[c + 16 + t] = (short)qi[2 * t + 1]; }}
+      lanes = _mm256_add_epi32(lanes, _mm256_add_epi32(_mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + c)), ones),
+                                                        _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + c + 16)), ones)));
+    }}
+    xc[g] = _mm256_slli_epi32(lanes, 3);
+  }}"""
+
+
+def _x16_row_setup(N: int, NG: int, r: str, xs: str, dx: str) -> str:
+  """C statements for weight row tile slot `r` (n0 + r, or the last row past the end): sd[r][g] = scale * dx[g] and
+  bsum[r] = sum of (bias + 8 scale) * xs[g], 8 groups at a time, then the rest one by one."""
+  return f"""{{
+      long n = n0 + {r} < {N} ? n0 + {r} : {N} - 1;   /* past the last row: recompute it, store nothing */
+      const unsigned short *sr = s + n * {NG}, *br = b + n * {NG};
       __m256 bacc = _mm256_setzero_ps();
       int g = 0;
       for (; g + 8 <= {NG}; g += 8) {{
-        _mm256_storeu_ps(&sf[r][g], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + g))));
-        bacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(br + g))), _mm256_loadu_ps(xg + g), bacc);
+        _mm256_storeu_ps(&sd[{r}][g], _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + g))), _mm256_loadu_ps({dx} + g)));
+        __m256 bc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + g))), eight, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(br + g))));
+        bacc = _mm256_fmadd_ps(bc, _mm256_loadu_ps({xs} + g), bacc);
       }}
       float bs = hsum8(bacc);
-      for (; g < {NG}; g++) {{ sf[r][g] = h2f(sr[g]); bs += h2f(br[g]) * xg[g]; }}
-      bsum[r] = bs;
-    }}
+      for (; g < {NG}; g++) {{ sd[{r}][g] = h2f(sr[g]) * {dx}[g]; bs += __builtin_fmaf(h2f(sr[g]), 8.0f, h2f(br[g])) * {xs}[g]; }}
+      bsum[{r}] = bs;
+    }}"""
+
+
+def _int4_gemv_body(N: int, K: int, G: int) -> str:
+  """M == 1, four weight rows at a time, x in 16 bits (above). Per row and group: int32 lane sums of codes times
+  x codes, converted to float and multiplied by scale * dx[g] into 8 float lanes; then one horizontal sum and the
+  bias term (a short dot product of biases with the group sums). Prefetching past the last row is harmless."""
+  NG, WPR = K // G, K // 8
+  return f"""
+  {_X16_CONSTS}
+  short xq[{K}] __attribute__((aligned(32)));
+  float dx[{NG}], xs[{NG}];
+  __m256i xc[{NG}];
+  {_x16_row("x", K, G)}
+  for (int n0 = nb; n0 < ne; n0 += 4) {{
+    const unsigned char *wr[4];
+    float sd[4][{NG}], bsum[4];
+    for (int r = 0; r < 4; r++) wr[r] = (const unsigned char *)(w + (long)(n0 + r < {N} ? n0 + r : {N} - 1) * {WPR});
+    for (int r = 0; r < 4; r++) {_x16_row_setup(N, NG, "r", "xs", "dx")}
     __m256 tot[4] = {{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}};
     for (int g = 0; g < {NG}; g++) {{
-      __m256 a[4] = {{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}};
       /* the next tile's rows, group by group: without it rows longer than a few cache lines (K=1536) stall */
-      for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(wr[r] + {4 * WPR} + g * {WPG}), _MM_HINT_T0);
-      for (int j = 0; j < {WPG}; j++) {{
-        __m256 xv = _mm256_loadu_ps(x + g * {G} + j * 8);
-        for (int r = 0; r < 4; r++) a[r] = _mm256_fmadd_ps(xv, {_UNPACK.format(word=f"wr[r][g * {WPG} + j]")}, a[r]);
+      for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(wr[r] + {4 * K // 2} + g * {G // 2}), _MM_HINT_T0);
+      __m256i a[4] = {{_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()}};
+      for (int c = g * {G}; c < (g + 1) * {G}; c += 32) {{
+        __m256i xe = _mm256_load_si256((const __m256i *)(xq + c)), xo = _mm256_load_si256((const __m256i *)(xq + c + 16));
+        for (int r = 0; r < 4; r++) {{
+          __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr[r] + c / 2)));
+          a[r] = _mm256_add_epi32(a[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v, nib), xe), _mm256_madd_epi16(_mm256_srli_epi16(v, 4), xo)));
+        }}
       }}
-      for (int r = 0; r < 4; r++) tot[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&sf[r][g]), a[r], tot[r]);
+      for (int r = 0; r < 4; r++) tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[r], xc[g])), _mm256_broadcast_ss(&sd[r][g]), tot[r]);
     }}
     for (int r = 0; r < 4 && n0 + r < {N}; r++) y[n0 + r] = hsum8(tot[r]) + bsum[r];
   }}"""
@@ -275,67 +327,61 @@ def _int4_gemv_body(N: int, K: int, G: int) -> str:
 def _int4_gemm_invariant_body(M: int, N: int, K: int, G: int) -> str:
   """M > 1, with exactly the arithmetic of `_int4_gemv_body` on each row, so a row's result does not depend on how
   many rows share the call: a sequence decodes the same tokens alone or in any batch (batch invariance).
-  What the rows share is the unpacking: a tile of 4 weight rows is converted once to float codes (exact small
-  integers), scales and biases to float, and stays in L1 while every row of x (in chunks of 64, whose group sums
-  of x are computed once) passes over it: per row and group, FMAs of x with the codes, then one FMA with the
-  group's scale; the bias term is the same short dot product with the group sums as in the GEMV."""
-  NG, WPR, WPG = K // G, K // 8, G // 8
+  What the rows share is the unpacking: a tile of 4 weight rows is unpacked once to 16-bit codes in the GEMV's
+  chunk order and stays in L1 while every row of x (in chunks whose 16-bit codes, scales and group sums are
+  computed once, at most 32 KiB of codes) passes over it, two rows at a time."""
+  NG, WPR = K // G, K // 8
+  R = max(1, min(64, 16384 // K))   # x rows per chunk
   return f"""
-  {_CONSTS}
-  float qf[4][{K}] __attribute__((aligned(32)));
-  float sf[4][{NG}], bf[4][{NG}], xgs[64][{NG}];
-  for (int c0 = 0; c0 < {M}; c0 += 64) {{
-    int mend = c0 + 64 < {M} ? c0 + 64 : {M};
-    for (int m = c0; m < mend; m++) for (int g = 0; g < {NG}; g++) {{   /* as the GEMV's xg */
-      const float *xr = x + (long)m * {K} + g * {G};
-      __m256 t = _mm256_loadu_ps(xr);
-      for (int k = 8; k < {G}; k += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(xr + k));
-      xgs[m - c0][g] = hsum8(t);
+  {_X16_CONSTS}
+  short qw[4][{K}] __attribute__((aligned(32)));
+  short xqs[{R}][{K}] __attribute__((aligned(32)));
+  float dxs[{R}][{NG}], xss[{R}][{NG}];
+  __m256i xcs[{R}][{NG}];
+  for (int c0 = 0; c0 < {M}; c0 += {R}) {{
+    int mend = c0 + {R} < {M} ? c0 + {R} : {M};
+    for (int m = c0; m < mend; m++) {{   /* as the GEMV's x */
+      short *xq = xqs[m - c0]; float *dx = dxs[m - c0], *xs = xss[m - c0]; __m256i *xc = xcs[m - c0];
+      {_x16_row(f"(x + (long)m * {K})", K, G)}
     }}
     for (int n0 = nb; n0 < ne; n0 += 4) {{
       for (int r = 0; r < 4; r++) {{
-        long n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: a copy, never stored */
-        const unsigned *wr = w + n * {WPR};
-        for (int g = 0; g < {NG}; g++) {{
-          sf[r][g] = h2f(s[n * {NG} + g]);
-          bf[r][g] = h2f(b[n * {NG} + g]);
-          for (int j = 0; j < {WPG}; j++) _mm256_store_ps(&qf[r][g * {G} + j * 8], {_UNPACK.format(word=f"wr[g * {WPG} + j]")});
+        const unsigned char *wr = (const unsigned char *)(w + (long)(n0 + r < {N} ? n0 + r : {N} - 1) * {WPR});
+        for (int c = 0; c < {K}; c += 32) {{
+          __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr + c / 2)));
+          _mm256_store_si256((__m256i *)&qw[r][c], _mm256_and_si256(v, nib));
+          _mm256_store_si256((__m256i *)&qw[r][c + 16], _mm256_srli_epi16(v, 4));
         }}
       }}
       for (int m = c0; m < mend; m += 2) {{   /* two rows at a time share each load of the codes */
         const int m1 = m + 1 < mend ? m + 1 : m;   /* an odd last row: computed twice, stored once */
-        const float *xr[2] = {{x + (long)m * {K}, x + (long)m1 * {K}}}, *xg[2] = {{xgs[m - c0], xgs[m1 - c0]}};
-        float bsum[2][4];
-        for (int i = 0; i < 2; i++) for (int r = 0; r < 4; r++) {{
-          __m256 bacc = _mm256_setzero_ps();
-          int g = 0;
-          for (; g + 8 <= {NG}; g += 8) bacc = _mm256_fmadd_ps(_mm256_loadu_ps(&bf[r][g]), _mm256_loadu_ps(xg[i] + g), bacc);
-          float bs = hsum8(bacc);
-          for (; g < {NG}; g++) bs += bf[r][g] * xg[i][g];
-          bsum[i][r] = bs;
+        const short *xq[2] = {{xqs[m - c0], xqs[m1 - c0]}};
+        float sdm[2][4][{NG}], bsm[2][4];
+        for (int i = 0; i < 2; i++) {{
+          const float *dx = dxs[(i ? m1 : m) - c0], *xs = xss[(i ? m1 : m) - c0];
+          float (*sd)[{NG}] = sdm[i], *bsum = bsm[i];
+          for (int r = 0; r < 4; r++) {_x16_row_setup(N, NG, "r", "xs", "dx")}
         }}
         __m256 tot[2][4];
         for (int i = 0; i < 2; i++) for (int r = 0; r < 4; r++) tot[i][r] = _mm256_setzero_ps();
         for (int g = 0; g < {NG}; g++) {{
-          __m256 a[2][4];
-          for (int i = 0; i < 2; i++) for (int r = 0; r < 4; r++) a[i][r] = _mm256_setzero_ps();
-          for (int j = 0; j < {WPG}; j++) {{
-            __m256 x0 = _mm256_loadu_ps(xr[0] + g * {G} + j * 8), x1 = _mm256_loadu_ps(xr[1] + g * {G} + j * 8);
+          __m256i a[2][4];
+          for (int i = 0; i < 2; i++) for (int r = 0; r < 4; r++) a[i][r] = _mm256_setzero_si256();
+          for (int c = g * {G}; c < (g + 1) * {G}; c += 32) {{
+            __m256i x0e = _mm256_load_si256((const __m256i *)(xq[0] + c)), x0o = _mm256_load_si256((const __m256i *)(xq[0] + c + 16));
+            __m256i x1e = _mm256_load_si256((const __m256i *)(xq[1] + c)), x1o = _mm256_load_si256((const __m256i *)(xq[1] + c + 16));
             for (int r = 0; r < 4; r++) {{
-              __m256 q = _mm256_load_ps(&qf[r][g * {G} + j * 8]);
-              a[0][r] = _mm256_fmadd_ps(x0, q, a[0][r]);
-              a[1][r] = _mm256_fmadd_ps(x1, q, a[1][r]);
+              __m256i qe = _mm256_load_si256((const __m256i *)&qw[r][c]), qo = _mm256_load_si256((const __m256i *)&qw[r][c + 16]);
+              a[0][r] = _mm256_add_epi32(a[0][r], _mm256_add_epi32(_mm256_madd_epi16(qe, x0e), _mm256_madd_epi16(qo, x0o)));
+              a[1][r] = _mm256_add_epi32(a[1][r], _mm256_add_epi32(_mm256_madd_epi16(qe, x1e), _mm256_madd_epi16(qo, x1o)));
             }}
           }}
-          for (int r = 0; r < 4; r++) {{
-            __m256 sv = _mm256_broadcast_ss(&sf[r][g]);
-            tot[0][r] = _mm256_fmadd_ps(sv, a[0][r], tot[0][r]);
-            tot[1][r] = _mm256_fmadd_ps(sv, a[1][r], tot[1][r]);
-          }}
+          for (int i = 0; i < 2; i++) for (int r = 0; r < 4; r++)
+            tot[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[i][r], xcs[(i ? m1 : m) - c0][g])), _mm256_broadcast_ss(&sdm[i][r][g]), tot[i][r]);
         }}
         for (int r = 0; r < 4 && n0 + r < {N}; r++) {{
-          y[(long)m * {N} + n0 + r] = hsum8(tot[0][r]) + bsum[0][r];
-          if (m + 1 < mend) y[(long)(m + 1) * {N} + n0 + r] = hsum8(tot[1][r]) + bsum[1][r];
+          y[(long)m * {N} + n0 + r] = hsum8(tot[0][r]) + bsm[0][r];
+          if (m + 1 < mend) y[(long)(m + 1) * {N} + n0 + r] = hsum8(tot[1][r]) + bsm[1][r];
         }}
       }}
     }}
@@ -474,15 +520,21 @@ def _q8_linear_source(name: str, M: int, N: int, K: int) -> str:
     float acc[{M}];
     for (int m = 0; m < {M}; m++) acc[m] = 0;
 #ifdef TV_AVX2
-    __m256 av[{M}];                       /* per row: one vector sum over all blocks, one horizontal add at the end */
+    /* per row of x and block: the block's 32 products summed in float (a chain of 4), then one FMA with the block's
+       scale into the row's vector sum: the blocks' chains are independent, so they overlap */
+    float sf[{NB}];
+    for (int b = 0; b < {NB}; b++) sf[b] = h2f(sr[b]);
+    __m256 av[{M}];
     for (int m = 0; m < {M}; m++) av[m] = _mm256_setzero_ps();
     for (int b = 0; b < {NB}; b++) {{
-      __m256 sc = _mm256_set1_ps(h2f(sr[b])), wv[4];
-      for (int j = 0; j < 4; j++)
-        wv[j] = _mm256_mul_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + b * 32 + j * 8)))));
+      __m256 wv[4];
+      for (int j = 0; j < 4; j++) wv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + b * 32 + j * 8))));
+      __m256 sc = _mm256_broadcast_ss(&sf[b]);
       for (int m = 0; m < {M}; m++) {{
         const float *xr = x + (long)m * {K} + b * 32;
-        for (int j = 0; j < 4; j++) av[m] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(xr + j * 8), av[m]);
+        __m256 p = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xr));
+        for (int j = 1; j < 4; j++) p = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(xr + j * 8), p);
+        av[m] = _mm256_fmadd_ps(sc, p, av[m]);
       }}
     }}
     for (int m = 0; m < {M}; m++) acc[m] = hsum8(av[m]);

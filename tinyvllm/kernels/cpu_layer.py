@@ -21,6 +21,8 @@ from tinyvllm.kernels.cpu import SQRT, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallb
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")   # in the kernel's argument order
 TILE = 32   # keys scored at once in attention: one max and one rescale per tile instead of per key
+SPLIT_KEYS = 64   # attention splits a token's keys into parts of at least this many (and at most NSPLIT parts) ...
+NSPLIT = 4        # ... so one decoding sequence's attention spreads over the threads too
 
 _MATH = r"""
 typedef int vi __attribute__((vector_size(32)));
@@ -107,9 +109,11 @@ class LayerShape:
 
   @property
   def scratch(self) -> int:
-    """floats of working memory: normed x, qkv, rotated q, attention output, gate/up, activation, one product"""
+    """floats of working memory: normed x, qkv, rotated q, attention output, gate/up, activation, one product,
+    and the attention splits' partial states (per split and query head: head_dim sums, a max and a total)"""
     T, qd = self.tokens, self.n_heads * self.head_dim
-    return T * (self.hidden + self.qkv.n + 2 * qd + self.gate_up.n + self.intermediate + self.hidden)
+    return T * (self.hidden + self.qkv.n + 2 * qd + self.gate_up.n + self.intermediate + self.hidden +
+                NSPLIT * self.n_heads * (self.head_dim + 2))
 
 
 def _source(name: str, s: LayerShape, scale: float) -> str:
@@ -122,6 +126,8 @@ def _source(name: str, s: LayerShape, scale: float) -> str:
   row = {st: (D // 2 if st == "int4" else D) for st in (s.k_storage, s.v_storage)}
   step = {st: (4 if st == "int4" else 8) for st in (s.k_storage, s.v_storage)}
   hb = hadamard_block(D)
+  size = {"float": 4 * D, "int8": D, "int4": D // 2}
+  kbytes, vbytes = size[s.k_storage], size[s.v_storage]
   NB8 = TILE // 8
   # a quantized row is converted to float once per tile (shared by the G query heads); a float row is read in place
   def rows(kind: str, st: str) -> str:
@@ -129,10 +135,10 @@ def _source(name: str, s: LayerShape, scale: float) -> str:
     if st == "float": return f"{kind}p[j] = {ptr};"
     return (f"{{ const {ctype[st]} *r = {ptr}; float *d = {kind}buf + j * {D}; "
             f"for (int i = 0; i < {DV}; i++) *(vf_u *)(d + i * 8) = {vl[st]}(r + i * {step[st]}); {kind}p[j] = d; }}")
-  rotate_q = "" if not s.k_rotated else f"""      float qr[{G * D}];   /* scores against rotated keys: (Rq).(Rk) = q.k */
-      for (int i = 0; i < {G * D}; i++) qr[i] = qg[i];
-      for (int hd = 0; hd < {G}; hd++) rotate_vec(qr + hd * {D});
-      qg = qr;"""
+  rotate_q = "" if not s.k_rotated else f"""    float qr[{H * D}];   /* scores against rotated keys: (Rq).(Rk) = q.k */
+    for (int i = 0; i < {H * D}; i++) qr[i] = qt[i];
+    for (int hd = 0; hd < {H}; hd++) rotate_vec(qr + hd * {D});
+    qt = qr;"""
   params = ["float *restrict out", f"{kt} *restrict kc", f"{vt} *restrict vc",
             *(["unsigned short *restrict ks", "unsigned short *restrict vs"] if s.kv_quantized else []),
             "float *restrict scratch", "const float *restrict h",
@@ -150,7 +156,7 @@ def _source(name: str, s: LayerShape, scale: float) -> str:
 #endif
 void {name}({", ".join(params)});
 {C_PARALLEL_DECLS}
-struct layer_ctx {{ {c_struct_fields(params)} float *xn, *qkv_out, *q, *att, *gu, *act, *prod; }};
+struct layer_ctx {{ {c_struct_fields(params)} float *xn, *qkv_out, *q, *att, *gu, *act, *prod, *part; }};
 {_VEC}
 typedef signed char vc8 __attribute__((vector_size(8), aligned(1)));
 static inline vf vload_i8(const signed char *p) {{ return __builtin_convertvector(*(const vc8 *)p, vf); }}
@@ -223,84 +229,137 @@ static void rope_write(float *restrict q, struct layer_ctx *c, const float *rest
   }}
 }}
 
-/* token t attends to keys 0..token_pos[t] of block-table row token_seq[t] (-1: padding, zeros): causal in a
-   chunk and the whole cached prefix. The {G} query heads of a KV head share each K/V row read; online softmax.
-   Items ib..ie-1 of the (token, KV head) pairs, t = item / {KVH}: the unit the thread pool splits. */
-static void attention(float *restrict out, const float *restrict q, struct layer_ctx *c, int ib, int ie) {{
+/* start loading the K and V rows of keys j0 .. j0 + {TILE} - 1 (those below je), every KV head (one contiguous run
+   per key), while the tile before them is scored */
+static inline void prefetch_rows(struct layer_ctx *c, const int *table, int j0, int je) {{
+  for (int j = j0; j < j0 + {TILE} && j < je; j++) {{
+    long slot = (long)table[j / {s.block_size}] * {s.block_size} + j % {s.block_size};
+    const char *kr = (const char *)(c->kc + slot * {KVH * row[s.k_storage]}), *vr = (const char *)(c->vc + slot * {KVH * row[s.v_storage]});
+    for (int b = 0; b < {KVH * kbytes}; b += 64) __builtin_prefetch(kr + b, 0, 3);
+    for (int b = 0; b < {KVH * vbytes}; b += 64) __builtin_prefetch(vr + b, 0, 3);
+  }}
+}}
+
+/* online softmax of KV head g's {G} query heads (qg; state m, l, acc) over the keys j0 .. j0 + nt - 1 of one tile */
+static inline void attend_tile(const float *restrict qg, struct layer_ctx *c, const int *restrict table, int g, int j0, int nt,
+                               float *restrict m, float *restrict l, vf (*restrict acc)[{DV}], float *restrict kbuf, float *restrict vbuf) {{
   const {kt} *restrict kc = c->kc;
   const {vt} *restrict vc = c->vc;
-  const int *restrict tables = c->tables, *restrict token_seq = c->token_seq, *restrict token_pos = c->token_pos;
-  {f"float kbuf[{TILE * D}] __attribute__((aligned(32)));" if s.k_storage != "float" else ""}
-  {f"float vbuf[{TILE * D}] __attribute__((aligned(32)));" if s.v_storage != "float" else ""}
-  for (int item = ib; item < ie; item++) {{
-    int t = item / {KVH}, g = item % {KVH};
-    float *o = out + (long)t * {H * D};
-    int seq = token_seq[t];
-    if (seq < 0) {{ for (int i = g * {G * D}; i < (g + 1) * {G * D}; i++) o[i] = 0; continue; }}
-    const int *table = tables + (long)seq * {s.table_width};
-    int n = token_pos[t] + 1;
-    {{
-      const float *qg = q + ((long)t * {H} + g * {G}) * {D};
+  int nb8 = (nt + 7) / 8;
+  const float *kp[{TILE}], *vp[{TILE}];   /* the tile's K and V rows as floats */
+  float kscale[{TILE}] __attribute__((aligned(32))), vscale[{TILE}] __attribute__((aligned(32)));   /* per-row dequantization scales (1 for a float cache) */
+  for (int j = 0; j < nb8 * 8; j++) {{   /* keys past nt (to a multiple of 8) repeat key j0: scored, then masked */
+    int key = j0 + (j < nt ? j : 0);
+    long slot = (long)table[key / {s.block_size}] * {s.block_size} + key % {s.block_size};
+    {rows("k", s.k_storage)}
+    {"kscale[j] = h2f(c->ks[slot * " + str(KVH) + " + g]);" if s.kv_quantized else "kscale[j] = 1.0f;"}
+    if (j < nt) {{
+      {rows("v", s.v_storage)}
+      {"vscale[j] = h2f(c->vs[slot * " + str(KVH) + " + g]);" if s.kv_quantized else "vscale[j] = 1.0f;"}
+    }} else vscale[j] = 0.0f;
+  }}
+  const vi lane = {{0, 1, 2, 3, 4, 5, 6, 7}};
+  for (int hd = 0; hd < {G}; hd++) {{
+    const float *qh = qg + hd * {D};
+    vf sc[{NB8}], mx = (vf){{0}} + m[hd];
+    for (int b = 0; b < nb8; b++) {{   /* 8 keys' scores at once */
+      vf d[8];
+      for (int e = 0; e < 8; e++) d[e] = (vf){{0}};
+      for (int i = 0; i < {DV}; i++) {{
+        vf qv = vload(qh + i * 8);
+        for (int e = 0; e < 8; e++) d[e] += qv * vload(kp[b * 8 + e] + i * 8);
+      }}
+      vf sb = hsum8x(d) * (*(const vf *)(kscale + b * 8) * {scale!r}f);
+      sb = vsel(lane + b * 8 < nt, sb, (vf){{0}} - 1e30f);
+      sc[b] = sb;
+      mx = vsel(sb > mx, sb, mx);
+    }}
+    float mt = mx[0];
+    for (int e = 1; e < 8; e++) if (mx[e] > mt) mt = mx[e];
+    float corr = exp_f32(m[hd] - mt);
+    l[hd] *= corr;
+    vf a[{DV}];   /* in registers for the tile: acc may alias the rows as far as the compiler knows */
+    for (int i = 0; i < {DV}; i++) a[i] = acc[hd][i] * corr;
+    m[hd] = mt;
+    float pv[{TILE}] __attribute__((aligned(32)));
+    vf ls = (vf){{0}};
+    for (int b = 0; b < nb8; b++) {{
+      vf p = exp8(sc[b] - mt);
+      ls += p;
+      *(vf *)(pv + b * 8) = p * *(const vf *)(vscale + b * 8);
+    }}
+    l[hd] += hsum(ls);
+    for (int j = 0; j < nt; j++) {{
+      float w = pv[j];
+      for (int i = 0; i < {DV}; i++) a[i] += w * vload(vp[j] + i * 8);
+    }}
+    for (int i = 0; i < {DV}; i++) acc[hd][i] = a[i];
+  }}
+}}
+
+/* How many parts token t's keys are split into: a fixed function of the key count alone (never of the batch or the
+   thread count), so a token's attention is the same arithmetic alone, in any batch and on any number of threads. */
+static inline int key_splits(int n) {{ int k = (n + {SPLIT_KEYS - 1}) / {SPLIT_KEYS}; return k < 1 ? 1 : k > {NSPLIT} ? {NSPLIT} : k; }}
+static inline int token_units(struct layer_ctx *c, int t) {{ return c->token_seq[t] < 0 ? 0 : key_splits(c->token_pos[t] + 1); }}
+
+/* Attention units ub..ue-1, where a unit is one key split of one token (tokens in order, splits in order): token t
+   attends to keys 0..token_pos[t] of block-table row token_seq[t] (-1: padding), causal in a chunk and the whole
+   cached prefix. A unit sweeps its keys a tile at a time and, per tile, every KV head: each key's K (and V) rows
+   for all heads are one contiguous run, read once, in order. The {G} query heads of a KV head share each row.
+   A unit leaves its unnormalized state (acc, max, sum per query head) in c->part for attention_merge. */
+static void attention(const float *restrict q, struct layer_ctx *c, int ub, int ue) {{
+  {f"float kbuf[{TILE * D}] __attribute__((aligned(32)));" if s.k_storage != "float" else "float *kbuf = 0;"}
+  {f"float vbuf[{TILE * D}] __attribute__((aligned(32)));" if s.v_storage != "float" else "float *vbuf = 0;"}
+  int t = 0, u0 = 0;   /* token t's units are u0 .. u0 + token_units(t) - 1 */
+  for (int u = ub; u < ue; u++) {{
+    while (u >= u0 + token_units(c, t)) u0 += token_units(c, t++);
+    int sp = u - u0, n = c->token_pos[t] + 1, ns = key_splits(n), tiles = (n + {TILE - 1}) / {TILE};
+    int jb = tiles * sp / ns * {TILE}, je = tiles * (sp + 1) / ns * {TILE};
+    if (je > n) je = n;
+    const int *table = c->tables + (long)c->token_seq[t] * {s.table_width};
+    const float *qt = q + (long)t * {H * D};
 {rotate_q}
-      float m[{G}], l[{G}];
-      vf acc[{G}][{DV}];
-      for (int hd = 0; hd < {G}; hd++) {{ m[hd] = -1e30f; l[hd] = 0; for (int i = 0; i < {DV}; i++) acc[hd][i] = (vf){{0}}; }}
-      for (int j0 = 0; j0 < n; j0 += {TILE}) {{
-        int nt = n - j0 < {TILE} ? n - j0 : {TILE}, nb8 = (nt + 7) / 8;
-        const float *kp[{TILE}], *vp[{TILE}];   /* the tile's K and V rows as floats */
-        float kscale[{TILE}] __attribute__((aligned(32))), vscale[{TILE}] __attribute__((aligned(32)));   /* per-row dequantization scales (1 for a float cache) */
-        for (int j = 0; j < nb8 * 8; j++) {{   /* keys past nt (to a multiple of 8) repeat key j0: scored, then masked */
-          int key = j0 + (j < nt ? j : 0);
-          long slot = (long)table[key / {s.block_size}] * {s.block_size} + key % {s.block_size};
-          {rows("k", s.k_storage)}
-          {"kscale[j] = h2f(c->ks[slot * " + str(KVH) + " + g]);" if s.kv_quantized else "kscale[j] = 1.0f;"}
-          if (j < nt) {{
-            {rows("v", s.v_storage)}
-            {"vscale[j] = h2f(c->vs[slot * " + str(KVH) + " + g]);" if s.kv_quantized else "vscale[j] = 1.0f;"}
-          }} else vscale[j] = 0.0f;
-        }}
-        const vi lane = {{0, 1, 2, 3, 4, 5, 6, 7}};
-        for (int hd = 0; hd < {G}; hd++) {{
-          const float *qh = qg + hd * {D};
-          vf sc[{NB8}], mx = (vf){{0}} + m[hd];
-          for (int b = 0; b < nb8; b++) {{   /* 8 keys' scores at once */
-            vf d[8];
-            for (int e = 0; e < 8; e++) d[e] = (vf){{0}};
-            for (int i = 0; i < {DV}; i++) {{
-              vf qv = vload(qh + i * 8);
-              for (int e = 0; e < 8; e++) d[e] += qv * vload(kp[b * 8 + e] + i * 8);
-            }}
-            vf sb = hsum8x(d) * (*(const vf *)(kscale + b * 8) * {scale!r}f);
-            sb = vsel(lane + b * 8 < nt, sb, (vf){{0}} - 1e30f);
-            sc[b] = sb;
-            mx = vsel(sb > mx, sb, mx);
-          }}
-          float mt = mx[0];
-          for (int e = 1; e < 8; e++) if (mx[e] > mt) mt = mx[e];
-          float corr = exp_f32(m[hd] - mt);
-          l[hd] *= corr;
-          for (int i = 0; i < {DV}; i++) acc[hd][i] *= corr;
-          m[hd] = mt;
-          float pv[{TILE}] __attribute__((aligned(32)));
-          vf ls = (vf){{0}};
-          for (int b = 0; b < nb8; b++) {{
-            vf p = exp8(sc[b] - mt);
-            ls += p;
-            *(vf *)(pv + b * 8) = p * *(const vf *)(vscale + b * 8);
-          }}
-          l[hd] += hsum(ls);
-          for (int j = 0; j < nt; j++) {{
-            float w = pv[j];
-            for (int i = 0; i < {DV}; i++) acc[hd][i] += w * vload(vp[j] + i * 8);
-          }}
-        }}
+    float m[{H}], l[{H}];
+    vf acc[{H}][{DV}];
+    for (int hd = 0; hd < {H}; hd++) {{ m[hd] = -1e30f; l[hd] = 0; for (int i = 0; i < {DV}; i++) acc[hd][i] = (vf){{0}}; }}
+    prefetch_rows(c, table, jb, je);
+    for (int j0 = jb; j0 < je; j0 += {TILE}) {{
+      int nt = je - j0 < {TILE} ? je - j0 : {TILE};
+      prefetch_rows(c, table, j0 + {TILE}, je);
+      for (int g = 0; g < {KVH}; g++) attend_tile(qt + g * {G * D}, c, table, g, j0, nt, m + g * {G}, l + g * {G}, acc + g * {G}, kbuf, vbuf);
+    }}
+    float *ps = c->part + ((long)t * {NSPLIT} + sp) * {H * (D + 2)};   /* [H][D] acc, [H] max, [H] sum */
+    for (int hd = 0; hd < {H}; hd++) {{
+      for (int i = 0; i < {DV}; i++) *(vf_u *)(ps + hd * {D} + i * 8) = acc[hd][i];
+      ps[{H * D} + hd] = m[hd];
+      ps[{H * D + H} + hd] = l[hd];
+    }}
+  }}
+}}
+
+/* tokens tb..te-1: combine each token's key splits in order (rescaled to the largest max), normalize, write */
+static void attention_merge(float *restrict out, struct layer_ctx *c, int tb, int te) {{
+  for (int t = tb; t < te; t++) {{
+    float *o = out + (long)t * {H * D};
+    int ns = token_units(c, t);
+    if (!ns) {{ for (int i = 0; i < {H * D}; i++) o[i] = 0; continue; }}
+    const float *p0 = c->part + (long)t * {NSPLIT * H * (D + 2)};
+    for (int hd = 0; hd < {H}; hd++) {{
+      float mx = p0[{H * D} + hd];
+      for (int sp = 1; sp < ns; sp++) {{ float ms = p0[sp * {H * (D + 2)} + {H * D} + hd]; if (ms > mx) mx = ms; }}
+      vf r[{DV}];
+      float lsum = 0;
+      for (int i = 0; i < {DV}; i++) r[i] = (vf){{0}};
+      for (int sp = 0; sp < ns; sp++) {{
+        const float *ps = p0 + sp * {H * (D + 2)};
+        float w = ns == 1 ? 1.0f : exp_f32(ps[{H * D} + hd] - mx);
+        lsum += ps[{H * D + H} + hd] * w;
+        for (int i = 0; i < {DV}; i++) r[i] += vload(ps + hd * {D} + i * 8) * w;
       }}
-      for (int hd = 0; hd < {G}; hd++) {{
-        float inv = 1.0f / l[hd];
-        float *oh = o + (g * {G} + hd) * {D};
-        for (int i = 0; i < {DV}; i++) {{ vf r = acc[hd][i] * inv; for (int e = 0; e < 8; e++) oh[i * 8 + e] = r[e]; }}
-        {"rotate_vec(oh);   /* sum_j p_j v_j = R sum_j p_j (R v_j) */" if s.v_rotated else ""}
-      }}
+      float inv = 1.0f / lsum;
+      float *oh = o + hd * {D};
+      for (int i = 0; i < {DV}; i++) {{ vf v = r[i] * inv; for (int e = 0; e < 8; e++) oh[i * 8 + e] = v[e]; }}
+      {"rotate_vec(oh);   /* sum_j p_j v_j = R sum_j p_j (R v_j) */" if s.v_rotated else ""}
     }}
   }}
 }}
@@ -313,9 +372,16 @@ static void part_qkv(void *ctx, int part, int nparts) {{
 }}
 static void part_attention(void *ctx, int part, int nparts) {{
   struct layer_ctx *c = ctx;
-  int ib, ie;
-  tv_share({T * KVH}, part, nparts, &ib, &ie);
-  attention(c->att, c->q, c, ib, ie);
+  int units = 0, ub, ue;
+  for (int t = 0; t < {T}; t++) units += token_units(c, t);
+  tv_share(units, part, nparts, &ub, &ue);
+  attention(c->q, c, ub, ue);
+}}
+static void part_merge(void *ctx, int part, int nparts) {{
+  struct layer_ctx *c = ctx;
+  int tb, te;
+  tv_share({T}, part, nparts, &tb, &te);
+  attention_merge(c->att, c, tb, te);
 }}
 static void part_o(void *ctx, int part, int nparts) {{
   struct layer_ctx *c = ctx; SHARE_ROWS({E}) {call("o", s.o, "c->prod", "c->att")}
@@ -343,12 +409,13 @@ static void part_down(void *ctx, int part, int nparts) {{
 
 void {name}({", ".join(params)}) {{
   float *xn = scratch, *qkv_out = xn + {T * E}, *q = qkv_out + {T * QKV}, *att = q + {T * H * D};
-  float *gu = att + {T * H * D}, *act = gu + {T * s.gate_up.n}, *prod = act + {T * I};
-  struct layer_ctx c = {{{", ".join(c_param_name(p) for p in params)}, xn, qkv_out, q, att, gu, act, prod}};
+  float *gu = att + {T * H * D}, *act = gu + {T * s.gate_up.n}, *prod = act + {T * I}, *part = prod + {T * E};
+  struct layer_ctx c = {{{", ".join(c_param_name(p) for p in params)}, xn, qkv_out, q, att, gu, act, prod, part}};
   rms_norm(xn, h, ln1);
   tv_parallel(pool, part_qkv, &c);
   rope_write(q, &c, qkv_out);
   tv_parallel(pool, part_attention, &c);
+  tv_parallel(pool, part_merge, &c);
   tv_parallel(pool, part_o, &c);
   for (long i = 0; i < {T * E}; i++) out[i] = h[i] + prod[i];
   rms_norm(xn, out, ln2);
