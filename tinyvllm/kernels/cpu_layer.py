@@ -12,6 +12,7 @@ with 32-bit relative offsets, which break (a crash far from the cause) once the 
 2 GB from libm, so exp and sqrt are our own.
 """
 from __future__ import annotations
+import hashlib
 from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
 from tinyvllm.kernels.kv_cache import PagedKVCache, hadamard_block
@@ -415,7 +416,7 @@ void {name}({", ".join(params)}) {{
   tv_parallel(pool, part_qkv, &c);
   rope_write(q, &c, qkv_out);
   tv_parallel(pool, part_attention, &c);
-  tv_parallel(pool, part_merge, &c);
+  {"attention_merge(att, &c, 0, " + str(T) + ");   /* a few tokens: less than waking the pool */" if T <= 8 else "tv_parallel(pool, part_merge, &c);"}
   tv_parallel(pool, part_o, &c);
   for (long i = 0; i < {T * E}; i++) out[i] = h[i] + prod[i];
   rms_norm(xn, out, ln2);
@@ -452,7 +453,9 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
                      *(_spec(linears[n]) for n in LINEARS), invariant,
                      *(("int4" if int4 else "int8" if cache.quantized else "float") for int4 in (cache.k_int4, cache.v_int4)),
                      cache.k_rotated, cache.v_rotated)
-  name = f"llama_layer_{abs(hash(shape)):x}"
+  # a name stable across processes (hash() of a str is salted per process): tinygrad's disk cache of compiled
+  # kernels is keyed by source, so the same shape compiles once per machine, not once per process
+  name = f"llama_layer_{hashlib.sha256(repr(shape).encode()).hexdigest()[:16]}"
   src = _source(name, shape, D ** -0.5)
   if out is None: out = Tensor.invalids(T, E, dtype=dtypes.float32, device=h.device)
   scratch = Tensor.invalids(shape.scratch, dtype=dtypes.float32, device=h.device)
