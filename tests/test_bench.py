@@ -92,6 +92,10 @@ def test_bench_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
   for r in ours:
     for key in REQUIRED: assert r[key] is not None, key
     assert r["tokens_per_s"] > 0 and r["bytes_per_token"] > 0 and r["quantization"] == "none" and r["prompts"] == "text"
+  for r in ours[:3]:   # decode and prefill: where a token's time went adds up to the time measured, kernels timed
+    t = r["time_per_token"]
+    assert t["compute_ms"] > 0 and t["device_copies_ms"] == 0 and t["sync_ms"] == t["thread_pool_wait_ms"] >= 0
+    assert t["compute_ms"] + t["sync_ms"] + t["host_ms"] == pytest.approx(1e3 * r["seconds"] / r["tokens"], rel=1e-9)
   serving = ours[-1]
   assert serving["tokens"] > 0 and serving["ttft_p50_ms"] is not None and serving["itl_p99_ms"] is not None
 

@@ -109,6 +109,20 @@ def test_idle_pool_sleeps(pools):
   assert busy < 0.2, f"an idle pool of 3 threads kept {busy:.0%} of a core busy"
 
 
+def test_pool_counts_its_regions_and_waits(pools):
+  """Each parallel kernel call is one region of the pool; the time its caller waited for the workers is counted
+  (the benchmark's synchronization figure) and stays below the wall time of the calls."""
+  pool = pools[2]
+  x, w = Tensor(np.ones((1, 64), np.float32)).realize(), Tensor(np.ones((40, 64), np.float32)).realize()
+  regions, waited = pool.stats()
+  start = time.perf_counter()
+  for _ in range(7): cpu.linear_f32(x, w, pool=pool.buffer).realize()
+  wall = time.perf_counter() - start
+  r, wt = pool.stats()
+  assert r - regions == 7 and 0 <= wt - waited < wall
+  assert ThreadPool(1).stats() == (0, 0.0)
+
+
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4"])
 def test_bad_num_threads(tiny_model, bad):
   with pytest.raises(ConfigError, match="num_threads"): LLM(str(tiny_model), num_threads=bad)

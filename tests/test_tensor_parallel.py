@@ -96,6 +96,21 @@ def test_two_devices_through_preemption_and_speculation(tiny_model_factory):
   assert tp_free == free and tp_free[-1] == (16, 16)
 
 
+def test_launch_times_count_the_all_reduce_copies(tiny_model_factory):
+  """The runner's launch timing (the benchmark's compute / synchronization split) sees the copies between devices
+  that the sharded passes make, and none on one device."""
+  copies = {}
+  for size in (1, 2):
+    engine = LLMEngine.from_kwargs(str(tiny_model_factory("gqa")), tensor_parallel_size=size, kernel_backend="portable")
+    engine.add_request("0", {"prompt_token_ids": prompts_of([9])[0]}, SamplingParams(max_tokens=4, temperature=0))
+    engine.step()   # the first pass of each shape captures; later ones run bound, and are timed
+    engine.runner.launch_times.enabled = True
+    while engine.has_unfinished_requests(): engine.step()
+    assert engine.runner.launch_times.kernel_seconds > 0
+    copies[size] = engine.runner.launch_times.copy_seconds
+  assert copies[1] == 0 and copies[2] > 0
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
 def test_bad_tensor_parallel_size(bad):
   with pytest.raises(ConfigError, match="tensor_parallel_size"): EngineConfig(tensor_parallel_size=bad)

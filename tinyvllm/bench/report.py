@@ -79,6 +79,13 @@ def print_table(records: list[dict], file=None) -> None:
       cell = f"{info['tokens_per_s']:.1f} ({info['tinyvllm_over_peer']:.2f}x)" if info else "-"
       row += f"{cell:>16}"
     print(row, file=file)
+  split = [r for r in records if r.get("time_per_token")]
+  if split: print("time per token (ms): compute (kernels), sync (the thread pool's waits + copies between devices), "
+                  "host (Python between kernels)", file=file)
+  for r in split:
+    t = r["time_per_token"]
+    print(f"  {r['kind']} B={r['batch_size']} ctx={r['context_len']}: compute {t['compute_ms']:.2f}, sync {t['sync_ms']:.2f} "
+          f"(pool {t['thread_pool_wait_ms']:.2f}, copies {t['device_copies_ms']:.2f}), host {t['host_ms']:.2f}", file=file)
   serving = [r for r in records if r["kind"] == "serving"]
   for r in serving:
     print(f"serving: {r['num_requests']} requests at {r['request_rate']:g}/s, prompts {r['prompt_lens'][0]}-{r['prompt_lens'][1]}, "

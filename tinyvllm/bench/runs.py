@@ -49,10 +49,23 @@ def random_ids(rng: np.random.Generator, vocab: int, shape) -> np.ndarray:
 
 @dataclass
 class StepLog:
-  """Wall time and accounted traffic of the steps taken through `run_step`."""
+  """Wall time and accounted traffic of the steps taken through `run_step`, and where the time went: in kernels,
+  of which the calling thread spent `pool_wait_seconds` waiting for the thread pool's workers at the ends of
+  parallel regions, and in copies between devices (tensor parallelism). The rest of a step is host time."""
   seconds: float = 0.0
   steps: int = 0
   traffic: Traffic = field(default_factory=Traffic)
+  kernel_seconds: float = 0.0
+  copy_seconds: float = 0.0
+  pool_wait_seconds: float = 0.0
+
+  def time_split(self, tokens: int) -> dict[str, float]:
+    """Milliseconds per token: compute (kernels minus the pool's waits), synchronization (those waits plus copies
+    between devices) and host (Python: scheduling, inputs, sampling, output; launches)."""
+    ms = lambda sec: 1e3 * sec / max(tokens, 1)
+    return {"compute_ms": ms(self.kernel_seconds - self.pool_wait_seconds), "sync_ms": ms(self.pool_wait_seconds + self.copy_seconds),
+            "thread_pool_wait_ms": ms(self.pool_wait_seconds), "device_copies_ms": ms(self.copy_seconds),
+            "host_ms": ms(self.seconds - self.kernel_seconds - self.copy_seconds)}
 
 
 # Prose for `--prompts text` (written for this benchmark). Random tokens are the default: the same for every model,
@@ -79,6 +92,9 @@ class Driver:
     self.tensors = model_tensors(model)
     self.dtype_bytes = model.dtype.itemsize       # activations are in the model dtype; the KV cache in its own format
     self.kv_vector_bytes = engine.runner.kv_format.bytes_per_head_vector(self.cfg.head_dim)
+    self.times = engine.runner.launch_times
+    self.times.enabled = True    # two clock reads per kernel launch, ~5 us a step: the time split of every record
+    self.pool = model.kernels.threads   # the target model's thread pool (None off the CPU device)
 
   def live(self) -> list:
     sch = self.engine.scheduler
@@ -92,6 +108,7 @@ class Driver:
 
   def run_step(self, log: StepLog | None = None) -> list:
     before = {id(s): (s, s.num_computed_tokens) for s in self.live()}
+    kernels, copies, wait = self.times.kernel_seconds, self.times.copy_seconds, self.pool_wait()
     t = time.perf_counter()
     outs = self.engine.step()
     dt = time.perf_counter() - t
@@ -99,8 +116,13 @@ class Driver:
       work = [(c, s.num_computed_tokens - c) for s, c in before.values() if s.num_computed_tokens > c]
       log.seconds += dt
       log.steps += 1
+      log.kernel_seconds += self.times.kernel_seconds - kernels
+      log.copy_seconds += self.times.copy_seconds - copies
+      log.pool_wait_seconds += self.pool_wait() - wait
       if work: log.traffic = log.traffic + step_traffic(self.cfg, self.tensors, work, self.kv_vector_bytes, self.dtype_bytes)
     return outs
+
+  def pool_wait(self) -> float: return self.pool.stats()[1] if self.pool else 0.0
 
   def prompt(self, rng: np.random.Generator, n: int) -> list[int]:
     if self.text_ids:
@@ -144,7 +166,8 @@ def decode_run(drv: Driver, batch: int, context: int, steps: int, warmup: int, r
           "mean_context_len": float(np.mean([(a + s.num_tokens - 1) / 2 for s, a in zip(seqs, first_tokens)])),
           "steps": log.steps, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
           "ms_per_step": 1e3 * seconds / n, "tokens_per_step": tokens / n,
-          "tokens_per_s_repeats": [t / sec for sec, t, _ in runs], "finished_early": finished_early, "traffic": log.traffic}
+          "tokens_per_s_repeats": [t / sec for sec, t, _ in runs], "finished_early": finished_early, "traffic": log.traffic,
+          "time_per_token": log.time_split(sum(t for _, t, _ in runs))}
 
 
 def prefill_run(drv: Driver, prompt_len: int, rng, repeats: int = 1) -> dict:
@@ -161,7 +184,7 @@ def prefill_run(drv: Driver, prompt_len: int, rng, repeats: int = 1) -> dict:
   return {"kind": "prefill", "batch_size": 1, "context_len": prompt_len, "mean_context_len": prompt_len / 2,
           "steps": log.steps, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
           "ms_per_step": 1e3 * seconds / n, "tokens_per_step": tokens / n,
-          "tokens_per_s_repeats": [t / sec for sec, t, _ in runs], "traffic": log.traffic}
+          "tokens_per_s_repeats": [t / sec for sec, t, _ in runs], "traffic": log.traffic, "time_per_token": log.time_split(prompt_len * repeats)}
 
 
 @dataclass(frozen=True)

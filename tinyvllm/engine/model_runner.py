@@ -6,7 +6,7 @@ attention sees one AttentionGroup. Shapes are rounded up to buckets; each shape 
 replayed after that (see `Replay`).
 """
 from __future__ import annotations
-import ctypes, functools, math, mmap
+import ctypes, functools, math, mmap, time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -94,11 +94,11 @@ class Replay:
       return out
     return self.bind(*args)({var.expr: val for var, val in (b.unbind() for b in bound)})
 
-  def bind(self, *args: Tensor) -> "BoundReplay":
+  def bind(self, *args: Tensor, times: LaunchTimes | None = None) -> "BoundReplay":
     """This replay with its inputs fixed: for the runner's passes, whose inputs are the same long-lived buffers every
     step (weights, caches, its own input and hidden buffers), so a step need not resolve them again. Call after the
-    capture."""
-    return BoundReplay(self, args)
+    capture. `times`: where to count launch times when enabled."""
+    return BoundReplay(self, args, times)
 
   def _handle(self, u: UOp) -> tuple:
     """The device handle(s) of an input buffer, looked up once: callers pass long-lived buffers (weights, caches,
@@ -148,6 +148,16 @@ class Replay:
     return plan
 
 
+@dataclass
+class LaunchTimes:
+  """Seconds spent in kernels and in copies between devices (tensor parallelism's all-reduces) by the runner's
+  bound passes, counted while `enabled`: the benchmark's split of a step into compute, synchronization and host
+  time. Off, a pass pays one attribute check."""
+  enabled: bool = False
+  kernel_seconds: float = 0.0
+  copy_seconds: float = 0.0
+
+
 class BoundReplay:
   """A `Replay` bound to one list of inputs, called with the variables' values only.
 
@@ -156,7 +166,8 @@ class BoundReplay:
   step makes one call per layer: resolving a layer's 24 inputs and launch sizes on every call cost about 40 us of
   Python (1.2 ms a step on the default model, 13 % of a batch-1 decode step). `Replay.__call__` binds per call.
   Inputs the capture writes, or a capture without a plan, take TinyJit's own path on every call."""
-  def __init__(self, replay: Replay, args: tuple[Tensor, ...]):
+  def __init__(self, replay: Replay, args: tuple[Tensor, ...], times: LaunchTimes | None = None):
+    self.times = times or LaunchTimes()
     self.captured = captured = replay.jit.captured
     self.inputs = inputs = [input_uop(a) for a in args]
     self.steps = None
@@ -169,13 +180,31 @@ class BoundReplay:
 
   def __call__(self, var_vals: dict[str, int]) -> Tensor | tuple[Tensor, ...]:
     """Run with `var_vals` (variable name -> value)."""
+    if self.times.enabled: return self._timed(var_vals)
     if self.steps is None: return self.captured(self.inputs, var_vals)
+    for launch in self._launches(var_vals): launch()
+    return self.ret
+
+  def _launches(self, var_vals: dict[str, int]) -> list[Callable[[], None]]:
     key = tuple(var_vals.values())
     if (launches := self.launches.get(key)) is None:
       if len(self.launches) > 256: self.launches.clear()
       launches = self.launches[key] = [args if rt is None else _launch(rt, args, info, {**var_vals, **device_vars} if device_vars else var_vals)
                                        for rt, args, info, device_vars in self.steps]
-    for launch in launches: launch()
+    return launches
+
+  def _timed(self, var_vals: dict[str, int]) -> Tensor | tuple[Tensor, ...]:
+    """__call__ with each launch timed into self.times (kernels and copies apart); TinyJit's path counts as kernels."""
+    if self.steps is None:
+      t = time.perf_counter()
+      out = self.captured(self.inputs, var_vals)
+      self.times.kernel_seconds += time.perf_counter() - t
+      return out
+    for launch, (rt, *_) in zip(self._launches(var_vals), self.steps):
+      t = time.perf_counter()
+      launch()
+      if rt is None: self.times.copy_seconds += time.perf_counter() - t
+      else: self.times.kernel_seconds += time.perf_counter() - t
     return self.ret
 
 
@@ -251,6 +280,7 @@ class ModelRunner:
     self.input_buffers: dict[PassShape, Tensor] = {}
     self.hidden_buffers: dict[PassShape, tuple[Tensor, Tensor]] = {}
     self.bound_passes: dict[PassShape, list[tuple[BoundReplay, bool]]] = {}   # a captured shape's calls, inputs bound
+    self.launch_times = LaunchTimes()   # the benchmark enables it
 
   def _zeroed(self, shape: tuple[int, ...], dtype) -> Tensor:
     """A zero-filled cache tensor (attention multiplies masked-out entries by 0, and 0 * NaN garbage is NaN).
@@ -347,8 +377,8 @@ class ModelRunner:
     if (bound := self.bound_passes.get(shape)) is None:   # this shape's first pass: captured, then bound
       calls = self._pass_calls(shape, inputs(upload))   # a replay returns its capture's own output tensors
       for replay, args, reads_extent in calls: out = replay(*args, bound=extent if reads_extent else ())
-      bound = self.bound_passes[shape] = [(inputs.bind(upload), False)] + [
-        (replay.bind(*args), reads_extent) for replay, args, reads_extent in calls]
+      bound = self.bound_passes[shape] = [(inputs.bind(upload, times=self.launch_times), False)] + [
+        (replay.bind(*args, times=self.launch_times), reads_extent) for replay, args, reads_extent in calls]
     else:
       var_vals = {self.kv_extent.expr: used_blocks}
       for call, reads_extent in bound: out = call(var_vals if reads_extent else {})

@@ -22,8 +22,8 @@ from tinyvllm.kernels.cpu import SQRT, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallb
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")   # in the kernel's argument order
 TILE = 32   # keys scored at once in attention: one max and one rescale per tile instead of per key
-SPLIT_KEYS = 64   # attention splits a token's keys into parts of at least this many (and at most NSPLIT parts) ...
-NSPLIT = 4        # ... so one decoding sequence's attention spreads over the threads too
+SPLIT_KEYS = 64   # attention splits a token's keys into parts of at least this many (and at most NSPLIT parts, a
+NSPLIT = 4        # power of two) so one decoding sequence's attention spreads over the threads too
 
 _MATH = r"""
 typedef int vi __attribute__((vector_size(32)));
@@ -299,8 +299,9 @@ static inline void attend_tile(const float *restrict qg, struct layer_ctx *c, co
 }}
 
 /* How many parts token t's keys are split into: a fixed function of the key count alone (never of the batch or the
-   thread count), so a token's attention is the same arithmetic alone, in any batch and on any number of threads. */
-static inline int key_splits(int n) {{ int k = (n + {SPLIT_KEYS - 1}) / {SPLIT_KEYS}; return k < 1 ? 1 : k > {NSPLIT} ? {NSPLIT} : k; }}
+   thread count), so a token's attention is the same arithmetic alone, in any batch and on any number of threads.
+   A power of two (parts of at least {SPLIT_KEYS} keys, at most {NSPLIT}), so the parts divide evenly over 2 or 4 threads. */
+static inline int key_splits(int n) {{ int k = 1; while (k < {NSPLIT} && n >= 2 * k * {SPLIT_KEYS}) k *= 2; return k; }}
 static inline int token_units(struct layer_ctx *c, int t) {{ return c->token_seq[t] < 0 ? 0 : key_splits(c->token_pos[t] + 1); }}
 
 /* Attention units ub..ue-1, where a unit is one key split of one token (tokens in order, splits in order): token t

@@ -28,6 +28,8 @@ typedef struct tv_pool {
   atomic_int sleepers;
   atomic_int stop;
   long epoch;                   /* fork_epoch when created */
+  long long regions, wait_ns;   /* regions run, and time the caller spent waiting for workers after its own part
+                                   (the pool's synchronization cost; tv_pool_stats) */
   pthread_mutex_t mu;
   pthread_cond_t cv;
 } tv_pool;
@@ -100,9 +102,12 @@ void tv_pool_run(tv_pool *p, tv_task fn, void *ctx) {
     pthread_mutex_unlock(&p->mu);
   }
   fn(ctx, 0, n);
+  long waited = now_ns();
   for (int spins = 0; atomic_load(&p->remaining) > 0; spins++) {
     if (spins < 64) cpu_relax(); else sched_yield();   /* a worker may be waiting for a core: let it have ours */
   }
+  p->wait_ns += now_ns() - waited;   /* one caller at a time: plain fields suffice */
+  p->regions++;
 }
 
 tv_pool *tv_pool_create(int n) {
@@ -132,6 +137,9 @@ tv_pool *tv_pool_create(int n) {
 }
 
 int tv_pool_size(tv_pool *p) { return p->n; }
+
+/* out[0]: regions run with workers, out[1]: nanoseconds the caller waited for them (read between kernels) */
+void tv_pool_stats(tv_pool *p, long long *out) { out[0] = p->regions; out[1] = p->wait_ns; }
 
 void tv_pool_destroy(tv_pool *p) {
   if (!p || atomic_load(&fork_epoch) != p->epoch) return;   /* a forked child's copy: no workers to stop */

@@ -61,6 +61,7 @@ def _library() -> ctypes.CDLL:
   lib.tv_pool_create.argtypes, lib.tv_pool_create.restype = [ctypes.c_int], ctypes.c_void_p
   lib.tv_pool_size.argtypes, lib.tv_pool_size.restype = [ctypes.c_void_p], ctypes.c_int
   lib.tv_pool_destroy.argtypes, lib.tv_pool_destroy.restype = [ctypes.c_void_p], None
+  lib.tv_pool_stats.argtypes, lib.tv_pool_stats.restype = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_longlong)], None
   return lib
 
 
@@ -83,6 +84,14 @@ class ThreadPool:
     # the buffer every parallel kernel takes; realized now, outside any TinyJit capture, and kept for the pool's life
     with Context(CAPTURING=0):
       self.buffer = Tensor(np.array([entry, self.handle or 0], np.uint64), dtype=dtypes.uint64, device=device).realize()
+
+  def stats(self) -> tuple[int, float]:
+    """(parallel regions run, seconds the calling thread waited at their ends for the workers) since the pool was
+    made: the pool's synchronization cost, read by the benchmark between steps. (0, 0.0) on one thread."""
+    if not self.handle or not self._finalizer.alive: return 0, 0.0
+    out = (ctypes.c_longlong * 2)()
+    self.lib.tv_pool_stats(self.handle, out)
+    return int(out[0]), out[1] / 1e9
 
   def close(self) -> None:
     """Stop the workers. Queued kernels finish first; kernels that run later with this pool's buffer run on one
