@@ -8,7 +8,13 @@ C layer packs prefill chunks differently), so the free-block counts can be compa
 Tolerance: greedy tokens must be identical; top-k logprobs within 1e-4 absolute. Both runs compute in float32, but
 the sharded run adds the two devices' partial sums of the o and down projections in a different order from one
 device's single sum: a few 1e-7 relative per op, measured at most ~4e-6 on these checkpoints, so 1e-4 leaves
-headroom while any misplaced head, wrong shard or missing all-reduce moves logprobs by far more than 1e-2."""
+headroom while any misplaced head, wrong shard or missing all-reduce moves logprobs by far more than 1e-2.
+4-bit weights allow 1e-3 (TOL_INT4): the one-row 4-bit kernel rounds x to 16 bits per quantization group
+(kernels/cpu.py), and the sharded run splits o's and down's groups to fit each device's half of the inputs
+(model/tensor_parallel.py `_split_groups`: the same weights, narrower groups), so x is rounded with other scales.
+Each run is then within the 16-bit rounding of the float result, which moves these logprobs by at most 3.7e-4
+(measured against float 4-bit linears on three seeds); the two runs differ by up to ~3e-4, so 1e-3 still sits
+ten times below a misplacement's 1e-2."""
 from __future__ import annotations
 import argparse
 import numpy as np
@@ -20,7 +26,7 @@ from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from tinyvllm.model import tensor_parallel
 
-TOL = 1e-4
+TOL, TOL_INT4 = 1e-4, 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +50,12 @@ def run(model, prompts, params, **kwargs) -> tuple[list, list, LLMEngine]:
   return results, free, engine
 
 
-def assert_same(single, sharded) -> None:
+def assert_same(single, sharded, tol: float = TOL) -> None:
   for (tokens, logprobs), (tp_tokens, tp_logprobs) in zip(single, sharded, strict=True):
     assert tp_tokens == tokens
     for want, got in zip(logprobs, tp_logprobs, strict=True):
       assert set(got) == set(want)
-      assert max(abs(got[t] - want[t]) for t in want) < TOL
+      assert max(abs(got[t] - want[t]) for t in want) < tol
 
 
 def prompts_of(lengths, seed=0) -> list[list[int]]:
@@ -66,7 +72,7 @@ def test_two_devices_match_one(tiny_model_factory, tied_two_kv_heads, name, quan
   kw = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype, block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
   single, free, _ = run(model, prompts, params, kernel_backend="portable", **kw)
   sharded, tp_free, engine = run(model, prompts, params, tensor_parallel_size=2, **kw)
-  assert_same(single, sharded)
+  assert_same(single, sharded, TOL_INT4 if quantization == "int4" else TOL)
   assert tp_free == free and tp_free[-1][0] == 64
 
   # the placement: whole heads and FFN columns per device, row-parallel o/down, the KV cache by KV head, the vocabulary split
