@@ -130,6 +130,15 @@ def small_decode_bench(model, tmp_path, *flags: str, batch: int = 1, context: in
   return json.loads(out.read_text())["records"]
 
 
+def test_bench_splits_time_under_tensor_parallelism(tiny_model, tmp_path):
+  """With two devices the time split reads every device's thread pool and counts the all-reduce copies: the
+  split is there, copies are part of sync, and the parts still add up to the time measured."""
+  (r,) = small_decode_bench(tiny_model, tmp_path, "--tensor-parallel-size", "2")
+  t = r["time_per_token"]
+  assert t["device_copies_ms"] > 0 and t["sync_ms"] == pytest.approx(t["thread_pool_wait_ms"] + t["device_copies_ms"])
+  assert t["compute_ms"] + t["sync_ms"] + t["host_ms"] == pytest.approx(1e3 * r["seconds"] / r["tokens"], rel=1e-9)
+
+
 def test_several_quantizations_run_in_one_bench(tiny_model, tmp_path):
   """`--quantization stored,int4` loads the model twice and labels each record with what was loaded."""
   from tinyvllm.bench.cli import main

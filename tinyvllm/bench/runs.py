@@ -94,7 +94,7 @@ class Driver:
     self.kv_vector_bytes = engine.runner.kv_format.bytes_per_head_vector(self.cfg.head_dim)
     self.times = engine.runner.launch_times
     self.times.enabled = True    # two clock reads per kernel launch, ~5 us a step: the time split of every record
-    self.pool = model.kernels.threads   # the target model's thread pool (None off the CPU device)
+    self.pools = model.kernels.thread_pools   # the target model's, one per device with tensor parallelism
 
   def live(self) -> list:
     sch = self.engine.scheduler
@@ -122,7 +122,7 @@ class Driver:
       if work: log.traffic = log.traffic + step_traffic(self.cfg, self.tensors, work, self.kv_vector_bytes, self.dtype_bytes)
     return outs
 
-  def pool_wait(self) -> float: return self.pool.stats()[1] if self.pool else 0.0
+  def pool_wait(self) -> float: return sum(pool.stats()[1] for pool in self.pools)
 
   def prompt(self, rng: np.random.Generator, n: int) -> list[int]:
     if self.text_ids:

@@ -113,6 +113,11 @@ class Kernels:
   def backend(self) -> str: return self.name
 
   @property
+  def thread_pools(self) -> tuple[ThreadPool, ...]:
+    """Every thread pool these kernels run on (one per device; none off the CPU device)."""
+    return (self.threads,) if self.threads else ()
+
+  @property
   def eight_bit(self) -> bool:
     """8-bit weights (GGUF Q8_0 embeddings) have a kernel on the CPU device only; elsewhere they load as floats."""
     return self.cpu

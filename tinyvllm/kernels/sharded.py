@@ -39,6 +39,9 @@ class ShardedKernels(Kernels):
         self.pool = Tensor(rows, dtype=dtypes.uint64, device=devices[0]).shard(devices, 0).realize()
 
   @property
+  def thread_pools(self) -> tuple[ThreadPool, ...]: return tuple(self.threads or ())
+
+  @property
   def eight_bit(self) -> bool: return False   # 8-bit tables (GGUF Q8_0) load as floats: their C kernel reads a whole table
 
   def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
