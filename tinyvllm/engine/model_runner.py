@@ -3,16 +3,15 @@
 A pass reads one kind of work: decodes (one token per sequence), prefill chunks (padded to the longest) or
 speculative runs (every token's logits wanted). Its tokens form a dense [sequences, query slots] block, so
 attention sees one AttentionGroup. Shapes are rounded up to buckets; each shape is captured once and
-replayed after that (see `Replay`).
+replayed after that (engine/replay.py).
 """
 from __future__ import annotations
-import ctypes, functools, math, mmap, time
+import ctypes, math, mmap
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
 import numpy as np
-from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
-from tinygrad.uop.ops import Ops
+from tinygrad import Device, Tensor, dtypes
+from tinyvllm.engine.replay import BoundReplay, CountVariable, LaunchTimes, Replay
 from tinyvllm.kernels import AttentionGroup
 from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
 from tinyvllm.model.llama import Llama, ModelInputs
@@ -61,191 +60,11 @@ class PassShape:
     return (T, T, T, T, T, self.num_rows, P, P * max_blocks)   # in FIELDS order
 
 
-class Replay:
-  """A TinyJit captured on its first call and replayed directly afterwards.
-
-  TinyJit checks every input on every call (~25 us each), and its executor resolves every kernel argument
-  anew; a layer runs 30 times a pass. So after the capture each kernel's runtime and argument buffers are
-  resolved once (`_plan`), and a replay only swaps in the input buffers and calls the programs. Callers pass
-  the same kinds of buffers in the same order each time, which is what TinyJit's checks verify. Inputs are
-  whole buffers, never views (a view would need resolving per call), and never a buffer the graph itself
-  writes (TinyJit copies those; such calls take the general path).
-
-  A multi-device capture (tensor parallelism) is planned the same way, one entry per device a kernel runs on, and
-  its copies between devices (the all-reduces) as the executor would do them: the same calls, in the same order,
-  with their buffers resolved once. TinyJit's executor instead walks each kernel's whole program once per call to
-  find its device index, which cost more than the kernels themselves on the CPU devices here (docs/architecture.md,
-  "Tensor parallelism")."""
-  def __init__(self, fn):
-    def run(*args):
-      out = fn(*args)
-      if isinstance(out, Tensor): return out.realize()
-      Tensor.realize(*out)
-      return out
-    self.jit = TinyJit(run)
-    self.jit.cnt = 1   # capture on the first call: weights and caches are realized, a warm-up run would only cost time
-    self.plan: list | None = None
-    self.handles: dict[UOp, tuple] = {}           # input buffer -> its device handle(s), one per device it spans
-
-  def __call__(self, *args: Tensor, bound: tuple[UOp, ...] = ()):
-    if self.jit.captured is None:
-      out = self.jit(*args, *bound)
-      self.plan = self._plan(self.jit.captured)
-      return out
-    return self.bind(*args)({var.expr: val for var, val in (b.unbind() for b in bound)})
-
-  def bind(self, *args: Tensor, times: LaunchTimes | None = None) -> "BoundReplay":
-    """This replay with its inputs fixed: for the runner's passes, whose inputs are the same long-lived buffers every
-    step (weights, caches, its own input and hidden buffers), so a step need not resolve them again. Call after the
-    capture. `times`: where to count launch times when enabled."""
-    return BoundReplay(self, args, times)
-
-  def _handle(self, u: UOp) -> tuple:
-    """The device handle(s) of an input buffer, looked up once: callers pass long-lived buffers (weights, caches,
-    the runner's own input and hidden buffers), and resolving ~20 per layer replay cost ~0.2 ms each time.
-    The cache keeps those buffers alive: a caller must not pass short-lived tensors."""
-    self.handles[u] = tuple(b.ensure_allocated().get_buf(b.device) for b in _device_buffers(u.buffer))
-    return self.handles[u]
-
-  @staticmethod
-  def _plan(captured) -> list | None:
-    """[(runtime, arguments, program info, device variables) per kernel and device it runs on], or None when the
-    captured graph holds anything but plain kernels and copies with whole-buffer arguments. An argument is (input
-    slot, None), or (None, device handle) for a buffer the graph holds itself (weights, scratch): those handles are
-    looked up once, here, not per replay. A copy is (None, a call doing it, None, None). Input slots count one per
-    device: a multi-device input takes as many slots as it has devices."""
-    from tinygrad.device import Buffer
-    from tinygrad.engine.realize import get_call_arg_uops, get_runtime
-    from tinygrad.uop.ops import AxisType
-    spans = [len(d) if isinstance(d := info[3], tuple) else 1 for info in captured.expected_input_info]
-    first = [sum(spans[:i]) for i in range(len(spans))]   # each input's first slot in the flat list of handles
-    plan = []
-    for call in captured.linear.src:
-      ast = call.src[0]
-      args = get_call_arg_uops(call)
-      if ast.op is Ops.COPY:
-        if any(x.op is Ops.PARAM for a in args for x in a.toposort()): return None
-        for dest, src in zip(*(_device_buffers(a.buffer) for a in args[:2])):
-          if (copy := _copy(dest.ensure_allocated(), src.ensure_allocated())) is None: return None
-          plan.append((None, copy, None, None))
-        continue
-      if ast.op is not Ops.PROGRAM: return None
-      devices = call.src[1].device if isinstance(call.src[1].device, tuple) else (call.src[1].device,)
-      # as tinygrad's unwrap_multi: a kernel that reads its device index gets it as the _device_num variable
-      numbered = len(devices) > 1 and any((x.op is Ops.RANGE and x.arg[-1] is AxisType.DEVICE) or
-                                          (x.op is Ops.PARAM and x.arg.name == "_device_num") for x in ast.toposort())
-      for j, device in enumerate(devices):
-        specs = []
-        for i in ast.arg.globals:
-          u = args[i]
-          if u.op is Ops.PARAM and spans[u.arg.slot] == len(devices): specs.append((first[u.arg.slot] + j, None))
-          elif any(x.op is Ops.PARAM for x in u.toposort()): return None   # derived from an input: resolved per call
-          elif isinstance(buf := u.buffer, Buffer) and len(devices) == 1: specs.append((None, buf.ensure_allocated().get_buf(device)))
-          elif not isinstance(buf, Buffer) and len(buf.bufs) == len(devices):
-            specs.append((None, buf.bufs[j].ensure_allocated().get_buf(device)))
-          else: return None
-        plan.append((get_runtime(device, ast), specs, ast.arg, {"_device_num": j} if numbered else {}))
-    return plan
-
-
-@dataclass
-class LaunchTimes:
-  """Seconds spent in kernels and in copies between devices (tensor parallelism's all-reduces) by the runner's
-  bound passes, counted while `enabled`: the benchmark's split of a step into compute, synchronization and host
-  time. Off, a pass pays one attribute check."""
-  enabled: bool = False
-  kernel_seconds: float = 0.0
-  copy_seconds: float = 0.0
-
-
-class BoundReplay:
-  """A `Replay` bound to one list of inputs, called with the variables' values only.
-
-  Each kernel's arguments are gathered once, and its launch (sizes, variable arguments) once per distinct set of
-  variable values (the KV extent changes every block_size tokens). The runner binds each pass once and a decode
-  step makes one call per layer: resolving a layer's 24 inputs and launch sizes on every call cost about 40 us of
-  Python (1.2 ms a step on the default model, 13 % of a batch-1 decode step). `Replay.__call__` binds per call.
-  Inputs the capture writes, or a capture without a plan, take TinyJit's own path on every call."""
-  def __init__(self, replay: Replay, args: tuple[Tensor, ...], times: LaunchTimes | None = None):
-    self.times = times or LaunchTimes()
-    self.captured = captured = replay.jit.captured
-    self.inputs = inputs = [input_uop(a) for a in args]
-    self.steps = None
-    if replay.plan is not None and not any(u in captured._written_uops for u in inputs):
-      raw = [h for u in inputs for h in (replay.handles[u] if u in replay.handles else replay._handle(u))]
-      self.steps = [(rt, specs if rt is None else [raw[slot] if slot is not None else handle for slot, handle in specs], info, device_vars)
-                    for rt, specs, info, device_vars in replay.plan]
-    self.launches: dict[tuple, list[Callable[[], None]]] = {}   # variable values -> each step's launch
-    self.ret = captured.ret
-
-  def __call__(self, var_vals: dict[str, int]) -> Tensor | tuple[Tensor, ...]:
-    """Run with `var_vals` (variable name -> value)."""
-    if self.times.enabled: return self._timed(var_vals)
-    if self.steps is None: return self.captured(self.inputs, var_vals)
-    for launch in self._launches(var_vals): launch()
-    return self.ret
-
-  def _launches(self, var_vals: dict[str, int]) -> list[Callable[[], None]]:
-    key = tuple(var_vals.values())
-    if (launches := self.launches.get(key)) is None:
-      if len(self.launches) > 256: self.launches.clear()
-      launches = self.launches[key] = [args if rt is None else _launch(rt, args, info, {**var_vals, **device_vars} if device_vars else var_vals)
-                                       for rt, args, info, device_vars in self.steps]
-    return launches
-
-  def _timed(self, var_vals: dict[str, int]) -> Tensor | tuple[Tensor, ...]:
-    """__call__ with each launch timed into self.times (kernels and copies apart); TinyJit's path counts as kernels."""
-    if self.steps is None:
-      t = time.perf_counter()
-      out = self.captured(self.inputs, var_vals)
-      self.times.kernel_seconds += time.perf_counter() - t
-      return out
-    for launch, (rt, *_) in zip(self._launches(var_vals), self.steps):
-      t = time.perf_counter()
-      launch()
-      if rt is None: self.times.copy_seconds += time.perf_counter() - t
-      else: self.times.kernel_seconds += time.perf_counter() - t
-    return self.ret
-
-
-def _launch(rt, args: list, info, var_vals: dict[str, int]) -> Callable[[], None]:
-  """One kernel launch with its arguments and sizes resolved. A plain one-thread CPU program (all of ours) is called
-  through its C function with the ctypes arguments built here once: tinygrad's CPUProgram.__call__ builds them anew
-  on each call (about 10 us for a layer's 25 arguments)."""
-  global_size, local_size = info.launch_dims(var_vals)
-  vals = info.vals(var_vals)
-  from tinygrad.runtime.ops_cpu import CPUProgram
-  if isinstance(rt, CPUProgram) and not rt.lvp and not rt.runtimevars and tuple(global_size) == (1, 1, 1):
-    return functools.partial(rt.fxn, *(ctypes.c_uint64(x) for x in [*(b.va_addr for b in args), *vals]))
-  return functools.partial(rt, *args, global_size=global_size, local_size=local_size, vals=vals)
-
-
 def _zero_pages(nbytes: int) -> mmap.mmap:
   """Fresh anonymous memory: zeroed by the OS and mapped page by page as it is first written. Private, so pages read
   before they are written map the shared zero page instead of committing memory."""
   flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
   return mmap.mmap(-1, nbytes, **({"flags": flags} if flags is not None else {}))
-
-
-def _device_buffers(buf) -> list:
-  """A Buffer's per-device buffers: itself, or a MultiBuffer's one per device."""
-  return buf.bufs if hasattr(buf, "bufs") else [buf]
-
-
-def _copy(dest, src):
-  """A call copying src to dest as tinygrad's executor does (engine/realize.py exec_copy), or None for a kind it
-  leaves to the executor (disk)."""
-  if hasattr(dest.allocator, "_transfer") and dest.allocator.supports_transfer and dest.device.split(":")[0] == src.device.split(":")[0]:
-    return functools.partial(dest.allocator._transfer, dest._buf, src._buf, dest.nbytes, src_dev=src.allocator.dev, dest_dev=dest.allocator.dev)
-  if src.device.startswith("DISK"): return None
-  if hasattr(dest.allocator, "_as_buffer"):
-    return functools.partial(src.allocator._copyout, dest.as_memoryview(force_zero_copy=True), src._buf)
-  return functools.partial(dest.allocator._copyin, dest._buf, src.as_memoryview(allow_zero_copy=True))
-
-
-def input_uop(t: Tensor) -> UOp:
-  """The buffer TinyJit takes for an input tensor: a multi-device tensor's (split or copied over devices) included."""
-  return (t.uop.src[0] if t.uop.op is Ops.UNSHARD else t.uop).base
 
 
 class ModelRunner:
@@ -267,7 +86,7 @@ class ModelRunner:
     model.kernels.check_kv_cache(self.kv_format)
     self.max_num_seqs = max_num_seqs
     self.max_blocks = -(-max_model_len // block_size)   # block-table width; the used extent is a Variable
-    self.kv_extent = UOp.variable("kv_blocks", 1, self.max_blocks)
+    self.kv_extent = CountVariable.make("kv_blocks", self.max_blocks)
     cfg = model.cfg
     self.kv_caches = [PagedKVCache.allocate(self.kv_format, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, self._zeroed)
                       for _ in range(cfg.num_hidden_layers)]
@@ -380,7 +199,7 @@ class ModelRunner:
       bound = self.bound_passes[shape] = [(inputs.bind(upload, times=self.launch_times), False)] + [
         (replay.bind(*args, times=self.launch_times), reads_extent) for replay, args, reads_extent in calls]
     else:
-      var_vals = {self.kv_extent.expr: used_blocks}
+      var_vals = self.kv_extent.var_vals(used_blocks)
       for call, reads_extent in bound: out = call(var_vals if reads_extent else {})
     logits = out.uop.buffer
     return np.frombuffer(logits.as_memoryview(allow_zero_copy=True), np.float32).reshape(-1, self.model.cfg.vocab_size).copy()
@@ -428,7 +247,8 @@ class ModelRunner:
 
     template, n_cache = self.model.layers[0], len(self.kv_caches[0].tensors())
     def layer(h, out, positions, slots, q_pos, token_seq, ctx, tables, *cache_weights_and_extent):
-      *cache_and_weights, extent = cache_weights_and_extent
+      *cache_and_weights, bound_extent = cache_weights_and_extent
+      extent = CountVariable.count(bound_extent)
       cache, weights = self.kv_caches[0].with_tensors(cache_and_weights[:n_cache]), cache_and_weights[n_cache:]
       group = AttentionGroup(P, C, tables.reshape(P, MB), extent, q_pos.reshape(1 if shape.packed else P, C), ctx, token_seq,
                              packed=shape.packed)

@@ -28,7 +28,7 @@ class AttentionGroup:
   num_seqs: int              # P
   query_len: int             # C
   block_tables: Tensor       # int32 [P, max_blocks]: the full table width
-  used_blocks: object        # int or bound Variable: table columns any sequence of the step uses
+  used_blocks: object        # int or symbolic count (engine/replay.py CountVariable): table columns any sequence of the step uses
   q_pos: Tensor              # int32 [P, C]: absolute position of each query slot (padding: 0)
   context_lens: Tensor       # int32 [P]: keys visible to the sequence's last real query
   token_seq: Tensor | None = None   # int32 [P*C]: each slot's row p, -1 on padding slots (the Metal prefill kernel's input)

@@ -1,0 +1,148 @@
+"""engine/replay.py against the tinygrad internals it leans on, on every device kind the suite reaches: the CPU device,
+tinygrad's METAL device through our emulator (its graph batches captured kernels as a Mac's would), and the GPU named by
+TINYVLLM_TEST_DEVICE (e.g. CUDA) when one is set. A tinygrad upgrade that changes what the replay reads fails here.
+
+References are numpy; the inputs are random and the variable's values change between calls."""
+from __future__ import annotations
+import os, sys
+import numpy as np
+import pytest
+from tinygrad import Device, Tensor, dtypes
+from tinygrad.uop.ops import Ops
+from tinyvllm.engine.replay import BoundReplay, CountVariable, Replay, compile_symbolic_kernels_in_process
+
+
+def _metal() -> str | None:
+  """"METAL" when the (real or emulated) METAL device opens here."""
+  if sys.platform != "darwin":
+    if os.environ.get("TINYVLLM_EMULATE_METAL") == "0": return None
+    from tinyvllm.kernels.emulator.metal_device import install
+    install()
+  try:
+    Device["METAL"]
+    return "METAL"
+  except Exception: return None
+
+
+DEVICES = ["CPU"] + [d for d in (_metal(), os.environ.get("TINYVLLM_TEST_DEVICE")) if d and d != "CPU"]
+DEVICES = list(dict.fromkeys(DEVICES))
+
+
+def graph_programs(linear) -> list:
+  """(PROGRAM, inside a graph batch?) for every kernel of a captured linear, graph batches opened."""
+  out = []
+  for call in linear.src:
+    ast = call.src[0]
+    if ast.op is Ops.CUSTOM_FUNCTION and ast.arg == "graph": out += [(c.src[0], True) for c in ast.src[0].src if c.src[0].op is Ops.PROGRAM]
+    elif ast.op is Ops.PROGRAM: out.append((ast, False))
+  return out
+
+
+def symbolic_pass(a: Tensor, bound: object) -> Tensor:
+  """Reads the first 4*count columns of a (count from a CountVariable), through an intermediate whose size follows
+  the count: a kernel whose launch size is symbolic, as portable attention's over the KV blocks a step reads."""
+  n = CountVariable.count(bound) * 4
+  scaled = (a[:, :n] * 2 + 1).contiguous()
+  return scaled.sum(1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_replay_matches_numpy_as_the_count_changes(device):
+  rng = np.random.default_rng(0)
+  a_np = rng.standard_normal((8, 64)).astype(np.float32)
+  a = Tensor(a_np, device=device).realize()
+  count = CountVariable.make("cols", 16)
+  replay = Replay(symbolic_pass)
+  for c in (3, 16, 1, 7):   # the first call captures, the others replay
+    out = replay(a, bound=(count.bind(c),)).numpy()
+    np.testing.assert_allclose(out, (a_np[:, :4 * c] * 2 + 1).sum(1), rtol=1e-5)
+  # what the replay reads of the capture: tinygrad's CapturedJit and its linear of calls
+  captured = replay.jit.captured
+  assert captured is not None and len(captured.linear.src) > 0
+  programs = graph_programs(captured.linear)
+  assert programs, "no kernels found in the capture's linear"
+  graphed = any(in_graph for _, in_graph in programs)
+  assert graphed == (Device[device].graph is not None and device != "CPU"), "graph batching changed on this device"
+  # a graph capture replays through TinyJit's executor (no plan); plain kernels are planned and launched directly
+  assert (replay.plan is None) == graphed
+  bound = replay.bind(a)
+  assert isinstance(bound, BoundReplay) and (bound.steps is None) == graphed
+  a_np[:] = rng.standard_normal(a_np.shape)   # new values in the same buffer: a bound replay reads them
+  buf = a.uop.buffer
+  buf.allocator._copyin(buf._buf, memoryview(a_np).cast("B"))
+  for c in (5, 2):
+    out = bound(count.var_vals(c)).numpy()
+    np.testing.assert_allclose(out, (a_np[:, :4 * c] * 2 + 1).sum(1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "CPU"])
+def test_graph_launch_sizes_are_never_zero_at_zero(device):
+  """tinygrad 0.14's GPU graphs (CUDAGraph, MetalGraph) build every node with the variables at 0 and CUDA refuses a zero
+  grid: a CountVariable keeps every symbolic launch size positive there, where a plain variable for the count does not."""
+  a = Tensor(np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32), device=device).realize()
+  def sizes_at_zero(replay) -> list[tuple]:
+    return [p.arg.launch_dims({v.expr: 0 for v in p.arg.vars}) for p, _ in graph_programs(replay.jit.captured.linear)]
+
+  counted = Replay(symbolic_pass)
+  counted(a, bound=(CountVariable.make("cols", 16).bind(5),))
+  dims = sizes_at_zero(counted)
+  assert all(0 not in g and 0 not in l for g, l in dims), dims
+
+  from tinygrad import UOp
+  plain = Replay(lambda a, n: (a[:, :n * 4] * 2 + 1).contiguous().sum(1))
+  plain(a, bound=(UOp.variable("cols_plain", 1, 16).bind(5),))
+  assert any(0 in g for g, _ in sizes_at_zero(plain)), "a plain variable's launch size is no longer 0 at 0: rule 1 of replay.py changed"
+
+
+def test_symbolic_kernels_never_go_to_the_compile_workers(monkeypatch):
+  """Kernels reading a variable are lowered in this process: tinygrad's workers send programs back pickled, and a symbolic
+  kernel's unsimplified cost estimate is too deep for Python 3.12's pickler (replay.py, rule 2). The pool here records
+  what it is sent and compiles it in this process."""
+  from tinygrad.engine import realize
+  compile_symbolic_kernels_in_process()
+  sent = []
+  class RecordingPool:
+    def imap_unordered(self, fn, tasks):
+      for task in tasks:
+        sent.append(task[1][0])
+        yield fn(task)
+  monkeypatch.setattr(realize, "get_worker_pool", lambda: RecordingPool())
+  rng = np.random.default_rng(2)
+  rows, cols = 8 + int(rng.integers(1, 50)), 64 + 4 * int(rng.integers(1, 50))   # shapes no other test compiled
+  a = Tensor(rng.standard_normal((rows, cols)).astype(np.float32)).realize()
+  b = Tensor(rng.standard_normal((rows, cols)).astype(np.float32)).realize()
+  def f(a, b, bound):
+    n = CountVariable.count(bound) * 4
+    return ((a[:, :n] * 2).contiguous().sum(1) + (a * b).sum(1).exp(), (a - b).contiguous().max(1))
+  out = Replay(f)(a, b, bound=(CountVariable.make("cols_pool", cols // 4).bind(3),))
+  np.testing.assert_allclose(out[0].numpy(), (a.numpy()[:, :12] * 2).sum(1) + np.exp((a.numpy() * b.numpy()).sum(1)), rtol=1e-4)
+  assert sent, "the compile pool was not used: this test no longer checks anything"
+  from tinyvllm.engine.replay import _has_variables
+  assert not any(_has_variables(ast) for ast in sent), "a kernel reading a variable was sent to the compile workers"
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "CPU"])
+def test_model_passes_graph_with_positive_launch_sizes(device, tiny_model):
+  """The engine's own captures (the portable kernels, whose attention reads the KV extent as a symbolic size) on a graph
+  device: every kernel a graph holds has positive launch sizes with the variables at 0, where CUDA refused the pass
+  (`cuGraphAddKernelNode`: invalid argument), and greedy tokens equal the CPU device's."""
+  from tinygrad.helpers import Context
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
+  prompt, params = list(range(5, 45)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+  def run(dev):
+    with Context(DEV=dev):
+      engine = LLMEngine.from_kwargs(str(tiny_model), kernel_backend="portable", dtype="float32", num_kv_blocks=64, block_size=8,
+                                     max_num_batched_tokens=16)
+      engine.add_request("0", {"prompt_token_ids": prompt}, params)
+      outs = []
+      while engine.has_unfinished_requests(): outs += engine.step()
+      return engine, outs[-1].outputs[0].token_ids
+  engine, tokens = run(device)
+  assert tokens == run("CPU")[1]
+  programs = [p for inputs, layers, head in engine.runner.replays.values() for r in (inputs, *layers, head)
+              for p, in_graph in graph_programs(r.jit.captured.linear) if in_graph]
+  assert any(p.arg.vars for p in programs), "no symbolic kernel in the captured graphs: the test lost its subject"
+  for p in programs:
+    g, l = p.arg.launch_dims({v.expr: 0 for v in p.arg.vars})
+    assert 0 not in g and 0 not in l, (p.arg.name, g, l)

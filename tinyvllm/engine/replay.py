@@ -1,0 +1,263 @@
+"""Captured passes and their replay: the engine's one module that leans on tinygrad's internals.
+
+The model runner captures each pass shape once with TinyJit and replays it every step after that (`Replay`, bound to
+its long-lived inputs as `BoundReplay`). TinyJit's own replay checks every input on every call and resolves every
+kernel argument anew, which costs more than a decode step's kernels on the CPU device; so after a capture the plan of
+launches is read out of the captured graph and replayed directly. That reading relies on tinygrad 0.14 details, each
+named here and checked by tests/test_replay.py on every device kind the suite reaches (CPU, the emulated METAL device,
+and a GPU when TINYVLLM_TEST_DEVICE names one), so a tinygrad upgrade that changes them fails loudly there:
+
+- `TinyJit.cnt` (set to 1 to capture on the first call) and `TinyJit.captured` (a `CapturedJit`);
+- `CapturedJit.linear.src`: the calls of a capture, each `CALL(PROGRAM | COPY | graph CUSTOM_FUNCTION, *args)`;
+  `CapturedJit._written_uops` and `expected_input_info`;
+- `get_call_arg_uops`, `get_runtime`, `ProgramInfo.launch_dims/vals`, `Buffer._buf`, `Allocator._copyin/_transfer`;
+- the compile worker pool of `tinygrad.engine.realize.lower_and_compile` (see `compile_symbolic_kernels_in_process`).
+
+Two rules of tinygrad's GPU graphs shape what a capture may contain (docs/architecture.md, "Devices"):
+
+1. A graph is built with every symbolic launch size evaluated with its variables at 0 (tinygrad 0.14's CUDAGraph and
+   MetalGraph both do `launch_dims({v: 0 ...})`), and only updated to the real values when it runs. CUDA refuses a
+   kernel node with a zero grid dimension (`cuGraphAddKernelNode`: CUDA Error 1, invalid argument), so a count that
+   sizes a kernel must never be 0 at the variable's 0: `CountVariable` stores count - 1.
+2. Kernels are lowered in spawned worker processes and sent back pickled. A kernel with a symbolic loop carries its
+   cost estimate as an unsimplified sum, one ADD per operation (about 750 deep for a 1024-token attention kernel);
+   Python 3.12's pickler gives up on it (its C recursion limit is fixed), the worker dies while reporting the error,
+   and the compile hangs or fails with RecursionError. Such kernels are lowered in this process instead.
+"""
+from __future__ import annotations
+import ctypes, functools, time
+from dataclasses import dataclass
+from typing import Callable
+from tinygrad import Tensor, TinyJit, UOp
+from tinygrad.dtype import AddrSpace
+from tinygrad.uop.ops import Ops
+
+
+@dataclass(frozen=True)
+class CountVariable:
+  """A count in [1, hi] that sizes kernels of a captured pass (the KV blocks a step reads), kept as the variable
+  count - 1 in [0, hi - 1]: a graph built with the variable at 0 then sizes those kernels for a count of 1, never 0
+  (rule 1 above)."""
+  var: UOp
+
+  @staticmethod
+  def make(name: str, hi: int) -> CountVariable: return CountVariable(UOp.variable(f"{name}_minus_1", 0, hi - 1))
+
+  def bind(self, count: int) -> UOp:
+    """The bound variable to pass to a capture for this count."""
+    return self.var.bind(count - 1)
+
+  def var_vals(self, count: int) -> dict[str, int]:
+    """The variable values of a bound replay for this count."""
+    return {self.var.expr: count - 1}
+
+  @staticmethod
+  def count(bound: UOp) -> UOp:
+    """Inside a captured function: the count, from the bound variable it was passed."""
+    return bound + 1
+
+
+def _has_variables(ast: UOp) -> bool:
+  return any(x.op is Ops.PARAM and x.arg.addrspace is AddrSpace.ALU for x in ast.toposort())
+
+
+def compile_symbolic_kernels_in_process() -> None:
+  """Lower every kernel that reads a variable in this process, before tinygrad sends the rest to its compile workers
+  (rule 2 above). It only fills tinygrad's own program cache ahead of `lower_and_compile`, so what is compiled, and
+  how, stays tinygrad's. Idempotent."""
+  from tinygrad.engine import realize
+  if getattr(realize.lower_and_compile, "symbolic_in_process", False): return
+  lower_and_compile = realize.lower_and_compile
+  from tinygrad.codegen import to_program
+
+  def lower_symbolic_first(linear: UOp) -> UOp:
+    for call in linear.toposort():
+      if call.op is Ops.CALL and (todo := realize._get_call_to_compile(call)) is not None and _has_variables(todo[0]):
+        to_program(*todo)
+    return lower_and_compile(linear)
+  lower_symbolic_first.symbolic_in_process = True
+  realize.lower_and_compile = lower_symbolic_first
+
+
+class Replay:
+  """A TinyJit captured on its first call and replayed directly afterwards.
+
+  TinyJit checks every input on every call (~25 us each), and its executor resolves every kernel argument
+  anew; a layer runs 30 times a pass. So after the capture each kernel's runtime and argument buffers are
+  resolved once (`_plan`), and a replay only swaps in the input buffers and calls the programs. Callers pass
+  the same kinds of buffers in the same order each time, which is what TinyJit's checks verify. Inputs are
+  whole buffers, never views (a view would need resolving per call), and never a buffer the graph itself
+  writes (TinyJit copies those; such calls take the general path).
+
+  A capture that tinygrad batched into a graph (CUDA graphs, Metal's indirect command buffers) has no plan: it
+  replays through TinyJit's executor, which runs the graph.
+
+  A multi-device capture (tensor parallelism) is planned the same way, one entry per device a kernel runs on, and
+  its copies between devices (the all-reduces) as the executor would do them: the same calls, in the same order,
+  with their buffers resolved once. TinyJit's executor instead walks each kernel's whole program once per call to
+  find its device index, which cost more than the kernels themselves on the CPU devices here (docs/architecture.md,
+  "Tensor parallelism")."""
+  def __init__(self, fn):
+    compile_symbolic_kernels_in_process()
+    def run(*args):
+      out = fn(*args)
+      if isinstance(out, Tensor): return out.realize()
+      Tensor.realize(*out)
+      return out
+    self.jit = TinyJit(run)
+    self.jit.cnt = 1   # capture on the first call: weights and caches are realized, a warm-up run would only cost time
+    self.plan: list | None = None
+    self.handles: dict[UOp, tuple] = {}           # input buffer -> its device handle(s), one per device it spans
+
+  def __call__(self, *args: Tensor, bound: tuple[UOp, ...] = ()):
+    if self.jit.captured is None:
+      out = self.jit(*args, *bound)
+      self.plan = self._plan(self.jit.captured)
+      return out
+    return self.bind(*args)({var.expr: val for var, val in (b.unbind() for b in bound)})
+
+  def bind(self, *args: Tensor, times: LaunchTimes | None = None) -> BoundReplay:
+    """This replay with its inputs fixed: for the runner's passes, whose inputs are the same long-lived buffers every
+    step (weights, caches, its own input and hidden buffers), so a step need not resolve them again. Call after the
+    capture. `times`: where to count launch times when enabled."""
+    return BoundReplay(self, args, times)
+
+  def _handle(self, u: UOp) -> tuple:
+    """The device handle(s) of an input buffer, looked up once: callers pass long-lived buffers (weights, caches,
+    the runner's own input and hidden buffers), and resolving ~20 per layer replay cost ~0.2 ms each time.
+    The cache keeps those buffers alive: a caller must not pass short-lived tensors."""
+    self.handles[u] = tuple(b.ensure_allocated().get_buf(b.device) for b in device_buffers(u.buffer))
+    return self.handles[u]
+
+  @staticmethod
+  def _plan(captured) -> list | None:
+    """[(runtime, arguments, program info, device variables) per kernel and device it runs on], or None when the
+    captured graph holds anything but plain kernels and copies with whole-buffer arguments. An argument is (input
+    slot, None), or (None, device handle) for a buffer the graph holds itself (weights, scratch): those handles are
+    looked up once, here, not per replay. A copy is (None, a call doing it, None, None). Input slots count one per
+    device: a multi-device input takes as many slots as it has devices."""
+    from tinygrad.device import Buffer
+    from tinygrad.engine.realize import get_call_arg_uops, get_runtime
+    from tinygrad.uop.ops import AxisType
+    spans = [len(d) if isinstance(d := info[3], tuple) else 1 for info in captured.expected_input_info]
+    first = [sum(spans[:i]) for i in range(len(spans))]   # each input's first slot in the flat list of handles
+    plan = []
+    for call in captured.linear.src:
+      ast = call.src[0]
+      args = get_call_arg_uops(call)
+      if ast.op is Ops.COPY:
+        if any(x.op is Ops.PARAM for a in args for x in a.toposort()): return None
+        for dest, src in zip(*(device_buffers(a.buffer) for a in args[:2])):
+          if (copy := _copy(dest.ensure_allocated(), src.ensure_allocated())) is None: return None
+          plan.append((None, copy, None, None))
+        continue
+      if ast.op is not Ops.PROGRAM: return None
+      devices = call.src[1].device if isinstance(call.src[1].device, tuple) else (call.src[1].device,)
+      # as tinygrad's unwrap_multi: a kernel that reads its device index gets it as the _device_num variable
+      numbered = len(devices) > 1 and any((x.op is Ops.RANGE and x.arg[-1] is AxisType.DEVICE) or
+                                          (x.op is Ops.PARAM and x.arg.name == "_device_num") for x in ast.toposort())
+      for j, device in enumerate(devices):
+        specs = []
+        for i in ast.arg.globals:
+          u = args[i]
+          if u.op is Ops.PARAM and spans[u.arg.slot] == len(devices): specs.append((first[u.arg.slot] + j, None))
+          elif any(x.op is Ops.PARAM for x in u.toposort()): return None   # derived from an input: resolved per call
+          elif isinstance(buf := u.buffer, Buffer) and len(devices) == 1: specs.append((None, buf.ensure_allocated().get_buf(device)))
+          elif not isinstance(buf, Buffer) and len(buf.bufs) == len(devices):
+            specs.append((None, buf.bufs[j].ensure_allocated().get_buf(device)))
+          else: return None
+        plan.append((get_runtime(device, ast), specs, ast.arg, {"_device_num": j} if numbered else {}))
+    return plan
+
+
+@dataclass
+class LaunchTimes:
+  """Seconds spent in kernels and in copies between devices (tensor parallelism's all-reduces) by the runner's
+  bound passes, counted while `enabled`: the benchmark's split of a step into compute, synchronization and host
+  time. Off, a pass pays one attribute check."""
+  enabled: bool = False
+  kernel_seconds: float = 0.0
+  copy_seconds: float = 0.0
+
+
+class BoundReplay:
+  """A `Replay` bound to one list of inputs, called with the variables' values only.
+
+  Each kernel's arguments are gathered once, and its launch (sizes, variable arguments) once per distinct set of
+  variable values (the KV extent changes every block_size tokens). The runner binds each pass once and a decode
+  step makes one call per layer: resolving a layer's 24 inputs and launch sizes on every call cost about 40 us of
+  Python (1.2 ms a step on the default model, 13 % of a batch-1 decode step). `Replay.__call__` binds per call.
+  Inputs the capture writes, or a capture without a plan, take TinyJit's own path on every call."""
+  def __init__(self, replay: Replay, args: tuple[Tensor, ...], times: LaunchTimes | None = None):
+    self.times = times or LaunchTimes()
+    self.captured = captured = replay.jit.captured
+    self.inputs = inputs = [input_uop(a) for a in args]
+    self.steps = None
+    if replay.plan is not None and not any(u in captured._written_uops for u in inputs):
+      raw = [h for u in inputs for h in (replay.handles[u] if u in replay.handles else replay._handle(u))]
+      self.steps = [(rt, specs if rt is None else [raw[slot] if slot is not None else handle for slot, handle in specs], info, device_vars)
+                    for rt, specs, info, device_vars in replay.plan]
+    self.launches: dict[tuple, list[Callable[[], None]]] = {}   # variable values -> each step's launch
+    self.ret = captured.ret
+
+  def __call__(self, var_vals: dict[str, int]) -> Tensor | tuple[Tensor, ...]:
+    """Run with `var_vals` (variable name -> value)."""
+    if self.times.enabled: return self._timed(var_vals)
+    if self.steps is None: return self.captured(self.inputs, var_vals)
+    for launch in self._launches(var_vals): launch()
+    return self.ret
+
+  def _launches(self, var_vals: dict[str, int]) -> list[Callable[[], None]]:
+    key = tuple(var_vals.values())
+    if (launches := self.launches.get(key)) is None:
+      if len(self.launches) > 256: self.launches.clear()
+      launches = self.launches[key] = [args if rt is None else _launch(rt, args, info, {**var_vals, **device_vars} if device_vars else var_vals)
+                                       for rt, args, info, device_vars in self.steps]
+    return launches
+
+  def _timed(self, var_vals: dict[str, int]) -> Tensor | tuple[Tensor, ...]:
+    """__call__ with each launch timed into self.times (kernels and copies apart); TinyJit's path counts as kernels."""
+    if self.steps is None:
+      t = time.perf_counter()
+      out = self.captured(self.inputs, var_vals)
+      self.times.kernel_seconds += time.perf_counter() - t
+      return out
+    for launch, (rt, *_) in zip(self._launches(var_vals), self.steps):
+      t = time.perf_counter()
+      launch()
+      if rt is None: self.times.copy_seconds += time.perf_counter() - t
+      else: self.times.kernel_seconds += time.perf_counter() - t
+    return self.ret
+
+
+def _launch(rt, args: list, info, var_vals: dict[str, int]) -> Callable[[], None]:
+  """One kernel launch with its arguments and sizes resolved. A plain one-thread CPU program (all of ours) is called
+  through its C function with the ctypes arguments built here once: tinygrad's CPUProgram.__call__ builds them anew
+  on each call (about 10 us for a layer's 25 arguments)."""
+  global_size, local_size = info.launch_dims(var_vals)
+  vals = info.vals(var_vals)
+  from tinygrad.runtime.ops_cpu import CPUProgram
+  if isinstance(rt, CPUProgram) and not rt.lvp and not rt.runtimevars and tuple(global_size) == (1, 1, 1):
+    return functools.partial(rt.fxn, *(ctypes.c_uint64(x) for x in [*(b.va_addr for b in args), *vals]))
+  return functools.partial(rt, *args, global_size=global_size, local_size=local_size, vals=vals)
+
+
+def device_buffers(buf) -> list:
+  """A Buffer's per-device buffers: itself, or a MultiBuffer's one per device."""
+  return buf.bufs if hasattr(buf, "bufs") else [buf]
+
+
+def _copy(dest, src):
+  """A call copying src to dest as tinygrad's executor does (engine/realize.py exec_copy), or None for a kind it
+  leaves to the executor (disk)."""
+  if hasattr(dest.allocator, "_transfer") and dest.allocator.supports_transfer and dest.device.split(":")[0] == src.device.split(":")[0]:
+    return functools.partial(dest.allocator._transfer, dest._buf, src._buf, dest.nbytes, src_dev=src.allocator.dev, dest_dev=dest.allocator.dev)
+  if src.device.startswith("DISK"): return None
+  if hasattr(dest.allocator, "_as_buffer"):
+    return functools.partial(src.allocator._copyout, dest.as_memoryview(force_zero_copy=True), src._buf)
+  return functools.partial(dest.allocator._copyin, dest._buf, src.as_memoryview(allow_zero_copy=True))
+
+
+def input_uop(t: Tensor) -> UOp:
+  """The buffer TinyJit takes for an input tensor: a multi-device tensor's (split or copied over devices) included."""
+  return (t.uop.src[0] if t.uop.op is Ops.UNSHARD else t.uop).base
