@@ -49,12 +49,14 @@ _MIN_KV_BYTES, _MIN_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 4 + 8
 
 
 def read_gguf(path: str | Path, with_tensors: bool = True) -> tuple[dict[str, Any], list[GGUFTensor]]:
-  """(metadata, tensors). Tensor data are views of a read-only memory map that lives as long as they do.
+  """(metadata, tensors). Tensor data are views of a private (copy-on-write) memory map that lives as long as they
+  do: writable, as device copy-in needs (CUDA's takes the address of a writable buffer), though nothing writes them
+  and the file never changes.
   Every count, length, dimension and offset is checked against the file's size before it is used, so a
   corrupt file raises GGUFError naming the file (and the key or tensor) instead of allocating or overflowing."""
   path = Path(path)
   with open(path, "rb") as f:
-    try: buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try: buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except ValueError: raise GGUFError(f"{path}: empty file, not GGUF") from None
   try:
     meta, infos, data_start = _read_header(path, buf, with_tensors)

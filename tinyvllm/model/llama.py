@@ -4,9 +4,12 @@ A step's batch is flat: T tokens laid out group by group (see kernels.AttentionG
 tokens at once; attention runs per group; logits are computed only for the rows the sampler needs.
 """
 from __future__ import annotations
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 import numpy as np
-from tinygrad import Tensor, dtypes
+from tinygrad import Device, Tensor, dtypes
+from tqdm import tqdm
 from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import AttentionGroup, Kernels, portable
 from tinyvllm.kernels.kv_cache import PagedKVCache
@@ -14,7 +17,7 @@ from tinyvllm.quant import int4
 from tinyvllm.quant.formats import FLOAT, INT4, INT8, PARTS, LinearWeights, stored_format
 from tinyvllm.model import tensor_parallel
 from tinyvllm.model.rope import cos_sin_table, inverse_frequencies
-from tinyvllm.model.weights import ModelLoadError, expected_tensors
+from tinyvllm.model.weights import ModelLoadError, expected_tensors, release
 
 
 @dataclass
@@ -76,16 +79,24 @@ class LlamaLayer:
 class Llama:
   def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str | tuple[str, ...], kernels: Kernels,
                max_positions: int):
-    """`device`: one device, or a tuple of devices to split every layer over (tensor parallelism, model/tensor_parallel.py)."""
+    """`device`: one device, or a tuple of devices to split every layer over (tensor parallelism, model/tensor_parallel.py).
+
+    The weights go to the device a layer at a time (`_prepare`), each layer's source pages handed back to the OS once
+    its tensors are there: loading holds the device's copy plus one layer on the host, never a second copy of the
+    model (docs/architecture.md, "Loading")."""
     self.cfg, self.kernels, self.device = cfg, kernels, device
     self.dtype = dtypes.float32 if dtype == "float32" else dtypes.float16
-    arrays = self._prepare(cfg, tensors, dtype, kernels.eight_bit)
+    groups = tqdm(self._prepare(cfg, tensors, dtype, kernels.eight_bit), desc="loading weights", total=cfg.num_hidden_layers + 1,
+                  unit=" layers", file=sys.stderr, disable=None, leave=False)   # the layers, and what sits outside them
     if isinstance(device, tuple):
       n = len(device)
       tensor_parallel.check_shardable(cfg, n)
-      arrays = tensor_parallel.shard_layout(cfg, arrays, n, dtype)
+      arrays = tensor_parallel.shard_layout(cfg, {name: arr for group in groups for name, arr in group.items()}, n, dtype)
       w = {name: tensor_parallel.place(arr, device, tensor_parallel.shard_axis(name, cfg, n)) for name, arr in arrays.items()}
-    else: w = {name: Tensor(arr, device=device).realize() for name, arr in arrays.items()}
+    else:
+      upload, w = Uploader(device), {}
+      for group in groups: w.update({name: upload(arr) for name, arr in group.items()})
+      upload.finish()
     self.embed_tokens = LinearWeights.of(w, "model.embed_tokens")   # 4-bit in MLX checkpoints with quantized embeddings
     self.norm = w["model.norm.weight"]
     self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else LinearWeights.of(w, "lm_head")
@@ -96,19 +107,23 @@ class Llama:
     self.cos_sin = tensor_parallel.place(table, device, None) if isinstance(device, tuple) else Tensor(table, device=device).realize()
 
   @staticmethod
-  def _prepare(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, eight_bit: bool) -> dict[str, np.ndarray]:
-    """Check every tensor's shape, fuse q/k/v and gate/up, cast floats to the model dtype. 4-bit linears
-    (`.weight` packed uint32 `[N, K/8]`, `.scales`/`.biases` float16 `[N, K/G]`) stay packed; 8-bit ones
-    (`.weight` int8 `[N, K]`, `.scales` float16 `[N, K/32]`) too where the kernels read them (`eight_bit`)."""
+  def _prepare(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, eight_bit: bool) -> Iterator[dict[str, np.ndarray]]:
+    """{name: array} of every tensor the model reads, the embeddings and head first, then one layer at a time: shapes
+    checked, q/k/v and gate/up fused, floats cast to the model dtype. 4-bit linears (`.weight` packed uint32
+    `[N, K/8]`, `.scales`/`.biases` float16 `[N, K/G]`) stay packed; 8-bit ones (`.weight` int8 `[N, K]`, `.scales`
+    float16 `[N, K/32]`) too where the kernels read them (`eight_bit`). After a layer's arrays have been taken, the
+    checkpoint pages they came from are released (weights.release)."""
     np_dtype = np.float32 if dtype == "float32" else np.float16
     vectors, linears, biased = expected_tensors(cfg)
     vectors = vectors | {f"{base}.bias": linears[base][0] for base in biased}
-    out = {}
-    for name, size in vectors.items():
-      _check(tensors, name, (size,), cfg)
-      out[name] = np.ascontiguousarray(tensors[name], dtype=np_dtype)
-    for name, (n, k) in linears.items():
-      fmt = stored_format(tensors, name)
+
+    def vector(name: str) -> np.ndarray:
+      _check(tensors, name, (vectors[name],), cfg)
+      return np.ascontiguousarray(tensors[name], dtype=np_dtype)
+
+    def linear(name: str) -> dict[str, np.ndarray]:
+      n, k = linears[name]
+      fmt, out = stored_format(tensors, name), {}
       if fmt == INT8:
         _check(tensors, f"{name}.weight", (n, k), cfg)
         _check(tensors, f"{name}.scales", (n, k // 32), cfg)
@@ -127,22 +142,21 @@ class Llama:
       else:
         _check(tensors, f"{name}.weight", (n, k), cfg)
         out[f"{name}.weight"] = np.ascontiguousarray(tensors[f"{name}.weight"], dtype=np_dtype)
-    fuse = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-    for i in range(cfg.num_hidden_layers):
-      for fused, parts in fuse.items():
-        names = [f"model.layers.{i}.{part}" for part in parts]
-        stored = [LinearWeights.of(out, n) for n in names]
-        if len({(p.format, p.group_size) for p in stored}) > 1:
-          for n, p in zip(names, stored):   # mixed formats or group sizes cannot share one matmul: fuse as floats
-            if p.format == INT8:
-              out[f"{n}.weight"] = int4.dequantize_8bit(out[f"{n}.weight"], out.pop(f"{n}.scales")).astype(np_dtype)
-            elif p.format == INT4:
-              out[f"{n}.weight"] = int4.dequantize(out[f"{n}.weight"], out.pop(f"{n}.scales"), out.pop(f"{n}.biases")).astype(np_dtype)
-        for part in PARTS:
-          if f"{names[0]}.{part}" in out:
-            out[f"model.layers.{i}.{fused}.{part}"] = np.concatenate([out.pop(f"{n}.{part}") for n in names], axis=0)
-    return out
+      return out
+
+    def group(prefix: str) -> Iterator[dict[str, np.ndarray]]:
+      """The tensors named under `prefix` (a layer's, or the model's outside the layers when prefix is "")."""
+      inside = lambda name: name.startswith(prefix) if prefix else not name.startswith("model.layers.")
+      out = {name: vector(name) for name in vectors if inside(name)}
+      for name in linears:
+        if inside(name): out.update(linear(name))
+      if prefix: _fuse(out, prefix, np_dtype)
+      yield out
+      for name in tensors:   # the device has them now: the pages they were read from can go
+        if inside(name): release(tensors[name])
+
+    yield from group("")
+    for i in range(cfg.num_hidden_layers): yield from group(f"model.layers.{i}.")
 
   def __call__(self, inp: ModelInputs, kv_caches: list[PagedKVCache]) -> Tensor:
     """Returns float32 logits `[R, vocab]` for the rows in inp.logits_index."""
@@ -165,6 +179,51 @@ class Llama:
     logits = self.kernels.linear(h, self.lm_head).float()
     # tensor parallel: each device's share of the vocabulary (or a whole copy), gathered on the first device
     return logits if isinstance(logits.device, str) else logits.to(logits.device[0])
+
+
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _fuse(out: dict[str, np.ndarray], prefix: str, np_dtype) -> None:
+  """Fuse one layer's q/k/v and gate/up linears in place (`prefix`: "model.layers.{i}."). Parts stored in different
+  formats or group sizes cannot share one matmul: they are fused as floats."""
+  for fused, parts in FUSED.items():
+    names = [prefix + part for part in parts]
+    stored = [LinearWeights.of(out, n) for n in names]
+    if len({(p.format, p.group_size) for p in stored}) > 1:
+      for n, p in zip(names, stored):
+        if p.format == INT8:
+          out[f"{n}.weight"] = int4.dequantize_8bit(out[f"{n}.weight"], out.pop(f"{n}.scales")).astype(np_dtype)
+        elif p.format == INT4:
+          out[f"{n}.weight"] = int4.dequantize(out[f"{n}.weight"], out.pop(f"{n}.scales"), out.pop(f"{n}.biases")).astype(np_dtype)
+    for part in PARTS:
+      if f"{names[0]}.{part}" in out: out[prefix + fused + "." + part] = np.concatenate([out.pop(f"{n}.{part}") for n in names], axis=0)
+
+
+class Uploader:
+  """Copies host arrays to a device. On a GPU each copy-in is staged through host memory the driver frees only when the
+  device synchronizes (tinygrad's CUDA allocator pins a buffer per copy): without a synchronize every so often,
+  loading an 8B model would pin all 16 GB of it on the host at once. `finish` synchronizes and drops the staging
+  buffers tinygrad's allocator keeps for reuse."""
+  SYNC_BYTES = 256 << 20
+
+  def __init__(self, device: str):
+    self.device, self.pending = device, 0
+    self.host = device.split(":")[0] == "CPU"   # copies into host memory directly: nothing staged
+
+  def __call__(self, arr: np.ndarray) -> Tensor:
+    t = Tensor(arr, device=self.device).realize()
+    if not self.host:
+      self.pending += arr.nbytes
+      if self.pending >= self.SYNC_BYTES: self.finish(free=False)
+    return t
+
+  def finish(self, free: bool = True) -> None:
+    if self.host: return
+    Device[self.device].synchronize()
+    self.pending = 0
+    if free and hasattr(allocator := Device[self.device].allocator, "free_cache"): allocator.free_cache()
 
 
 def _check(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...], cfg: ModelConfig) -> None:

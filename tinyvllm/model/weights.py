@@ -5,7 +5,7 @@ a GGUF file (architecture llama), or a hub id fetched with huggingface_hub. Tens
 turning them into device tensors (and choosing the dtype) is the model's job.
 """
 from __future__ import annotations
-import dataclasses, json, math, os, re, struct, sys
+import ctypes, dataclasses, json, math, mmap, os, re, struct, sys
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
@@ -144,7 +144,8 @@ ST_MAX_HEADER = 100_000_000   # the safetensors library's own limit on the JSON 
 
 
 def read_safetensors(file: Path) -> dict[str, np.ndarray]:
-  """Memory-map a safetensors file. bf16 tensors come back as float32 (numpy has no bfloat16).
+  """Memory-map a safetensors file (privately, copy-on-write: the arrays are writable, as device copy-in needs, and
+  the file never changes). bf16 tensors come back as float32 (numpy has no bfloat16).
   The header is checked against the file before anything is read or mapped: its length, that it is an object
   of tensor entries, and each entry's dtype, shape and data_offsets (inside the data, and as many bytes as
   the shape needs); a corrupt file raises ModelLoadError naming the file and the tensor."""
@@ -168,7 +169,7 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray]:
   if not isinstance(header, dict):
     raise ModelLoadError(f"{file}: the safetensors header is a JSON {type(header).__name__}, not an object of tensors")
   data_len = size - 8 - header_len
-  data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len, shape=(data_len,)) if data_len else np.empty(0, np.uint8)
+  data = np.memmap(file, dtype=np.uint8, mode="c", offset=8 + header_len, shape=(data_len,)) if data_len else np.empty(0, np.uint8)
   out = {}
   for name, info in header.items():
     if name == "__metadata__": continue
@@ -197,6 +198,21 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray]:
 
 
 def _is_count(v) -> bool: return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def release(arr: np.ndarray) -> None:
+  """Let the OS take back the pages of a checkpoint's memory map under `arr` once its data is on the device: without
+  this, every page read while loading stays in the process (a second copy of the weights in RSS until the map
+  closes). The map is private and never written, so a later read of the same bytes reads the file again. Arrays not
+  backed by a map (conversions, copies) are left alone."""
+  base = arr
+  while base is not None and not isinstance(base, mmap.mmap): base = getattr(base, "base", None)
+  if base is None or not hasattr(base, "madvise") or arr.nbytes == 0: return
+  try: start = arr.__array_interface__["data"][0] - ctypes.addressof(ctypes.c_char.from_buffer(base))
+  except TypeError: return   # a read-only map: not one of ours
+  page = mmap.PAGESIZE
+  first, end = -(-start // page) * page, (start + arr.nbytes) // page * page   # whole pages inside arr only
+  if end > first: base.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 # ---- what the model reads ----
@@ -339,7 +355,7 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
     if packed: arr = t.data
     elif qtype in ggml.BLOCK_BYTES: arr = ggml.dequantize(t.data, qtype, shape)
     elif qtype == "BF16": arr = (t.data.astype(np.uint32) << 16).view(np.float32)
-    else: arr = np.array(t.data)   # a copy: the file's memory map is read-only
+    else: arr = t.data
     # rows move as whole rows, so raw quantized blocks are un-permuted just like floats
     if name.endswith("self_attn.q_proj.weight"): arr = unpermute_rope_rows(arr, config.num_attention_heads)
     if name.endswith("self_attn.k_proj.weight"): arr = unpermute_rope_rows(arr, config.num_key_value_heads)
