@@ -81,3 +81,18 @@ def test_engine_flags_come_from_engine_config():
   assert (args.max_num_seqs, args.kernel_backend, args.enable_prefix_caching) == (3, "portable", False)
   from tinyvllm.entrypoints.engine_args import engine_kwargs
   assert engine_kwargs(args, exclude=("seed",)) == {"max_num_seqs": 3, "kernel_backend": "portable", "enable_prefix_caching": False}
+
+
+def test_a_failing_model_pass_is_printed_with_its_cause(tiny_model):
+  """The engine fails every pass (as a broken GPU would): the command logs the traceback once, prints the cause in one
+  line for each prompt and exits 1, instead of printing empty text."""
+  code = ("import sys\nimport tinyvllm.engine.model_runner as m\n"
+          "def boom(self, *a, **kw): raise RuntimeError('CUDA Error 1, invalid argument (injected)')\n"
+          "m.ModelRunner.execute = boom\nfrom tinyvllm.generate import main\nsys.exit(main(sys.argv[1:]))")
+  r = subprocess.run([sys.executable, "-c", code, "--model", str(tiny_model), "--prompt", "Hello", "--prompt", "World",
+                      "--num-kv-blocks", "32", "--block-size", "8"], capture_output=True, text=True, env={**os.environ, "DEV": "CPU"},
+                     timeout=600)
+  assert r.returncode == 1
+  lines = r.stderr.splitlines()
+  assert lines.count("error: RuntimeError: CUDA Error 1, invalid argument (injected)") == 2, r.stderr
+  assert r.stderr.count("model pass failed for") == 1 and r.stderr.count("Traceback") == 1, r.stderr   # logged once

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import numpy as np
 import pytest
-from tinyvllm import AsyncLLM, LLM, SamplingParams
+from tinyvllm import AsyncLLM, GenerationError, LLM, SamplingParams
 from tinyvllm.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -123,7 +123,9 @@ def test_a_dead_engine_thread_fails_callers_instead_of_hanging(tiny_model):
   class Boom(BaseException): pass   # escapes LLMEngine.step's handling, as a bug in the loop would
   def explode(): raise Boom("injected crash")
   llm.llm_engine.call(lambda e: setattr(e, "step", explode))
-  out = llm.generate("Hello", GREEDY, use_tqdm=False)[0]
+  with pytest.raises(GenerationError, match="engine thread stopped: Boom: injected crash") as failed:
+    llm.generate("Hello", GREEDY, use_tqdm=False)
+  out = failed.value.outputs[0]
   assert out.outputs[0].finish_reason == "error" and "engine thread stopped" in out.error
   with pytest.raises(RuntimeError, match="not running"): llm.generate("Hello", GREEDY, use_tqdm=False)
   with pytest.raises(RuntimeError, match="not running"): llm.llm_engine.call(lambda e: None)
@@ -187,3 +189,65 @@ def test_an_interrupted_generate_leaves_nothing_behind(tiny_model, capsys):
   free, total = llm.llm_engine.call(lambda e: (e.block_manager.num_free, e.block_manager.num_blocks))
   assert free == total
   llm.shutdown()
+
+
+# **** never silent: a failure is logged once with its traceback, and the Python API raises ****
+
+class FailingPass:
+  """The runner's execute, failing from the `after`-th call on with the same error (a broken GPU fails every step)."""
+  def __init__(self, execute, after: int = 2):
+    self.execute, self.after, self.calls = execute, after, 0
+  def __call__(self, *a, **kw):
+    self.calls += 1
+    if self.calls >= self.after: raise RuntimeError("CUDA Error 1, invalid argument (injected)")
+    return self.execute(*a, **kw)
+
+
+def test_a_failing_pass_is_logged_once_with_its_traceback(tiny_model, caplog):
+  engine = engine_for(tiny_model)
+  engine.runner.execute = FailingPass(engine.runner.execute, after=1)
+  with caplog.at_level("DEBUG", logger="tinyvllm"):
+    for i in range(3):   # three requests, each failing in its own step with the same error
+      engine.add_request(f"r{i}", "Hello world", GREEDY)
+      assert run(engine)[f"r{i}"].error == "RuntimeError: CUDA Error 1, invalid argument (injected)"
+  errors = [r for r in caplog.records if r.levelname == "ERROR"]
+  assert len(errors) == 1, [r.getMessage() for r in errors]
+  assert errors[0].name == "tinyvllm" and "model pass failed for r0" in errors[0].getMessage()
+  assert "CUDA Error 1" in errors[0].getMessage() and errors[0].exc_info and "test_failures.py\", line" in caplog.text   # the traceback
+  assert sum("failed again" in r.getMessage() for r in caplog.records if r.levelname == "DEBUG") == 2
+  # a different failure is logged in its turn
+  engine.runner.execute = FailingPass(engine.runner.execute.execute, after=1)
+  engine.runner.execute.execute = lambda *a, **kw: (_ for _ in ()).throw(MemoryError("out of device memory"))
+  engine.runner.execute.after = 99
+  with caplog.at_level("ERROR", logger="tinyvllm"):
+    engine.add_request("m", "Hello world", GREEDY)
+    run(engine)
+  assert sum("MemoryError: out of device memory" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_python_api_raises_instead_of_returning_empty_text(tiny_model):
+  """LLM.generate, LLM.stream and AsyncLLM.generate: a request the engine failed raises GenerationError naming the
+  cause; generate's error keeps the other requests' finished outputs (nothing lost)."""
+  llm = LLM(str(tiny_model), block_size=8, num_kv_blocks=64)
+  want = llm.generate("The quick brown fox", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+  original = llm.llm_engine.call(lambda e: e.core._penalized)
+  def fail_one(seq, logits, extra=()):
+    if seq.request_id.endswith("-1"): raise ValueError("injected NaN logits")
+    return original(seq, logits, extra)
+  llm.llm_engine.call(lambda e: setattr(e.core, "_penalized", fail_one))
+  import itertools
+  llm._ids = itertools.count()   # ids llm-0, llm-1: the second fails
+  with pytest.raises(GenerationError, match="1 of 2 requests failed; the first, 'llm-1': ValueError: injected NaN logits") as e:
+    llm.generate(["The quick brown fox", "Hello world"], GREEDY, use_tqdm=False)
+  good, bad = e.value.outputs
+  assert good.error is None and good.outputs[0].token_ids == want and good.outputs[0].text
+  assert bad.outputs[0].finish_reason == "error" and e.value.failed == [bad]
+  llm._ids = itertools.count(1)
+  with pytest.raises(GenerationError, match="injected NaN logits"): list(llm.stream("Hello", GREEDY))
+  llm.shutdown()
+  engine = AsyncLLM(str(tiny_model), block_size=8, num_kv_blocks=64)
+  engine.engine.call(lambda e: setattr(e.core, "_penalized", lambda *a, **kw: (_ for _ in ()).throw(ValueError("injected"))))
+  async def main():
+    return [out async for out in engine.generate("Hello", GREEDY, request_id="a-1")]
+  with pytest.raises(GenerationError, match="request 'a-1' failed: ValueError: injected"): asyncio.run(main())
+  engine.shutdown()

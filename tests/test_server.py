@@ -483,3 +483,21 @@ def test_structured_output_errors_are_400s(server, path, body, param, words):
   assert r.status_code == 400, r.text
   err = r.json()["error"]
   assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_a_failing_model_pass_answers_500_naming_the_cause(server, client):
+  """A pass that raises on the device: the error response (plain and streamed) names the cause, the next request is
+  served as before."""
+  url, engine = server
+  def boom(*a, **kw): raise RuntimeError("CUDA Error 1, invalid argument (injected)")
+  execute = engine.engine.call(lambda e: e.runner.execute)
+  engine.engine.call(lambda e: setattr(e.runner, "execute", boom))
+  try:
+    with pytest.raises(openai.InternalServerError, match="generation failed: RuntimeError: CUDA Error 1, invalid argument") as e:
+      client.chat.completions.create(model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=4)
+    assert e.value.status_code == 500 and e.value.body["type"] == "server_error"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "stream": True}, timeout=60)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert "CUDA Error 1" in events[-1]["error"]["message"]
+  finally: engine.engine.call(lambda e: setattr(e.runner, "execute", execute))
+  assert client.chat.completions.create(model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=4).choices[0].message.content

@@ -62,15 +62,18 @@ def run_prompt(llm, prompt: str, params, args) -> int:
   if args.chat:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
     request = llm.llm_engine.input_processor.render_chat(messages)
+  from tinyvllm import GenerationError
   final, sent = None, 0
-  for out in llm.stream(request, params):
-    text = out.outputs[0].text
-    print(text[sent:], end="", flush=True)
-    sent, final = len(text), out
-  print(flush=True)
-  if final.error:
-    print(f"error: {final.error}", file=sys.stderr)
+  try:
+    for out in llm.stream(request, params):
+      text = out.outputs[0].text
+      print(text[sent:], end="", flush=True)
+      sent, final = len(text), out
+  except GenerationError as e:   # the engine logged the traceback; the user gets the cause in one line
+    print(flush=True)
+    print(f"error: {e.failed[0].error}", file=sys.stderr)
     return 1
+  print(flush=True)
   print(stats_line(final), file=sys.stderr, flush=True)
   return 0
 

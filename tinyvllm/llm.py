@@ -8,7 +8,7 @@ from tqdm import tqdm
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.request import EngineRequest
 from tinyvllm.engine.threaded_engine import OutputStream, ThreadedEngine, error_output
-from tinyvllm.outputs import RequestOutput
+from tinyvllm.outputs import GenerationError, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -40,7 +40,10 @@ class LLM:
 
     Every prompt is checked before any is queued. A prompt the engine rejects (wrong type, empty, longer than
     max_model_len, ...) does not stop the others: its output has `error` set and finish_reason "error", and a
-    warning names it on stderr. If this call is interrupted (KeyboardInterrupt), its requests are aborted."""
+    warning names it on stderr. A request the engine fails while generating (a model pass that raised) raises
+    `GenerationError` once every request of the call has finished: its message names the cause, and its `outputs`
+    hold every output of the call, the finished ones with their text. If this call is interrupted
+    (KeyboardInterrupt), its requests are aborted."""
     prompts = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
     params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
     if len(params) != len(prompts): raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
@@ -68,7 +71,9 @@ class LLM:
       for req in requests:
         if req.request_id not in done: self.llm_engine.abort(req.request_id, sink)
     by_id = iter(done[req.request_id] for req in requests)
-    return [r if r is not None else next(by_id) for r in results]
+    outputs = [r if r is not None else next(by_id) for r in results]
+    if failed := [done[req.request_id] for req in requests if done[req.request_id].error]: raise GenerationError(failed, outputs)
+    return outputs
 
   def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
            use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -82,7 +87,8 @@ class LLM:
 
   def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
     """Yield a RequestOutput snapshot of one request as it advances; the last one is finished. Several streams
-    may be open at once and advanced in any order, from any threads. Closing a stream early aborts its request."""
+    may be open at once and advanced in any order, from any threads. Closing a stream early aborts its request.
+    A request the engine fails raises `GenerationError` (with the failed output) instead of a last snapshot."""
     request = self.llm_engine.input_processor.process(self._next_id(), prompt, sampling_params)
     stream = OutputStream()
     self.llm_engine.submit(request, stream.put)
@@ -91,6 +97,7 @@ class LLM:
       while not finished:
         out = stream.get()
         finished = out.finished
+        if out.error: raise GenerationError([out], [out])
         yield out
     finally:   # the caller stopped early (or was interrupted): free the request's blocks
       if not finished: self.llm_engine.abort(request.request_id, stream.put)
@@ -101,7 +108,6 @@ class LLM:
       raise ValueError("generate_stream streams one completion: SamplingParams.n must be 1")
     sent = 0
     for out in self.stream(prompt, sampling_params):
-      if out.error: raise RuntimeError(f"generation failed: {out.error}")
       text = out.outputs[0].text
       if len(text) > sent:
         yield text[sent:]

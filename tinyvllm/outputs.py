@@ -70,3 +70,17 @@ class RequestOutput:
   error: str | None = None            # set with finish_reason "error": why the request was rejected or failed
   prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # per prompt token (the first is None)
   num_cached_tokens: int = 0          # prompt tokens whose KV cache was reused
+
+
+class GenerationError(RuntimeError):
+  """Raised by `LLM.generate`/`chat`/`stream` and `AsyncLLM.generate` when the engine failed requests (a model pass
+  that raised on the device, say), where vLLM would raise too, instead of handing back empty text as if nothing had
+  happened. The message names the cause (the engine also logged it once, with its traceback, on the `tinyvllm`
+  logger). Nothing is lost: `outputs` holds every output of the call in input order, the ones that finished among
+  them; a failed one has finish_reason "error" and its cause in `error`."""
+  def __init__(self, failed: list[RequestOutput], outputs: list[RequestOutput]):
+    self.failed, self.outputs = failed, outputs
+    first = failed[0]
+    many = f"{len(failed)} of {len(outputs)} requests failed; the first, {first.request_id!r}" if len(outputs) > 1 else \
+      f"request {first.request_id!r} failed"
+    super().__init__(f"{many}: {first.error}")

@@ -13,7 +13,7 @@ import asyncio, contextlib, itertools, weakref
 from collections.abc import AsyncIterator, Iterable
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.threaded_engine import StatLogger, ThreadedEngine
-from tinyvllm.outputs import RequestOutput
+from tinyvllm.outputs import GenerationError, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -97,10 +97,13 @@ class AsyncLLM:
 
   async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-    """Yield snapshots of the request as it advances; the last one is finished."""
+    """Yield snapshots of the request as it advances; the last one is finished. A request the engine fails raises
+    `GenerationError` (with the failed output) instead of a last snapshot. (`add_request` streams yield that output.)"""
     stream = self.add_request(request_id, prompt, sampling_params)
     try:
-      async for out in stream: yield out
+      async for out in stream:
+        if out.error: raise GenerationError([out], [out])
+        yield out
     finally: await stream.aclose()
 
   async def abort(self, request_id: str) -> None: self.engine.abort(request_id)

@@ -12,6 +12,7 @@ from tinygrad import Device
 from tinyvllm import sampler
 from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.failure_log import FailureLog
 from tinyvllm.engine.model_runner import ModelRunner, WorkItem
 from tinyvllm.engine.request import CoreOutput, EngineRequest, SchedulerStats, TopLogprobs
 from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -28,10 +29,11 @@ from tinyvllm.structured_output import MaskWorker, apply_bias
 
 
 class EngineCore:
-  def __init__(self, config: EngineConfig, ckpt: Checkpoint, tokenizer: Tokenizer):
+  def __init__(self, config: EngineConfig, ckpt: Checkpoint, tokenizer: Tokenizer, failures: FailureLog | None = None):
     """Build the model, its KV cache and (with `draft_model`) the draft from a loaded checkpoint. `tokenizer`
-    gives the end-of-sequence ids and checks that a draft model shares the vocabulary."""
+    gives the end-of-sequence ids and checks that a draft model shares the vocabulary. `failures` logs what fails."""
     self.config = config
+    self.failures = failures or FailureLog()
     self.device = Device.DEFAULT
     # the device the model runs on, or with tensor parallelism the devices each layer is split over (model/tensor_parallel.py)
     self.devices = parallel_devices(self.device, config.tensor_parallel_size)
@@ -164,10 +166,14 @@ class EngineCore:
     try:
       sampled, drafted, accepted = self._run_and_sample(sched, outputs)
     except Exception as e:   # the model pass itself failed: every sequence it carried fails, the rest go on
-      for seq in sched.decodes + [c.seq for c in sched.prefills]: self._fail(seq, e, outputs)
+      carried = sched.decodes + [c.seq for c in sched.prefills]
+      self.failures.record("model pass", e, [seq.request_id for seq in carried])
+      for seq in carried: self._fail(seq, e, outputs)
       return self._collect(outputs), self.stats()
     kept, failed = self.scheduler.update_from_output(sched, sampled)
-    for seq, error in failed.items(): self._fail(seq, error, outputs)
+    for seq, error in failed.items():
+      self.failures.record("committing sampled tokens", error, [seq.request_id])
+      self._fail(seq, error, outputs)
     for seq, tokens in kept.items():
       if seq.finish_reason == "error": continue   # a sibling's commit failed: the request failed with it
       out = outputs.setdefault(seq, CoreOutput(seq.request_id, seq.index))
@@ -232,7 +238,9 @@ class EngineCore:
 
   def _guarded(self, seq: Sequence, outputs: dict[Sequence, CoreOutput], fn) -> None:
     try: fn()
-    except Exception as e: self._fail(seq, e, outputs)
+    except Exception as e:
+      self.failures.record("sampling", e, [seq.request_id])
+      self._fail(seq, e, outputs)
 
   def _sample(self, seq: Sequence, logits: np.ndarray, outputs, sampled, mask: np.ndarray | None = None) -> None:
     """One token from logits `[1, V]` at the sequence's newest token; `mask`: the grammar's bias row (structured

@@ -14,6 +14,7 @@ import dataclasses, time
 from collections.abc import Iterable
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.core import EngineCore
+from tinyvllm.engine.failure_log import FailureLog
 from tinyvllm.engine.input_processor import InputProcessor
 from tinyvllm.engine.output_processor import IterationStats, OutputProcessor, finished_stats
 from tinyvllm.engine.request import EngineRequest, SchedulerStats
@@ -28,10 +29,11 @@ class LLMEngine:
     self.config = config
     ckpt = load_checkpoint(config.model, config.quantization)
     self.tokenizer = load_tokenizer(ckpt.path)
-    self.core = EngineCore(config, ckpt, self.tokenizer)
+    self.failures = FailureLog()   # every failure below is confined to its requests, and logged once (failure_log.py)
+    self.core = EngineCore(config, ckpt, self.tokenizer, self.failures)
     del ckpt   # the model holds its weights on the device now: let the host copy go
     self.input_processor = InputProcessor(self.tokenizer, self.core.model_config.vocab_size, self.core.max_model_len)
-    self.output_processor = OutputProcessor(self.tokenizer)
+    self.output_processor = OutputProcessor(self.tokenizer, self.failures)
     self.last_stats: tuple[SchedulerStats, IterationStats] = (self.core.stats(), IterationStats())
 
   @classmethod
@@ -77,6 +79,7 @@ class LLMEngine:
     try:
       core_outputs, scheduler_stats = self.core.step()
     except Exception as e:
+      self.failures.record("engine step", e, list(self.output_processor.requests))
       finals = self.abort_request(list(self.output_processor.requests), error=f"engine step failed: {type(e).__name__}: {e}")
       now = time.time()
       self.last_stats = (self.core.stats(), IterationStats(finished=[finished_stats(o, "error", now) for o in finals]))

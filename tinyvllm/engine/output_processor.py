@@ -7,6 +7,7 @@ the completion finishes here and is reported back to be aborted in the core (its
 from __future__ import annotations
 import dataclasses, time
 from dataclasses import dataclass, field
+from tinyvllm.engine.failure_log import FailureLog
 from tinyvllm.engine.request import CoreOutput, EngineRequest, TopLogprobs
 from tinyvllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -55,8 +56,8 @@ class RequestState:
 
 
 class OutputProcessor:
-  def __init__(self, tokenizer: Tokenizer):
-    self.tokenizer = tokenizer
+  def __init__(self, tokenizer: Tokenizer, failures: FailureLog | None = None):
+    self.tokenizer, self.failures = tokenizer, failures or FailureLog()
     self.requests: dict[str, RequestState] = {}
 
   def add_request(self, req: EngineRequest) -> None:
@@ -85,6 +86,7 @@ class OutputProcessor:
         self._step_stats(state, now, stats)
         results.append(self._output(state))
       except Exception as e:
+        self.failures.record("output processing", e, [rid])
         results.append(self._fail(state, f"output processing failed: {type(e).__name__}: {e}"))
         to_abort.append((rid, None, "error"))
     for out in results:

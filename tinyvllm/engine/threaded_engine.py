@@ -10,10 +10,11 @@ sink, so no caller ever sees (or drops) another's outputs. The loop steps while 
 blocks on the queue when there is none: an idle engine uses no CPU.
 """
 from __future__ import annotations
-import concurrent.futures, contextlib, os, queue, sqlite3, sys, threading, time, traceback
+import concurrent.futures, contextlib, os, queue, sqlite3, threading, time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 from tinyvllm.config import EngineConfig
+from tinyvllm.engine.failure_log import logger as log
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.engine.output_processor import IterationStats
 from tinyvllm.engine.request import EngineRequest, SchedulerStats
@@ -167,7 +168,7 @@ class ThreadedEngine:
     self._ready.set()
     try: self._loop(self._engine)
     except BaseException as e:   # a bug in this loop: every waiting caller must hear of it rather than hang
-      traceback.print_exc(file=sys.stderr)
+      log.critical("the engine thread stopped: %s: %s", type(e).__name__, e, exc_info=e)
       self._failure = e.with_traceback(None)   # the traceback's frames would keep the engine alive
       self._stopped = True                      # first: a submit from now on drains the queue itself
       self._fail_sinks(f"the engine thread stopped: {type(e).__name__}: {e}")
@@ -201,6 +202,7 @@ class ThreadedEngine:
         engine.add_processed_request(req)
         self._sinks[req.request_id] = sink
       except Exception as e:   # e.g. a request id already in use: this request fails, nothing else
+        log.warning("request %s refused: %s", req.request_id, e)
         self._guarded(sink, error_output(req.request_id, req.prompt, req.prompt_token_ids, str(e), req.metrics))
     elif kind == "abort":
       _, rid, sink = cmd
@@ -241,7 +243,7 @@ class ThreadedEngine:
     """Sinks and stat loggers are the callers' code: one that raises (an event loop already closed, say) must not
     stop the engine for everyone else."""
     try: fn(*args)
-    except Exception: traceback.print_exc(file=sys.stderr)
+    except Exception: log.exception("an output sink or stat logger raised (the engine goes on)")
 
 
 def error_output(request_id: str, prompt: str | None, prompt_token_ids: list[int], error: str,
