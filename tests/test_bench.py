@@ -69,6 +69,17 @@ def test_published_bandwidth_table():
   assert device.published_bandwidth(None) == (None, None, False)
 
 
+def test_published_nvidia_bandwidth_by_nvidia_smi_name():
+  """nvidia-smi's names for the common variants find their own data-sheet rows (the specific forms before the general)."""
+  cases = {"NVIDIA H100 80GB HBM3": 3350, "NVIDIA H100 PCIe": 2000, "NVIDIA H100 NVL": 3900, "NVIDIA H200": 4800,
+           "NVIDIA A100-SXM4-80GB": 2039, "NVIDIA A100-SXM4-40GB": 1555, "NVIDIA A100 80GB PCIe": 1935, "NVIDIA L4": 300,
+           "NVIDIA L40S": 864, "NVIDIA A10G": 600, "Tesla T4": 320, "Tesla V100-SXM2-16GB": 900, "NVIDIA GeForce RTX 4090": 1008,
+           "NVIDIA GeForce RTX 3090 Ti": 1008, "NVIDIA GeForce RTX 3090": 936}
+  for name, gbps in cases.items(): assert device.published_nvidia_bandwidth(name)[0] == gbps, name
+  assert device.published_nvidia_bandwidth("Quadro P4000") == (None, None)
+  assert device.published_nvidia_bandwidth(None) == (None, None)
+
+
 REQUIRED = ("device", "model", "quantization", "batch_size", "context_len", "tokens_per_s", "bytes_per_token",
             "achieved_gbps", "measured_bandwidth_gbps", "roofline_fraction", "kind", "ms_per_step")
 
@@ -211,3 +222,35 @@ def test_doctor_names_a_shader_that_does_not_compile(tmp_path):
   assert step.ok is False and step.details["good.metal"].startswith("ok")
   assert step.details["bad.metal"].startswith("FAILED") and "undeclared_name" in step.details["bad.metal"]
   assert "1/2 compiled" in step.summary
+
+
+def test_bench_on_a_gpu_device_splits_host_wait_and_gpu_time(tiny_model, tmp_path):
+  """The bench on a GPU-kind device (the emulated METAL device here; CUDA on an NVIDIA GPU): each decode and prefill
+  record splits a token's time into host time (launches included), the wait for the GPU and the GPU's own busy time
+  from profiled steps, and the table prints that split."""
+  import os, subprocess, sys
+  out = tmp_path / "bench.json"
+  r = subprocess.run([sys.executable, "-m", "tinyvllm.bench", "--model", str(tiny_model), "--kernel-backend", "portable", "--runs", "decode,prefill",
+                      "--batch-sizes", "2", "--context-lens", "8", "--steps", "2", "--warmup", "1", "--prefill-lens", "16",
+                      "--bandwidth-sizes", "1", "--bandwidth-reps", "1", "--matmul-size", "32", "--no-peers", "--json", str(out)],
+                     capture_output=True, text=True, timeout=600, env={**os.environ, "DEV": "METAL", "TINYVLLM_EMULATE_METAL": "1"})
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "waiting for the GPU" in r.stdout and "GPU " in r.stdout
+  records = [x for x in json.loads(out.read_text())["records"] if x["engine"] == "tinyvllm"]
+  assert [x["kind"] for x in records] == ["decode", "prefill"] and all(x["device"] == "METAL" for x in records)
+  for x in records:
+    t = x["time_per_token"]
+    assert t["host_ms"] > 0 and t["gpu_wait_ms"] >= 0 and t["gpu_ms"] is not None and t["gpu_ms"] >= 0
+    assert t["host_ms"] + t["gpu_wait_ms"] == pytest.approx(1e3 * x["seconds"] / x["tokens"], rel=1e-9)
+    assert t["launch_ms"] <= t["host_ms"]
+
+
+def test_compiled_transformers_peer_runs(tiny_model):
+  """The gpt-fast recipe (static cache, decode step under torch.compile) runs on the CPU too: a GPU run's strong peer."""
+  import numpy as np
+  from pathlib import Path
+  from tinyvllm.bench.peers import load_peer
+  peer = load_peer("hf-compile", Path(tiny_model), None, 2, 64, device="cpu", dtype="float32")
+  rng = np.random.default_rng(0)
+  assert peer.decode(2, 8, 3, 3, rng)["tokens_per_s"] > 0 and peer.prefill(8, rng)["tokens_per_s"] > 0
+  assert "torch.compile" in peer.precision

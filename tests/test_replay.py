@@ -7,7 +7,7 @@ from __future__ import annotations
 import os, sys
 import numpy as np
 import pytest
-from tinygrad import Device, Tensor, dtypes
+from tinygrad import Device, Tensor
 from tinygrad.uop.ops import Ops
 from tinyvllm.engine.replay import BoundReplay, CountVariable, Replay, compile_symbolic_kernels_in_process
 
@@ -146,3 +146,49 @@ def test_model_passes_graph_with_positive_launch_sizes(device, tiny_model):
   for p in programs:
     g, l = p.arg.launch_dims({v.expr: 0 for v in p.arg.vars})
     assert 0 not in g and 0 not in l, (p.arg.name, g, l)
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "CPU"])
+@pytest.mark.parametrize("backend", ["auto", "portable"])
+def test_a_gpu_run_builds_nothing_for_the_cpu_device(device, backend, tiny_model_factory, monkeypatch):
+  """GPU hosts often have no clang (the lent H100 has none): loading and generating on a GPU device must neither compile
+  a kernel for tinygrad's CPU device nor load a CPU program."""
+  from tinygrad.helpers import Context
+  from tinygrad.runtime import ops_cpu
+  from tinygrad.runtime.support import compiler_cpu
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
+  built = []
+  def refuse(what):
+    def fail(*a, **kw):
+      built.append(what)
+      raise RuntimeError(f"a GPU run built {what}")
+    return fail
+  monkeypatch.setattr(compiler_cpu.ClangCompiler, "compile", refuse("a CPU kernel"))
+  monkeypatch.setattr(ops_cpu.CPUProgram, "__init__", refuse("a CPU program"))
+  monkeypatch.setattr(ops_cpu.CPUProgram, "__call__", refuse("a CPU kernel launch"))   # programs cached by earlier tests too
+  with Context(DEV=device):
+    engine = LLMEngine.from_kwargs(str(tiny_model_factory("metal")), kernel_backend=backend, num_kv_blocks=64, block_size=16)
+    engine.add_request("0", "Hello world", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2))
+    outs = []
+    while engine.has_unfinished_requests(): outs += engine.step()
+  assert outs[-1].error is None and len(outs[-1].outputs[0].token_ids) == 4 and not built
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_profiled_replays_are_correct_and_timed(device):
+  """LaunchTimes.profile (the benchmark's GPU-time split): every call waits for the device and adds the device's time,
+  through tinygrad's executor with wait=True for a graph capture, the launches' own timing for a planned one."""
+  from tinyvllm.engine.replay import LaunchTimes
+  rng = np.random.default_rng(4)
+  a_np = rng.standard_normal((8, 64)).astype(np.float32)
+  a = Tensor(a_np, device=device).realize()
+  count = CountVariable.make("cols_profiled", 16)
+  replay = Replay(symbolic_pass)
+  replay(a, bound=(count.bind(2),))
+  times = LaunchTimes(enabled=True, profile=True)
+  bound = replay.bind(a, times=times)
+  for c in (6, 3):
+    np.testing.assert_allclose(bound(count.var_vals(c)).numpy(), (a_np[:, :4 * c] * 2 + 1).sum(1), rtol=1e-5)
+  assert times.kernel_seconds > 0 and times.device_seconds >= 0
+  if device == "CPU": assert times.device_seconds > 0   # synchronous launches: their time is the device's

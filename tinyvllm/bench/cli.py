@@ -6,7 +6,7 @@ runs in installed peers (transformers, llama.cpp). Prints a table; --json writes
 --plot a roofline chart.
 """
 from __future__ import annotations
-import argparse, gc, shlex, sys
+import argparse, gc, logging, shlex, sys
 from pathlib import Path
 import numpy as np
 from tqdm import tqdm
@@ -85,10 +85,12 @@ def parser() -> argparse.ArgumentParser:
   c = p.add_argument_group("device ceilings")
   c.add_argument("--bandwidth-sizes", type=_ints, default="64,256,1024", help="MiB per buffer of the bandwidth kernel")
   c.add_argument("--bandwidth-reps", type=int, default=5, help="best of this many runs")
-  c.add_argument("--matmul-size", type=int, default=1024, help="n of the n x n x n matmul")
+  c.add_argument("--matmul-size", type=int, default=None, help="n of the n x n x n matmul (default: 1024 on the CPU, 4096 on a GPU)")
   q = p.add_argument_group("peers")
-  q.add_argument("--peers", default="hf,llamacpp", help="hf (transformers, float32), llamacpp (llama-cpp-python on the GGUF as it is), "
-                                                         "llamacpp-f32 (the GGUF dequantized to F32, written once to the cache)")
+  q.add_argument("--peers", default=None, help="hf (transformers: float32 on the CPU, on a GPU the same GPU and tinyvllm's dtype), "
+                 "hf-compile (transformers with a static cache and torch.compile, the gpt-fast recipe), llamacpp (llama-cpp-python "
+                 "on the GGUF as it is), llamacpp-f32 (the GGUF dequantized to F32, written once to the cache); default: "
+                 "hf,llamacpp on the CPU, hf,hf-compile on a GPU")
   q.add_argument("--no-peers", action="store_true", help="tinyvllm only")
   q.add_argument("--peer-threads", type=int, default=None, help="threads for the peers (default: every core)")
   q.add_argument("--llamacpp-gguf", type=Path, default=None, help="GGUF for llama.cpp (default: --model when it is a GGUF)")
@@ -175,7 +177,6 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
   speculation off (and on when a draft is given)."""
   from tinyvllm.bench import device, report, runs as runs_mod
   from tinyvllm.engine.llm_engine import LLMEngine
-  from tinyvllm.config import ConfigError
   max_len, num_blocks, max_seqs = _cache_plan(args, runs)
   records = []
   configs = [(q, kv, spec) for q in args.quantization for kv in args.kv_cache_dtype
@@ -185,7 +186,7 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
     try:   # in this thread: each step is timed alone, not overlapped with the engine's next one
       engine = LLMEngine.from_kwargs(args.model, **_engine_kwargs(args, quantization, kv_cache_dtype, speculative, max_len,
                                                                   num_blocks, max_seqs))
-    except (TypeError, ConfigError) as e:   # e.g. an engine argument this version of tinyvllm does not know
+    except (TypeError, ValueError) as e:   # e.g. an engine argument this version of tinyvllm does not know, a backend refusing the model
       sys.exit(f"tinyvllm's engine refused the arguments: {e}")
     bar.update()
     drv = runs_mod.Driver(engine, text=args.prompts == "text")
@@ -219,8 +220,10 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
   return records
 
 
-def run_peers(args, runs: set[str], peer_keys: list[str], model_path: Path, rng, bar, notes: list[str]) -> dict[str, dict[tuple, dict]]:
-  """The decode and prefill runs in each peer: {peer name: {(kind, batch, context): result}}."""
+def run_peers(args, runs: set[str], peer_keys: list[str], model_path: Path, rng, bar, notes: list[str], device: str,
+              dtype: str) -> dict[str, dict[tuple, dict]]:
+  """The decode and prefill runs in each peer: {peer name: {(kind, batch, context): result}}. `device`: tinygrad's
+  device (a torch peer runs on the same GPU when there is one); `dtype`: tinyvllm's, which a GPU peer runs too."""
   from tinyvllm.bench import peers as peers_mod
   max_len = _cache_plan(args, runs)[0]
   decodes = [(b, c) for b in args.batch_sizes for c in args.context_lens] if "decode" in runs else []
@@ -229,22 +232,30 @@ def run_peers(args, runs: set[str], peer_keys: list[str], model_path: Path, rng,
   for key in peer_keys:
     name = peers_mod.PEER_NAMES[key]
     bar.set_postfix_str(f"loading {name}")
+    torch_kw = {}
+    if key.startswith("hf"):
+      torch_kw = {"device": peers_mod.torch_device(device)}
+      torch_kw["dtype"] = "float32" if torch_kw["device"] == "cpu" else dtype
     try:
-      peer = peers_mod.load_peer(key, model_path, args.llamacpp_gguf, max(args.batch_sizes), max_len, args.peer_threads)
+      peer = peers_mod.load_peer(key, model_path, args.llamacpp_gguf, max(args.batch_sizes), max_len, args.peer_threads, **torch_kw)
     except peers_mod.PeerUnavailable as e:
       notes.append(f"{name} skipped: {e}")
       bar.update(1 + len(decodes) + len(prefills))
       continue
     bar.update()
     results, extra = {}, {"precision": peer.precision, "threads": peer.threads}
-    for b, ctx in decodes:
-      bar.set_postfix_str(f"{name} decode B={b} ctx={ctx}")
-      results[("decode", b, ctx)] = _median([peer.decode(b, ctx, args.steps, args.warmup, rng) for _ in range(args.repeats)]) | extra
-      bar.update()
-    for n in prefills:
-      bar.set_postfix_str(f"{name} prefill {n}")
-      results[("prefill", 1, n)] = _median([peer.prefill(n, rng) for _ in range(args.repeats)]) | extra
-      bar.update()
+    try:
+      for b, ctx in decodes:
+        bar.set_postfix_str(f"{name} decode B={b} ctx={ctx}")
+        results[("decode", b, ctx)] = _median([peer.decode(b, ctx, args.steps, args.warmup, rng) for _ in range(args.repeats)]) | extra
+        bar.update()
+      for n in prefills:
+        bar.set_postfix_str(f"{name} prefill {n}")
+        results[("prefill", 1, n)] = _median([peer.prefill(n, rng) for _ in range(args.repeats)]) | extra
+        bar.update()
+    except Exception as e:   # a peer that breaks (torch.compile on an unusual setup, say) is a note, not the end of the run
+      logging.getLogger("tinyvllm").warning("%s failed", name, exc_info=e)
+      notes.append(f"{name} failed after {len(results)} runs: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     out[name] = results
     notes.append(f"{name}: {peer.precision} weights, {peer.threads} threads")
     if hasattr(peer, "close"): peer.close()
@@ -261,8 +272,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sys.exit(doctor.run(args.model, args.json))
   runs = {x.strip() for x in args.runs.split(",") if x.strip()}
   if runs - RUN_KINDS: sys.exit(f"--runs: unknown run kind(s) {', '.join(sorted(runs - RUN_KINDS))}; choose from {', '.join(RUN_KINDS)}")
-  peer_keys = [] if args.no_peers else [x.strip() for x in args.peers.split(",") if x.strip()]
   from tinyvllm.bench import device, peers as peers_mod, report
+  from tinygrad import Device
+  if args.peers is None: args.peers = peers_mod.DEFAULT_PEERS["CPU" if Device.DEFAULT.split(":")[0] == "CPU" else "GPU"]
+  peer_keys = [] if args.no_peers else [x.strip() for x in args.peers.split(",") if x.strip()]
   bad = [k for k in peer_keys if k not in peers_mod.PEERS]
   if bad: sys.exit(f"--peers: unknown peer(s) {', '.join(bad)}; choose from {', '.join(peers_mod.PEERS)}")
   if args.plot: report.require_matplotlib()   # fail now, not after minutes of measuring
@@ -283,7 +296,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
   bar.update()
   model_path = resolve_model(args.model)
   records = run_tinyvllm(args, runs, model_path, ceilings, rng, bar)
-  peer_results = run_peers(args, runs, peer_keys, model_path, rng, bar, notes)
+  peer_results = run_peers(args, runs, peer_keys, model_path, rng, bar, notes, ceilings.device,
+                           records[0]["dtype"] if records else "float32")
   bar.close()
 
   report.attach_peers(records, peer_results)

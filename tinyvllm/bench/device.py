@@ -1,4 +1,5 @@
-"""The device's ceilings: measured memory bandwidth and matmul rate, and an Apple chip's published bandwidth.
+"""The device's ceilings: measured memory bandwidth and matmul rate, and the published bandwidth of an Apple chip or
+an NVIDIA GPU.
 
 Bandwidth is what tinygrad itself achieves on a large read+write kernel (`y = x + 1`, bytes read plus written),
 best of several runs at sizes well beyond the caches. On the CPU device tinygrad runs each kernel on one
@@ -37,13 +38,42 @@ APPLE_CHIPS: dict[str, dict] = {
 }
 # No M4 Ultra or M5 Ultra had been announced when this table was written.
 
+# Published memory bandwidth of common NVIDIA GPUs in GB/s (decimal), from NVIDIA's data sheets and product pages.
+# Matched against `nvidia-smi --query-gpu=name` by pattern, first match wins (so the specific forms come first).
+NVIDIA_GPUS: list[tuple[str, float, str]] = [
+  (r"B200", 8000, "NVIDIA DGX B200 data sheet (8 TB/s per GPU)"),
+  (r"GH200.*144", 4900, "NVIDIA GH200 data sheet (144 GB HBM3e)"),
+  (r"GH200", 4000, "NVIDIA GH200 data sheet (HBM3, 96 GB)"),
+  (r"H200", 4800, "NVIDIA H200 data sheet"),
+  (r"H100.*NVL", 3900, "NVIDIA H100 data sheet (H100 NVL)"),
+  (r"H100.*PCIe", 2000, "NVIDIA H100 data sheet (H100 PCIe)"),
+  (r"H100", 3350, "NVIDIA H100 data sheet (H100 SXM, 80 GB HBM3)"),
+  (r"H800.*PCIe", 2000, "NVIDIA H800 PCIe product page"),
+  (r"H800", 3350, "NVIDIA H800 SXM product page"),
+  (r"A100.*80\s*GB.*PCIe|A100.*PCIe.*80", 1935, "NVIDIA A100 data sheet (80 GB PCIe)"),
+  (r"A100.*80", 2039, "NVIDIA A100 data sheet (80 GB SXM)"),
+  (r"A100", 1555, "NVIDIA A100 data sheet (40 GB)"),
+  (r"L40S|L40\b", 864, "NVIDIA L40/L40S data sheet"),
+  (r"\bL4\b", 300, "NVIDIA L4 data sheet"),
+  (r"A10G?\b", 600, "NVIDIA A10 data sheet"),
+  (r"\bT4\b", 320, "NVIDIA T4 data sheet"),
+  (r"V100", 900, "NVIDIA V100 data sheet"),
+  (r"RTX 5090", 1792, "NVIDIA GeForce RTX 5090 specifications"),
+  (r"RTX 4090", 1008, "NVIDIA GeForce RTX 4090 specifications"),
+  (r"RTX 4080", 717, "NVIDIA GeForce RTX 4080 specifications"),
+  (r"RTX 3090 Ti", 1008, "NVIDIA GeForce RTX 3090 Ti specifications"),
+  (r"RTX 3090", 936, "NVIDIA GeForce RTX 3090 specifications"),
+  (r"RTX 6000 Ada", 960, "NVIDIA RTX 6000 Ada data sheet"),
+  (r"RTX A6000", 768, "NVIDIA RTX A6000 data sheet"),
+]
+
 BANDWIDTH_SIZES_MIB = (64, 256, 1024)
 
 
 @dataclass
 class Ceilings:
   device: str
-  chip: str | None = None                      # e.g. "Apple M2 Pro"; None off macOS
+  chip: str | None = None                      # e.g. "Apple M2 Pro" or "NVIDIA H100 80GB HBM3"; None on other machines
   published_gbps: float | None = None
   published_source: str | None = None
   published_unsure: bool = False
@@ -54,6 +84,7 @@ class Ceilings:
   threads: int = 1
   numpy_threads: int = 0
   matmul_gflops: float = 0.0                   # compute ceiling: the best of the two below
+  matmul_dtype: str = "float32"
   tinygrad_matmul_gflops: float = 0.0
   engine_linear_gflops: float = 0.0            # the engine's own linear kernel on this device
 
@@ -69,6 +100,22 @@ def apple_chip() -> tuple[str | None, int]:
   except (OSError, ValueError, subprocess.SubprocessError):
     return None, 0
   return brand or None, ncpu
+
+
+def nvidia_gpu() -> str | None:
+  """The first NVIDIA GPU's name as nvidia-smi reports it (e.g. "NVIDIA H100 80GB HBM3"), or None."""
+  try:
+    r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.SubprocessError): return None
+  return r.stdout.strip().splitlines()[0].strip() if r.returncode == 0 and r.stdout.strip() else None
+
+
+def published_nvidia_bandwidth(name: str | None) -> tuple[float | None, str | None]:
+  """(GB/s, source) of an NVIDIA GPU by its nvidia-smi name; Nones for one not in NVIDIA_GPUS."""
+  import re
+  for pattern, gbps, source in NVIDIA_GPUS if name else ():
+    if re.search(pattern, name): return float(gbps), source
+  return None, None
 
 
 def published_bandwidth(brand: str | None, ncpu: int = 0) -> tuple[float | None, str | None, bool]:
@@ -145,15 +192,16 @@ def numpy_copy_bandwidth(mib: int = 1024, reps: int = 5, threads: int | None = N
   return 2 * n * 4 / t / 1e9, threads
 
 
-def matmul_rates(n: int = 1024, reps: int = 5, threads: int | None = None) -> tuple[float, float]:
-  """GFLOP/s of an n x n x n float32 matmul in tinygrad, and of the engine's linear kernel (y = x @ W^T)
-  with the same sizes (on the CPU device that is our C kernel, elsewhere tinygrad's matmul)."""
-  from tinygrad import Device, Tensor, TinyJit
+def matmul_rates(n: int = 1024, reps: int = 5, threads: int | None = None, dtype: str = "float32") -> tuple[float, float]:
+  """GFLOP/s of an n x n x n matmul in tinygrad, and of the engine's linear kernel (y = x @ W^T) with the same sizes
+  (on the CPU device that is our C kernel, elsewhere tinygrad's matmul), in `dtype`."""
+  from tinygrad import Device, Tensor, TinyJit, dtypes
   from tinyvllm.kernels import make_kernels
   from tinyvllm.quant.formats import FLOAT, LinearWeights
   dev = Device.DEFAULT
   sync = Device[dev].synchronize
-  a, b = Tensor.rand(n, n, device=dev).realize(), Tensor.rand(n, n, device=dev).realize()
+  dt = getattr(dtypes, dtype)
+  a, b = Tensor.rand(n, n, device=dev).cast(dt).realize(), Tensor.rand(n, n, device=dev).cast(dt).realize()
   rates = []
   kernels = make_kernels("portable", dev, num_threads=threads)
   for fn in (lambda a, b: (a @ b).realize(), lambda a, b: kernels.linear(a, LinearWeights(FLOAT, b)).realize()):
@@ -163,12 +211,16 @@ def matmul_rates(n: int = 1024, reps: int = 5, threads: int | None = None) -> tu
   return rates[0], rates[1]
 
 
-def measure(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5, matmul_n: int = 1024, numpy_mib: int | None = None,
+def measure(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5, matmul_n: int | None = None, numpy_mib: int | None = None,
             threads: int | None = None) -> Ceilings:
-  """The device's ceilings; `threads`: the engine's CPU threads (default every core)."""
+  """The device's ceilings; `threads`: the engine's CPU threads (default every core). The matmul is float32 at n=1024
+  on the CPU, float16 (the dtype models run in there) at n=4096 on a GPU, where n=1024 would measure launch time."""
   from tinygrad import Device
   brand, ncpu = apple_chip()
   gbps, source, unsure = published_bandwidth(brand, ncpu)
+  if brand is None and Device.DEFAULT.split(":")[0] in ("CUDA", "NV"):
+    brand = nvidia_gpu()
+    gbps, source = published_nvidia_bandwidth(brand)
   c = Ceilings(device=Device.DEFAULT, chip=brand, published_gbps=gbps, published_source=source, published_unsure=unsure)
   c.bandwidth_by_size = tinygrad_bandwidth(sizes_mib, reps)
   c.bandwidth_gbps = max(c.bandwidth_by_size.values())
@@ -176,11 +228,15 @@ def measure(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5, matmul_n: int = 1024, 
     c.threaded_bandwidth_gbps, c.threads = threaded_bandwidth(sizes_mib, reps, threads)
     c.bandwidth_gbps = max(c.bandwidth_gbps, c.threaded_bandwidth_gbps)
   c.numpy_copy_gbps, c.numpy_threads = numpy_copy_bandwidth(numpy_mib or max(sizes_mib), reps)
-  c.tinygrad_matmul_gflops, c.engine_linear_gflops = matmul_rates(matmul_n, reps, threads)
+  cpu = c.device.split(":")[0] == "CPU"
+  c.matmul_dtype = "float32" if cpu else "float16"
+  c.tinygrad_matmul_gflops, c.engine_linear_gflops = matmul_rates(matmul_n or (1024 if cpu else 4096), reps, threads, c.matmul_dtype)
   c.matmul_gflops = max(c.tinygrad_matmul_gflops, c.engine_linear_gflops)
   return c
 
 
 def machine_description() -> str:
   brand, _ = apple_chip()
-  return brand or f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"
+  host = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"
+  if brand is None and (gpu := nvidia_gpu()): return f"{gpu} ({host})"
+  return brand or host

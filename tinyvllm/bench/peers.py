@@ -1,8 +1,12 @@
 """Other engines on the same model, prompt lengths, batch sizes and step counts (random-token prompts), so their
 speed can be read as a ratio.
 
-  transformers   HF transformers on torch, float32 (a GGUF is dequantized by transformers' loader), the model
-                 called step by step with its KV cache; torch uses every core.
+  transformers   HF transformers on torch, the model called step by step with its KV cache (eager): on the CPU in
+                 float32 (a GGUF is dequantized by transformers' loader) on every core; on a GPU benchmark on
+                 torch's GPU (CUDA, or MPS on a Mac) in the dtype tinyvllm runs.
+  transformers compiled  the same model with a static KV cache and its decode step under
+                 torch.compile(mode="reduce-overhead"), CUDA graphs underneath on NVIDIA: the gpt-fast recipe, the
+                 strong GPU peer (the first steps compile; the timed ones replay).
   llama.cpp      llama-cpp-python on a GGUF file (the default model is the original Q4_1 GGUF); several
                  sequences decode together in one llama_batch; every core.
   llama.cpp F32  the same GGUF with every tensor dequantized to F32 (written once into the cache): the weights
@@ -10,13 +14,23 @@ speed can be read as a ratio.
 Each peer is optional: an import failure turns into a note, never an error.
 """
 from __future__ import annotations
-import os, time
+import inspect, os, time
 from pathlib import Path
 import numpy as np
 from tinyvllm.bench.runs import random_ids
 
-PEERS = ("hf", "llamacpp", "llamacpp-f32")
-PEER_NAMES = {"hf": "transformers", "llamacpp": "llama.cpp", "llamacpp-f32": "llama.cpp F32"}
+PEERS = ("hf", "hf-compile", "llamacpp", "llamacpp-f32")
+PEER_NAMES = {"hf": "transformers", "hf-compile": "transformers compiled", "llamacpp": "llama.cpp", "llamacpp-f32": "llama.cpp F32"}
+DEFAULT_PEERS = {"CPU": "hf,llamacpp", "GPU": "hf,hf-compile"}   # by where tinyvllm runs (llama-cpp-python here is a CPU build)
+
+
+def torch_device(tinygrad_device: str) -> str:
+  """Where a torch peer runs beside tinyvllm on `tinygrad_device`: the same GPU when torch sees it, else the CPU."""
+  import torch
+  kind = tinygrad_device.split(":")[0]
+  if kind in ("CUDA", "NV", "AMD") and torch.cuda.is_available(): return "cuda"
+  if kind == "METAL" and torch.backends.mps.is_available(): return "mps"
+  return "cpu"
 
 
 class PeerUnavailable(RuntimeError):
@@ -26,32 +40,43 @@ class PeerUnavailable(RuntimeError):
 class HFPeer:
   name = "transformers"
 
-  def __init__(self, model_path: Path, threads: int | None = None):
+  def __init__(self, model_path: Path, threads: int | None = None, device: str = "cpu", dtype: str = "float32"):
     try:
       import torch
       from transformers import AutoModelForCausalLM
     except ImportError as e:
       raise PeerUnavailable(f"transformers/torch not installed ({e.name}); pip install torch transformers") from None
-    self.torch = torch
+    self.torch, self.device = torch, device
     if threads: torch.set_num_threads(threads)
-    kw = dict(dtype=torch.float32)
+    kw = dict(dtype=getattr(torch, dtype))
     if model_path.is_file(): self.model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, **kw)
     else: self.model = AutoModelForCausalLM.from_pretrained(model_path, **kw)
-    self.model.eval()
+    self.model.to(device).eval()
+    # transformers renamed past_key_values to cache (5.24 warns, 5.40 drops the old name)
+    self.cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
     self.vocab = self.model.config.vocab_size
-    self.precision = "float32"
+    self.precision = dtype + ("" if device == "cpu" else f" on torch {device}")
     self.threads = torch.get_num_threads()
+
+  def sync(self) -> None:
+    """Wait for the GPU (its work is queued asynchronously): before reading a clock."""
+    if self.device == "cuda": self.torch.cuda.synchronize()
+    elif self.device == "mps": self.torch.mps.synchronize()
+
+  def ids(self, rng, shape):
+    return self.torch.tensor(random_ids(rng, self.vocab, shape), device=self.device)
 
   def decode(self, batch: int, context: int, steps: int, warmup: int, rng) -> dict:
     torch = self.torch
-    ids = torch.tensor(random_ids(rng, self.vocab, (batch, context)))
+    ids = self.ids(rng, (batch, context))
     with torch.no_grad():
       out = self.model(ids, use_cache=True, logits_to_keep=1)
-      past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+      past, nxt = out[self.cache_kw], out.logits[:, -1:].argmax(-1)
       for i in range(warmup + steps):
-        if i == warmup: t = time.perf_counter()
-        out = self.model(nxt, past_key_values=past, use_cache=True)
-        past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        if i == warmup: self.sync(); t = time.perf_counter()
+        out = self.model(nxt, use_cache=True, **{self.cache_kw: past})
+        past, nxt = out[self.cache_kw], out.logits[:, -1:].argmax(-1)
+      self.sync()
     dt = time.perf_counter() - t
     return {"tokens_per_s": batch * steps / dt, "ms_per_step": 1e3 * dt / steps}
 
@@ -59,11 +84,51 @@ class HFPeer:
     torch = self.torch
     with torch.no_grad():
       for _ in range(2):
-        ids = torch.tensor(random_ids(rng, self.vocab, (1, prompt_len)))
+        ids = self.ids(rng, (1, prompt_len))
+        self.sync()
         t = time.perf_counter()
         self.model(ids, use_cache=True, logits_to_keep=1)   # as generate() does: logits of the last position only
+        self.sync()
         dt = time.perf_counter() - t
     return {"tokens_per_s": prompt_len / dt, "ms_per_step": 1e3 * dt}
+
+
+class HFCompiledPeer(HFPeer):
+  """The gpt-fast recipe on HF's model: a static KV cache (fixed shapes), the prompt read eagerly, then each decode step
+  through torch.compile(mode="reduce-overhead"), which on NVIDIA replays CUDA graphs. The warm-up steps compile and
+  record; the timed ones replay. Prefill is HF's eager pass."""
+  name = "transformers compiled"
+
+  def __init__(self, model_path: Path, threads: int | None = None, device: str = "cpu", dtype: str = "float32",
+               mode: str = "reduce-overhead"):
+    super().__init__(model_path, threads, device, dtype)
+    self.precision += f", torch.compile({mode}), static cache"
+    model, cache_kw = self.model, self.cache_kw
+    def step(ids, cache, position):
+      return model(ids, cache_position=position, use_cache=True, **{cache_kw: cache}).logits[:, -1]
+    self.step = self.torch.compile(step, mode=mode, fullgraph=True)
+
+  def static_cache(self, batch: int, length: int):
+    from transformers import StaticCache
+    try: return StaticCache(config=self.model.config, max_cache_len=length)   # transformers 5: sized at the first update
+    except TypeError:   # transformers 4.x
+      return StaticCache(config=self.model.config, max_batch_size=batch, max_cache_len=length, device=self.device,
+                         dtype=self.model.dtype)
+
+  def decode(self, batch: int, context: int, steps: int, warmup: int, rng) -> dict:
+    torch = self.torch
+    cache = self.static_cache(batch, context + warmup + steps + 1)
+    ids = self.ids(rng, (batch, context))
+    with torch.no_grad():
+      out = self.model(ids, cache_position=torch.arange(context, device=self.device), use_cache=True, logits_to_keep=1,
+                       **{self.cache_kw: cache})
+      nxt = out.logits[:, -1:].argmax(-1)
+      for i in range(warmup + steps):
+        if i == warmup: self.sync(); t = time.perf_counter()
+        nxt = self.step(nxt, cache, torch.tensor([context + i], device=self.device)).argmax(-1, keepdim=True)
+      self.sync()
+    dt = time.perf_counter() - t
+    return {"tokens_per_s": batch * steps / dt, "ms_per_step": 1e3 * dt / steps}
 
 
 class LlamaCppPeer:
@@ -150,8 +215,10 @@ def _gguf_tensor_types(path: Path):
 
 
 def load_peer(key: str, model_path: Path, llamacpp_gguf: Path | None, max_batch: int, max_context: int,
-              threads: int | None = None):
-  if key == "hf": return HFPeer(model_path, threads)
+              threads: int | None = None, device: str = "cpu", dtype: str = "float32"):
+  """`device`/`dtype`: where and in what the torch peers run (torch_device(); float32 on the CPU, tinyvllm's dtype on a GPU)."""
+  if key == "hf": return HFPeer(model_path, threads, device, dtype)
+  if key == "hf-compile": return HFCompiledPeer(model_path, threads, device, dtype)
   if key in ("llamacpp", "llamacpp-f32"):
     gguf = llamacpp_gguf or model_path
     if key == "llamacpp-f32" and gguf.suffix == ".gguf":

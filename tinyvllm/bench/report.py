@@ -55,12 +55,14 @@ def print_ceilings(c: Ceilings, file=None) -> None:
   file = file or sys.stdout   # looked up per call: sys.stdout may be replaced after import
   sizes = ", ".join(f"{m} MiB {g:.1f}" for m, g in c.bandwidth_by_size.items())
   print(f"device {c.device}" + (f", chip {c.chip}" if c.chip else ""), file=file)
-  print(f"  measured bandwidth (read+write): {c.bandwidth_gbps:.1f} GB/s  [tinygrad, one thread: {sizes}]" +
+  where = "tinygrad, one thread" if c.device.split(":")[0] == "CPU" else "tinygrad's kernel"
+  print(f"  measured bandwidth (read+write): {c.bandwidth_gbps:.1f} GB/s  [{where}: {sizes}]" +
         (f"  [our C kernel on {c.threads} threads: {c.threaded_bandwidth_gbps:.1f}]" if c.threaded_bandwidth_gbps else ""), file=file)
   if c.numpy_copy_gbps: print(f"  numpy copy on {c.numpy_threads} threads (reference): {c.numpy_copy_gbps:.1f} GB/s", file=file)
   if c.published_gbps:
     print(f"  published bandwidth: {c.published_gbps:g} GB/s{' (unsure)' if c.published_unsure else ''} - {c.published_source}", file=file)
-  print(f"  matmul: tinygrad {c.tinygrad_matmul_gflops:.1f} GFLOP/s, engine linear {c.engine_linear_gflops:.1f} GFLOP/s", file=file)
+  print(f"  matmul ({c.matmul_dtype}): tinygrad {c.tinygrad_matmul_gflops:.1f} GFLOP/s, engine linear {c.engine_linear_gflops:.1f} GFLOP/s",
+        file=file)
 
 
 def print_table(records: list[dict], file=None) -> None:
@@ -80,12 +82,19 @@ def print_table(records: list[dict], file=None) -> None:
       row += f"{cell:>16}"
     print(row, file=file)
   split = [r for r in records if r.get("time_per_token")]
-  if split: print("time per token (ms): compute (kernels), sync (the thread pool's waits + copies between devices), "
-                  "host (Python between kernels)", file=file)
-  for r in split:
+  cpu, gpu = [r for r in split if "compute_ms" in r["time_per_token"]], [r for r in split if "gpu_ms" in r["time_per_token"]]
+  if cpu: print("time per token (ms): compute (kernels), sync (the thread pool's waits + copies between devices), "
+                "host (Python between kernels)", file=file)
+  for r in cpu:
     t = r["time_per_token"]
     print(f"  {r['kind']} B={r['batch_size']} ctx={r['context_len']}: compute {t['compute_ms']:.2f}, sync {t['sync_ms']:.2f} "
           f"(pool {t['thread_pool_wait_ms']:.2f}, copies {t['device_copies_ms']:.2f}), host {t['host_ms']:.2f}", file=file)
+  if gpu: print("time per token (ms): host (Python: scheduling, inputs, launches, sampling; the GPU runs meanwhile), of it "
+                "launches, waiting for the GPU, and the GPU's busy time (profiled steps, timed by the GPU)", file=file)
+  for r in gpu:
+    t = r["time_per_token"]
+    print(f"  {r['kind']} B={r['batch_size']} ctx={r['context_len']}: host {t['host_ms']:.3f} (launches {t['launch_ms']:.3f}), "
+          f"waiting {t['gpu_wait_ms']:.3f}, GPU {_fmt(t['gpu_ms'], '.3f')}", file=file)
   serving = [r for r in records if r["kind"] == "serving"]
   for r in serving:
     print(f"serving: {r['num_requests']} requests at {r['request_rate']:g}/s, prompts {r['prompt_lens'][0]}-{r['prompt_lens'][1]}, "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tinyvllm.bench.accounting import TensorInfo, Traffic, step_traffic
 from tinyvllm.engine.sequence import SequenceStatus
+from tinyvllm.outputs import GenerationError
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -51,18 +52,29 @@ def random_ids(rng: np.random.Generator, vocab: int, shape) -> np.ndarray:
 class StepLog:
   """Wall time and accounted traffic of the steps taken through `run_step`, and where the time went: in kernels,
   of which the calling thread spent `pool_wait_seconds` waiting for the thread pool's workers at the ends of
-  parallel regions, and in copies between devices (tensor parallelism). The rest of a step is host time."""
+  parallel regions, and in copies between devices (tensor parallelism). The rest of a step is host time.
+
+  On a GPU kernels run while the host goes on: `wait_seconds` is the time the host waited for the GPU at the end of
+  each pass, and `device_seconds` the GPU's own time over `profiled_tokens` tokens of separate, profiled steps (each
+  call waits for the GPU and is timed by it)."""
   seconds: float = 0.0
   steps: int = 0
   traffic: Traffic = field(default_factory=Traffic)
   kernel_seconds: float = 0.0
   copy_seconds: float = 0.0
   pool_wait_seconds: float = 0.0
+  wait_seconds: float = 0.0
+  device_seconds: float = 0.0
+  profiled_tokens: int = 0
 
-  def time_split(self, tokens: int) -> dict[str, float]:
-    """Milliseconds per token: compute (kernels minus the pool's waits), synchronization (those waits plus copies
-    between devices) and host (Python: scheduling, inputs, sampling, output; launches)."""
-    ms = lambda sec: 1e3 * sec / max(tokens, 1)
+  def time_split(self, tokens: int, gpu: bool = False) -> dict[str, float]:
+    """Milliseconds per token. CPU: compute (kernels minus the pool's waits), synchronization (those waits plus copies
+    between devices) and host (Python: scheduling, inputs, sampling, output; launches). GPU: host (everything but the
+    wait for the GPU; launches included), of it launches, the wait for the GPU, and the GPU's busy time (profiled)."""
+    ms = lambda sec, n=tokens: 1e3 * sec / max(n, 1)
+    if gpu:
+      return {"host_ms": ms(self.seconds - self.wait_seconds), "launch_ms": ms(self.kernel_seconds), "gpu_wait_ms": ms(self.wait_seconds),
+              "gpu_ms": ms(self.device_seconds, self.profiled_tokens) if self.profiled_tokens else None}
     return {"compute_ms": ms(self.kernel_seconds - self.pool_wait_seconds), "sync_ms": ms(self.pool_wait_seconds + self.copy_seconds),
             "thread_pool_wait_ms": ms(self.pool_wait_seconds), "device_copies_ms": ms(self.copy_seconds),
             "host_ms": ms(self.seconds - self.kernel_seconds - self.copy_seconds)}
@@ -95,6 +107,7 @@ class Driver:
     self.times = engine.runner.launch_times
     self.times.enabled = True    # two clock reads per kernel launch, ~5 us a step: the time split of every record
     self.pools = model.kernels.thread_pools   # the target model's, one per device with tensor parallelism
+    self.gpu = engine.runner.kind != "CPU"     # kernels run asynchronously: split into host, wait and GPU time
 
   def live(self) -> list:
     sch = self.engine.scheduler
@@ -108,10 +121,11 @@ class Driver:
 
   def run_step(self, log: StepLog | None = None) -> list:
     before = {id(s): (s, s.num_computed_tokens) for s in self.live()}
-    kernels, copies, wait = self.times.kernel_seconds, self.times.copy_seconds, self.pool_wait()
+    kernels, copies, wait, gpu_wait = self.times.kernel_seconds, self.times.copy_seconds, self.pool_wait(), self.times.wait_seconds
     t = time.perf_counter()
     outs = self.engine.step()
     dt = time.perf_counter() - t
+    if failed := [o for o in outs if o.error]: raise GenerationError(failed, outs)   # never time a step that failed
     if log is not None:
       work = [(c, s.num_computed_tokens - c) for s, c in before.values() if s.num_computed_tokens > c]
       log.seconds += dt
@@ -119,10 +133,20 @@ class Driver:
       log.kernel_seconds += self.times.kernel_seconds - kernels
       log.copy_seconds += self.times.copy_seconds - copies
       log.pool_wait_seconds += self.pool_wait() - wait
+      log.wait_seconds += self.times.wait_seconds - gpu_wait
       if work: log.traffic = log.traffic + step_traffic(self.cfg, self.tensors, work, self.kv_vector_bytes, self.dtype_bytes)
     return outs
 
   def pool_wait(self) -> float: return sum(pool.stats()[1] for pool in self.pools)
+
+  def profiled_step(self) -> float:
+    """One step whose every call waits for the GPU and is timed by it; returns the GPU's busy seconds. Not timed
+    otherwise: waiting serializes host and GPU."""
+    device = self.times.device_seconds
+    self.times.profile = True
+    try: self.run_step()
+    finally: self.times.profile = False
+    return self.times.device_seconds - device
 
   def prompt(self, rng: np.random.Generator, n: int) -> list[int]:
     if self.text_ids:
@@ -159,6 +183,11 @@ def decode_run(drv: Driver, batch: int, context: int, steps: int, warmup: int, r
     start_tokens, start_seconds = [s.num_tokens for s in seqs], log.seconds
     for _ in range(steps): drv.run_step(log)
     runs.append((log.seconds - start_seconds, sum(s.num_tokens - n for s, n in zip(seqs, start_tokens)), steps))
+  if drv.gpu:
+    for _ in range(2):
+      before = sum(s.num_tokens for s in seqs)
+      log.device_seconds += drv.profiled_step()
+      log.profiled_tokens += sum(s.num_tokens for s in seqs) - before
   finished_early = sum(s.is_finished for s in seqs)
   drv.finish_all(ids)
   seconds, tokens, n = _median_run(runs)
@@ -167,7 +196,7 @@ def decode_run(drv: Driver, batch: int, context: int, steps: int, warmup: int, r
           "steps": log.steps, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
           "ms_per_step": 1e3 * seconds / n, "tokens_per_step": tokens / n,
           "tokens_per_s_repeats": [t / sec for sec, t, _ in runs], "finished_early": finished_early, "traffic": log.traffic,
-          "time_per_token": log.time_split(sum(t for _, t, _ in runs))}
+          "time_per_token": log.time_split(sum(t for _, t, _ in runs), drv.gpu)}
 
 
 def prefill_run(drv: Driver, prompt_len: int, rng, repeats: int = 1) -> dict:
@@ -180,11 +209,16 @@ def prefill_run(drv: Driver, prompt_len: int, rng, repeats: int = 1) -> dict:
     rid = drv.add(drv.prompt(rng, prompt_len), params)
     while drv.unfinished(rid): drv.run_step(log if i else None)
     if i: runs.append((log.seconds - start_seconds, prompt_len, log.steps - start_steps))
+  if drv.gpu:   # one more prompt, profiled step by step
+    rid = drv.add(drv.prompt(rng, prompt_len), params)
+    while drv.unfinished(rid): log.device_seconds += drv.profiled_step()
+    log.profiled_tokens += prompt_len
   seconds, tokens, n = _median_run(runs)
   return {"kind": "prefill", "batch_size": 1, "context_len": prompt_len, "mean_context_len": prompt_len / 2,
           "steps": log.steps, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
           "ms_per_step": 1e3 * seconds / n, "tokens_per_step": tokens / n,
-          "tokens_per_s_repeats": [t / sec for sec, t, _ in runs], "traffic": log.traffic, "time_per_token": log.time_split(prompt_len * repeats)}
+          "tokens_per_s_repeats": [t / sec for sec, t, _ in runs], "traffic": log.traffic,
+          "time_per_token": log.time_split(prompt_len * repeats, drv.gpu)}
 
 
 @dataclass(frozen=True)

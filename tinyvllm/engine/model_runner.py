@@ -6,7 +6,7 @@ attention sees one AttentionGroup. Shapes are rounded up to buckets; each shape 
 replayed after that (engine/replay.py).
 """
 from __future__ import annotations
-import ctypes, math, mmap
+import ctypes, math, mmap, time
 from collections import OrderedDict
 from dataclasses import dataclass
 import numpy as np
@@ -202,6 +202,10 @@ class ModelRunner:
       var_vals = self.kv_extent.var_vals(used_blocks)
       for call, reads_extent in bound: out = call(var_vals if reads_extent else {})
     logits = out.uop.buffer
+    if self.launch_times.enabled:   # the benchmark: how long the host waits for the device's work of this pass
+      t = time.perf_counter()
+      Device[logits.device].synchronize()
+      self.launch_times.wait_seconds += time.perf_counter() - t
     return np.frombuffer(logits.as_memoryview(allow_zero_copy=True), np.float32).reshape(-1, self.model.cfg.vocab_size).copy()
 
   def _pass_calls(self, shape: PassShape, fields: tuple[Tensor, ...]) -> list[tuple[Replay, tuple[Tensor, ...], bool]]:

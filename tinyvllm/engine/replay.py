@@ -174,10 +174,18 @@ class Replay:
 class LaunchTimes:
   """Seconds spent in kernels and in copies between devices (tensor parallelism's all-reduces) by the runner's
   bound passes, counted while `enabled`: the benchmark's split of a step into compute, synchronization and host
-  time. Off, a pass pays one attribute check."""
+  time. Off, a pass pays one attribute check.
+
+  On a GPU a launch only queues work, so `kernel_seconds` is the host's time to launch; `wait_seconds` is the time the
+  host then waited for the GPU (the runner times its synchronize before reading the logits), and with `profile` set
+  every call waits for the GPU and adds the GPU's own time for it (tinygrad's event timing) to `device_seconds`:
+  that serializes host and GPU, so only a separate, profiled step sets it."""
   enabled: bool = False
   kernel_seconds: float = 0.0
   copy_seconds: float = 0.0
+  wait_seconds: float = 0.0
+  profile: bool = False
+  device_seconds: float = 0.0
 
 
 class BoundReplay:
@@ -216,18 +224,38 @@ class BoundReplay:
     return launches
 
   def _timed(self, var_vals: dict[str, int]) -> Tensor | tuple[Tensor, ...]:
-    """__call__ with each launch timed into self.times (kernels and copies apart); TinyJit's path counts as kernels."""
+    """__call__ with each launch timed into self.times (kernels and copies apart); TinyJit's path counts as kernels.
+    Profiling, each call waits for the device and its device time is added to device_seconds."""
+    times = self.times
     if self.steps is None:
       t = time.perf_counter()
-      out = self.captured(self.inputs, var_vals)
-      self.times.kernel_seconds += time.perf_counter() - t
-      return out
+      if times.profile: times.device_seconds += self._run_waiting(var_vals)
+      else: self.captured(self.inputs, var_vals)
+      times.kernel_seconds += time.perf_counter() - t
+      return self.ret
     for launch, (rt, *_) in zip(self._launches(var_vals), self.steps):
       t = time.perf_counter()
-      launch()
-      if rt is None: self.times.copy_seconds += time.perf_counter() - t
-      else: self.times.kernel_seconds += time.perf_counter() - t
+      waits = times.profile and isinstance(launch, functools.partial) and launch.func is rt   # a tinygrad program: it can wait
+      took = launch(wait=True) if waits else launch()
+      dt = time.perf_counter() - t
+      if rt is None: times.copy_seconds += dt
+      else:
+        times.kernel_seconds += dt
+        if times.profile: times.device_seconds += took if waits and took is not None else dt   # our C programs run synchronously
     return self.ret
+
+  def _run_waiting(self, var_vals: dict[str, int]) -> float:
+    """Run the capture through tinygrad's executor, waiting for each call (graph or kernel) to finish; returns the
+    device seconds tinygrad measured for them (GPU events on CUDA). Inputs the capture writes are copied first, as
+    CapturedJit.__call__ does."""
+    from tinygrad.engine.jit import _copy_input
+    from tinygrad.engine.realize import run_linear
+    from tinygrad.helpers import GlobalCounters
+    captured = self.captured
+    inputs = tuple(_copy_input(u) if u in captured._written_uops else u for u in self.inputs)
+    before = GlobalCounters.time_sum_s
+    run_linear(captured.linear, var_vals, input_uops=inputs, jit=True, wait=True)
+    return GlobalCounters.time_sum_s - before
 
 
 def _launch(rt, args: list, info, var_vals: dict[str, int]) -> Callable[[], None]:
