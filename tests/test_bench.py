@@ -254,3 +254,19 @@ def test_compiled_transformers_peer_runs(tiny_model):
   rng = np.random.default_rng(0)
   assert peer.decode(2, 8, 3, 3, rng)["tokens_per_s"] > 0 and peer.prefill(8, rng)["tokens_per_s"] > 0
   assert "torch.compile" in peer.precision
+
+
+def test_a_failing_step_ends_the_bench_with_its_cause(tiny_model):
+  """A pass that raises (a broken GPU, say) is never timed as if it ran: the bench stops with the cause in one line,
+  the traceback logged once above it."""
+  import os, subprocess, sys
+  code = ("import sys\nimport tinyvllm.engine.model_runner as m\n"
+          "def boom(self, *a, **kw): raise RuntimeError('CUDA Error 1, invalid argument (injected)')\n"
+          "m.ModelRunner.execute = boom\nfrom tinyvllm.bench.cli import main\nmain(sys.argv[1:])")
+  r = subprocess.run([sys.executable, "-c", code, "--model", str(tiny_model), "--runs", "decode", "--batch-sizes", "1",
+                      "--context-lens", "8", "--steps", "2", "--warmup", "1", "--bandwidth-sizes", "1", "--bandwidth-reps", "1",
+                      "--matmul-size", "32", "--no-peers"], capture_output=True, text=True, timeout=600, env={**os.environ, "DEV": "CPU"})
+  assert r.returncode == 1
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith("tinyvllm.bench: the engine failed a step") and "CUDA Error 1, invalid argument (injected)" in last
+  assert r.stderr.count("Traceback") == 1 and "model pass failed for" in r.stderr

@@ -295,7 +295,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
   ceilings = device.measure(args.bandwidth_sizes, args.bandwidth_reps, args.matmul_size, threads=args.num_threads)
   bar.update()
   model_path = resolve_model(args.model)
-  records = run_tinyvllm(args, runs, model_path, ceilings, rng, bar)
+  from tinyvllm.outputs import GenerationError
+  try: records = run_tinyvllm(args, runs, model_path, ceilings, rng, bar)
+  except GenerationError as e:   # the engine logged the traceback; the run has nothing to report
+    bar.close()
+    sys.exit(f"tinyvllm.bench: the engine failed a step, so nothing was timed: {e}")
   peer_results = run_peers(args, runs, peer_keys, model_path, rng, bar, notes, ceilings.device,
                            records[0]["dtype"] if records else "float32")
   bar.close()
