@@ -1,0 +1,119 @@
+"""Loading at real size: load time and peak host memory of Llama-3.2-1B- and Llama-3.1-8B-shaped float16 checkpoints.
+
+  python bench/loading.py [--shapes 1b,8b] [--dir DIR] [--json out.json]
+
+Each checkpoint is written once into DIR (random float16 weights, one safetensors file streamed tensor by tensor, with a
+word-level tokenizer of the model's vocabulary; 2.5 and 16 GB), then loaded in a fresh process by the engine as a user
+would (`LLMEngine`, float16, the portable kernels, a small KV cache) on the device tinygrad picks (DEV). A thread samples
+the process's resident memory every millisecond while it loads. Columns:
+  device    tinygrad's count of the device memory it allocated (the weights, the KV cache and buffers)
+  peak RSS  the highest resident memory seen while loading, above the process's before it (on the CPU device the
+            device's memory is host memory, so it is in here; on a GPU it is not)
+  peak/dev  peak RSS over device bytes: 1.0 means no host copy beyond the device's own (target on the CPU: <= 1.1)
+On a 24 GB machine the 8B row is the issue-23 check: its 16 GB must load without a second host copy.
+"""
+from __future__ import annotations
+import argparse, json, os, struct, subprocess, sys, time
+from pathlib import Path
+import numpy as np
+
+SHAPES = {   # (hidden, layers, heads, kv heads, intermediate, vocab, tied)
+  "1b": (2048, 16, 32, 8, 8192, 128256, True),
+  "8b": (4096, 32, 32, 8, 14336, 128256, False),
+}
+
+
+def write_checkpoint(path: Path, shape: str) -> Path:
+  """A random float16 Llama of `shape` in HF layout, written tensor by tensor (never the whole model in memory)."""
+  h, L, H, KVH, inter, V, tied = SHAPES[shape]
+  if (path / "model.safetensors").exists(): return path
+  path.mkdir(parents=True, exist_ok=True)
+  D = h // H
+  shapes = {"model.embed_tokens.weight": (V, h), "model.norm.weight": (h,)}
+  if not tied: shapes["lm_head.weight"] = (V, h)
+  for i in range(L):
+    p = f"model.layers.{i}."
+    shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+               p + "self_attn.q_proj.weight": (H * D, h), p + "self_attn.k_proj.weight": (KVH * D, h),
+               p + "self_attn.v_proj.weight": (KVH * D, h), p + "self_attn.o_proj.weight": (h, H * D),
+               p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h), p + "mlp.down_proj.weight": (h, inter)}
+  header, offset = {}, 0
+  for name, s in shapes.items():
+    n = int(np.prod(s)) * 2
+    header[name] = {"dtype": "F16", "shape": list(s), "data_offsets": [offset, offset + n]}
+    offset += n
+  raw = json.dumps(header).encode()
+  raw += b" " * (-len(raw) % 8)
+  rng = np.random.default_rng(0)
+  part = path / "model.safetensors.part"
+  with open(part, "wb") as f:
+    f.write(struct.pack("<Q", len(raw)) + raw)
+    for name, s in shapes.items():
+      if len(s) == 1:   # norms
+        f.write(np.ones(s, np.float16).tobytes())
+        continue
+      for start in range(0, s[0], 4096):   # 4096 rows at a time: a few tens of MB
+        f.write((rng.standard_normal((min(4096, s[0] - start), s[1]), np.float32) * 0.02).astype(np.float16).tobytes())
+  part.rename(path / "model.safetensors")
+  (path / "config.json").write_text(json.dumps({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h, "num_hidden_layers": L,
+    "num_attention_heads": H, "num_key_value_heads": KVH, "intermediate_size": inter, "vocab_size": V,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": tied,
+    "torch_dtype": "float16", "bos_token_id": 0, "eos_token_id": 1}))
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  tok = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(V)}, unk_token="<t0>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<t0>", "eos_token": "<t1>"}))
+  return path
+
+
+_CHILD = r"""
+import json, sys, threading, time
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
+from tinygrad import Device
+from tinygrad.helpers import GlobalCounters
+from tinyvllm.engine.llm_engine import LLMEngine
+base, peak, done = rss(), [0], []
+def watch():
+  while not done: peak[0] = max(peak[0], rss()); time.sleep(0.001)
+watcher = threading.Thread(target=watch, daemon=True); watcher.start()
+t = time.perf_counter()
+engine = LLMEngine.from_kwargs(sys.argv[1], dtype="float16", kernel_backend="portable", num_kv_blocks=16, max_model_len=256)
+Device[engine.runner.device if isinstance(engine.runner.device, str) else engine.runner.device[0]].synchronize()
+seconds = time.perf_counter() - t
+done.append(1); watcher.join()
+print(json.dumps({"device": Device.DEFAULT, "load_seconds": seconds, "peak_rss_bytes": peak[0] - base,
+                  "device_bytes": GlobalCounters.mem_used, "rss_after_bytes": rss() - base}))
+"""
+
+
+def measure(path: Path) -> dict:
+  out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True)
+  if out.returncode != 0: sys.exit(f"bench/loading.py: loading {path} failed:\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--shapes", default="1b,8b", help=f"comma-separated: {', '.join(SHAPES)}")
+  ap.add_argument("--dir", type=Path, default=Path(os.environ.get("TINYVLLM_CACHE", Path.home() / ".cache" / "tinyvllm")) / "bench")
+  ap.add_argument("--json", type=Path, default=None)
+  args = ap.parse_args()
+  from tqdm import tqdm
+  rows = []
+  for shape in tqdm(args.shapes.split(","), desc="shapes", file=sys.stderr):
+    t = time.perf_counter()
+    path = write_checkpoint(args.dir / f"llama-{shape}-f16", shape)
+    written = time.perf_counter() - t
+    rows.append({"shape": shape, "file_bytes": (path / "model.safetensors").stat().st_size, "write_seconds": written} | measure(path))
+  gb = lambda b: f"{b / 1e9:.2f} GB"
+  print(f"{'shape':<6}{'device':>8}{'file':>10}{'device':>10}{'peak RSS':>10}{'peak/dev':>9}{'load s':>8}")
+  for r in rows:
+    print(f"{r['shape']:<6}{r['device']:>8}{gb(r['file_bytes']):>10}{gb(r['device_bytes']):>10}{gb(r['peak_rss_bytes']):>10}"
+          f"{r['peak_rss_bytes'] / r['device_bytes']:>9.3f}{r['load_seconds']:>8.1f}")
+  if args.json: args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+  main()
