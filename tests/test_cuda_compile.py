@@ -1,0 +1,71 @@
+"""Every kernel of the engine's passes compiles for an NVIDIA GPU and fits CUDA's launch limits, checked without one.
+
+tinygrad lowers a kernel for CUDA with its CUDA renderer and compiles it with nvrtc, neither of which needs a GPU
+(nvrtc comes from the `nvidia-cuda-nvrtc` wheel of the test extra). The kernels are the ones the engine's captures
+schedule on the CPU device (portable backend: what a CUDA run uses) for the shapes a GPU user hits first: a
+4096-token prefill step and a 64-sequence decode step. Each is lowered for the H100 (sm_90) exactly as tinygrad's
+compile workers would, compiled, and its launch checked at the KV-extent variable's least and greatest values:
+every size positive (a CUDA graph is built at the variables' 0: engine/replay.py, rule 1), grid y and z at most
+65535, at most 1024 threads a block. A change to our kernels or a tinygrad upgrade that breaks the CUDA path fails
+here, in CI."""
+from __future__ import annotations
+import glob, os
+import pytest
+from tinygrad.uop.ops import Ops
+
+
+def _nvrtc() -> str | None:
+  try: import nvidia
+  except ImportError: return None
+  found = sorted(p for base in nvidia.__path__ for p in glob.glob(os.path.join(base, "*", "lib", "libnvrtc.so*")) if "builtins" not in p)
+  return found[-1] if found else None
+
+
+NVRTC = os.environ.get("NVRTC_PATH") or _nvrtc()
+pytestmark = pytest.mark.skipif(NVRTC is None, reason="nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
+
+
+@pytest.fixture(scope="module")
+def scheduled_kernels(tmp_path_factory):
+  """The kernel ASTs (before lowering) of a 4096-token prefill and a 64-sequence decode on a tiny model."""
+  from conftest import make_tiny_llama
+  from tinygrad.engine import realize
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
+  path = make_tiny_llama(tmp_path_factory.mktemp("tiny-cuda"), hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, max_position_embeddings=4608)
+  asts, lower = [], realize.lower_and_compile
+  def record(linear):
+    asts.extend(a[0] for c in linear.toposort() if c.op is Ops.CALL and (a := realize._get_call_to_compile(c)) and a[0].op is Ops.SINK)
+    return lower(linear)
+  realize.lower_and_compile = record
+  try:
+    engine = LLMEngine.from_kwargs(str(path), kernel_backend="portable", dtype="float16", max_num_batched_tokens=4096,
+                                   max_model_len=4608, num_kv_blocks=700, max_num_seqs=64)
+    engine.add_request("long", {"prompt_token_ids": [7] * 4095}, SamplingParams(max_tokens=2, temperature=0))
+    for i in range(64): engine.add_request(f"s{i}", {"prompt_token_ids": [5 + i] * 9}, SamplingParams(max_tokens=3, temperature=0))
+    while engine.has_unfinished_requests(): engine.step()
+  finally: realize.lower_and_compile = lower
+  shapes = {(s.num_seqs, s.query_len) for s in engine.runner.replays}
+  assert (1, 4096) in shapes and (64, 1) in shapes, shapes
+  return list(dict.fromkeys(asts))
+
+
+def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kernels, monkeypatch):
+  monkeypatch.setenv("NVRTC_PATH", NVRTC)
+  from tinygrad.codegen import to_program
+  from tinygrad.helpers import Target
+  from tinygrad.renderer.cstyle import CUDARenderer
+  renderer = CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA"))
+  symbolic, problems = 0, []
+  for ast in scheduled_kernels:
+    program = to_program(ast, renderer)   # lowered and compiled by nvrtc, as a compile worker would
+    assert program.src[-1].op is Ops.BINARY and len(program.src[-1].arg) > 0, program.arg.name
+    variables = program.arg.vars
+    symbolic += bool(variables)
+    for values in ({v.expr: v.vmin for v in variables}, {v.expr: 0 for v in variables}, {v.expr: v.vmax for v in variables}):
+      g, l = program.arg.launch_dims(values)
+      if min(*g, *l) <= 0 or g[1] > 65535 or g[2] > 65535 or g[0] > 2**31 - 1 or l[0] * l[1] * l[2] > 1024 or l[2] > 64:
+        problems.append((program.arg.name, values, g, l))
+  assert not problems, problems
+  assert symbolic > 0 and len(scheduled_kernels) > 50   # the attention kernels over the KV extent were among them
