@@ -1,0 +1,80 @@
+"""quant/blocks.py, the packed layout of k-quants, Q5_0/Q5_1 and MLX's other bit widths, against the formats' own
+dequantizers: `gguf.quants.dequantize` for GGUF blocks (random valid blocks, written into a GGUF file with
+gguf.GGUFWriter and read back by our reader) and `mlx.core.dequantize` for MLX's. Equal bit for bit."""
+from __future__ import annotations
+import numpy as np
+import pytest
+from tinyvllm.quant import blocks
+
+# where each ggml type keeps its float16 fields (offsets in a block): set to finite values, the rest is random bytes
+F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q5_0": (0,), "Q5_1": (0, 2)}
+EXPECTED = {"Q4_K": blocks.QuantSpec(4, 32, 8), "Q5_K": blocks.QuantSpec(5, 32, 8),
+            "Q6_K": blocks.QuantSpec(6, 16, 16, signed_scales=True, symmetric=True),
+            "Q3_K": blocks.QuantSpec(4, 16, 16, signed_scales=True, symmetric=True),
+            "Q5_0": blocks.QuantSpec(5, 32, symmetric=True), "Q5_1": blocks.QuantSpec(5, 32)}
+BITS_PER_WEIGHT = {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625, "Q3_K": 4.5625, "Q5_0": 5.5, "Q5_1": 6.0}
+
+
+def random_ggml(qtype: str, rows: int, cols: int, rng) -> np.ndarray:
+  """Raw blocks `[rows, bytes per row]` of a valid tensor: random bytes, finite float16 scales of either sign."""
+  block, nbytes = blocks.GGML_TYPES[qtype]
+  raw = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+  for at in F16_FIELDS[qtype]:
+    raw[..., at:at + 2] = (rng.standard_normal(raw.shape[:-1]) * 0.02).astype(np.float16)[..., None].view(np.uint8)
+  return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", list(blocks.GGML_TYPES))
+def test_ggml_blocks_repack_exactly(qtype, tmp_path):
+  import gguf
+  from gguf.quants import dequantize as gguf_dequantize
+  from tinyvllm.model.gguf_file import read_gguf
+  rng = np.random.default_rng(list(blocks.GGML_TYPES).index(qtype))
+  shapes = {"a": (12, 512), "b": (8, 256)}
+  raws = {n: random_ggml(qtype, *s, rng) for n, s in shapes.items()}
+  writer = gguf.GGUFWriter(tmp_path / "t.gguf", "llama")
+  for name, raw in raws.items(): writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+  writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
+  _, tensors = read_gguf(tmp_path / "t.gguf")
+  for t in tensors:
+    assert t.type_name == qtype and t.shape == shapes[t.name]
+    parts, spec = blocks.from_ggml(t.data, qtype, t.shape)
+    assert spec == EXPECTED[qtype] and spec.bytes_per_weight() * 8 == BITS_PER_WEIGHT[qtype]
+    assert blocks.spec_of({f"x.{p}": a for p, a in parts.items()}, "x") == spec   # the layout reads back from the arrays
+    ref = gguf_dequantize(raws[t.name], gguf.GGMLQuantizationType[qtype]).reshape(shapes[t.name])
+    ours = blocks.dequantize(parts, spec)
+    assert ours.dtype == np.float32 and np.array_equal(ours, ref), np.abs(ours - ref).max()
+
+
+def test_ggml_sizes_are_checked():
+  rng = np.random.default_rng(9)
+  with pytest.raises(ValueError, match="multiple of 256"): blocks.from_ggml(random_ggml("Q4_K", 2, 256, rng), "Q4_K", (2, 384))
+  with pytest.raises(ValueError, match="does not match"): blocks.from_ggml(random_ggml("Q6_K", 2, 256, rng)[:, :-1], "Q6_K", (2, 256))
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6, 8])
+@pytest.mark.parametrize("G", [32, 64, 128])
+def test_mlx_bit_widths_repack_exactly(bits, G):
+  """MLX's b-bit affine weights (codes as one bit stream per row): equal to mlx.core.dequantize of the same codes
+  with our float16 scales and biases (the contract's dtype for them, as for 4-bit MLX checkpoints)."""
+  mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
+  rng = np.random.default_rng(bits * 1000 + G)
+  q, s, b = mx.quantize(mx.array(rng.standard_normal((16, 512)).astype(np.float16)), group_size=G, bits=bits)
+  parts, spec = blocks.from_mlx(np.array(q), np.array(s), np.array(b), bits)
+  assert spec == blocks.QuantSpec(max(bits, 4), G) and parts["scales"].dtype == np.float16
+  theirs = np.array(mx.dequantize(q, mx.array(parts["scales"].astype(np.float32)), mx.array(parts["biases"].astype(np.float32)),
+                                  group_size=G, bits=bits))
+  assert np.array_equal(blocks.dequantize(parts, spec), theirs)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+def test_bit_planes_round_trip(bits):
+  q = np.random.default_rng(bits).integers(0, 1 << bits, (5, 96)).astype(np.uint8)
+  parts = blocks.pack_codes(q, bits)
+  assert parts["weight"].shape == (5, 12) and ("qhigh" in parts) == (bits > 4)
+  if bits > 4: assert parts["qhigh"].shape == (5, 3 * (bits - 4))
+  np.testing.assert_array_equal(blocks.unpack_codes(parts["weight"], parts.get("qhigh"), bits), q)
+  # the documented order: bit t of a run's high word is input 2t (t < 16), else 2(t - 16) + 1
+  if bits > 4:
+    word = int(parts["qhigh"][0, 0])
+    assert [(word >> t) & 1 for t in range(32)] == [(int(q[0, 2 * t if t < 16 else 2 * (t - 16) + 1]) >> 4) & 1 for t in range(32)]
