@@ -4,14 +4,15 @@ gguf.GGUFWriter and read back by our reader) and `mlx.core.dequantize` for MLX's
 from __future__ import annotations
 import numpy as np
 import pytest
-from tinyvllm.quant import blocks
+from tinyvllm.quant import blocks, int4
+from tinyvllm.quant.formats import QuantSpec, spec_of
 
 # where each ggml type keeps its float16 fields (offsets in a block): set to finite values, the rest is random bytes
 F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q5_0": (0,), "Q5_1": (0, 2)}
-EXPECTED = {"Q4_K": blocks.QuantSpec(4, 32, 8), "Q5_K": blocks.QuantSpec(5, 32, 8),
-            "Q6_K": blocks.QuantSpec(6, 16, 16, signed_scales=True, symmetric=True),
-            "Q3_K": blocks.QuantSpec(4, 16, 16, signed_scales=True, symmetric=True),
-            "Q5_0": blocks.QuantSpec(5, 32, symmetric=True), "Q5_1": blocks.QuantSpec(5, 32)}
+EXPECTED = {"Q4_K": QuantSpec(4, 32, 8), "Q5_K": QuantSpec(5, 32, 8),
+            "Q6_K": QuantSpec(6, 16, 16, signed_scales=True, symmetric=True),
+            "Q3_K": QuantSpec(4, 16, 16, signed_scales=True, symmetric=True),
+            "Q5_0": QuantSpec(5, 32, symmetric=True), "Q5_1": QuantSpec(5, 32)}
 BITS_PER_WEIGHT = {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625, "Q3_K": 4.5625, "Q5_0": 5.5, "Q5_1": 6.0}
 
 
@@ -40,7 +41,10 @@ def test_ggml_blocks_repack_exactly(qtype, tmp_path):
     assert t.type_name == qtype and t.shape == shapes[t.name]
     parts, spec = blocks.from_ggml(t.data, qtype, t.shape)
     assert spec == EXPECTED[qtype] and spec.bytes_per_weight() * 8 == BITS_PER_WEIGHT[qtype]
-    assert blocks.spec_of({f"x.{p}": a for p, a in parts.items()}, "x") == spec   # the layout reads back from the arrays
+    assert spec_of({f"x.{p}": a for p, a in parts.items()}, "x") == spec   # the spec travels in its array
+    assert tuple(parts) == blocks.stored_parts(spec) and len(parts) <= 4   # at most three arrays and the spec
+    assert {p: a.shape for p, a in parts.items() if p != "qspec"} == blocks.part_shapes(spec, *t.shape)
+    assert sum(a.nbytes for p, a in parts.items() if p != "qspec") == spec.bytes_per_weight() * np.prod(t.shape)
     ref = gguf_dequantize(raws[t.name], gguf.GGMLQuantizationType[qtype]).reshape(shapes[t.name])
     ours = blocks.dequantize(parts, spec)
     assert ours.dtype == np.float32 and np.array_equal(ours, ref), np.abs(ours - ref).max()
@@ -61,7 +65,8 @@ def test_mlx_bit_widths_repack_exactly(bits, G):
   rng = np.random.default_rng(bits * 1000 + G)
   q, s, b = mx.quantize(mx.array(rng.standard_normal((16, 512)).astype(np.float16)), group_size=G, bits=bits)
   parts, spec = blocks.from_mlx(np.array(q), np.array(s), np.array(b), bits)
-  assert spec == blocks.QuantSpec(max(bits, 4), G) and parts["scales"].dtype == np.float16
+  assert spec == QuantSpec(max(bits, 4), G) and parts["scales"].dtype == np.float16
+  assert ("qspec" in parts) == (bits > 4)   # 3-bit codes fit INT4's layout, which needs no spec
   theirs = np.array(mx.dequantize(q, mx.array(parts["scales"].astype(np.float32)), mx.array(parts["biases"].astype(np.float32)),
                                   group_size=G, bits=bits))
   assert np.array_equal(blocks.dequantize(parts, spec), theirs)
@@ -70,11 +75,10 @@ def test_mlx_bit_widths_repack_exactly(bits, G):
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_bit_planes_round_trip(bits):
   q = np.random.default_rng(bits).integers(0, 1 << bits, (5, 96)).astype(np.uint8)
-  parts = blocks.pack_codes(q, bits)
-  assert parts["weight"].shape == (5, 12) and ("qhigh" in parts) == (bits > 4)
-  if bits > 4: assert parts["qhigh"].shape == (5, 3 * (bits - 4))
-  np.testing.assert_array_equal(blocks.unpack_codes(parts["weight"], parts.get("qhigh"), bits), q)
-  # the documented order: bit t of a run's high word is input 2t (t < 16), else 2(t - 16) + 1
-  if bits > 4:
-    word = int(parts["qhigh"][0, 0])
+  weight = blocks.pack_codes(q, bits)
+  assert weight.dtype == np.uint32 and weight.shape == (5, 96 * bits // 32)
+  np.testing.assert_array_equal(blocks.unpack_codes(weight, bits), q)
+  np.testing.assert_array_equal(weight[:, :12], int4.pack(q & 15))   # the nibble plane is INT4's layout
+  if bits > 4:   # the documented order: bit t of a run's high word is input 2t (t < 16), else 2(t - 16) + 1
+    word = int(weight[0, 12])
     assert [(word >> t) & 1 for t in range(32)] == [(int(q[0, 2 * t if t < 16 else 2 * (t - 16) + 1]) >> 4) & 1 for t in range(32)]

@@ -130,3 +130,26 @@ def test_mlx_checkpoint_runs_in_tinyvllm(mlx_quantized):
   for f in sorted(out.glob("*.safetensors")): q.update(read_safetensors(f))
   exact = hf_logits(out, dequantize_all(int4.float16_params(q), 32), tokens)   # the same float16 scales as ours
   assert np.linalg.norm(ours - exact) / np.linalg.norm(exact) < 1e-4            # exact float maths in our int4 kernels
+
+
+@pytest.mark.parametrize("bits", [3, 6, 8])
+def test_mlx_bit_widths_run_in_tinyvllm(tiny_model_factory, tmp_path, bits):
+  """mlx-lm's `convert -q --q-bits N` checkpoints: they load compact (3-bit codes in INT4's layout, 6- and 8-bit in the
+  packed one, never float), and their logits on the portable and cpu kernels equal transformers' on the same weights
+  dequantized with our float16 scales (exact float maths: 1e-4), and mlx-lm's own within float16's rounding of the
+  scales (1e-2)."""
+  from conftest import our_prefill_logits
+  from tinyvllm.model.weights import load_checkpoint
+  from tinyvllm.quant.formats import INT4, PACKED, stored_format
+  out = tmp_path / f"q{bits}"
+  mlx_lm.convert(str(tiny_model_factory("metal")), str(out), quantize=True, q_group_size=32, q_bits=bits)
+  ckpt = load_checkpoint(out)
+  fmt = INT4 if bits <= 4 else PACKED
+  assert all(stored_format(ckpt.tensors, base) == fmt for base in ("model.embed_tokens", "model.layers.0.mlp.down_proj"))
+  tokens = np.random.default_rng(bits).integers(4, 380, 24).tolist()
+  exact = hf_logits(out, {k: v for k, v in load_checkpoint(out, "none").tensors.items()}, tokens)
+  for backend in ("portable", "cpu"):
+    ours = our_prefill_logits(out, tokens, kernel_backend=backend)
+    assert np.linalg.norm(ours - exact) / np.linalg.norm(exact) < 1e-4, backend
+  ref = mlx_logits(out, tokens)
+  assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-2

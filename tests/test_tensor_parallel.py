@@ -154,7 +154,7 @@ def test_row_parallel_int4_groups_split_exactly():
   for K, G, n in ((64, 64, 2), (128, 32, 2), (96, 32, 4), (96, 32, 8)):
     packed, scales, biases = int4.quantize(rng.standard_normal((6, K)).astype(np.float32), G)
     want = int4.dequantize(packed, scales, biases)
-    lw = LinearWeights("int4", packed, scales, biases)
+    lw = LinearWeights("int4", packed, scales=scales, biases=biases)
     new = tensor_parallel._split_groups(lw, "w", n, "float32")
     if K // n % 8:   # 96 / 8 = 12 inputs per device: not whole words
       assert new["w.scales"] is None and np.array_equal(new["w.weight"], want)

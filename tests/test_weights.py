@@ -132,11 +132,11 @@ def test_unsupported_gguf_contents(tmp_path):
   w = gguf.GGUFWriter(tmp_path / "k.gguf", "llama")
   for k, v in dict(block_count=1, context_length=64, embedding_length=256, feed_forward_length=256, head_count=2, vocab_size=64).items():
     getattr(w, f"add_{k}")(v)
-  q5k = gguf.GGMLQuantizationType.Q5_K   # any bytes of the right size: the loader must refuse the type, not decode it
-  raw = np.random.default_rng(0).integers(0, 255, gguf.quants.quant_shape_to_byte_shape((256, 256), q5k), dtype=np.uint8)
-  w.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=q5k)
+  q2k = gguf.GGMLQuantizationType.Q2_K   # any bytes of the right size: the loader must refuse the type, not decode it
+  raw = np.random.default_rng(0).integers(0, 255, gguf.quants.quant_shape_to_byte_shape((256, 256), q2k), dtype=np.uint8)
+  w.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=q2k)
   w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-  with pytest.raises(ModelLoadError, match="blk.0.attn_q.weight has GGUF type Q5_K"): load_checkpoint(tmp_path / "k.gguf")
+  with pytest.raises(ModelLoadError, match="blk.0.attn_q.weight has GGUF type Q2_K"): load_checkpoint(tmp_path / "k.gguf")
   w = gguf.GGUFWriter(tmp_path / "g.gguf", "gemma")
   w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
   with pytest.raises(ConfigError, match="unsupported GGUF architecture 'gemma'"): load_checkpoint(tmp_path / "g.gguf")

@@ -24,7 +24,7 @@ from tinyvllm.kernels.threads import default_threads
 from tinyvllm.model.llama import Llama
 from tinyvllm.model.tensor_parallel import parallel_backend, parallel_devices
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
-from tinyvllm.model.weights import Checkpoint, load_checkpoint
+from tinyvllm.model.weights import Checkpoint, load_checkpoint, select_tensors
 from tinyvllm.structured_output import MaskWorker, apply_bias
 
 
@@ -46,7 +46,7 @@ class EngineCore:
     self.kv_format = KVCacheFormat.resolve(config.kv_cache_dtype, dtype)
     cfg = ckpt.config
     block_bytes = self.kv_format.bytes_per_block(cfg.num_hidden_layers, config.block_size, cfg.num_key_value_heads, cfg.head_dim)
-    weight_bytes = sum(a.nbytes for a in ckpt.tensors.values())
+    weight_bytes = ckpt.nbytes
     num_blocks = config.num_kv_blocks or self._blocks_from_memory(block_bytes, weight_bytes, max_model_len)
     capacity = num_blocks * config.block_size
     if max_model_len > capacity:
@@ -77,7 +77,7 @@ class EngineCore:
     self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
                                frozenset(tokenizer.eos_token_ids),
                                lookahead_tokens=config.num_speculative_tokens if self.spec else 0,
-                               packed_prefill=self.kernels.packs_prefill)
+                               packed_prefill=self.runner.model.packs_prefill)
     self.requests: dict[str, list[Sequence]] = {}
     self._seed_stream = np.random.default_rng(config.seed)
     # structured output: a step's token masks, on a worker thread while the model runs if the step leaves a core idle
@@ -95,7 +95,7 @@ class EngineCore:
       n = int(name[5:]) if name[5:].isdigit() else 0
       if not 0 < n < target.config.num_hidden_layers:
         raise ConfigError(f"draft_model={name!r}: N must be between 1 and {target.config.num_hidden_layers - 1}")
-      keep = {k: v for k, v in target.tensors.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
+      keep = select_tensors(target.tensors, lambda k: not k.startswith("model.layers.") or int(k.split(".")[2]) < n)
       return self._build_model(dataclasses.replace(target.config, num_hidden_layers=n), keep, dtype)
     draft = load_checkpoint(name)
     draft_tok = load_tokenizer(draft.path)

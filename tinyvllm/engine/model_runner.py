@@ -6,7 +6,7 @@ attention sees one AttentionGroup. Shapes are rounded up to buckets; each shape 
 replayed after that (engine/replay.py).
 """
 from __future__ import annotations
-import ctypes, math, mmap, time
+import ctypes, functools, math, mmap, time
 from collections import OrderedDict
 from dataclasses import dataclass
 import numpy as np
@@ -96,6 +96,17 @@ class ModelRunner:
     # run: with one capture, every layer would wait for the layer before it and the GPU would idle while Python
     # encodes the next. Two captures taken in turn wait only for the layer before last, while the last one runs.
     self.layer_graphs = 2 if self.kind == "METAL" else 1
+    # Layers stored alike share their captures; a checkpoint that stores some layers differently (a Q4_K_M GGUF's v
+    # and down projections in Q6_K in half the layers) needs one capture per kind of layer. layer_slot[i]: the replay
+    # layer i runs in a shape's tuple of layer replays (kind-major, the captures of a kind taken in turn).
+    kinds = list(dict.fromkeys(layer.signature for layer in model.layers))
+    self.layer_templates = [next(layer for layer in model.layers if layer.signature == k) for k in kinds]
+    seen = [0] * len(kinds)
+    self.layer_slot = []
+    for layer in model.layers:
+      k = kinds.index(layer.signature)
+      self.layer_slot.append(k * self.layer_graphs + seen[k] % self.layer_graphs)
+      seen[k] += 1
     self.input_buffers: dict[PassShape, Tensor] = {}
     self.hidden_buffers: dict[PassShape, tuple[Tensor, Tensor]] = {}
     self.bound_passes: dict[PassShape, list[tuple[BoundReplay, bool]]] = {}   # a captured shape's calls, inputs bound
@@ -162,7 +173,7 @@ class ModelRunner:
     its product with the sequence count, which would outgrow the captures kept."""
     if kind == 0: return PassShape(bucket(len(items)), 1, False)
     if kind == 2: return PassShape(bucket(len(items)), max(len(w.tokens) for w in items), True)
-    if self.model.kernels.packs_prefill:
+    if self.model.packs_prefill:
       return PassShape(bucket(self.max_num_seqs), token_bucket(sum(len(w.tokens) for w in items)), prefill_all_logits, packed=True)
     return PassShape(bucket(len(items)), bucket(max(len(w.tokens) for w in items), minimum=8), prefill_all_logits)
 
@@ -217,7 +228,7 @@ class ModelRunner:
     h, positions, slots, q_pos, token_seq, rows, ctx, tables = fields
     hidden, calls = self._hidden_buffers(shape), []
     for i, (weights, cache) in enumerate(zip(self.layer_weights, self.kv_caches)):
-      calls.append((layers[i % len(layers)], (h, hidden[i % 2], positions, slots, q_pos, token_seq, ctx, tables, *cache.tensors(), *weights), True))
+      calls.append((layers[self.layer_slot[i]], (h, hidden[i % 2], positions, slots, q_pos, token_seq, ctx, tables, *cache.tensors(), *weights), True))
       h = hidden[i % 2]
     return calls + [(head, (h, rows), False)]
 
@@ -249,8 +260,8 @@ class ModelRunner:
         fields[name], at = packed[at:at + size].clone(), at + size   # clone: a real buffer, not a view of packed
       return (self.model.embed(fields["tokens"]).contiguous(), *(fields[n] for n in FIELDS[1:]))
 
-    template, n_cache = self.model.layers[0], len(self.kv_caches[0].tensors())
-    def layer(h, out, positions, slots, q_pos, token_seq, ctx, tables, *cache_weights_and_extent):
+    n_cache = len(self.kv_caches[0].tensors())
+    def layer(template, h, out, positions, slots, q_pos, token_seq, ctx, tables, *cache_weights_and_extent):
       *cache_and_weights, bound_extent = cache_weights_and_extent
       extent = CountVariable.count(bound_extent)
       cache, weights = self.kv_caches[0].with_tensors(cache_and_weights[:n_cache]), cache_and_weights[n_cache:]
@@ -258,7 +269,7 @@ class ModelRunner:
                              packed=shape.packed)
       return template.with_tensors(weights)(h, ModelInputs(None, positions, slots, [group], None), self.model.cos_sin, cache, out)
 
-    layers = tuple(Replay(layer) for _ in range(self.layer_graphs))
+    layers = tuple(Replay(functools.partial(layer, template)) for template in self.layer_templates for _ in range(self.layer_graphs))
     replays = (Replay(unpack), layers, Replay(lambda h, rows: self.model.logits(h, rows)))
     self.replays[shape] = replays
     if len(self.replays) > MAX_SHAPES:   # drop the least recently used shape's captures and buffers together

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from tinygrad import Device, Tensor, dtypes
 from tinyvllm.kernels import cpu, cpu_layer, metal, portable
 from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
-from tinyvllm.quant.formats import INT4, INT8, LinearWeights
+from tinyvllm.quant.formats import INT4, INT8, PACKED, LinearWeights
 from tinyvllm.kernels.threads import ThreadPool, default_threads
 
 BACKENDS = ("portable", "cpu", "metal", "emulator")
@@ -102,6 +102,7 @@ class Kernels:
   name = "portable"
   packs_prefill = False   # can prefill chunks go back to back (packed AttentionGroups) rather than padded to the longest?
   shards = 1              # devices a layer is split over (tensor parallelism: kernels/sharded.py)
+  keeps = frozenset({INT4, INT8, PACKED})   # quantized formats these kernels run as stored (others load as floats)
 
   def __init__(self, device: str = "CPU", batch_invariant: bool = False, num_threads: int | None = None):
     self.device, self.batch_invariant = device, batch_invariant
@@ -117,13 +118,12 @@ class Kernels:
     """Every thread pool these kernels run on (one per device; none off the CPU device)."""
     return (self.threads,) if self.threads else ()
 
-  @property
-  def eight_bit(self) -> bool:
-    """8-bit weights (GGUF Q8_0 embeddings) have a kernel on the CPU device only; elsewhere they load as floats."""
-    return self.cpu
-
   def check_model(self, head_dim: int, n_heads: int, n_kv_heads: int, block_size: int, dtype: str) -> None:
     """Refuse, with the reason, a model this backend's kernels cannot run."""
+
+  def packs_layers(self, layers) -> bool:
+    """Can prefill chunks of a model with these layers go back to back (`packs_prefill`, and every layer takes them)?"""
+    return self.packs_prefill
 
   def check_kv_cache(self, fmt: KVCacheFormat) -> None:
     """Refuse, with the reason, a KV cache format this backend's kernels cannot read."""
@@ -142,11 +142,21 @@ class Kernels:
 
   def linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     """x `[T, in]` @ W^T (+ bias), W in any stored format (quant/formats.py)."""
-    if w.format == INT8: y = cpu.q8_linear(x, w.weight, w.scales, self.pool)   # loaded as int8 only where eight_bit says so
+    if w.format == INT8: y = self.q8_linear(x, w)
     elif w.format == INT4: y = self.int4_linear(x, w)
+    elif w.format == PACKED: y = self.packed_linear(x, w)
     elif self.cpu and x.dtype == w.weight.dtype == dtypes.float32: return cpu.linear_f32(x, w.weight, w.bias, self.pool)
     else: return portable.linear(x, w.weight, w.bias)
     return y if w.bias is None else y + w.bias
+
+  def q8_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
+    if self.cpu and x.dtype == dtypes.float32: return cpu.q8_linear(x, w.weight, w.scales, self.pool)
+    return portable.q8_linear(x, w.weight, w.scales)
+
+  def packed_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
+    """A packed linear (GGUF k-quants, Q5_0/Q5_1, MLX 5/6/8-bit: quant/blocks.py), compact on every backend: tinygrad
+    unpacks the codes inside the matmul."""
+    return portable.packed_linear(x, w)
 
   def int4_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     if self.cpu and x.dtype == dtypes.float32:
@@ -194,7 +204,13 @@ class CpuKernels(Kernels):
       raise ValueError(f"kernel_backend='cpu' runs float32 models with head_dim divisible by 8 (got {dtype}, head_dim "
                        f"{head_dim}): use dtype='float32' or kernel_backend='portable'")
 
+  def packs_layers(self, layers) -> bool:
+    """Packed prefill groups are read by the fused layer only: a model with a layer it does not take (stored in a
+    format it does not read) pads prefill chunks instead, for the composed layer's attention."""
+    return all(cpu_layer.takes(layer.linears) for layer in layers)
+
   def decoder_layer(self, h, linears, norms, cfg, group, positions, slot_mapping, cos_sin, cache, out):
+    if not cpu_layer.takes(linears): return None   # q/k/v stored apart, or a format the fused layer does not read
     return cpu_layer.decoder_layer(h, linears, norms, cfg, positions, slot_mapping, group.block_tables, group.token_seq,
                                    group.q_pos.reshape(group.num_tokens), cos_sin, cache, out, self.batch_invariant, self.pool)
 

@@ -561,3 +561,201 @@ def q8_linear(x: Tensor, codes: Tensor, scales: Tensor, pool: Tensor | None = No
   src = _q8_linear_source(name, M, N, K)
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
   return Tensor.custom_kernel(out, x.cast(dtypes.float32).contiguous(), codes, scales, pool_arg(pool, x.device), fxn=lambda *p: _program(name, src, *p))[0]
+
+
+# **** packed linear (quant/blocks.py: GGUF k-quants, Q5_0/Q5_1, MLX 5/6/8-bit) ****
+
+def _packed_params(spec) -> list[str]:
+  """The kernel's weight arguments for a packed layout, in formats.WEIGHT_PARTS order (quant/blocks.py)."""
+  scale_t = "unsigned short" if not spec.super_groups else ("signed char" if spec.signed_scales else "unsigned char")
+  p = ["const unsigned *restrict w", f"const {scale_t} *restrict s"]
+  if spec.super_groups: p.append("const unsigned short *restrict sd")
+  elif not spec.symmetric: p.append("const unsigned short *restrict b")
+  return p
+
+
+def _packed_scales(spec, K: int) -> str:
+  """C statements filling S[g] and (affine) B[g], floats, for weight row `n`: the group scales and biases, exactly
+  as quant/blocks.py dequantizes them (a two-level scale: float16 times an integer, exact in float; an affine
+  k-quant pairs each group's scale with its min, and each super-block's d with its dmin)."""
+  NG, sg = K // spec.group, spec.super_groups
+  if not sg:
+    return f"for (int g = 0; g < {NG}; g++) {{ S[g] = h2f(s[n * {NG} + g]); {'' if spec.symmetric else f'B[g] = h2f(b[n * {NG} + g]);'} }}"
+  if spec.symmetric: return f"for (int g = 0; g < {NG}; g++) S[g] = h2f(sd[n * {NG // sg} + g / {sg}]) * (float)s[n * {NG} + g];"
+  return (f"for (int g = 0; g < {NG}; g++) {{ S[g] = h2f(sd[2 * (n * {NG // sg} + g / {sg})]) * (float)s[2 * (n * {NG} + g)];"
+          f" B[g] = -(h2f(sd[2 * (n * {NG // sg} + g / {sg}) + 1]) * (float)s[2 * (n * {NG} + g) + 1]); }}")
+
+
+def _packed_gemv_body(N: int, K: int, spec) -> str:
+  """M == 1. x is rounded to 16 bits per run of 32 inputs (as the INT4 GEMV's, per run rather than per group, since
+  k-quant groups can be 16 wide) and each run of codes multiplies it in exact int32 (vpmaddwd), centred on
+  c = 2^(bits-1): sum S (q - c) x per group, then for affine layouts + sum (B + c S) x. A run's codes unpack from 16
+  bytes of nibbles (even inputs in the low nibbles, odd in the high) plus, for b > 4 bits, one 32-bit word per high
+  plane whose bit t is the high bit of input 2t (t < 16) or 2(t - 16) + 1: the same even/odd order, so each plane
+  adds (bit << (4 + p)) to the 16-bit codes. With 16-wide groups a run holds two: its int32 lanes 0-3 come from the
+  first 16 inputs, 4-7 from the last 16, and the scale vector carries each group's scale in its lanes."""
+  NC, NG, G, HB = K // 32, K // spec.group, spec.group, spec.bits - 4
+  c = 1 << (spec.bits - 1)
+  high = "".join(f"""
+          {{ unsigned hwd = whr[r][c * {HB} + {p}];
+            qe = _mm256_add_epi16(qe, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)(hwd & 0xFFFF)), bitsel), bitsel), _mm256_set1_epi16({16 << p})));
+            qo = _mm256_add_epi16(qo, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)(hwd >> 16)), bitsel), bitsel), _mm256_set1_epi16({16 << p}))); }}""" for p in range(HB))
+  lanes = (f"_mm256_mul_ps(_mm256_set1_ps(S[r][c * 32 / {G}]), dxv)" if G >= 32 else
+           "_mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(S[r][2 * c + 1]), _mm_set1_ps(S[r][2 * c])), dxv)")
+  bias = "" if spec.symmetric else f"for (int g = 0; g < {NG}; g++) bs += (B[g] + {c}.0f * S[r][g]) * xg[g];"
+  return f"""
+  const __m256i nib = _mm256_set1_epi16(15), ones = _mm256_set1_epi16(1);
+  const __m256i bitsel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, (short)32768);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  short xq[{K}] __attribute__((aligned(32)));
+  float dx[{NC}], x16[{2 * NC}], xg[{NG}];
+  __m256i xc[{NC}];
+  for (int c = 0; c < {NC}; c++) {{   /* x in 16 bits per run of 32, in the runs' even/odd order; float sums per 16 */
+    const float *xr = x + c * 32;
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xr + 8 * j), absmask));
+    x16[2 * c] = hsum8(_mm256_add_ps(_mm256_loadu_ps(xr), _mm256_loadu_ps(xr + 8)));
+    x16[2 * c + 1] = hsum8(_mm256_add_ps(_mm256_loadu_ps(xr + 16), _mm256_loadu_ps(xr + 24)));
+    __m128 mh = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    mh = _mm_max_ps(mh, _mm_movehl_ps(mh, mh));
+    float xmax = _mm_cvtss_f32(_mm_max_ss(mh, _mm_shuffle_ps(mh, mh, 1)));
+    dx[c] = xmax * (1.0f / 32767.0f);
+    __m256 inv = _mm256_set1_ps(xmax > 0 ? 32767.0f / xmax : 0.0f);
+    int qi[32] __attribute__((aligned(32)));
+    for (int j = 0; j < 4; j++) _mm256_store_si256((__m256i *)(qi + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + 8 * j), inv)));
+    for (int t = 0; t < 16; t++) {{ xq[c * 32 + t] = (short)qi[2 * t]; xq[c * 32 + 16 + t] = (short)qi[2 * t + 1]; }}
+    __m256i l = _mm256_add_epi32(_mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + c * 32)), ones),
+                                 _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + c * 32 + 16)), ones));
+    xc[c] = _mm256_mullo_epi32(l, _mm256_set1_epi32({c}));
+  }}
+  for (int g = 0; g < {NG}; g++) {{ float t = 0; for (int u = g * {G // 16}; u < (g + 1) * {G // 16}; u++) t += x16[u]; xg[g] = t; }}
+  for (int n0 = nb; n0 < ne; n0 += 4) {{
+    float S[4][{NG}], bsum[4];
+    const unsigned char *wr[4];
+    {"const unsigned *whr[4];" if HB else ""}
+    for (int r = 0; r < 4; r++) {{
+      long n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: recompute it, store nothing */
+      wr[r] = (const unsigned char *)(w + n * {K * spec.bits // 32});
+      {f"whr[r] = w + n * {K * spec.bits // 32} + {K // 8};" if HB else ""}
+      float *Sr = S[r];
+      float B[{NG}]; (void)B;
+      {{ float *S = Sr; {_packed_scales(spec, K)} }}
+      float bs = 0;
+      {bias}
+      bsum[r] = bs;
+    }}
+    __m256 tot[4] = {{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}};
+    for (int c = 0; c < {NC}; c++) {{
+      __m256i xe = _mm256_load_si256((const __m256i *)(xq + c * 32)), xo = _mm256_load_si256((const __m256i *)(xq + c * 32 + 16));
+      __m256 dxv = _mm256_set1_ps(dx[c]);
+      for (int r = 0; r < 4; r++) {{
+        _mm_prefetch((const char *)(wr[r] + {2 * K} + c * 16), _MM_HINT_T0);
+        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr[r] + c * 16)));
+        __m256i qe = _mm256_and_si256(v, nib), qo = _mm256_srli_epi16(v, 4);{high}
+        __m256i a = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(qe, xe), _mm256_madd_epi16(qo, xo)), xc[c]);
+        tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), {lanes}, tot[r]);
+      }}
+    }}
+    for (int r = 0; r < 4 && n0 + r < {N}; r++) y[n0 + r] = hsum8(tot[r]) + bsum[r];
+  }}"""
+
+
+def _packed_dequant_row(K: int, spec) -> str:
+  """C statements dequantizing weight row `n` into float wrow[K] (k order), as quant/blocks.py: S q + B per group."""
+  NC, HB, G = K // 32, spec.bits - 4, spec.group
+  c = spec.offset
+  high = "".join(f"""
+        {{ unsigned hwd = w[n * {K * spec.bits // 32} + {K // 8} + cc * {HB} + {p}];
+          q = _mm256_add_epi32(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)hwd), hsh[j]), one), {4 + p})); }}""" for p in range(HB))
+  value = (f"_mm256_mul_ps(_mm256_set1_ps(S[k0 / {G}]), _mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps({c}.0f)))" if spec.symmetric else
+           f"_mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(S[k0 / {G}]), _mm256_set1_ps(B[k0 / {G}]))")
+  return f"""
+    {_packed_scales(spec, K)}
+    for (int cc = 0; cc < {NC}; cc++)
+      for (int j = 0; j < 4; j++) {{
+        int k0 = cc * 32 + j * 8;
+        __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w[n * {K * spec.bits // 32} + k0 / 8]), sh), mask);{high}
+        _mm256_store_ps(wrow + k0, {value});
+      }}"""
+
+
+def _packed_gemm_body(M: int, N: int, K: int, spec) -> str:
+  """M > 1: as the INT4 GEMM, a tile of 4 weight rows dequantized once into float (L1), then pairs of x rows pass over
+  it with 2 x 4 FMA accumulators; x rows in chunks of 64, so for M <= 64 each weight byte is read once per call.
+  The high-plane bits of 8 consecutive inputs k0..k0+7 sit at bits 4j + l/2 (even l) and 16 + 4j + (l-1)/2 (odd l)
+  of the run's word (j: which 8 of the run's 32)."""
+  NG = K // spec.group
+  return f"""
+  {_CONSTS}
+  const __m256i one = _mm256_set1_epi32(1);
+  __m256i hsh[4];
+  for (int j = 0; j < 4; j++) hsh[j] = _mm256_setr_epi32(4 * j, 16 + 4 * j, 4 * j + 1, 17 + 4 * j, 4 * j + 2, 18 + 4 * j, 4 * j + 3, 19 + 4 * j);
+  (void)hsh; (void)one;
+  float wf[4][{K}] __attribute__((aligned(32)));
+  float S[{NG}], B[{NG}]; (void)B;
+  for (int c0 = 0; c0 < {M}; c0 += 64) {{
+    int mend = c0 + 64 < {M} ? c0 + 64 : {M};
+    for (int n0 = nb; n0 < ne; n0 += 4) {{
+      for (int r = 0; r < 4; r++) {{
+        long n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: a copy, never stored */
+        float *wrow = wf[r];
+        {_packed_dequant_row(K, spec)}
+      }}
+      for (int m = c0; m < mend; m += 2) {{
+        const float *x0 = x + (long)m * {K}, *x1 = x + (long)(m + 1 < mend ? m + 1 : m) * {K};
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+        for (int k = 0; k < {K}; k += 8) {{
+          __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
+          __m256 w0 = _mm256_load_ps(&wf[0][k]), w1 = _mm256_load_ps(&wf[1][k]), w2 = _mm256_load_ps(&wf[2][k]), w3 = _mm256_load_ps(&wf[3][k]);
+          a00 = _mm256_fmadd_ps(u, w0, a00); a01 = _mm256_fmadd_ps(u, w1, a01); a02 = _mm256_fmadd_ps(u, w2, a02); a03 = _mm256_fmadd_ps(u, w3, a03);
+          a10 = _mm256_fmadd_ps(v, w0, a10); a11 = _mm256_fmadd_ps(v, w1, a11); a12 = _mm256_fmadd_ps(v, w2, a12); a13 = _mm256_fmadd_ps(v, w3, a13);
+        }}
+        float r0[4] = {{hsum8(a00), hsum8(a01), hsum8(a02), hsum8(a03)}}, r1[4] = {{hsum8(a10), hsum8(a11), hsum8(a12), hsum8(a13)}};
+        for (int r = 0; r < 4 && n0 + r < {N}; r++) {{
+          y[(long)m * {N} + n0 + r] = r0[r];
+          if (m + 1 < mend) y[(long)(m + 1) * {N} + n0 + r] = r1[r];
+        }}
+      }}
+    }}
+  }}"""
+
+
+def _packed_fallback_body(M: int, N: int, K: int, spec) -> str:
+  """Plain C (CPUs without AVX2): each weight dequantized as quant/blocks.py does, one dot product per output."""
+  HB, G = spec.bits - 4, spec.group
+  high = f"""{{ int t = (k % 32) % 2 ? 16 + (k % 32) / 2 : (k % 32) / 2;
+          for (int p = 0; p < {HB}; p++) q |= ((w[(long)n * {K * spec.bits // 32} + {K // 8} + (k / 32) * {HB} + p] >> t) & 1u) << (4 + p); }}""" if HB else ""
+  value = f"S[k / {G}] * ((float)q - {spec.offset}.0f)" if spec.symmetric else f"S[k / {G}] * (float)q + B[k / {G}]"
+  return f"""
+  float S[{K // G}], B[{K // G}]; (void)B;
+  for (int n = nb; n < ne; n++) {{
+    {_packed_scales(spec, K)}
+    for (int m = 0; m < {M}; m++) {{
+      float t_ = 0;
+      for (int k = 0; k < {K}; k++) {{
+        unsigned q = (w[(long)n * {K * spec.bits // 32} + k / 8] >> (4 * (k % 8))) & 15u;
+        {high}
+        t_ += x[(long)m * {K} + k] * ({value});
+      }}
+      y[(long)m * {N} + n] = t_;
+    }}
+  }}"""
+
+
+def packed_linear_kernel(M: int, N: int, K: int, spec) -> tuple[str, str]:
+  """(name, source) of the packed linear for these sizes and layout: args y, x, the layout's arrays, pool."""
+  tag = f"{spec.bits}_{spec.group}_{spec.super_groups}{'s' if spec.signed_scales else 'u'}{'y' if spec.symmetric else 'a'}"
+  name = f"packed_linear_{M}_{N}_{K}_{tag}"
+  body = _packed_gemv_body(N, K, spec) if M == 1 else _packed_gemm_body(M, N, K, spec)
+  src = row_parallel_kernel(name, ["float *restrict y", "const float *restrict x"] + _packed_params(spec), N,
+                            f"#ifdef TV_AVX2\n{body}\n#else\n{_packed_fallback_body(M, N, K, spec)}\n#endif", _AVX2_DECLS, _AVX2_DEFS)
+  return name, src
+
+
+def packed_linear(x: Tensor, w, pool: Tensor | None = None) -> Tensor:
+  """x `[M, K]` float32 @ W^T on the CPU device, W a packed linear (quant/blocks.py; `w` a LinearWeights)."""
+  (M, K), N = x.shape, w.weight.shape[0]
+  if K % 32 or w.in_features != K: raise ValueError(f"packed weight {w.weight.shape} does not match x {x.shape}")
+  out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
+  parts = [t.contiguous() for t in (w.weight, w.scales, w.scale_d, w.biases) if t is not None]
+  return run_kernel(packed_linear_kernel(M, N, K, w.spec), out, x.cast(dtypes.float32).contiguous(), *parts, pool_arg(pool, x.device))

@@ -16,7 +16,7 @@ import hashlib
 from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
 from tinyvllm.kernels.kv_cache import PagedKVCache, hadamard_block
-from tinyvllm.quant.formats import INT8, LinearWeights
+from tinyvllm.quant.formats import FLOAT, INT4, LinearWeights
 from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
 from tinyvllm.kernels.cpu import SQRT, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _program, c_param_name, c_struct_fields, int4_body, pool_arg, rms_norm_source
 
@@ -434,8 +434,13 @@ void {name}({", ".join(params)}) {{
 """
 
 
+def takes(linears: dict[str, LinearWeights]) -> bool:
+  """Whether the fused layer reads these projections: q/k/v and gate/up fused, each float32 or INT4 (other layers run
+  composed, a kernel per operation)."""
+  return all(n in linears and linears[n].format in (FLOAT, INT4) for n in LINEARS)
+
+
 def _spec(w: LinearWeights) -> LinearSpec:
-  if w.format == INT8: raise ValueError("kernel_backend='cpu' has no 8-bit layer linears: use kernel_backend='portable'")
   return LinearSpec(w.weight.shape[0], w.in_features, w.group_size, w.bias is not None)
 
 

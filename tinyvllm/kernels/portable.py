@@ -146,3 +146,42 @@ def q8_rows(codes: Tensor, scales: Tensor) -> Tensor:
   """Dequantize gathered 8-bit rows: codes `[T, K]` int8, scales `[T, K/32]` -> float32 `[T, K]`."""
   T, K = codes.shape
   return (codes.cast(dtypes.float32).reshape(T, K // 32, 32) * scales.float().reshape(T, -1, 1)).reshape(T, K)
+
+
+def packed_rows(w, dtype=dtypes.float32) -> Tensor:
+  """Dequantize rows of a packed linear (quant/blocks.py; `w` a LinearWeights, or its gathered rows) -> `[T, K]` in
+  `dtype`. The codes' nibble and high planes are unpacked and scaled in float32 (a two-level scale is the product of
+  a float16 and an integer, exact there) inside whatever expression reads them: in a matmul, tinygrad fuses it all
+  into one kernel (it reads at most three buffers: the layout's reason for three arrays) and no float W is stored."""
+  spec, T = w.spec, w.weight.shape[0]
+  K = w.weight.shape[1] * 32 // spec.bits
+  nib = w.weight[:, :K // 8]
+  q = Tensor.stack(*[(nib >> (4 * i)) & 0xF for i in range(8)], dim=-1).reshape(T, K)
+  if spec.bits > 4:   # input i of a run has its high bits at bit i // 2 + 16 (i % 2) of the run's plane words
+    i = Tensor.arange(32, dtype=dtypes.uint32)   # computed in the kernel: no fourth buffer
+    lanes = i // 2 + (i % 2) * 16
+    hi = w.weight[:, K // 8:].reshape(T, K // 32, spec.bits - 4, 1).expand(T, K // 32, spec.bits - 4, 32)
+    bit = (hi >> lanes) & 1                                                                # [T, runs, planes, 32]
+    q = q + sum(bit[:, :, p] * (16 << p) for p in range(spec.bits - 4)).reshape(T, K)
+  # [T, super-blocks, groups, inputs]: a two-level scale broadcasts its float16 over a super-block's groups
+  sg = spec.super_groups or 1
+  shape = (T, K // spec.group // sg, sg, 1)
+  qg = q.float().reshape(T, shape[1], sg, spec.group)
+  if not spec.super_groups:
+    S = w.scales.float().reshape(shape)
+    out = S * (qg - spec.offset) if spec.symmetric else S * qg + w.biases.float().reshape(shape)
+  elif spec.symmetric: out = w.scales.float().reshape(shape) * w.scale_d.float().reshape(T, -1, 1, 1) * (qg - spec.offset)
+  else:
+    sc, d = w.scales.float().reshape(*shape[:3], 2), w.scale_d.float().reshape(T, -1, 1, 2)
+    out = (sc[..., 0] * d[..., 0]).unsqueeze(-1) * qg - (sc[..., 1] * d[..., 1]).unsqueeze(-1)
+  return out.reshape(T, K).cast(dtype)
+
+
+def packed_linear(x: Tensor, w) -> Tensor:
+  """x `[M, K]` @ W^T for a packed linear (quant/blocks.py), W dequantized inside the matmul expression."""
+  return x @ packed_rows(w, x.dtype).T
+
+
+def q8_linear(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+  """x `[M, K]` @ W^T with W 8-bit (int8 codes `[N, K]`, a float16 scale per 32), dequantized inside the matmul."""
+  return x @ q8_rows(codes, scales).cast(x.dtype).T

@@ -41,8 +41,9 @@ class ShardedKernels(Kernels):
   @property
   def thread_pools(self) -> tuple[ThreadPool, ...]: return tuple(self.threads or ())
 
-  @property
-  def eight_bit(self) -> bool: return False   # 8-bit tables (GGUF Q8_0) load as floats: their C kernel reads a whole table
+  # 4-bit only: 8-bit and packed weights load as floats (their C kernels read whole tables; splitting a packed
+  # layout's groups over devices is not written)
+  keeps = frozenset({INT4})
 
   def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # x and weight are whole on every device: the C kernel runs on each as on one device

@@ -13,11 +13,11 @@ from tqdm import tqdm
 from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import AttentionGroup, Kernels, portable
 from tinyvllm.kernels.kv_cache import PagedKVCache
-from tinyvllm.quant import int4
-from tinyvllm.quant.formats import FLOAT, INT4, INT8, PARTS, LinearWeights, stored_format
+from tinyvllm.quant import blocks
+from tinyvllm.quant.formats import FLOAT, INT4, INT8, PACKED, PARTS, WEIGHT_PARTS, LinearWeights, QuantSpec, spec_of, stored_format
 from tinyvllm.model import tensor_parallel
 from tinyvllm.model.rope import cos_sin_table, inverse_frequencies
-from tinyvllm.model.weights import ModelLoadError, expected_tensors, release
+from tinyvllm.model.weights import ModelLoadError, expected_tensors, release_tensor
 
 
 @dataclass
@@ -29,24 +29,42 @@ class ModelInputs:
   logits_index: Tensor           # int32 [R]: flat rows whose next-token logits are wanted
 
 
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 class LlamaLayer:
-  """One decoder layer. Its weights live in a flat dict (HF names relative to the layer, q/k/v and gate/up
-  fused), so a layer can be rebuilt around other tensors: the model runner replays one captured layer
-  with each layer's weights in turn. `formats` records how each linear is stored (quant/formats.py)."""
-  def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor], kernels: Kernels, formats: dict[str, str] | None = None):
+  """One decoder layer. Its weights live in a flat dict (HF names relative to the layer, q/k/v and gate/up fused
+  when they are stored alike), so a layer can be rebuilt around other tensors: the model runner replays one captured
+  layer with the weights of every layer of the same `signature`. `linears` holds each projection's record
+  (quant/formats.py): the fused ones, or q/k/v (gate/up) apart when their formats differ (a Q4_K_M GGUF keeps some
+  layers' v in Q6_K)."""
+  def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor], kernels: Kernels, linears: dict[str, LinearWeights] | None = None,
+               specs: dict[str, QuantSpec] | None = None):
+    """`specs`: the layouts of packed linears (their `.qspec` arrays stay on the host), by name relative to the layer."""
     self.cfg, self.weights, self.kernels = cfg, weights, kernels
-    self.formats = formats or {name: stored_format(weights, name) for name in LAYER_LINEARS}
-    self.linears = {name: LinearWeights.of(weights, name, fmt) for name, fmt in self.formats.items()}
+    if linears is None:
+      names = [n for fused in LAYER_LINEARS for n in ((fused,) if f"{fused}.weight" in weights else FUSED.get(fused, (fused,)))]
+      specs = specs or {}
+      self.linears = {n: LinearWeights.of(weights, n, PACKED if n in specs else None, specs.get(n)) for n in names}
+    else:   # the same layout around other tensors
+      self.linears = {n: LinearWeights.of(weights, n, lw.format, lw.spec) for n, lw in linears.items()}
+
+  @property
+  def signature(self) -> tuple:
+    """What a captured layer fixes: the weights' names, and each projection's format, layout and shapes."""
+    return tuple(self.weights) + tuple((n, lw.format, lw.spec, tuple(tuple(t.shape) for t in lw.tensors())) for n, lw in self.linears.items())
 
   def tensors(self) -> list[Tensor]: return list(self.weights.values())
 
   def with_tensors(self, tensors: list[Tensor]) -> LlamaLayer:
-    return LlamaLayer(self.cfg, dict(zip(self.weights, tensors, strict=True)), self.kernels, self.formats)
+    return LlamaLayer(self.cfg, dict(zip(self.weights, tensors, strict=True)), self.kernels, self.linears)
 
-  def linear(self, name: str, x: Tensor) -> Tensor: return self.kernels.linear(x, self.linears[name])
+  def linear(self, name: str, x: Tensor) -> Tensor:
+    """Projection `name` of x; a fused one whose parts are stored apart runs part by part, outputs side by side."""
+    if name in self.linears: return self.kernels.linear(x, self.linears[name])
+    return Tensor.cat(*(self.kernels.linear(x, self.linears[part]) for part in FUSED[name]), dim=1)
 
   def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None) -> Tensor:
     """h `[T, hidden]` -> the layer's output, written into `out` when given (a realized buffer)."""
@@ -86,8 +104,9 @@ class Llama:
     model (docs/architecture.md, "Loading")."""
     self.cfg, self.kernels, self.device = cfg, kernels, device
     self.dtype = dtypes.float32 if dtype == "float32" else dtypes.float16
-    groups = tqdm(self._prepare(cfg, tensors, dtype, kernels.eight_bit), desc="loading weights", total=cfg.num_hidden_layers + 1,
+    groups = tqdm(self._prepare(cfg, tensors, dtype, kernels.keeps), desc="loading weights", total=cfg.num_hidden_layers + 1,
                   unit=" layers", file=sys.stderr, disable=None, leave=False)   # the layers, and what sits outside them
+    specs: dict[str, QuantSpec] = {}   # packed layouts: the spec stays on the host, with the records (quant/formats.py)
     if isinstance(device, tuple):
       n = len(device)
       tensor_parallel.check_shardable(cfg, n)
@@ -95,27 +114,42 @@ class Llama:
       w = {name: tensor_parallel.place(arr, device, tensor_parallel.shard_axis(name, cfg, n)) for name, arr in arrays.items()}
     else:
       upload, w = Uploader(device), {}
-      for group in groups: w.update({name: upload(arr) for name, arr in group.items()})
+      for group in groups:
+        for name, arr in group.items():
+          if name.endswith(".qspec"): specs[name[:-len(".qspec")]] = spec_of(group, name[:-len(".qspec")])
+          else: w[name] = upload(arr)
       upload.finish()
-    self.embed_tokens = LinearWeights.of(w, "model.embed_tokens")   # 4-bit in MLX checkpoints with quantized embeddings
+    record = lambda name: LinearWeights.of(w, name, PACKED if name in specs else None, specs.get(name))
+    self.embed_tokens = record("model.embed_tokens")   # quantized in MLX checkpoints and most GGUFs
     self.norm = w["model.norm.weight"]
-    self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else LinearWeights.of(w, "lm_head")
-    self.layers = [LlamaLayer(cfg, {k[len(f"model.layers.{i}."):]: t for k, t in w.items() if k.startswith(f"model.layers.{i}.")}, kernels)
-                   for i in range(cfg.num_hidden_layers)]
+    self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else record("lm_head")
+    self.layers = []
+    for i in range(cfg.num_hidden_layers):
+      prefix = f"model.layers.{i}."
+      self.layers.append(LlamaLayer(cfg, {k[len(prefix):]: t for k, t in w.items() if k.startswith(prefix)}, kernels,
+                                    specs={k[len(prefix):]: v for k, v in specs.items() if k.startswith(prefix)}))
+    self.packs_prefill = kernels.packs_layers(self.layers)   # prefill chunks back to back (kernels.AttentionGroup)
     inv_freq = inverse_frequencies(cfg, tensors.get("rope_freqs.weight"))
     table = cos_sin_table(inv_freq, max_positions)
     self.cos_sin = tensor_parallel.place(table, device, None) if isinstance(device, tuple) else Tensor(table, device=device).realize()
 
   @staticmethod
-  def _prepare(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, eight_bit: bool) -> Iterator[dict[str, np.ndarray]]:
+  def _prepare(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, keeps: frozenset[str]) -> Iterator[dict[str, np.ndarray]]:
     """{name: array} of every tensor the model reads, the embeddings and head first, then one layer at a time: shapes
-    checked, q/k/v and gate/up fused, floats cast to the model dtype. 4-bit linears (`.weight` packed uint32
-    `[N, K/8]`, `.scales`/`.biases` float16 `[N, K/G]`) stay packed; 8-bit ones (`.weight` int8 `[N, K]`, `.scales`
-    float16 `[N, K/32]`) too where the kernels read them (`eight_bit`). After a layer's arrays have been taken, the
-    checkpoint pages they came from are released (weights.release)."""
+    checked, q/k/v and gate/up fused (when stored alike), floats cast to the model dtype. Quantized linears stay as
+    they are stored (quant/formats.py) where the kernels take that format (`keeps`); any other is dequantized, and
+    said so once. After a layer's arrays have been taken, the checkpoint pages they came from are released
+    (weights.release)."""
     np_dtype = np.float32 if dtype == "float32" else np.float16
     vectors, linears, biased = expected_tensors(cfg)
     vectors = vectors | {f"{base}.bias": linears[base][0] for base in biased}
+    told: set[str] = set()
+
+    def as_float(name: str, fmt: str) -> np.ndarray:
+      if fmt not in told:
+        told.add(fmt)
+        print(f"tinyvllm: {fmt} weights run as {dtype} on these kernels (they keep {', '.join(sorted(keeps))} compact)", file=sys.stderr)
+      return blocks.dequantize_linear(tensors, name, fmt).astype(np_dtype)
 
     def vector(name: str) -> np.ndarray:
       _check(tensors, name, (vectors[name],), cfg)
@@ -127,11 +161,15 @@ class Llama:
       if fmt == INT8:
         _check(tensors, f"{name}.weight", (n, k), cfg)
         _check(tensors, f"{name}.scales", (n, k // 32), cfg)
-        if eight_bit:
+        if fmt in keeps:
           out[f"{name}.weight"] = np.ascontiguousarray(tensors[f"{name}.weight"], dtype=np.int8)
           out[f"{name}.scales"] = np.ascontiguousarray(tensors[f"{name}.scales"], dtype=np.float16)
-        else:
-          out[f"{name}.weight"] = int4.dequantize_8bit(tensors[f"{name}.weight"], tensors[f"{name}.scales"]).astype(np_dtype)
+        else: out[f"{name}.weight"] = as_float(name, fmt)
+      elif fmt == PACKED:
+        for part, shape in blocks.part_shapes(spec_of(tensors, name), n, k).items(): _check(tensors, f"{name}.{part}", shape, cfg)
+        if fmt in keeps: out.update({f"{name}.{p}": np.ascontiguousarray(tensors[f"{name}.{p}"]) for p in (*WEIGHT_PARTS, "qspec")
+                                     if f"{name}.{p}" in tensors})
+        else: out[f"{name}.weight"] = as_float(name, fmt)
       elif fmt == INT4:
         groups = tensors[f"{name}.scales"].shape[-1]
         _check(tensors, f"{name}.weight", (n, k // 8), cfg)
@@ -152,8 +190,8 @@ class Llama:
         if inside(name): out.update(linear(name))
       if prefix: _fuse(out, prefix, np_dtype)
       yield out
-      for name in tensors:   # the device has them now: the pages they were read from can go
-        if inside(name): release(tensors[name])
+      for name in tensors:   # the device has them now: the pages they were read from (and lazy conversions) can go
+        if inside(name): release_tensor(tensors, name)
 
     yield from group("")
     for i in range(cfg.num_hidden_layers): yield from group(f"model.layers.{i}.")
@@ -168,10 +206,12 @@ class Llama:
     return self.logits(h, inp.logits_index)
 
   def embed(self, tokens: Tensor) -> Tensor:
-    """(T, hidden): table rows, dequantized on the fly when the table is 4-bit."""
+    """(T, hidden): table rows, dequantized on the fly when the table is quantized."""
     e = self.embed_tokens
     if e.format == FLOAT: return e.weight[tokens]
     if e.format == INT8: return portable.q8_rows(e.weight[tokens], e.scales[tokens]).cast(self.dtype)
+    if e.format == PACKED:
+      return portable.packed_rows(LinearWeights(PACKED, **{p: t[tokens] for p, t in e.parts().items()}, spec=e.spec), self.dtype)
     return portable.int4_rows(e.weight[tokens], e.scales[tokens], e.biases[tokens]).cast(self.dtype)
 
   def logits(self, h: Tensor, rows: Tensor) -> Tensor:
@@ -181,24 +221,19 @@ class Llama:
     return logits if isinstance(logits.device, str) else logits.to(logits.device[0])
 
 
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-
-
 def _fuse(out: dict[str, np.ndarray], prefix: str, np_dtype) -> None:
-  """Fuse one layer's q/k/v and gate/up linears in place (`prefix`: "model.layers.{i}."). Parts stored in different
-  formats or group sizes cannot share one matmul: they are fused as floats."""
+  """Fuse one layer's q/k/v and gate/up linears in place (`prefix`: "model.layers.{i}."), when their parts are stored
+  alike (one format, one layout): a fused projection is one matmul. Parts stored differently stay apart (the layer
+  runs them one by one): dequantizing them to fuse would undo what the file saved."""
   for fused, parts in FUSED.items():
     names = [prefix + part for part in parts]
     stored = [LinearWeights.of(out, n) for n in names]
-    if len({(p.format, p.group_size) for p in stored}) > 1:
-      for n, p in zip(names, stored):
-        if p.format == INT8:
-          out[f"{n}.weight"] = int4.dequantize_8bit(out[f"{n}.weight"], out.pop(f"{n}.scales")).astype(np_dtype)
-        elif p.format == INT4:
-          out[f"{n}.weight"] = int4.dequantize(out[f"{n}.weight"], out.pop(f"{n}.scales"), out.pop(f"{n}.biases")).astype(np_dtype)
+    if len({(p.format, p.spec, p.group_size) for p in stored}) > 1: continue
     for part in PARTS:
       if f"{names[0]}.{part}" in out: out[prefix + fused + "." + part] = np.concatenate([out.pop(f"{n}.{part}") for n in names], axis=0)
+    if f"{names[0]}.qspec" in out:   # one layout: one spec
+      out[prefix + fused + ".qspec"] = out[f"{names[0]}.qspec"]
+      for n in names: out.pop(f"{n}.qspec")
 
 
 class Uploader:

@@ -5,13 +5,14 @@ a GGUF file (architecture llama), or a hub id fetched with huggingface_hub. Tens
 turning them into device tensors (and choosing the dtype) is the model's job.
 """
 from __future__ import annotations
-import ctypes, dataclasses, json, math, mmap, os, re, struct, sys
+import ctypes, dataclasses, json, math, mmap, os, re, struct, sys, types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 from tinyvllm.config import ModelConfig
 from tinyvllm.model.gguf_file import GGUFError, GGUFTensor, read_gguf
-from tinyvllm.quant import ggml, int4
+from tinyvllm.quant import blocks, ggml, int4
 from tinyvllm.quant.formats import FLOAT, INT8, stored_format
 
 
@@ -22,9 +23,70 @@ class ModelLoadError(ValueError):
 @dataclass
 class Checkpoint:
   config: ModelConfig
-  tensors: dict[str, np.ndarray]       # HF names, e.g. "model.layers.0.self_attn.q_proj.weight"
+  tensors: Mapping[str, np.ndarray]    # HF names, e.g. "model.layers.0.self_attn.q_proj.weight"; a dict or LazyTensors
   path: Path                           # the directory or GGUF file (tokenizer files are looked up from here)
   gguf_meta: dict | None = None        # GGUF metadata (the embedded tokenizer reads it)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the tensors as loaded (without converting any that are lazy)."""
+    return self.tensors.nbytes if isinstance(self.tensors, LazyTensors) else sum(a.nbytes for a in self.tensors.values())
+
+
+class LazyTensors(Mapping):
+  """A checkpoint's tensors, converted from the file when first read and let go when released: a GGUF's k-quant blocks
+  repacked (quant/blocks.py), say. Loading reads a layer, uploads it and releases it (model/llama.py), so a model's
+  worth of converted arrays is never in memory at once. Tensors are made in groups (a linear's codes and scales come
+  from the same blocks): `add(keys, make, sources, nbytes)` registers the keys `make()` returns, the file arrays it
+  reads (released with it) and the bytes it will take."""
+  def __init__(self):
+    self.group: dict[str, int] = {}                  # key -> its group
+    self.makers: list = []                           # group -> () -> {key: array}
+    self.sources: list[list[np.ndarray]] = []        # group -> the file's arrays it reads
+    self.sizes: list[int] = []
+    self.made: dict[int, dict[str, np.ndarray]] = {}
+
+  def add(self, keys, make, sources: list[np.ndarray], nbytes: int) -> None:
+    g = len(self.makers)
+    self.makers.append(make); self.sources.append(sources); self.sizes.append(nbytes)
+    for k in keys: self.group[k] = g
+
+  def __getitem__(self, key: str) -> np.ndarray:
+    g = self.group[key]
+    if g not in self.made: self.made[g] = self.makers[g]()
+    return self.made[g][key]
+
+  def __iter__(self): return iter(self.group)
+  def __len__(self) -> int: return len(self.group)
+  def __contains__(self, key) -> bool: return key in self.group
+
+  @property
+  def nbytes(self) -> int: return sum(self.sizes[g] for g in set(self.group.values()))
+
+  def release(self, key: str) -> None:
+    """Forget the group of `key` (made again if read again) and hand its file pages back to the OS."""
+    g = self.group[key]
+    for a in self.sources[g]: release(a)
+    self.made.pop(g, None)
+
+  def select(self, keep) -> LazyTensors:
+    """The tensors whose names `keep(name)` accepts, made the same way."""
+    out = LazyTensors()
+    out.makers, out.sources, out.sizes = self.makers, self.sources, self.sizes
+    out.group = {k: g for k, g in self.group.items() if keep(k)}
+    return out
+
+
+def release_tensor(tensors: Mapping[str, np.ndarray], name: str) -> None:
+  """Once tensor `name` is on the device: let its checkpoint pages (and a lazy store's conversion) go."""
+  if isinstance(tensors, LazyTensors): tensors.release(name)
+  else: release(tensors[name])
+
+
+def select_tensors(tensors: Mapping[str, np.ndarray], keep) -> Mapping[str, np.ndarray]:
+  """The tensors whose names `keep(name)` accepts, without converting lazy ones."""
+  if isinstance(tensors, LazyTensors): return tensors.select(keep)
+  return {k: v for k, v in tensors.items() if keep(k)}
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
@@ -62,6 +124,8 @@ def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = 
     ckpt = load_gguf(path, keep_q4=quantization != "none")
   else:
     ckpt = load_hf_dir(path)
+  if quantization is not None:   # both rewrite the whole model anyway: convert everything now
+    ckpt = dataclasses.replace(ckpt, tensors=dict(ckpt.tensors))
   if quantization == "none" and any(k.endswith(".scales") for k in ckpt.tensors):
     ckpt = dataclasses.replace(ckpt, tensors=int4.dequantize_state_dict(ckpt.tensors), config=dataclasses.replace(ckpt.config, quantization=None))
   if quantization == "int4":
@@ -101,9 +165,9 @@ def load_hf_dir(path: Path) -> Checkpoint:
   if not cfg_file.exists(): raise ModelLoadError(f"{path} has no config.json")
   config = ModelConfig.from_hf(_read_json(cfg_file), source=str(cfg_file))
   if config.quantization is not None:
-    if config.quantization.get("bits") != 4 or config.quantization.get("group_size") not in int4.GROUP_SIZES:
-      raise ModelLoadError(f"{cfg_file}: unsupported quantization {config.quantization}; tinyvllm reads 4-bit affine "
-                           f"groups of {', '.join(map(str, int4.GROUP_SIZES))}")
+    if config.quantization.get("bits") not in MLX_BITS or config.quantization.get("group_size") not in int4.GROUP_SIZES:
+      raise ModelLoadError(f"{cfg_file}: unsupported quantization {config.quantization}; tinyvllm reads MLX's affine "
+                           f"{', '.join(map(str, MLX_BITS))}-bit groups of {', '.join(map(str, int4.GROUP_SIZES))}")
   index = path / "model.safetensors.index.json"
   if index.exists():
     index_dict = _read_json(index)
@@ -124,11 +188,42 @@ def load_hf_dir(path: Path) -> Checkpoint:
     shard = read_safetensors(path / name)
     tensors.update(shard)
     origin.update(dict.fromkeys(shard, name))
+  bits = (config.quantization or {}).get("bits", 4)
+  if bits != 4: return _mlx_bits(config, tensors, origin, path, bits)
   keep = check_tensors(config, tensors, str(path), "num_hidden_layers in config.json",
                        lambda n: f"{n} (in {origin[n]})" if n in origin else n)
   tensors = {k: tensors[k] for k in keep}
   if config.quantization is not None: tensors = int4.float16_params(tensors)   # mlx-lm stores scales/biases in the source dtype
   return Checkpoint(config, tensors, path)
+
+
+MLX_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def _mlx_bits(config: ModelConfig, tensors: dict[str, np.ndarray], origin: dict[str, str], path: Path, bits: int) -> Checkpoint:
+  """An MLX checkpoint of `bits`-bit linears (mlx-lm's `convert -q --q-bits N`): each quantized weight (codes as a bit
+  stream in uint32 words) becomes the packed layout, or INT4's for 2 and 3 bits (quant/blocks.py), when it is read."""
+  show = lambda n: f"{n} (in {origin[n]})" if n in origin else n
+  logical, quantized = dict(tensors), {}   # a quantized weight by the shape it stands for, for the checks
+  for name in [k for k in tensors if k.endswith(".scales")]:
+    base = name[:-len(".scales")]
+    w, s, b = (tensors.get(f"{base}.{p}") for p in ("weight", "scales", "biases"))
+    if w is None or b is None or w.ndim != 2 or s.ndim != 2 or s.shape != b.shape or s.shape[0] != w.shape[0] or \
+       w.dtype.itemsize != 4 or (w.shape[1] * 32) % bits or (w.shape[1] * 32 // bits) % s.shape[1]:
+      raise ModelLoadError(f"{path}: tensor {show(f'{base}.weight')} and its scales and biases are not {bits}-bit MLX groups")
+    K = w.shape[1] * 32 // bits
+    logical[f"{base}.weight"] = types.SimpleNamespace(shape=(w.shape[0], K))
+    quantized[base] = (w, s, b, blocks.QuantSpec(max(bits, 4), K // s.shape[1]))
+  store = LazyTensors()
+  for name in check_tensors(config, logical, str(path), "num_hidden_layers in config.json", show, stored=False):
+    base = name[:-len(".weight")]
+    if base in quantized and name.endswith(".weight"):
+      w, s, b, spec = quantized[base]
+      make = lambda w=w, s=s, b=b, base=base: {f"{base}.{p}": a for p, a in blocks.from_mlx(w, s, b, bits)[0].items()}
+      keys = blocks.stored_parts(spec) if bits > 4 else ("weight", "scales", "biases")   # 2 and 3 bits: INT4's layout
+      store.add([f"{base}.{p}" for p in keys], make, [w, s, b], int(w.shape[0] * w.shape[1] * 32 / bits * spec.bytes_per_weight()))
+    else: store.add([name], lambda name=name: {name: tensors[name]}, [tensors[name]], tensors[name].nbytes)
+  return Checkpoint(config, store, path)
 
 
 def _read_json(file: Path):
@@ -284,7 +379,7 @@ _GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", 
                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj"}
-GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _is_gguf(path: Path) -> bool:
@@ -320,8 +415,10 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
-  """keep_q4: Q4_0/Q4_1 linear weights become packed 4-bit groups of 32 (exactly, code for code), and a Q8_0
-  embedding / LM head stays 8-bit (int8 codes + float16 scales per 32), instead of floats."""
+  """keep_q4: quantized linear weights and embedding tables stay as compact as the file has them, exactly: Q4_0/Q4_1
+  become INT4 groups of 32 (code for code), Q8_0 int8 codes with float16 scales, the k-quants and Q5_0/Q5_1 the packed
+  layout (quant/blocks.py); otherwise everything is dequantized to float32. Tensors are converted when the model
+  reads them (LazyTensors), one layer at a time."""
   try: meta, gguf_tensors = read_gguf(path)
   except OSError as e: raise ModelLoadError(f"{path} cannot be read: {e}") from None
   except GGUFError as e:
@@ -342,27 +439,52 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
   # shapes checked before any conversion; tensors the model does not read are not converted (nor kept)
   keep = check_tensors(config, by_name, str(path), "llama.block_count", lambda n: by_name[n].name if n in by_name else gguf_name(n),
                        stored=False)
-  tensors = {}
+  store, kept_types = LazyTensors(), set()
   for name in keep:
     t = by_name[name]
-    qtype, shape = t.type_name, t.shape
-    packed = keep_q4 and qtype in ("Q4_0", "Q4_1") and int4.is_linear_weight(name)
-    eight_bit = keep_q4 and qtype == "Q8_0" and name in int4.EMBEDDING_NAMES
-    if eight_bit:
-      codes, d = ggml.q8_0_parts(t.data)
-      tensors[name], tensors[name[:-len(".weight")] + ".scales"] = codes.reshape(shape), d.astype(np.float16)  # d is fp16 in the file
-      continue
-    if packed: arr = t.data
-    elif qtype in ggml.BLOCK_BYTES: arr = ggml.dequantize(t.data, qtype, shape)
-    elif qtype == "BF16": arr = (t.data.astype(np.uint32) << 16).view(np.float32)
-    else: arr = t.data
-    # rows move as whole rows, so raw quantized blocks are un-permuted just like floats
-    if name.endswith("self_attn.q_proj.weight"): arr = unpermute_rope_rows(arr, config.num_attention_heads)
-    if name.endswith("self_attn.k_proj.weight"): arr = unpermute_rope_rows(arr, config.num_key_value_heads)
-    if packed:
-      base = name[:-len(".weight")]
-      tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = int4.from_ggml_q4(arr, qtype, shape)
-    else:
-      tensors[name] = arr
-  if any(k.endswith(".scales") for k in tensors): config = dataclasses.replace(config, quantization={"group_size": ggml.BLOCK, "bits": 4})
-  return Checkpoint(config, tensors, path, gguf_meta=meta)
+    compact = keep_q4 and t.type_name in COMPACT_GGUF_TYPES and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES)
+    if compact: kept_types.add(t.type_name)
+    store.add(_gguf_keys(name, t.type_name if compact else None), lambda name=name, t=t, compact=compact: _gguf_arrays(name, t, compact, config),
+              [t.data], _gguf_nbytes(t, compact))
+  if kept_types:
+    smallest = min(int(re.search(r"\d", q).group()) for q in kept_types)
+    config = dataclasses.replace(config, quantization={"group_size": ggml.BLOCK, "bits": smallest})
+  return Checkpoint(config, store, path, gguf_meta=meta)
+
+
+COMPACT_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", *blocks.GGML_TYPES)
+
+
+def _gguf_keys(name: str, compact_type: str | None) -> list[str]:
+  """The arrays a GGUF tensor becomes: the weight alone (floats), or its quantized parts."""
+  base = name[:-len(".weight")]
+  if compact_type is None: return [name]
+  if compact_type == "Q8_0": return [name, f"{base}.scales"]
+  if compact_type in ("Q4_0", "Q4_1"): return [name, f"{base}.scales", f"{base}.biases"]
+  return [f"{base}.{p}" for p in blocks.stored_parts(blocks.GGML_SPECS[compact_type])]
+
+
+def _gguf_nbytes(t: GGUFTensor, compact: bool) -> int:
+  n = math.prod(t.shape)
+  if not compact: return 4 * n if t.type_name not in ("F32", "F16") else t.data.nbytes
+  if t.type_name == "Q8_0": return n + n // 16
+  if t.type_name in ("Q4_0", "Q4_1"): return n // 2 + n // 8
+  return int(n * blocks.GGML_SPECS[t.type_name].bytes_per_weight())
+
+
+def _gguf_arrays(name: str, t: GGUFTensor, compact: bool, config: ModelConfig) -> dict[str, np.ndarray]:
+  """One GGUF tensor as the model reads it (see load_gguf). Rows move as whole rows, so llama.cpp's Q/K row order is
+  undone on raw quantized blocks just like on floats."""
+  qtype, shape, data, base = t.type_name, t.shape, t.data, name[:-len(".weight")]
+  if name.endswith("self_attn.q_proj.weight"): data = unpermute_rope_rows(data, config.num_attention_heads)
+  if name.endswith("self_attn.k_proj.weight"): data = unpermute_rope_rows(data, config.num_key_value_heads)
+  if compact and qtype == "Q8_0":
+    codes, d = ggml.q8_0_parts(data)
+    return {name: codes.reshape(shape), f"{base}.scales": d.astype(np.float16)}   # d is float16 in the file
+  if compact and qtype in ("Q4_0", "Q4_1"):
+    return dict(zip((name, f"{base}.scales", f"{base}.biases"), int4.from_ggml_q4(data, qtype, shape)))
+  if compact: return {f"{base}.{p}": a for p, a in blocks.from_ggml(data, qtype, shape)[0].items()}
+  if qtype in ggml.BLOCK_BYTES: return {name: ggml.dequantize(data, qtype, shape)}
+  if qtype in blocks.GGML_TYPES: return {name: blocks.dequantize(*blocks.from_ggml(data, qtype, shape))}
+  if qtype == "BF16": return {name: (data.astype(np.uint32) << 16).view(np.float32)}
+  return {name: data}

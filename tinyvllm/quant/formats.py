@@ -4,6 +4,8 @@ Checkpoints say it by which tensors sit beside `<name>.weight` (docs/quantizatio
   float   `.weight` `[N, K]` in a float dtype
   int4    `.weight` packed uint32 `[N, K/8]`, `.scales` and `.biases` float16 `[N, K/G]`: w = scale * q + bias
   int8    `.weight` int8 codes `[N, K]`, `.scales` float16 `[N, K/32]` (GGUF Q8_0 blocks): w = scale * code
+  packed  `.weight` codes uint32 `[N, K*b/32]`, `.scales` (and `.scale_d` or `.biases`), described by the `QuantSpec` in
+          `.qspec` (GGUF k-quants, Q5_0/Q5_1, MLX 5/6/8-bit; quant/blocks.py)
 `stored_format` reads that convention; everything after loading passes a `LinearWeights` record instead of
 looking at key names again. The record holds numpy arrays or tinygrad tensors alike.
 """
@@ -11,34 +13,68 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-FLOAT, INT4, INT8 = "float", "int4", "int8"
-PARTS = ("weight", "scales", "biases", "bias")   # a linear's tensors, in the order `LinearWeights.tensors` lists them
+FLOAT, INT4, INT8, PACKED = "float", "int4", "int8", "packed"
+# a linear's tensors, in the order `LinearWeights.tensors` lists them: its stored weight's, then the additive bias
+WEIGHT_PARTS = ("weight", "scales", "scale_d", "biases")
+PARTS = WEIGHT_PARTS + ("bias",)
 
 
 def stored_format(tensors: Mapping[str, Any], name: str) -> str:
   """The format of linear `name` (without `.weight`) in a flat dict of checkpoint tensors."""
+  if f"{name}.qspec" in tensors: return PACKED
   if f"{name}.scales" not in tensors: return FLOAT
   return INT4 if f"{name}.biases" in tensors else INT8
 
 
 @dataclass(frozen=True)
+class QuantSpec:
+  """How a packed linear is stored (quant/blocks.py): w = S * q + B per group of `group` inputs, q a `bits`-bit code."""
+  bits: int                    # 4, 5, 6 or 8: code bits as stored (a nibble plane, plus bits - 4 high planes)
+  group: int                   # inputs per scale
+  super_groups: int = 0        # 0: a float16 scale (and bias) per group; s: two-level, a float16 per s groups times an integer
+  signed_scales: bool = False  # two-level scales are int8 (else uint8)
+  symmetric: bool = False      # w = S (q - 2^(bits-1)), no biases; else affine
+
+  @property
+  def offset(self) -> int: return 1 << (self.bits - 1) if self.symmetric else 0
+
+  def bytes_per_weight(self) -> float:
+    per_group = 1 if self.super_groups else 2   # an integer, or a float16
+    scale = per_group / self.group + (2 / (self.group * self.super_groups) if self.super_groups else 0)
+    return self.bits / 8 + scale * (1 if self.symmetric else 2)
+
+
+def spec_of(tensors: Mapping[str, Any], name: str) -> QuantSpec:
+  """The QuantSpec of packed linear `name`, from its `.qspec` array (bits, group, super_groups, signed, symmetric)."""
+  bits, group, super_groups, signed, symmetric = (int(v) for v in list(tensors[f"{name}.qspec"]))
+  return QuantSpec(bits, group, super_groups, bool(signed), bool(symmetric))
+
+
+@dataclass(frozen=True)
 class LinearWeights:
-  format: str                  # FLOAT | INT4 | INT8
+  format: str                  # FLOAT | INT4 | INT8 | PACKED
   weight: Any
   scales: Any = None
+  scale_d: Any = None          # PACKED, two-level: a float16 (and a dmin) per super-block of groups
   biases: Any = None
   bias: Any = None             # the layer's additive bias (attention_bias / mlp_bias models), any format
+  spec: QuantSpec | None = None   # PACKED: the layout (read from `.qspec`; device tensors carry it here)
 
   @staticmethod
-  def of(tensors: Mapping[str, Any], name: str, format: str | None = None) -> LinearWeights:
-    """The record of linear `name` in a flat dict; `format` when already known (else read from the keys)."""
-    return LinearWeights(format or stored_format(tensors, name), *(tensors.get(f"{name}.{part}") for part in PARTS))
+  def of(tensors: Mapping[str, Any], name: str, format: str | None = None, spec: QuantSpec | None = None) -> LinearWeights:
+    """The record of linear `name` in a flat dict; `format` (and a packed `spec`) when already known (else read from
+    the keys)."""
+    fmt = format or stored_format(tensors, name)
+    if fmt == PACKED and spec is None: spec = spec_of(tensors, name)
+    return LinearWeights(fmt, *(tensors.get(f"{name}.{part}") for part in PARTS), spec=spec)
 
   @property
   def quantized(self) -> bool: return self.format != FLOAT
 
   @property
-  def in_features(self) -> int: return self.weight.shape[1] * (8 if self.format == INT4 else 1)
+  def in_features(self) -> int:
+    if self.format == PACKED: return self.weight.shape[1] * 32 // self.spec.bits
+    return self.weight.shape[1] * (8 if self.format == INT4 else 1)
 
   @property
   def group_size(self) -> int:
@@ -47,4 +83,8 @@ class LinearWeights:
 
   def tensors(self) -> list:
     """The tensors present, in PARTS order."""
-    return [t for t in (self.weight, self.scales, self.biases, self.bias) if t is not None]
+    return [t for t in (getattr(self, part) for part in PARTS) if t is not None]
+
+  def parts(self) -> dict[str, Any]:
+    """{part name: tensor} of the tensors present."""
+    return {part: t for part in PARTS if (t := getattr(self, part)) is not None}

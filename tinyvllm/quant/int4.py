@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 import numpy as np
 from tinyvllm.quant import ggml
-from tinyvllm.quant.formats import INT4, stored_format
+from tinyvllm.quant.formats import stored_format
 
 GROUP_SIZES = (32, 64, 128)
 METHODS = ("rtn", "clip")
@@ -252,15 +252,15 @@ def float16_params(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def dequantize_state_dict(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Every quantized weight back to one float32 `<name>.weight`: 4-bit `.weight/.scales/.biases` triples and
-  8-bit `.weight` (int8 codes) / `.scales` pairs (GGUF Q8_0 blocks of 32, w = scale * code)."""
-  out = {k: v for k, v in tensors.items() if not k.endswith((".scales", ".biases"))}
+  """Every quantized weight back to one float32 `<name>.weight`: 4-bit `.weight/.scales/.biases` triples, 8-bit
+  `.weight` (int8 codes) / `.scales` pairs (GGUF Q8_0 blocks of 32, w = scale * code) and packed layouts
+  (quant/blocks.py)."""
+  from tinyvllm.quant.blocks import dequantize_linear   # blocks builds on this module
+  out = {k: v for k, v in tensors.items() if not k.endswith((".scales", ".biases", ".scale_d", ".qspec"))}
   for k in tensors:
     if k.endswith(".scales"):
       base = k[:-len(".scales")]
-      w, s = tensors[f"{base}.weight"], tensors[k]
-      if stored_format(tensors, base) == INT4: out[f"{base}.weight"] = dequantize(w, s, tensors[f"{base}.biases"])
-      else: out[f"{base}.weight"] = dequantize_8bit(w, s)
+      out[f"{base}.weight"] = dequantize_linear(tensors, base, stored_format(tensors, base))
   return out
 
 

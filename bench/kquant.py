@@ -1,0 +1,138 @@
+"""GGUF k-quant files of real size beside llama.cpp: load time, peak RSS, decode and prefill speed, in one run.
+
+  python bench/kquant.py [--shapes 1b,8b] [--quant Q4_K_M] [--llama-quantize PATH] [--dir DIR] [--json out.json]
+
+For each shape (Llama-3.2-1B and Llama-3.1-8B dimensions), a float16 GGUF of random weights is written once (streamed,
+tensor by tensor, with a word-level vocabulary of the model's size) and turned into --quant by llama.cpp's own
+`llama-quantize` (build it from the llama-cpp-python sdist: `pip download --no-deps --no-binary :all:
+llama-cpp-python==0.3.36`, then in vendor/llama.cpp `cmake -B build && cmake --build build --target llama-quantize`;
+pass its path, or put it on PATH). Both engines then read that one file:
+  load      seconds and peak RSS of loading it (each in a fresh process; tinyvllm's KV cache kept small)
+  decode    batch-1 and batch-8 tok/s and prefill tok/s, from `python -m tinyvllm.bench ... --peers llamacpp` (the ratio
+            column is tinyvllm / llama.cpp, measured in the same run), with % of the bandwidth roofline
+"""
+from __future__ import annotations
+import argparse, json, os, shutil, subprocess, sys, time
+from pathlib import Path
+import numpy as np
+
+SHAPES = {   # hidden, layers, heads, kv heads, intermediate, vocab, tied
+  "1b": (2048, 16, 32, 8, 8192, 128256, True),
+  "8b": (4096, 32, 32, 8, 14336, 128256, False),
+}
+
+
+def write_f16_gguf(path: Path, shape: str) -> Path:
+  """A random float16 Llama of `shape` as a GGUF file, each tensor generated and written in turn (never the whole model
+  in memory); Q and K rows in llama.cpp's order (random weights: any order reads the same)."""
+  import gguf
+  if path.exists(): return path
+  h, L, H, KVH, inter, V, tied = SHAPES[shape]
+  D = h // H
+  shapes = {"token_embd.weight": (V, h), "output_norm.weight": (h,)}
+  if not tied: shapes["output.weight"] = (V, h)
+  for i in range(L):
+    shapes |= {f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.ffn_norm.weight": (h,), f"blk.{i}.attn_q.weight": (H * D, h),
+               f"blk.{i}.attn_k.weight": (KVH * D, h), f"blk.{i}.attn_v.weight": (KVH * D, h), f"blk.{i}.attn_output.weight": (h, H * D),
+               f"blk.{i}.ffn_gate.weight": (inter, h), f"blk.{i}.ffn_up.weight": (inter, h), f"blk.{i}.ffn_down.weight": (h, inter)}
+  part = path.with_suffix(".part")
+  w = gguf.GGUFWriter(part, "llama")
+  w.add_block_count(L); w.add_context_length(8192); w.add_embedding_length(h); w.add_feed_forward_length(inter)
+  w.add_head_count(H); w.add_head_count_kv(KVH); w.add_layer_norm_rms_eps(1e-5); w.add_rope_freq_base(500000.0)
+  w.add_vocab_size(V); w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+  w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("default")
+  w.add_token_list(["t", "0"] + [f"t{i}" for i in range(V - 2)]); w.add_token_types([1] * V); w.add_token_merges(["t 0"])
+  w.add_bos_token_id(0); w.add_eos_token_id(1)
+  for name, s in shapes.items():
+    dtype = np.float32 if len(s) == 1 else np.float16
+    w.add_tensor_info(name, s, np.dtype(dtype), int(np.prod(s)) * np.dtype(dtype).itemsize)
+  w.write_header_to_file(); w.write_kv_data_to_file(); w.write_ti_data_to_file()
+  rng = np.random.default_rng(0)
+  from tqdm import tqdm
+  for name, s in tqdm(shapes.items(), desc=f"writing {path.name}", file=sys.stderr):
+    if len(s) == 1: w.write_tensor_data(np.ones(s, np.float32))
+    else: w.write_tensor_data((rng.standard_normal(s, np.float32) * 0.02).astype(np.float16))
+  w.close()
+  part.rename(path)
+  return path
+
+
+def quantize(src: Path, quant: str, llama_quantize: str) -> Path:
+  dest = src.with_name(src.name.replace("-f16.gguf", f"-{quant}.gguf"))
+  if not dest.exists():
+    subprocess.run([llama_quantize, str(src), str(dest.with_suffix(".part")), quant, str(os.cpu_count() or 1)], check=True,
+                   stdout=subprocess.DEVNULL)
+    dest.with_suffix(".part").rename(dest)
+  return dest
+
+
+_LOAD = {"tinyvllm": r"""
+import json, sys, threading, time
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
+from tinyvllm.engine.llm_engine import LLMEngine
+base, peak, done = rss(), [0], []
+def watch():
+  while not done: peak[0] = max(peak[0], rss()); time.sleep(0.001)
+threading.Thread(target=watch, daemon=True).start()
+t = time.perf_counter()
+engine = LLMEngine.from_kwargs(sys.argv[1], num_kv_blocks=16, max_model_len=256)
+seconds = time.perf_counter() - t
+done.append(1)
+print(json.dumps({"load_seconds": seconds, "peak_rss_bytes": peak[0] - base, "rss_bytes": rss() - base}))
+""", "llama.cpp": r"""
+import json, sys, threading, time
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
+import llama_cpp
+base, peak, done = rss(), [0], []
+def watch():
+  while not done: peak[0] = max(peak[0], rss()); time.sleep(0.001)
+threading.Thread(target=watch, daemon=True).start()
+t = time.perf_counter()
+llm = llama_cpp.Llama(sys.argv[1], n_ctx=256, verbose=False, use_mmap=True)
+llm.eval([5, 6, 7])   # touches every weight once, as a first step would
+seconds = time.perf_counter() - t
+done.append(1)
+print(json.dumps({"load_seconds": seconds, "peak_rss_bytes": peak[0] - base, "rss_bytes": rss() - base}))
+"""}
+
+
+def load(engine: str, path: Path) -> dict:
+  r = subprocess.run([sys.executable, "-c", _LOAD[engine], str(path)], capture_output=True, text=True, env=os.environ | {"DEV": "CPU"})
+  if r.returncode != 0: sys.exit(f"bench/kquant.py: {engine} could not load {path}:\n{r.stderr[-2000:]}")
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--shapes", default="1b,8b")
+  ap.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type name")
+  ap.add_argument("--llama-quantize", default=shutil.which("llama-quantize"), help="path to llama.cpp's llama-quantize")
+  ap.add_argument("--dir", type=Path, default=Path(os.environ.get("TINYVLLM_CACHE", Path.home() / ".cache" / "tinyvllm")) / "bench")
+  ap.add_argument("--steps", type=int, default=16)
+  ap.add_argument("--json", type=Path, default=None)
+  args = ap.parse_args()
+  if not args.llama_quantize: sys.exit("bench/kquant.py: llama-quantize not found: pass --llama-quantize (see the docstring)")
+  args.dir.mkdir(parents=True, exist_ok=True)
+  rows = []
+  for shape in args.shapes.split(","):
+    src = write_f16_gguf(args.dir / f"llama-{shape}-f16.gguf", shape)
+    t = time.perf_counter()
+    path = quantize(src, args.quant, args.llama_quantize)
+    row = {"shape": shape, "file": str(path), "file_bytes": path.stat().st_size, "quantize_seconds": time.perf_counter() - t}
+    row["load"] = {engine: load(engine, path) for engine in _LOAD}
+    out = args.dir / f"bench-{shape}.json"
+    subprocess.run([sys.executable, "-m", "tinyvllm.bench", "--model", str(path), "--runs", "decode,prefill", "--batch-sizes", "1,8",
+                    "--context-lens", "128", "--prefill-lens", "128", "--steps", str(args.steps), "--peers", "llamacpp",
+                    "--json", str(out)], check=True)
+    row["bench"] = json.loads(out.read_text())
+    rows.append(row)
+  print(f"\n{'shape':<6}{'file GB':>9}{'load s (ours/llama.cpp)':>26}{'peak RSS GB (ours/llama.cpp)':>31}")
+  for r in rows:
+    a, b = r["load"]["tinyvllm"], r["load"]["llama.cpp"]
+    print(f"{r['shape']:<6}{r['file_bytes'] / 1e9:>9.2f}{a['load_seconds']:>13.1f} / {b['load_seconds']:<10.1f}"
+          f"{a['peak_rss_bytes'] / 1e9:>16.2f} / {b['peak_rss_bytes'] / 1e9:<10.2f}")
+  if args.json: args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,110 @@
+"""A tiny Llama GGUF whose tensors are k-quants, Q5_0/Q5_1, Q8_0 and Q3_K (random valid blocks written by gguf's writer,
+types mixed within a layer and between layers as llama-quantize's Q4_K_M mixes them): it loads compact, and its logits
+equal the same checkpoint dequantized to float32, through our portable kernels, on every backend that runs it.
+
+Tolerance: relative error 1e-4 in float32. Both sides compute float32 on the same float32 weights (dequantizing is
+exact, tests/test_blocks.py); they differ in summation order only (~1e-6 per op here)."""
+from __future__ import annotations
+import numpy as np
+import pytest
+from test_blocks import random_ggml
+from tinyvllm.quant.formats import FLOAT, INT8, PACKED
+
+H, F, HEADS, KV, V = 256, 512, 4, 2, 300
+# per layer: gguf name -> type. Layer 0 keeps q/k and v in different types (q/k/v stay apart), layer 1 stores them
+# alike (fused): two kinds of layer for the runner.
+LAYER_TYPES = [
+  {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q5_0", "ffn_up": "Q5_1", "ffn_down": "Q6_K"},
+  {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q3_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q8_0"},
+]
+SHAPES = {"attn_q": (HEADS * 64, H), "attn_k": (KV * 64, H), "attn_v": (KV * 64, H), "attn_output": (H, HEADS * 64),
+          "ffn_gate": (F, H), "ffn_up": (F, H), "ffn_down": (H, F)}
+
+
+def small_blocks(qtype: str, rows: int, cols: int, rng) -> np.ndarray:
+  """Random valid blocks with scales small enough that the random model's activations stay moderate."""
+  import gguf
+  if qtype == "Q8_0":
+    return gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+  raw = random_ggml(qtype, rows, cols, rng)
+  from tinyvllm.quant import blocks
+  block, nbytes = blocks.GGML_TYPES[qtype]
+  b = raw.reshape(rows, -1, nbytes)
+  size = {"Q4_K": 3e-4, "Q5_K": 1.5e-4, "Q6_K": 4e-5, "Q3_K": 3e-3, "Q5_0": 4e-3, "Q5_1": 3e-3}[qtype]
+  fields = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q5_0": (0,), "Q5_1": (0, 2)}[qtype]
+  for at in fields: b[..., at:at + 2] = (rng.standard_normal(b.shape[:-1]) * size).astype(np.float16)[..., None].view(np.uint8)
+  return b.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory):
+  import gguf
+  rng = np.random.default_rng(11)
+  path = tmp_path_factory.mktemp("kquant") / "tiny-kquant.gguf"
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_block_count(len(LAYER_TYPES)); w.add_context_length(256); w.add_embedding_length(H); w.add_feed_forward_length(F)
+  w.add_head_count(HEADS); w.add_head_count_kv(KV); w.add_layer_norm_rms_eps(1e-5); w.add_rope_freq_base(10000.0)
+  w.add_vocab_size(V)
+  w.add_tokenizer_model("gpt2"); w.add_token_list(["t", "0"] + [f"t{i}" for i in range(V - 2)]); w.add_token_types([1] * V)
+  w.add_token_merges(["t 0"])
+  w.add_bos_token_id(0); w.add_eos_token_id(1)
+  T = gguf.GGMLQuantizationType
+  w.add_tensor("token_embd.weight", small_blocks("Q4_K", V, H, rng), raw_dtype=T.Q4_K)
+  w.add_tensor("output.weight", small_blocks("Q6_K", V, H, rng), raw_dtype=T.Q6_K)
+  w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
+  for i, types in enumerate(LAYER_TYPES):
+    w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
+    w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
+    for name, qtype in types.items():
+      w.add_tensor(f"blk.{i}.{name}.weight", small_blocks(qtype, *SHAPES[name], rng), raw_dtype=T[qtype])
+  w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+  return path
+
+
+def test_loads_compact_and_lazily(kquant_gguf):
+  from tinyvllm.model.weights import LazyTensors, load_checkpoint
+  ckpt = load_checkpoint(kquant_gguf)
+  assert isinstance(ckpt.tensors, LazyTensors) and not ckpt.tensors.made   # nothing converted before the model reads it
+  t = ckpt.tensors
+  assert t["model.layers.0.self_attn.v_proj.weight"].shape == (KV * 64, H * 6 // 32)   # 6-bit codes in bit planes
+  assert t["model.layers.0.self_attn.v_proj.scales"].dtype == np.int8
+  assert t["model.layers.1.mlp.down_proj.weight"].dtype == np.int8        # Q8_0 linears stay 8-bit
+  assert "model.embed_tokens.scale_d" in t and "lm_head.qspec" in t
+  # bytes as stored: about the file's (4.5-6.6 bits a weight), not float32's 32
+  params = V * H * 2 + sum(r * c for types in LAYER_TYPES for r, c in (SHAPES[n] for n in types))
+  assert ckpt.nbytes < params * 0.9   # under 7.2 bits a weight
+
+
+@pytest.fixture(scope="module")
+def reference_logits(kquant_gguf):
+  from conftest import our_prefill_logits
+  ids = np.random.default_rng(3).integers(2, V, 40).tolist()
+  return ids, our_prefill_logits(kquant_gguf, ids, "portable", quantization="none")
+
+
+@pytest.mark.parametrize("backend", ["portable", "cpu", "emulator"])
+def test_logits_equal_the_dequantized_checkpoint(kquant_gguf, reference_logits, backend):
+  from tinyvllm.engine.llm_engine import LLMEngine
+  from tinyvllm import SamplingParams
+  ids, ref = reference_logits
+  engine = LLMEngine.from_kwargs(str(kquant_gguf), kernel_backend=backend, block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
+  layers = engine.runner.model.layers
+  assert [sorted({lw.format for lw in layer.linears.values()}) for layer in layers] == [[PACKED], [INT8, PACKED]]
+  assert "self_attn.v_proj" in layers[0].linears and "self_attn.qkv_proj" in layers[1].linears   # apart, fused
+  assert len(engine.runner.layer_templates) == 2
+  assert engine.runner.model.embed_tokens.format == PACKED and engine.runner.model.lm_head.format == PACKED
+  seen = []
+  execute = engine.runner.execute
+  def spy(decodes, prefills=(), verifies=(), **kw):
+    out = execute(decodes, prefills, verifies, **kw)
+    seen.extend(out[1])
+    return out
+  engine.runner.execute = spy
+  engine.add_request("0", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+  while engine.has_unfinished_requests(): engine.step()
+  # the prompt in chunks of 16 with every position's logits (prompt logprobs), against the float32 reference
+  ours = np.concatenate(seen)
+  assert ours.shape == ref.shape
+  err = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
+  assert err < 1e-4, err
+  assert engine.runner.model.layers[0].linears["self_attn.q_proj"].format != FLOAT

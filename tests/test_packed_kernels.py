@@ -1,0 +1,92 @@
+"""The packed linear's kernels (GGUF k-quants, Q5_0/Q5_1, MLX 5/6/8-bit: quant/blocks.py) against float64 numpy on the
+exactly dequantized weights: the CPU C kernel (AVX2 GEMV and GEMM, and its plain-C branch), the portable kernel.
+
+Bound: float32 summation, 4 K 2^-24 (|x| . (|S| q + |B|)) per output; the GEMV rounds x to 16 bits per run of 32
+inputs, adding half a 16-bit step of each input times |S (q - c)| (c = 2^(bits-1), the centre the codes are taken from)."""
+from __future__ import annotations
+import ctypes, shutil, subprocess, tempfile
+from pathlib import Path
+import numpy as np
+import pytest
+from tinygrad import GlobalCounters, Tensor
+from test_blocks import random_ggml
+from tinyvllm.quant import blocks
+from tinyvllm.quant.formats import PACKED, LinearWeights
+
+
+def cases():
+  rng = np.random.default_rng(5)
+  out = [(q, *blocks.from_ggml(random_ggml(q, 37, 512, rng), q, (37, 512))) for q in blocks.GGML_TYPES]
+  for bits, G in ((5, 32), (6, 64), (8, 128), (8, 32)):
+    codes = rng.integers(0, 1 << bits, (37, 512), dtype=np.uint8)
+    s = (rng.uniform(0.001, 0.02, (37, 512 // G)) * rng.choice([-1, 1], (37, 512 // G))).astype(np.float16)
+    b = rng.uniform(-0.3, 0.3, (37, 512 // G)).astype(np.float16)
+    spec = blocks.QuantSpec(bits, G)
+    out.append((f"affine{bits}g{G}", blocks.layout(codes, spec, s, None, b), spec))
+  return out
+
+
+CASES = cases()
+IDS = [c[0] for c in CASES]
+
+
+def bound(x: np.ndarray, parts: dict, spec, x16: bool) -> np.ndarray:
+  q = blocks.unpack_codes(parts["weight"], spec.bits).astype(np.float64)
+  N, K = q.shape
+  S, B = blocks.group_scales(parts, spec)
+  S = np.abs(S.astype(np.float64)).repeat(spec.group, axis=1)
+  B = np.abs(B.astype(np.float64)).repeat(spec.group, axis=1) if B is not None else S * spec.offset
+  x = np.abs(np.asarray(x, np.float64))
+  out = 4 * K * 2.0 ** -24 * (x @ (S * q + B).T) + 1e-30
+  if x16:
+    half_step = x.reshape(len(x), K // 32, 32).max(-1).repeat(32, axis=1) / 65534 * 1.001
+    out += half_step @ (S * np.abs(q - (1 << (spec.bits - 1)))).T
+  return out
+
+
+def check(y: np.ndarray, x: np.ndarray, parts: dict, spec, x16: bool) -> None:
+  ref = x.astype(np.float64) @ blocks.dequantize(parts, spec).T.astype(np.float64)
+  assert y.shape == ref.shape
+  worst = np.max(np.abs(y - ref) / bound(x, parts, spec, x16))
+  assert worst <= 1, f"error {worst:.2f}x the bound"
+
+
+def tensors(parts: dict, spec) -> LinearWeights:
+  return LinearWeights(PACKED, **{k: Tensor(v) for k, v in parts.items() if k != "qspec"}, spec=spec)
+
+
+@pytest.mark.parametrize("name,parts,spec", CASES, ids=IDS)
+@pytest.mark.parametrize("M", [1, 3, 70])
+def test_cpu_kernel(name, parts, spec, M):
+  from tinyvllm.kernels import cpu
+  x = np.random.default_rng(M).standard_normal((M, 512)).astype(np.float32)
+  check(cpu.packed_linear(Tensor(x), tensors(parts, spec)).numpy(), x, parts, spec, x16=M == 1)
+
+
+@pytest.mark.parametrize("name,parts,spec", CASES, ids=IDS)
+def test_portable_kernel_is_one_kernel(name, parts, spec):
+  from tinyvllm.kernels import portable
+  x = np.random.default_rng(2).standard_normal((2, 512)).astype(np.float32)
+  lw, tx = tensors(parts, spec), Tensor(x).realize()
+  for t in lw.tensors(): t.realize()
+  GlobalCounters.reset()
+  y = portable.packed_linear(tx, lw).realize()
+  assert GlobalCounters.kernel_count == 1, "the unpacking must fuse into the matmul (no float W materialised)"
+  check(y.numpy(), x, parts, spec, x16=False)
+
+
+@pytest.mark.parametrize("name,parts,spec", [CASES[IDS.index(n)] for n in ("Q4_K", "Q6_K", "Q5_1", "affine8g32")], ids=["Q4_K", "Q6_K", "Q5_1", "affine8g32"])
+def test_plain_c_branch(name, parts, spec):
+  """The non-AVX2 branch (what arm64 compiles), compiled here with AVX2 off."""
+  from tinyvllm.kernels import cpu
+  if shutil.which("clang") is None: pytest.skip("clang not found")
+  M, N, K = 3, 37, 512
+  x = np.random.default_rng(0).standard_normal((M, K)).astype(np.float32)
+  with tempfile.TemporaryDirectory() as d:
+    src, so = Path(d) / "k.c", Path(d) / "k.so"
+    src.write_text(cpu.packed_linear_kernel(M, N, K, spec)[1].replace(cpu.packed_linear_kernel(M, N, K, spec)[0], "k"))
+    subprocess.run(["clang", "-O2", "-mno-avx2", "-mno-f16c", "-ffreestanding", "-nostdlib", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
+    y = np.zeros((M, N), np.float32)
+    arrays = [np.ascontiguousarray(parts[p]) for p in ("weight", "scales", "scale_d", "biases") if p in parts]
+    ctypes.CDLL(str(so)).k(*[a.ctypes.data_as(ctypes.c_void_p) for a in (y, x, *arrays, np.zeros(2, np.uint64))])
+  check(y, x, parts, spec, x16=False)
