@@ -154,8 +154,9 @@ class Kernels:
     return portable.q8_linear(x, w.weight, w.scales)
 
   def packed_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
-    """A packed linear (GGUF k-quants, Q5_0/Q5_1, MLX 5/6/8-bit: quant/blocks.py), compact on every backend: tinygrad
-    unpacks the codes inside the matmul."""
+    """A packed linear (GGUF k-quants, Q5_0/Q5_1, MLX 5/6/8-bit: quant/blocks.py), compact on every backend: our C
+    kernel on the CPU device, elsewhere tinygrad unpacks the codes inside the matmul."""
+    if self.cpu and x.dtype == dtypes.float32: return cpu.packed_linear(x, w, self.pool)
     return portable.packed_linear(x, w)
 
   def int4_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
