@@ -73,12 +73,16 @@ def test_mlx_bit_widths_repack_exactly(bits, G):
 
 
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
-def test_bit_planes_round_trip(bits):
-  q = np.random.default_rng(bits).integers(0, 1 << bits, (5, 96)).astype(np.uint8)
+@pytest.mark.parametrize("K", [96, 512])   # 3 runs (a partial block of high bits for 5 and 6 bits) and 16
+def test_bit_planes_round_trip(bits, K):
+  q = np.random.default_rng(bits).integers(0, 1 << bits, (5, K)).astype(np.uint8)
   weight = blocks.pack_codes(q, bits)
-  assert weight.dtype == np.uint32 and weight.shape == (5, 96 * bits // 32)
-  np.testing.assert_array_equal(blocks.unpack_codes(weight, bits), q)
-  np.testing.assert_array_equal(weight[:, :12], int4.pack(q & 15))   # the nibble plane is INT4's layout
-  if bits > 4:   # the documented order: bit t of a run's high word is input 2t (t < 16), else 2(t - 16) + 1
-    word = int(weight[0, 12])
-    assert [(word >> t) & 1 for t in range(32)] == [(int(q[0, 2 * t if t < 16 else 2 * (t - 16) + 1]) >> 4) & 1 for t in range(32)]
+  R, NB = blocks.high_blocks(K, bits) if bits > 4 else (0, 0)
+  assert weight.dtype == np.uint32 and weight.shape == (5, K // 8 + 8 * NB)
+  np.testing.assert_array_equal(blocks.unpack_codes(weight, bits, K), q)
+  np.testing.assert_array_equal(weight[:, :K // 8], int4.pack(q & 15))   # the nibble plane is INT4's layout
+  if bits > 4:   # the documented order: byte i of a block, bits h*j: run j's input i
+    h, block = bits - 4, weight[0, K // 8:K // 8 + 8].astype("<u4").view(np.uint8)
+    for j in range(min(R, K // 32)):
+      want = [int(q[0, 32 * j + i]) >> 4 for i in range(32)]
+      assert [(int(b) >> (h * j)) & ((1 << h) - 1) for b in block] == want

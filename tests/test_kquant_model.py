@@ -92,6 +92,7 @@ def test_logits_equal_the_dequantized_checkpoint(kquant_gguf, reference_logits, 
   assert [sorted({lw.format for lw in layer.linears.values()}) for layer in layers] == [[PACKED], [INT8, PACKED]]
   assert "self_attn.v_proj" in layers[0].linears and "self_attn.qkv_proj" in layers[1].linears   # apart, fused
   assert len(engine.runner.layer_templates) == 2
+  if backend == "cpu": assert engine.runner.model.packs_prefill   # the fused C layer takes every format, q/k/v apart too
   assert engine.runner.model.embed_tokens.format == PACKED and engine.runner.model.lm_head.format == PACKED
   seen = []
   execute = engine.runner.execute

@@ -31,8 +31,8 @@ IDS = [c[0] for c in CASES]
 
 
 def bound(x: np.ndarray, parts: dict, spec, x16: bool) -> np.ndarray:
-  q = blocks.unpack_codes(parts["weight"], spec.bits).astype(np.float64)
-  N, K = q.shape
+  N, K = parts["scales"].shape[0], parts["scales"].shape[1] * spec.group
+  q = blocks.unpack_codes(parts["weight"], spec.bits, K).astype(np.float64)
   S, B = blocks.group_scales(parts, spec)
   S = np.abs(S.astype(np.float64)).repeat(spec.group, axis=1)
   B = np.abs(B.astype(np.float64)).repeat(spec.group, axis=1) if B is not None else S * spec.offset

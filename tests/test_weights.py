@@ -84,7 +84,7 @@ def test_gguf_tensor_types_and_row_order(tiny_model, tmp_path):
   for name, want in expected.items():
     np.testing.assert_array_equal(np.asarray(ckpt.tensors[name], np.float32), want, err_msg=name)
   packed = load_checkpoint(tmp_path / "tiny.gguf")                        # default: Q4_0/Q4_1 linears stay 4-bit
-  assert packed.config.quantization == {"group_size": 32, "bits": 4}
+  assert packed.config.quantization == {"group_size": 32, "bits": 4, "gguf_types": ["Q4_0", "Q4_1", "Q8_0"]}   # the kept types
   q4 = [n for n in expected if n.endswith(("q_proj.weight", "k_proj.weight", "gate_proj.weight", "up_proj.weight"))]
   assert q4 and all(packed.tensors[n].dtype == np.uint32 for n in q4)
   for name in q4:   # code for code: the packed form dequantizes to exactly what gguf's own dequantizer gives

@@ -190,9 +190,10 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
       sys.exit(f"tinyvllm's engine refused the arguments: {e}")
     bar.update()
     drv = runs_mod.Driver(engine, text=args.prompts == "text")
-    bits = (engine.model_config.quantization or {}).get("bits")
+    stored = engine.model_config.quantization or {}   # a GGUF names its kept block types (Q4_K+Q6_K)
+    label = "+".join(stored["gguf_types"]) if stored.get("gguf_types") else f"int{stored['bits']}" if stored.get("bits") else "none"
     common = {"engine": "tinyvllm", "device": ceilings.device, "machine": device.machine_description(),
-              "model": _model_name(model_path), "quantization": f"int{bits}" if bits else "none", "quantization_setting": quantization,
+              "model": _model_name(model_path), "quantization": label, "quantization_setting": quantization,
               "dtype": "float32" if engine.runner.model.dtype.itemsize == 4 else "float16",
               "kv_cache_dtype": engine.runner.kv_format.storage,
               "kernel_backend": engine.kernel_backend, "speculative": speculative,

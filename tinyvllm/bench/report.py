@@ -68,12 +68,13 @@ def print_ceilings(c: Ceilings, file=None) -> None:
 def print_table(records: list[dict], file=None) -> None:
   file = file or sys.stdout   # looked up per call: sys.stdout may be replaced after import
   peers = sorted({p for r in records for p in r.get("peers", {})})
-  head = (f"{'kind':<8}{'quant':>6}{'kv':>8}{'spec':>5}{'B':>4}{'ctx':>6}{'tok/s':>9}{'ms/step':>9}{'MB/tok':>8}{'GB/s':>7}"
+  qw = max([6] + [len(r["quantization"]) + 1 for r in records])   # a GGUF's block types may be long
+  head = (f"{'kind':<8}{'quant':>{qw}}{'kv':>8}{'spec':>5}{'B':>4}{'ctx':>6}{'tok/s':>9}{'ms/step':>9}{'MB/tok':>8}{'GB/s':>7}"
           f"{'%meas':>7}{'%pub':>6}{'%roof':>7}" + "".join(f"{'vs ' + p:>16}" for p in peers))
   print(head, file=file)
   for r in records:
     pct = lambda x: _fmt(None if x is None else 100 * x, ".0f")
-    row = (f"{r['kind']:<8}{r['quantization']:>6}{r.get('kv_cache_dtype', '-'):>8}{'on' if r.get('speculative') else 'off':>5}{r['batch_size']:>4}{r['context_len']:>6}"
+    row = (f"{r['kind']:<8}{r['quantization']:>{qw}}{r.get('kv_cache_dtype', '-'):>8}{'on' if r.get('speculative') else 'off':>5}{r['batch_size']:>4}{r['context_len']:>6}"
            f"{r['tokens_per_s']:>9.1f}{r['ms_per_step']:>9.1f}{r['bytes_per_token'] / 1e6:>8.1f}{r['achieved_gbps']:>7.2f}"
            f"{pct(r['bandwidth_fraction']):>7}{pct(r['published_bandwidth_fraction']):>6}{pct(r['roofline_fraction']):>7}")
     for p in peers:

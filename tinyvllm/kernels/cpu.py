@@ -11,6 +11,7 @@ import numpy as np
 from tinygrad import Context, Tensor, Device, UOp, dtypes
 from tinygrad.uop.ops import Ops, KernelInfo
 from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
+from tinyvllm.quant.blocks import high_blocks
 
 # clang vector extensions compile to AVX2/AVX-512 on x86 and NEON on arm64 alike
 _VEC = r"""
@@ -315,7 +316,7 @@ def _int4_gemv_body(N: int, K: int, G: int) -> str:
         __m256i xe = _mm256_load_si256((const __m256i *)(xq + c)), xo = _mm256_load_si256((const __m256i *)(xq + c + 16));
         for (int r = 0; r < 4; r++) {{
           __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr[r] + c / 2)));
-          a[r] = _mm256_add_epi32(a[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v, nib), xe), _mm256_madd_epi16(_mm256_srli_epi16(v, 4), xo)));
+          a[r] = TV_DPWSSD(TV_DPWSSD(a[r], _mm256_and_si256(v, nib), xe), _mm256_srli_epi16(v, 4), xo);
         }}
       }}
       for (int r = 0; r < 4; r++) tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[r], xc[g])), _mm256_broadcast_ss(&sd[r][g]), tot[r]);
@@ -324,7 +325,7 @@ def _int4_gemv_body(N: int, K: int, G: int) -> str:
   }}"""
 
 
-def _int4_gemm_invariant_body(M: int, N: int, K: int, G: int) -> str:
+def _int4_gemm_invariant_body(M: int, N: int, K: int, G: int, ys: int) -> str:
   """M > 1, with exactly the arithmetic of `_int4_gemv_body` on each row, so a row's result does not depend on how
   many rows share the call: a sequence decodes the same tokens alone or in any batch (batch invariance).
   What the rows share is the unpacking: a tile of 4 weight rows is unpacked once to 16-bit codes in the GEMV's
@@ -380,34 +381,30 @@ def _int4_gemm_invariant_body(M: int, N: int, K: int, G: int) -> str:
             tot[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[i][r], xcs[(i ? m1 : m) - c0][g])), _mm256_broadcast_ss(&sdm[i][r][g]), tot[i][r]);
         }}
         for (int r = 0; r < 4 && n0 + r < {N}; r++) {{
-          y[(long)m * {N} + n0 + r] = hsum8(tot[0][r]) + bsm[0][r];
-          if (m + 1 < mend) y[(long)(m + 1) * {N} + n0 + r] = hsum8(tot[1][r]) + bsm[1][r];
+          y[(long)m * {ys} + n0 + r] = hsum8(tot[0][r]) + bsm[0][r];
+          if (m + 1 < mend) y[(long)(m + 1) * {ys} + n0 + r] = hsum8(tot[1][r]) + bsm[1][r];
         }}
       }}
     }}
   }}"""
 
 
-def _int4_gemm_body(M: int, N: int, K: int, G: int) -> str:
-  """M > 1: a tile of 4 weight rows is dequantized once (w = s*q + b, one FMA per 8 codes) into a float buffer
-  that stays in L1, then pairs of x rows pass over it as in the float32 kernel: 2 x 4 accumulators, each x and
-  w vector load feeding 4 and 2 FMAs. Rows of x go in chunks of 64 (L2-resident) so the dequantization is
-  shared by up to 64 rows; for M <= 64 every weight byte comes from memory once per call."""
-  NG, WPR, WPG = K // G, K // 8, G // 8
+def _dequant_gemm_body(M: int, N: int, K: int, ys: int, setup: str, dequant_row: str) -> str:
+  """M > 1: a tile of 4 weight rows is dequantized once into a float buffer that stays in L1 (`dequant_row`: C
+  statements filling float wrow[K] from weight row `n`), then pairs of x rows pass over it as in the float32 kernel:
+  2 x 4 accumulators, each x and w vector load feeding 4 and 2 FMAs. Rows of x go in chunks of 64 (L2-resident) so
+  the dequantization is shared by up to 64 rows; for M <= 64 every weight byte comes from memory once per call.
+  Output rows have stride `ys` (a projection's parts write their columns of one output)."""
   return f"""
-  {_CONSTS}
+  {setup}
   float wf[4][{K}] __attribute__((aligned(32)));
   for (int c0 = 0; c0 < {M}; c0 += 64) {{
     int mend = c0 + 64 < {M} ? c0 + 64 : {M};
     for (int n0 = nb; n0 < ne; n0 += 4) {{
       for (int r = 0; r < 4; r++) {{
         long n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: a copy, never stored */
-        const unsigned *wr = w + n * {WPR};
-        for (int g = 0; g < {NG}; g++) {{
-          __m256 sv = _mm256_set1_ps(h2f(s[n * {NG} + g])), bv = _mm256_set1_ps(h2f(b[n * {NG} + g]));
-          for (int j = 0; j < {WPG}; j++)
-            _mm256_store_ps(&wf[r][g * {G} + j * 8], _mm256_fmadd_ps({_UNPACK.format(word=f"wr[g * {WPG} + j]")}, sv, bv));
-        }}
+        float *wrow = wf[r];
+        {dequant_row}
       }}
       for (int m = c0; m < mend; m += 2) {{
         const float *x0 = x + (long)m * {K}, *x1 = x + (long)(m + 1 < mend ? m + 1 : m) * {K};
@@ -420,15 +417,28 @@ def _int4_gemm_body(M: int, N: int, K: int, G: int) -> str:
         }}
         float r0[4] = {{hsum8(a00), hsum8(a01), hsum8(a02), hsum8(a03)}}, r1[4] = {{hsum8(a10), hsum8(a11), hsum8(a12), hsum8(a13)}};
         for (int r = 0; r < 4 && n0 + r < {N}; r++) {{
-          y[(long)m * {N} + n0 + r] = r0[r];
-          if (m + 1 < mend) y[(long)(m + 1) * {N} + n0 + r] = r1[r];
+          y[(long)m * {ys} + n0 + r] = r0[r];
+          if (m + 1 < mend) y[(long)(m + 1) * {ys} + n0 + r] = r1[r];
         }}
       }}
     }}
   }}"""
 
 
-def _int4_fallback_body(M: int, N: int, K: int, G: int) -> str:
+def _int4_gemm_body(M: int, N: int, K: int, G: int, ys: int) -> str:
+  """The dequantize-once GEMM for INT4: w = s*q + b, one FMA per 8 codes."""
+  NG, WPR, WPG = K // G, K // 8, G // 8
+  dequant = f"""const unsigned *wr = w + n * {WPR};
+        for (int g = 0; g < {NG}; g++) {{
+          __m256 sv = _mm256_set1_ps(h2f(s[n * {NG} + g])), bv = _mm256_set1_ps(h2f(b[n * {NG} + g]));
+          for (int j = 0; j < {WPG}; j++)
+            _mm256_store_ps(wrow + g * {G} + j * 8, _mm256_fmadd_ps({_UNPACK.format(word=f"wr[g * {WPG} + j]")}, sv, bv));
+        }}"""
+  return _dequant_gemm_body(M, N, K, ys, _CONSTS, dequant)
+
+
+def _int4_fallback_body(M: int, N: int, K: int, G: int, ys: int | None = None) -> str:
+  ys = ys or N
   NG, WPR = K // G, K // 8
   return f"""
   for (int m = 0; m < {M}; m++) for (int n = nb; n < ne; n++) {{
@@ -442,16 +452,25 @@ def _int4_fallback_body(M: int, N: int, K: int, G: int) -> str:
       }}
       t += h2f(s[(long)n * {NG} + g]) * sq + h2f(b[(long)n * {NG} + g]) * sx;
     }}
-    y[(long)m * {N} + n] = t;
+    y[(long)m * {ys} + n] = t;
   }}"""
 
 
 # what the 4-bit and 8-bit linear kernels share around their bodies: AVX2 when the CPU has it (TV_AVX2), fp16
 # conversion, a horizontal sum, the thread pool; declarations before the kernel, definitions after it
+# acc + the pairwise int16 products of a and b (AVX2's vpmaddwd then vpaddd): one instruction on CPUs with VNNI
+_DPWSSD = """#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TV_DPWSSD(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
+#elif defined(__AVXVNNI__)
+#define TV_DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#else
+#define TV_DPWSSD(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif"""
 _AVX2_DECLS = f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TV_AVX2 1
 #endif
+{_DPWSSD}
 static inline float h2f(unsigned short h);
 #ifdef TV_AVX2
 static inline float hsum8(__m256 v);
@@ -460,12 +479,12 @@ static inline float hsum8(__m256 v);
 _AVX2_DEFS = f"{_HALF}\n#ifdef TV_AVX2\n{_HSUM8}\n#endif\n{C_PARALLEL}"
 
 
-def int4_body(M: int, N: int, K: int, G: int, invariant: bool = False) -> str:
+def int4_body(M: int, N: int, K: int, G: int, invariant: bool = False, ys: int | None = None) -> str:
   """The AVX2 body for M rows: the GEMV for one row; for more, the dequantize-once GEMM, or with `invariant` the
   GEMM that repeats the GEMV's arithmetic on every row (bitwise batch invariance, measured 13-24% slower on
-  batched decode and prefill; docs/architecture.md)."""
+  batched decode and prefill; docs/architecture.md). Output rows have stride `ys` (default N)."""
   if M == 1: return _int4_gemv_body(N, K, G)
-  return _int4_gemm_invariant_body(M, N, K, G) if invariant else _int4_gemm_body(M, N, K, G)
+  return _int4_gemm_invariant_body(M, N, K, G, ys or N) if invariant else _int4_gemm_body(M, N, K, G, ys or N)
 
 
 def _int4_linear_source(name: str, M: int, N: int, K: int, G: int, invariant: bool = False) -> str:
@@ -510,11 +529,12 @@ def int4_linear_kernel(M: int, N: int, K: int, G: int, invariant: bool = False) 
 _Q8_PARAMS = ["float *restrict y", "const float *restrict x", "const signed char *restrict w", "const unsigned short *restrict s"]
 
 
-def _q8_linear_source(name: str, M: int, N: int, K: int) -> str:
-  """y[M,N] = x[M,K] @ W^T, W = s * q per block of 32 along K. Each weight row is converted to float once per
-  call, block by block, and used for all M rows of x: memory-bound for the few rows an LM head sees."""
-  NB = K // 32
-  body = f"""  for (int n = nb; n < ne; n++) {{
+def q8_body(M: int, N: int, K: int, ys: int | None = None) -> str:
+  """y[M,N] = x[M,K] @ W^T, W = s * q per block of 32 along K (int8 codes w, float16 scales s). Each weight row is
+  converted to float once per call, block by block, and used for all M rows of x: memory-bound for the few rows an LM
+  head sees. Output rows have stride `ys` (default N). AVX2 and plain C branches."""
+  NB, ys = K // 32, ys or N
+  return f"""  for (int n = nb; n < ne; n++) {{
     const signed char *wr = w + (long)n * {K};
     const unsigned short *sr = s + (long)n * {NB};
     float acc[{M}];
@@ -548,9 +568,12 @@ def _q8_linear_source(name: str, M: int, N: int, K: int) -> str:
       }}
     }}
 #endif
-    for (int m = 0; m < {M}; m++) y[(long)m * {N} + n] = acc[m];
+    for (int m = 0; m < {M}; m++) y[(long)m * {ys} + n] = acc[m];
   }}"""
-  return row_parallel_kernel(name, _Q8_PARAMS, N, body, _AVX2_DECLS, _AVX2_DEFS)
+
+
+def _q8_linear_source(name: str, M: int, N: int, K: int) -> str:
+  return row_parallel_kernel(name, _Q8_PARAMS, N, q8_body(M, N, K), _AVX2_DECLS, _AVX2_DEFS)
 
 
 def q8_linear(x: Tensor, codes: Tensor, scales: Tensor, pool: Tensor | None = None) -> Tensor:
@@ -574,6 +597,14 @@ def _packed_params(spec) -> list[str]:
   return p
 
 
+def _row_words(K: int, spec) -> tuple[int, int, int]:
+  """(uint32 words per weight row, runs per high-bits block R, mask of a run's h = bits - 4 high bits) of a packed
+  layout: K/8 nibble words, then 32-byte blocks of high bits (quant/blocks.py)."""
+  if spec.bits <= 4: return K // 8, 1, 0
+  R, NB = high_blocks(K, spec.bits)
+  return K // 8 + NB * 8, R, (1 << (spec.bits - 4)) - 1
+
+
 def _packed_scales(spec, K: int) -> str:
   """C statements filling S[g] and (affine) B[g], floats, for weight row `n`: the group scales and biases, exactly
   as quant/blocks.py dequantizes them (a two-level scale: float16 times an integer, exact in float; an affine
@@ -586,73 +617,115 @@ def _packed_scales(spec, K: int) -> str:
           f" B[g] = -(h2f(sd[2 * (n * {NG // sg} + g / {sg}) + 1]) * (float)s[2 * (n * {NG} + g) + 1]); }}")
 
 
+def _packed_scales8(spec, K: int) -> str:
+  """C statements setting __m256 Sv (and, affine, Bv) to the scales and biases of groups g..g+7 of weight row `n`, as
+  _packed_scales computes them one by one (a super-block spans 8 or 16 groups, so the 8 share its float16)."""
+  NG, sg = K // spec.group, spec.super_groups
+  if not sg:
+    out = f"__m256 Sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + n * {NG} + g)));"
+    return out + ("" if spec.symmetric else f" __m256 Bv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + n * {NG} + g)));")
+  if spec.symmetric:
+    cvt = "_mm256_cvtepi8_epi32" if spec.signed_scales else "_mm256_cvtepu8_epi32"
+    return (f"__m256 Sv = _mm256_mul_ps(_mm256_set1_ps(h2f(sd[n * {NG // sg} + g / {sg}])), "
+            f"_mm256_cvtepi32_ps({cvt}(_mm_loadl_epi64((const __m128i *)(s + n * {NG} + g)))));")
+  return f"""__m128i sm_ = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(s + 2 * (n * {NG} + g))), deint);
+        long d_ = 2 * (n * {NG // sg} + g / {sg});
+        __m256 Sv = _mm256_mul_ps(_mm256_set1_ps(h2f(sd[d_])), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm_)));
+        __m256 Bv = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(h2f(sd[d_ + 1])), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm_, 8)))));"""
+
+
 def _packed_gemv_body(N: int, K: int, spec) -> str:
-  """M == 1. x is rounded to 16 bits per run of 32 inputs (as the INT4 GEMV's, per run rather than per group, since
-  k-quant groups can be 16 wide) and each run of codes multiplies it in exact int32 (vpmaddwd), centred on
-  c = 2^(bits-1): sum S (q - c) x per group, then for affine layouts + sum (B + c S) x. A run's codes unpack from 16
-  bytes of nibbles (even inputs in the low nibbles, odd in the high) plus, for b > 4 bits, one 32-bit word per high
-  plane whose bit t is the high bit of input 2t (t < 16) or 2(t - 16) + 1: the same even/odd order, so each plane
-  adds (bit << (4 + p)) to the 16-bit codes. With 16-wide groups a run holds two: its int32 lanes 0-3 come from the
-  first 16 inputs, 4-7 from the last 16, and the scale vector carries each group's scale in its lanes."""
+  """M == 1. x is rounded to 16 bits per unit of max(G, 32) inputs (as the INT4 GEMV's, per group; a run of 32 for
+  16-wide groups) and each run of 32 codes multiplies it in exact int32 (vpmaddwd), centred on c = 2^(bits-1):
+  sum S (q - c) x per group, then for affine layouts + sum (B + c S) x. A run's codes unpack from 16 bytes of nibbles
+  (even inputs in the low nibbles, odd in the high) plus, for b > 4 bits, the run's h = b - 4 high bits: one shift
+  of its 32-byte block leaves byte i holding input i's in its low bits, so read as 16-bit lanes, lane t holds input
+  2t's in its low byte and 2t + 1's in its high byte: shifted left and right by 4 and masked they add (high << 4) to
+  the even and odd codes, no shuffles. With 16-wide groups a run holds two: its int32 lanes 0-3 come from the first 16 inputs, 4-7
+  from the last 16, and the scale vector carries each group's scale in its lanes. Per weight row, the groups' scale
+  times x's (gs) and the bias term are computed 8 groups at a time."""
   NC, NG, G, HB = K // 32, K // spec.group, spec.group, spec.bits - 4
+  RW, R, hmask = _row_words(K, spec)
+  XU = max(G, 32)        # inputs per x scale
+  NX = K // XU
   c = 1 << (spec.bits - 1)
-  high = "".join(f"""
-          {{ unsigned hwd = whr[r][c * {HB} + {p}];
-            qe = _mm256_add_epi16(qe, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)(hwd & 0xFFFF)), bitsel), bitsel), _mm256_set1_epi16({16 << p})));
-            qo = _mm256_add_epi16(qo, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)(hwd >> 16)), bitsel), bitsel), _mm256_set1_epi16({16 << p}))); }}""" for p in range(HB))
-  lanes = (f"_mm256_mul_ps(_mm256_set1_ps(S[r][c * 32 / {G}]), dxv)" if G >= 32 else
-           "_mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(S[r][2 * c + 1]), _mm_set1_ps(S[r][2 * c])), dxv)")
-  bias = "" if spec.symmetric else f"for (int g = 0; g < {NG}; g++) bs += (B[g] + {c}.0f * S[r][g]) * xg[g];"
+  high = f"""
+          {{ __m256i hb = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(whr[r] + (c / {R}) * 32)), hsh);
+            qe = _mm256_add_epi16(qe, _mm256_and_si256(_mm256_slli_epi16(hb, 4), hmask));
+            qo = _mm256_add_epi16(qo, _mm256_and_si256(_mm256_srli_epi16(hb, 4), hmask)); }}""" if HB else ""
+  lanes = (f"_mm256_broadcast_ss(&gs[r][c * 32 / {G}])" if G >= 32 else
+           "_mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)&gs[r][2 * c]))), pair)")
+  bias8 = "" if spec.symmetric else f"bacc = _mm256_fmadd_ps(_mm256_fmadd_ps(Sv, _mm256_set1_ps({c}.0f), Bv), _mm256_loadu_ps(xg + g), bacc);"
+  bias1 = "" if spec.symmetric else f"bs += (B[0] + {c}.0f * S[0]) * xg[g];"
   return f"""
-  const __m256i nib = _mm256_set1_epi16(15), ones = _mm256_set1_epi16(1);
-  const __m256i bitsel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, (short)32768);
+  const __m256i nib = _mm256_set1_epi16(15), ones = _mm256_set1_epi16(1), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i hmask = _mm256_set1_epi16({hmask << 4});   /* a run's high bits, moved to bits 4.. of a 16-bit code */
+  const __m128i deint = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  (void)pair; (void)hmask; (void)deint;
   short xq[{K}] __attribute__((aligned(32)));
-  float dx[{NC}], x16[{2 * NC}], xg[{NG}];
+  float dx[{NX}], dxg[{NG}], x16[{K // 16}], xg[{NG}];
   __m256i xc[{NC}];
-  for (int c = 0; c < {NC}; c++) {{   /* x in 16 bits per run of 32, in the runs' even/odd order; float sums per 16 */
-    const float *xr = x + c * 32;
+  for (int u = 0; u < {NX}; u++) {{   /* x's scale per unit of {XU} inputs */
     __m256 amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; j++) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xr + 8 * j), absmask));
-    x16[2 * c] = hsum8(_mm256_add_ps(_mm256_loadu_ps(xr), _mm256_loadu_ps(xr + 8)));
-    x16[2 * c + 1] = hsum8(_mm256_add_ps(_mm256_loadu_ps(xr + 16), _mm256_loadu_ps(xr + 24)));
+    for (int j = 0; j < {XU // 8}; j++) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(x + u * {XU} + 8 * j), absmask));
     __m128 mh = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     mh = _mm_max_ps(mh, _mm_movehl_ps(mh, mh));
-    float xmax = _mm_cvtss_f32(_mm_max_ss(mh, _mm_shuffle_ps(mh, mh, 1)));
-    dx[c] = xmax * (1.0f / 32767.0f);
-    __m256 inv = _mm256_set1_ps(xmax > 0 ? 32767.0f / xmax : 0.0f);
+    dx[u] = _mm_cvtss_f32(_mm_max_ss(mh, _mm_shuffle_ps(mh, mh, 1))) * (1.0f / 32767.0f);
+  }}
+  for (int c = 0; c < {NC}; c++) {{   /* x in 16 bits, in each run's even/odd order; float sums per 16 inputs */
+    const float *xr = x + c * 32;
+    float d = dx[c * 32 / {XU}];
+    __m256 inv = _mm256_set1_ps(d > 0 ? 1.0f / d : 0.0f);
+    x16[2 * c] = hsum8(_mm256_add_ps(_mm256_loadu_ps(xr), _mm256_loadu_ps(xr + 8)));
+    x16[2 * c + 1] = hsum8(_mm256_add_ps(_mm256_loadu_ps(xr + 16), _mm256_loadu_ps(xr + 24)));
     int qi[32] __attribute__((aligned(32)));
     for (int j = 0; j < 4; j++) _mm256_store_si256((__m256i *)(qi + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + 8 * j), inv)));
     for (int t = 0; t < 16; t++) {{ xq[c * 32 + t] = (short)qi[2 * t]; xq[c * 32 + 16 + t] = (short)qi[2 * t + 1]; }}
     __m256i l = _mm256_add_epi32(_mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + c * 32)), ones),
                                  _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + c * 32 + 16)), ones));
-    xc[c] = _mm256_mullo_epi32(l, _mm256_set1_epi32({c}));
+    xc[c] = _mm256_mullo_epi32(l, _mm256_set1_epi32(-{c}));
   }}
-  for (int g = 0; g < {NG}; g++) {{ float t = 0; for (int u = g * {G // 16}; u < (g + 1) * {G // 16}; u++) t += x16[u]; xg[g] = t; }}
+  for (int g = 0; g < {NG}; g++) {{
+    float t = 0;
+    for (int u = g * {G // 16}; u < (g + 1) * {G // 16}; u++) t += x16[u];
+    xg[g] = t;
+    dxg[g] = dx[g * {G} / {XU}];
+  }}
   for (int n0 = nb; n0 < ne; n0 += 4) {{
-    float S[4][{NG}], bsum[4];
+    float gs[4][{NG}] __attribute__((aligned(32))), bsum[4];   /* group scale times x's scale */
     const unsigned char *wr[4];
-    {"const unsigned *whr[4];" if HB else ""}
+    {"const unsigned char *whr[4];" if HB else ""}
     for (int r = 0; r < 4; r++) {{
       long n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: recompute it, store nothing */
-      wr[r] = (const unsigned char *)(w + n * {K * spec.bits // 32});
-      {f"whr[r] = w + n * {K * spec.bits // 32} + {K // 8};" if HB else ""}
-      float *Sr = S[r];
-      float B[{NG}]; (void)B;
-      {{ float *S = Sr; {_packed_scales(spec, K)} }}
-      float bs = 0;
-      {bias}
+      wr[r] = (const unsigned char *)(w + n * {RW});
+      {f"whr[r] = (const unsigned char *)(w + n * {RW} + {K // 8});" if HB else ""}
+      __m256 bacc = _mm256_setzero_ps();
+      int g = 0;
+      for (; g + 8 <= {NG}; g += 8) {{
+        {_packed_scales8(spec, K)}
+        _mm256_storeu_ps(&gs[r][g], _mm256_mul_ps(Sv, _mm256_loadu_ps(dxg + g)));
+        {bias8}
+      }}
+      float bs = hsum8(bacc);
+      for (; g < {NG}; g++) {{   /* the last groups of a row whose group count is not a multiple of 8 */
+        float S[1], B[1]; (void)B;
+        {_packed_scales(spec, K).replace("for (int g = 0; g < " + str(NG) + "; g++)", "").replace("S[g]", "S[0]").replace("B[g]", "B[0]")}
+        gs[r][g] = S[0] * dxg[g];
+        {bias1}
+      }}
       bsum[r] = bs;
     }}
     __m256 tot[4] = {{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}};
     for (int c = 0; c < {NC}; c++) {{
       __m256i xe = _mm256_load_si256((const __m256i *)(xq + c * 32)), xo = _mm256_load_si256((const __m256i *)(xq + c * 32 + 16));
-      __m256 dxv = _mm256_set1_ps(dx[c]);
+      {f"const __m128i hsh = _mm_cvtsi32_si128({HB} * (c % {R}));   /* run c's bits in its block's bytes */" if HB else ""}
       for (int r = 0; r < 4; r++) {{
-        _mm_prefetch((const char *)(wr[r] + {2 * K} + c * 16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wr[r] + {4 * RW * 4}) + c * 16, _MM_HINT_T0);   /* the same row of the next tile */
+        {f"if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {4 * RW * 4}) + (c / {R}) * 32, _MM_HINT_T0);" if HB else ""}
         __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr[r] + c * 16)));
         __m256i qe = _mm256_and_si256(v, nib), qo = _mm256_srli_epi16(v, 4);{high}
-        __m256i a = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(qe, xe), _mm256_madd_epi16(qo, xo)), xc[c]);
+        __m256i a = TV_DPWSSD(TV_DPWSSD(xc[c], qe, xe), qo, xo);   /* xc holds -c * sum x */
         tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), {lanes}, tot[r]);
       }}
     }}
@@ -663,68 +736,44 @@ def _packed_gemv_body(N: int, K: int, spec) -> str:
 def _packed_dequant_row(K: int, spec) -> str:
   """C statements dequantizing weight row `n` into float wrow[K] (k order), as quant/blocks.py: S q + B per group."""
   NC, HB, G = K // 32, spec.bits - 4, spec.group
+  RW, R, hmask = _row_words(K, spec)
   c = spec.offset
-  high = "".join(f"""
-        {{ unsigned hwd = w[n * {K * spec.bits // 32} + {K // 8} + cc * {HB} + {p}];
-          q = _mm256_add_epi32(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)hwd), hsh[j]), one), {4 + p})); }}""" for p in range(HB))
+  # the run's block, shifted and masked: byte i holds input i's high bits
+  run_high = f"""
+      unsigned char hk[32] __attribute__((aligned(32)));
+      _mm256_store_si256((__m256i *)hk, _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)((const unsigned char *)(w + n * {RW} + {K // 8}) + (cc / {R}) * 32)),
+                                                                      _mm_cvtsi32_si128({HB} * (cc % {R}))), _mm256_set1_epi8({hmask})));""" if HB else ""
+  high = """
+        q = _mm256_add_epi32(q, _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(hk + 8 * j))), 4));""" if HB else ""
   value = (f"_mm256_mul_ps(_mm256_set1_ps(S[k0 / {G}]), _mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps({c}.0f)))" if spec.symmetric else
            f"_mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(S[k0 / {G}]), _mm256_set1_ps(B[k0 / {G}]))")
   return f"""
     {_packed_scales(spec, K)}
-    for (int cc = 0; cc < {NC}; cc++)
+    for (int cc = 0; cc < {NC}; cc++) {{{run_high}
       for (int j = 0; j < 4; j++) {{
         int k0 = cc * 32 + j * 8;
-        __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w[n * {K * spec.bits // 32} + k0 / 8]), sh), mask);{high}
+        __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w[n * {RW} + k0 / 8]), sh), mask);{high}
         _mm256_store_ps(wrow + k0, {value});
-      }}"""
+      }}
+    }}"""
 
 
-def _packed_gemm_body(M: int, N: int, K: int, spec) -> str:
-  """M > 1: as the INT4 GEMM, a tile of 4 weight rows dequantized once into float (L1), then pairs of x rows pass over
-  it with 2 x 4 FMA accumulators; x rows in chunks of 64, so for M <= 64 each weight byte is read once per call.
-  The high-plane bits of 8 consecutive inputs k0..k0+7 sit at bits 4j + l/2 (even l) and 16 + 4j + (l-1)/2 (odd l)
-  of the run's word (j: which 8 of the run's 32)."""
+def _packed_gemm_body(M: int, N: int, K: int, spec, ys: int) -> str:
+  """The dequantize-once GEMM for a packed layout: each weight row dequantized once, then multiplied by every x row."""
   NG = K // spec.group
-  return f"""
-  {_CONSTS}
-  const __m256i one = _mm256_set1_epi32(1);
-  __m256i hsh[4];
-  for (int j = 0; j < 4; j++) hsh[j] = _mm256_setr_epi32(4 * j, 16 + 4 * j, 4 * j + 1, 17 + 4 * j, 4 * j + 2, 18 + 4 * j, 4 * j + 3, 19 + 4 * j);
-  (void)hsh; (void)one;
-  float wf[4][{K}] __attribute__((aligned(32)));
-  float S[{NG}], B[{NG}]; (void)B;
-  for (int c0 = 0; c0 < {M}; c0 += 64) {{
-    int mend = c0 + 64 < {M} ? c0 + 64 : {M};
-    for (int n0 = nb; n0 < ne; n0 += 4) {{
-      for (int r = 0; r < 4; r++) {{
-        long n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: a copy, never stored */
-        float *wrow = wf[r];
-        {_packed_dequant_row(K, spec)}
-      }}
-      for (int m = c0; m < mend; m += 2) {{
-        const float *x0 = x + (long)m * {K}, *x1 = x + (long)(m + 1 < mend ? m + 1 : m) * {K};
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-        for (int k = 0; k < {K}; k += 8) {{
-          __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
-          __m256 w0 = _mm256_load_ps(&wf[0][k]), w1 = _mm256_load_ps(&wf[1][k]), w2 = _mm256_load_ps(&wf[2][k]), w3 = _mm256_load_ps(&wf[3][k]);
-          a00 = _mm256_fmadd_ps(u, w0, a00); a01 = _mm256_fmadd_ps(u, w1, a01); a02 = _mm256_fmadd_ps(u, w2, a02); a03 = _mm256_fmadd_ps(u, w3, a03);
-          a10 = _mm256_fmadd_ps(v, w0, a10); a11 = _mm256_fmadd_ps(v, w1, a11); a12 = _mm256_fmadd_ps(v, w2, a12); a13 = _mm256_fmadd_ps(v, w3, a13);
-        }}
-        float r0[4] = {{hsum8(a00), hsum8(a01), hsum8(a02), hsum8(a03)}}, r1[4] = {{hsum8(a10), hsum8(a11), hsum8(a12), hsum8(a13)}};
-        for (int r = 0; r < 4 && n0 + r < {N}; r++) {{
-          y[(long)m * {N} + n0 + r] = r0[r];
-          if (m + 1 < mend) y[(long)(m + 1) * {N} + n0 + r] = r1[r];
-        }}
-      }}
-    }}
-  }}"""
+  setup = f"""{_CONSTS}
+  float S[{NG}], B[{NG}]; (void)B;"""
+  return _dequant_gemm_body(M, N, K, ys, setup, _packed_dequant_row(K, spec))
 
 
-def _packed_fallback_body(M: int, N: int, K: int, spec) -> str:
+def _packed_fallback_body(M: int, N: int, K: int, spec, ys: int | None = None) -> str:
   """Plain C (CPUs without AVX2): each weight dequantized as quant/blocks.py does, one dot product per output."""
+  ys = ys or N
   HB, G = spec.bits - 4, spec.group
-  high = f"""{{ int t = (k % 32) % 2 ? 16 + (k % 32) / 2 : (k % 32) / 2;
-          for (int p = 0; p < {HB}; p++) q |= ((w[(long)n * {K * spec.bits // 32} + {K // 8} + (k / 32) * {HB} + p] >> t) & 1u) << (4 + p); }}""" if HB else ""
+  RW, R, hmask = _row_words(K, spec)
+  high = f"""{{ int run = k / 32;
+          const unsigned char *hb = (const unsigned char *)(w + (long)n * {RW} + {K // 8});
+          q |= ((hb[(run / {R}) * 32 + k % 32] >> ({HB} * (run % {R}))) & {hmask}u) << 4; }}""" if HB else ""
   value = f"S[k / {G}] * ((float)q - {spec.offset}.0f)" if spec.symmetric else f"S[k / {G}] * (float)q + B[k / {G}]"
   return f"""
   float S[{K // G}], B[{K // G}]; (void)B;
@@ -733,22 +782,27 @@ def _packed_fallback_body(M: int, N: int, K: int, spec) -> str:
     for (int m = 0; m < {M}; m++) {{
       float t_ = 0;
       for (int k = 0; k < {K}; k++) {{
-        unsigned q = (w[(long)n * {K * spec.bits // 32} + k / 8] >> (4 * (k % 8))) & 15u;
+        unsigned q = (w[(long)n * {RW} + k / 8] >> (4 * (k % 8))) & 15u;
         {high}
         t_ += x[(long)m * {K} + k] * ({value});
       }}
-      y[(long)m * {N} + n] = t_;
+      y[(long)m * {ys} + n] = t_;
     }}
   }}"""
+
+
+def packed_body(M: int, N: int, K: int, spec, ys: int | None = None) -> str:
+  """The packed linear's body for M rows, AVX2 and plain C branches; output rows of stride `ys` (default N)."""
+  avx2 = _packed_gemv_body(N, K, spec) if M == 1 else _packed_gemm_body(M, N, K, spec, ys or N)
+  return f"#ifdef TV_AVX2\n{avx2}\n#else\n{_packed_fallback_body(M, N, K, spec, ys)}\n#endif"
 
 
 def packed_linear_kernel(M: int, N: int, K: int, spec) -> tuple[str, str]:
   """(name, source) of the packed linear for these sizes and layout: args y, x, the layout's arrays, pool."""
   tag = f"{spec.bits}_{spec.group}_{spec.super_groups}{'s' if spec.signed_scales else 'u'}{'y' if spec.symmetric else 'a'}"
   name = f"packed_linear_{M}_{N}_{K}_{tag}"
-  body = _packed_gemv_body(N, K, spec) if M == 1 else _packed_gemm_body(M, N, K, spec)
   src = row_parallel_kernel(name, ["float *restrict y", "const float *restrict x"] + _packed_params(spec), N,
-                            f"#ifdef TV_AVX2\n{body}\n#else\n{_packed_fallback_body(M, N, K, spec)}\n#endif", _AVX2_DECLS, _AVX2_DEFS)
+                            packed_body(M, N, K, spec), _AVX2_DECLS, _AVX2_DEFS)
   return name, src
 
 

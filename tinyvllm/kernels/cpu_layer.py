@@ -16,9 +16,10 @@ import hashlib
 from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
 from tinyvllm.kernels.kv_cache import PagedKVCache, hadamard_block
-from tinyvllm.quant.formats import FLOAT, INT4, LinearWeights
+from tinyvllm.quant.formats import FLOAT, INT4, INT8, LinearWeights, QuantSpec
 from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
-from tinyvllm.kernels.cpu import SQRT, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _program, c_param_name, c_struct_fields, int4_body, pool_arg, rms_norm_source
+from tinyvllm.kernels.cpu import (SQRT, _DPWSSD, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _packed_params, _program, c_param_name, c_struct_fields,
+                                  int4_body, packed_body, pool_arg, q8_body, rms_norm_source)
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")   # in the kernel's argument order
 TILE = 32   # keys scored at once in attention: one max and one rescale per tile instead of per key
@@ -47,40 +48,74 @@ static inline float exp_f32(float x) { return exp8((vf){0} + x)[0]; }
 
 
 @dataclass(frozen=True)
-class LinearSpec:
-  """How one projection is stored: float32 `[N, K]`, or 4-bit with `group` inputs per scale."""
+class Part:
+  """One stored matrix of a projection: `n` output rows of `k` inputs, float32, INT4 (`group` inputs per scale),
+  INT8 (Q8_0 blocks) or packed (`quant`: quant/blocks.py), with an optional bias."""
   n: int
   k: int
-  group: int = 0            # 0: float32
+  fmt: str = FLOAT
+  group: int = 0
+  quant: QuantSpec | None = None
   bias: bool = False
 
   def args(self, name: str) -> list[str]:
-    w = [f"const float *restrict {name}_w"] if not self.group else \
-        [f"const unsigned *restrict {name}_w", f"const unsigned short *restrict {name}_s", f"const unsigned short *restrict {name}_b"]
+    """The C parameters of this part's tensors, in LinearWeights.tensors() order."""
+    if self.fmt == FLOAT: w = [f"const float *restrict {name}_w"]
+    elif self.fmt == INT4:
+      w = [f"const unsigned *restrict {name}_w", f"const unsigned short *restrict {name}_s", f"const unsigned short *restrict {name}_b"]
+    elif self.fmt == INT8: w = [f"const signed char *restrict {name}_w", f"const unsigned short *restrict {name}_s"]
+    else: w = [a.replace("restrict ", f"restrict {name}_") for a in _packed_params(self.quant)]
     return w + ([f"const float *restrict {name}_bias"] if self.bias else [])
 
 
+@dataclass(frozen=True)
+class LinearSpec:
+  """How one projection is stored: one part, or (q/k/v or gate/up stored in different formats) several, whose
+  outputs sit side by side."""
+  parts: tuple[Part, ...]
+
+  @property
+  def n(self) -> int: return sum(p.n for p in self.parts)
+  @property
+  def k(self) -> int: return self.parts[0].k
+
+  def part_names(self, name: str) -> list[str]: return [name] if len(self.parts) == 1 else [f"{name}{i}" for i in range(len(self.parts))]
+
+  def args(self, name: str) -> list[str]: return [a for p, pn in zip(self.parts, self.part_names(name)) for a in p.args(pn)]
+
+
+def _part_fn(name: str, part: Part, M: int, ys: int, invariant: bool) -> str:
+  """`static void name_rows(y, x, weights..., nb, ne)`: y[M, nb:ne] = x @ W[nb:ne]^T (+ bias) for one part, y already
+  at the part's first column, rows of `ys` floats."""
+  N, K = part.n, part.k
+  bias = f"for (int m = 0; m < {M}; m++) for (int n = nb; n < ne; n++) y[(long)m * {ys} + n] += {name}_bias[n];" if part.bias else ""
+  head = f"static void {name}_rows(float *restrict y, const float *restrict x, {', '.join(part.args(name))}, int nb, int ne) {{"
+  if part.fmt == FLOAT: return f"{head}\n  mm_f32(y, x, {name}_w, {M}, {ys}, {K}, nb, ne);\n  {bias}\n}}\n"
+  if part.fmt == INT4:
+    alias = f"const unsigned *restrict w = {name}_w; const unsigned short *restrict s = {name}_s, *restrict b = {name}_b;"
+    body = f"#ifdef TV_AVX2\n{int4_body(M, N, K, part.group, invariant, ys)}\n#else\n{_int4_fallback_body(M, N, K, part.group, ys)}\n#endif"
+  elif part.fmt == INT8:
+    alias = f"const signed char *restrict w = {name}_w; const unsigned short *restrict s = {name}_s;"
+    body = q8_body(M, N, K, ys)
+  else:
+    alias = " ".join(f"{a.rsplit(' ', 1)[0]} {c_param_name(a)} = {name}_{c_param_name(a)};" for a in _packed_params(part.quant))
+    body = packed_body(M, N, K, part.quant, ys)
+  return f"{head}\n  {alias}\n{body}\n  {bias}\n}}\n"
+
+
 def _linear_fn(name: str, spec: LinearSpec, M: int, invariant: bool) -> str:
-  """`static void name(y, x, weights..., nb, ne)`: y[M, nb:ne] = x[M, K] @ W[nb:ne]^T (+ bias), nb a multiple of 4."""
-  N, K = spec.n, spec.k
-  bias = f"for (int m = 0; m < {M}; m++) for (int n = nb; n < ne; n++) y[(long)m * {N} + n] += {name}_bias[n];" if spec.bias else ""
-  if spec.group:
-    body = int4_body(M, N, K, spec.group, invariant)
-    return f"""static void {name}(float *restrict y, const float *restrict x, {", ".join(spec.args(name))}, int nb, int ne) {{
-  const unsigned *restrict w = {name}_w; const unsigned short *restrict s = {name}_s, *restrict b = {name}_b;
-#ifdef TV_AVX2
-{body}
-#else
-{_int4_fallback_body(M, N, K, spec.group)}
-#endif
-  {bias}
-}}
-"""
-  return f"""static void {name}(float *restrict y, const float *restrict x, {", ".join(spec.args(name))}, int nb, int ne) {{
-  mm_f32(y, x, {name}_w, {M}, {N}, {K}, nb, ne);
-  {bias}
-}}
-"""
+  """`static void name(y, x, weights..., nb, ne)`: y[M, nb:ne] = x[M, K] @ W[nb:ne]^T (+ bias), nb a multiple of 4. A
+  projection of several parts runs each part on the rows of [nb, ne) that fall in it (parts start at multiples of 4)."""
+  names, parts = spec.part_names(name), spec.parts
+  out, calls, start = [], [], 0
+  for part, pn in zip(parts, names):
+    out.append(_part_fn(pn, part, M, spec.n, invariant))
+    args = ", ".join(c_param_name(a) for a in part.args(pn))
+    calls.append(f"  {{ int b_ = nb > {start} ? nb : {start}, e_ = ne < {start + part.n} ? ne : {start + part.n};\n"
+                 f"    if (b_ < e_) {pn}_rows(y + {start}, x, {args}, b_ - {start}, e_ - {start}); }}")
+    start += part.n
+  return "".join(out) + f"static void {name}(float *restrict y, const float *restrict x, {', '.join(spec.args(name))}, int nb, int ne) {{\n" + \
+    "\n".join(calls) + "\n}\n"
 
 
 @dataclass(frozen=True)
@@ -155,6 +190,7 @@ def _source(name: str, s: LayerShape, scale: float) -> str:
 #elif defined(__SSE__)
 #include <immintrin.h>
 #endif
+{_DPWSSD}
 void {name}({", ".join(params)});
 {C_PARALLEL_DECLS}
 struct layer_ctx {{ {c_struct_fields(params)} float *xn, *qkv_out, *q, *att, *gu, *act, *prod, *part; }};
@@ -434,14 +470,29 @@ void {name}({", ".join(params)}) {{
 """
 
 
+# a projection of the kernel, or the parts it is made of when they are stored apart (model/llama.py FUSED)
+PROJECTION_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _parts(linears: dict[str, LinearWeights], name: str) -> list[LinearWeights] | None:
+  if name in linears: return [linears[name]]
+  parts = PROJECTION_PARTS.get(name, ())
+  return [linears[p] for p in parts] if parts and all(p in linears for p in parts) else None
+
+
 def takes(linears: dict[str, LinearWeights]) -> bool:
-  """Whether the fused layer reads these projections: q/k/v and gate/up fused, each float32 or INT4 (other layers run
-  composed, a kernel per operation)."""
-  return all(n in linears and linears[n].format in (FLOAT, INT4) for n in LINEARS)
+  """Whether the fused layer reads these projections: every format (float32, INT4, INT8, packed), fused or in parts
+  whose rows start at multiples of 4 (the row tiles' width)."""
+  for n in LINEARS:
+    parts = _parts(linears, n)
+    if parts is None or any(p.weight.shape[0] % 4 for p in parts[:-1]): return False
+  return True
 
 
-def _spec(w: LinearWeights) -> LinearSpec:
-  return LinearSpec(w.weight.shape[0], w.in_features, w.group_size, w.bias is not None)
+def _spec(ws: list[LinearWeights]) -> LinearSpec:
+  return LinearSpec(tuple(Part(w.weight.shape[0], w.in_features, w.format, w.group_size if w.format == INT4 else 0, w.spec, w.bias is not None)
+                          for w in ws))
 
 
 def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Tensor, Tensor], cfg, positions: Tensor, slots: Tensor,
@@ -456,7 +507,7 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
   D, I = cfg.head_dim, cfg.intermediate_size
   shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, cache.k.shape[1],
                      tables.shape[1], cos_sin.shape[0], float(cfg.rms_norm_eps),
-                     *(_spec(linears[n]) for n in LINEARS), invariant,
+                     *(_spec(_parts(linears, n)) for n in LINEARS), invariant,
                      *(("int4" if int4 else "int8" if cache.quantized else "float") for int4 in (cache.k_int4, cache.v_int4)),
                      cache.k_rotated, cache.v_rotated)
   # a name stable across processes (hash() of a str is salted per process): tinygrad's disk cache of compiled
@@ -466,7 +517,7 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
   if out is None: out = Tensor.invalids(T, E, dtype=dtypes.float32, device=h.device)
   scratch = Tensor.invalids(shape.scratch, dtype=dtypes.float32, device=h.device)
   args = [out, *cache.tensors(), scratch, h.contiguous(), positions, slots, tables.contiguous(), token_seq, token_pos.contiguous(),
-          cos_sin, *norms, *(t for n in LINEARS for t in linears[n].tensors()), pool_arg(pool, h.device)]
+          cos_sin, *norms, *(t for n in LINEARS for w in _parts(linears, n) for t in w.tensors()), pool_arg(pool, h.device)]
   return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
 
 

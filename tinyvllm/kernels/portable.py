@@ -8,6 +8,7 @@ import math
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import KernelInfo
 from tinyvllm.kernels.kv_cache import INT4_MAX, INT8_MAX, PagedKVCache, hadamard_tensor
+from tinyvllm.quant.blocks import high_blocks
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -154,15 +155,16 @@ def packed_rows(w, dtype=dtypes.float32) -> Tensor:
   a float16 and an integer, exact there) inside whatever expression reads them: in a matmul, tinygrad fuses it all
   into one kernel (it reads at most three buffers: the layout's reason for three arrays) and no float W is stored."""
   spec, T = w.spec, w.weight.shape[0]
-  K = w.weight.shape[1] * 32 // spec.bits
+  K = w.scales.shape[1] * spec.group
   nib = w.weight[:, :K // 8]
   q = Tensor.stack(*[(nib >> (4 * i)) & 0xF for i in range(8)], dim=-1).reshape(T, K)
-  if spec.bits > 4:   # input i of a run has its high bits at bit i // 2 + 16 (i % 2) of the run's plane words
-    i = Tensor.arange(32, dtype=dtypes.uint32)   # computed in the kernel: no fourth buffer
-    lanes = i // 2 + (i % 2) * 16
-    hi = w.weight[:, K // 8:].reshape(T, K // 32, spec.bits - 4, 1).expand(T, K // 32, spec.bits - 4, 32)
-    bit = (hi >> lanes) & 1                                                                # [T, runs, planes, 32]
-    q = q + sum(bit[:, :, p] * (16 << p) for p in range(spec.bits - 4)).reshape(T, K)
+  if spec.bits > 4:   # blocks of 32 bytes: byte i holds run j's input i's high bits at bits h*j (quant/blocks.py)
+    h, runs = spec.bits - 4, K // 32
+    R, NB = high_blocks(K, spec.bits)
+    shifts = Tensor.arange(4, dtype=dtypes.uint32) * 8                                     # in the kernel: no buffer
+    byte = (w.weight[:, K // 8:].reshape(T, NB, 1, 8, 1) >> shifts) & 0xFF               # [T, NB, 1, 32 bytes]
+    high = (byte.reshape(T, NB, 1, 32) >> (Tensor.arange(R, dtype=dtypes.uint32) * h).reshape(1, 1, R, 1)) & ((1 << h) - 1)
+    q = q + high.reshape(T, NB * R, 32)[:, :runs].reshape(T, K) * 16
   # [T, super-blocks, groups, inputs]: a two-level scale broadcasts its float16 over a super-block's groups
   sg = spec.super_groups or 1
   shape = (T, K // spec.group // sg, sg, 1)

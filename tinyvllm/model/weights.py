@@ -448,7 +448,7 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
               [t.data], _gguf_nbytes(t, compact))
   if kept_types:
     smallest = min(int(re.search(r"\d", q).group()) for q in kept_types)
-    config = dataclasses.replace(config, quantization={"group_size": ggml.BLOCK, "bits": smallest})
+    config = dataclasses.replace(config, quantization={"group_size": ggml.BLOCK, "bits": smallest, "gguf_types": sorted(kept_types)})
   return Checkpoint(config, store, path, gguf_meta=meta)
 
 

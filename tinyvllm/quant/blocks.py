@@ -2,10 +2,11 @@
 Q5_0/Q5_1 and MLX's 5-, 6- and 8-bit checkpoints become, exactly, without dequantizing.
 
 A linear `[N, K]` (y = x @ W^T) becomes at most three arrays and a spec, w = S * q + B per group of G inputs:
-  <name>.weight   uint32 [N, K*b/32]   the codes: per row, first the low 4 bits of every code (the code of k = 8j + i in
-                                       bits 4i..4i+3 of word j: INT4's layout), then for b > 4 bits, b - 4 words per run of
-                                       32 inputs, bit t of word p holding bit 4 + p of the code of input 2t (t < 16) or
-                                       2(t - 16) + 1 (t >= 16): even inputs first, the order nibbles unpack in
+  <name>.weight   uint32 [N, K/8 + H]  the codes: per row, first the low 4 bits of every code (the code of k = 8j + i in
+                                       bits 4i..4i+3 of word j: INT4's layout), then for b > 4 bits their h = b - 4 high
+                                       bits in blocks of 32 bytes covering R = 8/h runs of 32 inputs: bits h*j..h*j+h-1 of
+                                       byte i hold the high bits of run j's input i, so one shift and mask of a block
+                                       gives a run's high bits, a byte per input (H = 8 words per block, the last padded)
   <name>.scales   float16 [N, K/G]     S; or two-level, an 8-bit integer per group (int8 or uint8 [N, K/G]; an affine
                                        k-quant's uint8 [N, K/G, 2]: the scale and the min) times
   <name>.scale_d  float16 [N, K/(G*s)] a float16 per s groups (a k-quant super-block; [N, K/(G*s), 2]: d and dmin):
@@ -30,35 +31,41 @@ from tinyvllm.quant import int4
 from tinyvllm.quant.formats import INT4, INT8, WEIGHT_PARTS, QuantSpec, spec_of
 
 QK = 256   # a k-quant super-block
-# bit t of a high-plane word belongs to input ORDER[t] of its run of 32: even inputs first, then odd
-ORDER = np.concatenate([np.arange(0, 32, 2), np.arange(1, 32, 2)])
+ROWS_AT_ONCE = 1 << 24   # weights converted at a time (bounds the temporaries of a big table)
+
+
+def high_blocks(K: int, bits: int) -> tuple[int, int]:
+  """(runs of 32 inputs per 32-byte block of high bits, blocks per row) of a b-bit layout with K inputs."""
+  R = 8 // (bits - 4)
+  return R, -(-(K // 32) // R)
 
 
 def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
-  """Codes `[N, K]` (0 .. 2^bits - 1) -> the `weight` array: nibble words, then the high planes' words."""
+  """Codes `[N, K]` (0 .. 2^bits - 1) -> the `weight` array: nibble words, then the high bits' blocks."""
   q = np.asarray(q, np.uint8)
   N, K = q.shape
   if K % 32: raise ValueError(f"K={K} must be a multiple of 32 for the packed layout")
   nibbles = int4.pack(q & 0xF)
   if bits <= 4: return nibbles
-  runs = q.reshape(N, K // 32, 32)[..., ORDER]                                            # [N, runs, 32] in bit order
-  planes = (runs[..., None, :] >> (4 + np.arange(bits - 4, dtype=np.uint8))[:, None]) & 1   # [N, runs, bits-4, 32]
-  words = (planes.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint64).astype(np.uint32)
-  return np.concatenate([nibbles, words.reshape(N, -1)], axis=1)
+  R, NB = high_blocks(K, bits)
+  runs = np.zeros((N, NB * R, 32), np.uint8)
+  runs[:, :K // 32] = q.reshape(N, K // 32, 32) >> 4                                      # high bits, padded
+  h = bits - 4
+  blocks = (runs.reshape(N, NB, R, 32) << (h * np.arange(R, dtype=np.uint8))[:, None]).sum(2, dtype=np.uint8)   # [N, NB, 32]
+  return np.concatenate([nibbles, np.ascontiguousarray(blocks).view("<u4").reshape(N, -1).astype(np.uint32)], axis=1)
 
 
-def unpack_codes(weight: np.ndarray, bits: int) -> np.ndarray:
+def unpack_codes(weight: np.ndarray, bits: int, K: int) -> np.ndarray:
   """The inverse of pack_codes: codes uint8 `[N, K]`."""
   weight = np.asarray(weight, np.uint32)
-  N, K = weight.shape[0], weight.shape[1] * 32 // bits
+  N = weight.shape[0]
   q = int4.unpack(weight[:, :K // 8])
   if bits > 4:
-    words = weight[:, K // 8:].reshape(N, K // 32, bits - 4)
-    planes = ((words[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)   # [N, runs, bits-4, 32]
-    high = (planes << (4 + np.arange(bits - 4, dtype=np.uint8))[:, None]).sum(2, dtype=np.uint8)   # [N, runs, 32] bit order
-    runs = np.empty_like(high)
-    runs[..., ORDER] = high
-    q = q | runs.reshape(N, K)
+    R, NB = high_blocks(K, bits)
+    blocks = np.ascontiguousarray(weight[:, K // 8:]).astype("<u4").view(np.uint8).reshape(N, NB, 1, 32)
+    h = bits - 4
+    high = ((blocks >> (h * np.arange(R, dtype=np.uint8))[:, None]) & ((1 << h) - 1)).reshape(N, NB * R, 32)[:, :K // 32]
+    q = q | (high.reshape(N, K) << 4)
   return q
 
 
@@ -94,8 +101,8 @@ def group_scales(parts: dict, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray |
 
 def dequantize(parts: dict, spec: QuantSpec) -> np.ndarray:
   """float32 `[N, K]`: S * q + B per group (symmetric: S * (q - offset)), each weight rounded once."""
-  q = unpack_codes(parts["weight"], spec.bits)
-  N, K = q.shape
+  N, K = parts["scales"].shape[0], parts["scales"].shape[1] * spec.group
+  q = unpack_codes(parts["weight"], spec.bits, K)
   S, B = group_scales(parts, spec)
   qg = q.reshape(N, K // spec.group, spec.group).astype(np.float32)
   if B is None: w = S[..., None] * (qg - np.float32(spec.offset))
@@ -122,7 +129,8 @@ def part_shapes(spec: QuantSpec, n: int, k: int) -> dict[str, tuple[int, ...]]:
   """The shape of each array a packed `[n, k]` linear stores (formats.WEIGHT_PARTS order), its spec array aside."""
   groups = k // spec.group
   pair = () if spec.symmetric or not spec.super_groups else (2,)   # a two-level affine layout pairs scale and min
-  out = {"weight": (n, k * spec.bits // 32), "scales": (n, groups, *pair)}
+  high = high_blocks(k, spec.bits)[1] * 8 if spec.bits > 4 else 0
+  out = {"weight": (n, k // 8 + high), "scales": (n, groups, *pair)}
   if spec.super_groups: out["scale_d"] = (n, groups // spec.super_groups, *pair)
   if not spec.symmetric and not spec.super_groups: out["biases"] = (n, groups)
   return out
@@ -161,9 +169,13 @@ def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[dict
   N, K = shape
   block, nbytes = GGML_TYPES[qtype]
   if K % block: raise ValueError(f"{qtype} needs rows that are a multiple of {block} (K={K})")
-  raw = np.ascontiguousarray(raw, np.uint8)
   if raw.size != N * (K // block) * nbytes: raise ValueError(f"{qtype} data of {raw.size} bytes does not match [{N}, {K}]")
-  b = raw.reshape(N, K // block, nbytes)
+  rows = max(1, ROWS_AT_ONCE // K)
+  if N > rows:   # a big table (a 128k-token embedding) in slices: the temporaries stay small
+    raw = raw.reshape(N, -1)
+    pieces = [from_ggml(raw[i:i + rows], qtype, (min(rows, N - i), K))[0] for i in range(0, N, rows)]
+    return {p: (pieces[0][p] if p == "qspec" else np.concatenate([x[p] for x in pieces])) for p in pieces[0]}, GGML_SPECS[qtype]
+  b = np.ascontiguousarray(raw, np.uint8).reshape(N, K // block, nbytes)
   if qtype in ("Q4_K", "Q5_K"):
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _k_scales_mins(b[..., 4:16])

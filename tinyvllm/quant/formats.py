@@ -4,7 +4,7 @@ Checkpoints say it by which tensors sit beside `<name>.weight` (docs/quantizatio
   float   `.weight` `[N, K]` in a float dtype
   int4    `.weight` packed uint32 `[N, K/8]`, `.scales` and `.biases` float16 `[N, K/G]`: w = scale * q + bias
   int8    `.weight` int8 codes `[N, K]`, `.scales` float16 `[N, K/32]` (GGUF Q8_0 blocks): w = scale * code
-  packed  `.weight` codes uint32 `[N, K*b/32]`, `.scales` (and `.scale_d` or `.biases`), described by the `QuantSpec` in
+  packed  `.weight` codes uint32 `[N, K/8 + high bits]`, `.scales` (and `.scale_d` or `.biases`), described by the `QuantSpec` in
           `.qspec` (GGUF k-quants, Q5_0/Q5_1, MLX 5/6/8-bit; quant/blocks.py)
 `stored_format` reads that convention; everything after loading passes a `LinearWeights` record instead of
 looking at key names again. The record holds numpy arrays or tinygrad tensors alike.
@@ -73,7 +73,7 @@ class LinearWeights:
 
   @property
   def in_features(self) -> int:
-    if self.format == PACKED: return self.weight.shape[1] * 32 // self.spec.bits
+    if self.format == PACKED: return self.scales.shape[1] * self.spec.group
     return self.weight.shape[1] * (8 if self.format == INT4 else 1)
 
   @property
