@@ -301,7 +301,8 @@ def release(arr: np.ndarray) -> None:
   closes). The map is private and never written, so a later read of the same bytes reads the file again. Arrays not
   backed by a map (conversions, copies) are left alone."""
   base = arr
-  while base is not None and not isinstance(base, mmap.mmap): base = getattr(base, "base", None)
+  while base is not None and not isinstance(base, mmap.mmap):   # through views, and np.frombuffer's memoryview
+    base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
   if base is None or not hasattr(base, "madvise") or arr.nbytes == 0: return
   try: start = arr.__array_interface__["data"][0] - ctypes.addressof(ctypes.c_char.from_buffer(base))
   except TypeError: return   # a read-only map: not one of ours
