@@ -10,6 +10,12 @@ pass its path, or put it on PATH). Both engines then read that one file:
   load      seconds and peak RSS of loading it (each in a fresh process; tinyvllm's KV cache kept small)
   decode    batch-1 and batch-8 tok/s and prefill tok/s, from `python -m tinyvllm.bench ... --peers llamacpp` (the ratio
             column is tinyvllm / llama.cpp, measured in the same run), with % of the bandwidth roofline
+The shape `default` is the default model (SmolLM2-135M, Q4_1) requantized by llama-quantize (--allow-requantize); for it
+the run also compares the text: greedy continuations of a few prompts by both engines on that file (token ids fed to
+both), each generated token's logprob under both, and every position's logprob when both read the same text
+(llama.cpp's continuation given to tinyvllm as a prompt, its prompt_logprobs against llama.cpp's own), each against
+a reference: the same file dequantized to float32 (tinyvllm with quantization="none": every weight exactly as gguf's
+dequantizer gives it, float activations), which tells which engine's arithmetic moved the logprobs.
 """
 from __future__ import annotations
 import argparse, json, os, shutil, subprocess, sys, time
@@ -57,11 +63,11 @@ def write_f16_gguf(path: Path, shape: str) -> Path:
   return path
 
 
-def quantize(src: Path, quant: str, llama_quantize: str) -> Path:
-  dest = src.with_name(src.name.replace("-f16.gguf", f"-{quant}.gguf"))
-  if not dest.exists():
-    subprocess.run([llama_quantize, str(src), str(dest.with_suffix(".part")), quant, str(os.cpu_count() or 1)], check=True,
-                   stdout=subprocess.DEVNULL)
+def quantize(src: Path, quant: str, llama_quantize: str, dest: Path | None = None) -> Path:
+  dest = dest or src.with_name(src.name.replace("-f16.gguf", f"-{quant}.gguf"))
+  if not dest.exists():   # --allow-requantize: the default model is stored quantized (Q4_1)
+    subprocess.run([llama_quantize, "--allow-requantize", str(src), str(dest.with_suffix(".part")), quant, str(os.cpu_count() or 1)],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     dest.with_suffix(".part").rename(dest)
   return dest
 
@@ -96,6 +102,49 @@ print(json.dumps({"load_seconds": seconds, "peak_rss_bytes": peak[0] - base, "rs
 """}
 
 
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,",
+           "The three primary colors are"]
+
+
+def compare_text(path: Path, max_tokens: int = 32) -> dict:
+  """Greedy continuations by tinyvllm and llama.cpp of the same token ids on one file, and their logprobs."""
+  import llama_cpp
+  from tinyvllm import LLM, SamplingParams
+  ours, ref = LLM(str(path)), LLM(str(path), quantization="none")
+  theirs = llama_cpp.Llama(str(path), n_ctx=256, n_threads=os.cpu_count(), logits_all=True, verbose=False)
+  def log_softmax(v): v = np.asarray(v, np.float64); m = v.max(); return v - m - np.log(np.exp(v - m).sum())
+  rows = []
+  for prompt in PROMPTS:
+    ids = ours.get_tokenizer().encode(prompt)
+    theirs.reset(); theirs.eval(ids)
+    their_ids, their_lp = [], []
+    for _ in range(max_tokens):   # greedy, each step's full distribution from llama.cpp's logits
+      lp = log_softmax(theirs.scores[theirs.n_tokens - 1])
+      tok = int(lp.argmax()); their_ids.append(tok); their_lp.append(float(lp[tok]))
+      theirs.eval([tok])
+    out = ours.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True))[0].outputs[0]
+    our_ids = list(out.token_ids)
+    same = next((i for i, (a, b) in enumerate(zip(our_ids, their_ids)) if a != b), min(len(our_ids), len(their_ids)))
+    our_lp = np.array([out.logprobs[i][t].logprob for i, t in enumerate(our_ids)])
+    # the same text read by both: llama.cpp's continuation as a prompt, every position's logprob
+    def forced(llm, continuation):   # every position's logprob, read in one prefill
+      lp = llm.generate([ids + continuation], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+      return np.array([lp[len(ids) + i][t].logprob for i, t in enumerate(continuation)])
+    forced_lp, ref_lp, their_lp = forced(ours, their_ids), forced(ref, their_ids), np.array(their_lp)
+    decode_ref = forced(ref, our_ids)   # tinyvllm's decode steps (the GEMV, x in 16 bits) against float32 on its own text
+    rows.append({"prompt": prompt, "same_tokens": same, "of": max_tokens, "text_tinyvllm": out.text,
+                 "text_llamacpp": ours.get_tokenizer().decode(their_ids),
+                 "greedy_logprob_max_abs_diff": float(np.abs(our_lp[:same] - their_lp[:same]).max(initial=0.0)),
+                 "decode_vs_float32_max_abs_diff": float(np.abs(our_lp - decode_ref).max()),
+                 "forced_logprob_max_abs_diff": float(np.abs(forced_lp - their_lp).max()),
+                 "forced_logprob_mean_abs_diff": float(np.abs(forced_lp - their_lp).mean()),
+                 "tinyvllm_vs_float32_max_abs_diff": float(np.abs(forced_lp - ref_lp).max()),
+                 "tinyvllm_vs_float32_mean_abs_diff": float(np.abs(forced_lp - ref_lp).mean()),
+                 "llamacpp_vs_float32_max_abs_diff": float(np.abs(their_lp - ref_lp).max()),
+                 "llamacpp_vs_float32_mean_abs_diff": float(np.abs(their_lp - ref_lp).mean())})
+  return {"prompts": rows}
+
+
 def load(engine: str, path: Path) -> dict:
   r = subprocess.run([sys.executable, "-c", _LOAD[engine], str(path)], capture_output=True, text=True, env=os.environ | {"DEV": "CPU"})
   if r.returncode != 0: sys.exit(f"bench/kquant.py: {engine} could not load {path}:\n{r.stderr[-2000:]}")
@@ -115,9 +164,11 @@ def main() -> None:
   args.dir.mkdir(parents=True, exist_ok=True)
   rows = []
   for shape in args.shapes.split(","):
-    src = write_f16_gguf(args.dir / f"llama-{shape}-f16.gguf", shape)
     t = time.perf_counter()
-    path = quantize(src, args.quant, args.llama_quantize)
+    if shape == "default":
+      from tinyvllm.model.fetch import default_model_path
+      path = quantize(default_model_path(), args.quant, args.llama_quantize, args.dir / f"smollm2-135m-{args.quant}.gguf")
+    else: path = quantize(write_f16_gguf(args.dir / f"llama-{shape}-f16.gguf", shape), args.quant, args.llama_quantize)
     row = {"shape": shape, "file": str(path), "file_bytes": path.stat().st_size, "quantize_seconds": time.perf_counter() - t}
     row["load"] = {engine: load(engine, path) for engine in _LOAD}
     out = args.dir / f"bench-{shape}.json"
@@ -125,12 +176,20 @@ def main() -> None:
                     "--context-lens", "128", "--prefill-lens", "128", "--steps", str(args.steps), "--peers", "llamacpp",
                     "--json", str(out)], check=True)
     row["bench"] = json.loads(out.read_text())
+    if shape == "default": row["text"] = compare_text(path)
     rows.append(row)
   print(f"\n{'shape':<6}{'file GB':>9}{'load s (ours/llama.cpp)':>26}{'peak RSS GB (ours/llama.cpp)':>31}")
   for r in rows:
     a, b = r["load"]["tinyvllm"], r["load"]["llama.cpp"]
     print(f"{r['shape']:<6}{r['file_bytes'] / 1e9:>9.2f}{a['load_seconds']:>13.1f} / {b['load_seconds']:<10.1f}"
           f"{a['peak_rss_bytes'] / 1e9:>16.2f} / {b['peak_rss_bytes'] / 1e9:<10.2f}")
+  for r in rows:
+    for t in r.get("text", {}).get("prompts", []):
+      print(f"{r['shape']}: {t['prompt']!r}: greedy tokens equal {t['same_tokens']}/{t['of']}; logprob |diff| on llama.cpp's "
+            f"text, max (mean): tinyvllm-llama.cpp {t['forced_logprob_max_abs_diff']:.4f} ({t['forced_logprob_mean_abs_diff']:.4f}), "
+            f"tinyvllm-float32 {t['tinyvllm_vs_float32_max_abs_diff']:.4f} ({t['tinyvllm_vs_float32_mean_abs_diff']:.4f}), "
+            f"llama.cpp-float32 {t['llamacpp_vs_float32_max_abs_diff']:.4f} ({t['llamacpp_vs_float32_mean_abs_diff']:.4f}); "
+            f"tinyvllm's decode steps - float32, max {t['decode_vs_float32_max_abs_diff']:.4f}")
   if args.json: args.json.write_text(json.dumps(rows, indent=1))
 
 

@@ -211,7 +211,7 @@ class CpuKernels(Kernels):
     return all(cpu_layer.takes(layer.linears) for layer in layers)
 
   def decoder_layer(self, h, linears, norms, cfg, group, positions, slot_mapping, cos_sin, cache, out):
-    if not cpu_layer.takes(linears): return None   # q/k/v stored apart, or a format the fused layer does not read
+    if not cpu_layer.takes(linears): return None   # parts whose rows do not start at a row tile's multiple
     return cpu_layer.decoder_layer(h, linears, norms, cfg, positions, slot_mapping, group.block_tables, group.token_seq,
                                    group.q_pos.reshape(group.num_tokens), cos_sin, cache, out, self.batch_invariant, self.pool)
 
