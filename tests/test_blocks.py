@@ -86,3 +86,18 @@ def test_bit_planes_round_trip(bits, K):
     for j in range(min(R, K // 32)):
       want = [int(q[0, 32 * j + i]) >> 4 for i in range(32)]
       assert [(int(b) >> (h * j)) & ((1 << h) - 1) for b in block] == want
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0"])
+def test_big_tables_convert_in_slices(qtype, monkeypatch):
+  """A table of more than ROWS_AT_ONCE weights converts a slice of rows at a time into preallocated arrays: the same
+  arrays as converting it whole (which the tests above compare with gguf's dequantizer)."""
+  rng = np.random.default_rng(7)
+  raw = random_ggml(qtype, 40, 512, rng)
+  whole, spec = blocks.from_ggml(raw, qtype, (40, 512))
+  monkeypatch.setattr(blocks, "ROWS_AT_ONCE", 512 * 7)   # 7 rows a slice: 6 slices, the last one partial
+  sliced, spec2 = blocks.from_ggml(raw, qtype, (40, 512))
+  assert spec2 == spec and sliced.keys() == whole.keys()
+  for p in whole:
+    assert sliced[p].dtype == whole[p].dtype
+    np.testing.assert_array_equal(sliced[p], whole[p], err_msg=p)

@@ -43,16 +43,22 @@ def high_blocks(K: int, bits: int) -> tuple[int, int]:
 def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
   """Codes `[N, K]` (0 .. 2^bits - 1) -> the `weight` array: nibble words, then the high bits' blocks."""
   q = np.asarray(q, np.uint8)
-  N, K = q.shape
-  if K % 32: raise ValueError(f"K={K} must be a multiple of 32 for the packed layout")
-  nibbles = int4.pack(q & 0xF)
-  if bits <= 4: return nibbles
+  if q.shape[1] % 32: raise ValueError(f"K={q.shape[1]} must be a multiple of 32 for the packed layout")
+  return join_codes(int4.pack(q & 0xF), q >> 4 if bits > 4 else None, bits)
+
+
+def join_codes(nibbles: np.ndarray, high: np.ndarray | None, bits: int) -> np.ndarray:
+  """The `weight` array from INT4-packed low nibbles (uint32 `[N, K/8]`) and the codes' high bits (uint8 `[N, K]`,
+  0 .. 2^(bits-4) - 1; None for 4 bits)."""
+  if high is None: return nibbles
+  N, K = high.shape
   R, NB = high_blocks(K, bits)
   runs = np.zeros((N, NB * R, 32), np.uint8)
-  runs[:, :K // 32] = q.reshape(N, K // 32, 32) >> 4                                      # high bits, padded
+  runs[:, :K // 32] = high.reshape(N, K // 32, 32)                                         # padded to whole blocks
   h = bits - 4
-  blocks = (runs.reshape(N, NB, R, 32) << (h * np.arange(R, dtype=np.uint8))[:, None]).sum(2, dtype=np.uint8)   # [N, NB, 32]
-  return np.concatenate([nibbles, np.ascontiguousarray(blocks).view("<u4").reshape(N, -1).astype(np.uint32)], axis=1)
+  blocks = np.zeros((N, NB, 32), np.uint8)
+  for j in range(R): blocks |= runs.reshape(N, NB, R, 32)[:, :, j] << np.uint8(h * j)
+  return np.concatenate([nibbles, blocks.view("<u4").reshape(N, -1)], axis=1)
 
 
 def unpack_codes(weight: np.ndarray, bits: int, K: int) -> np.ndarray:
@@ -80,8 +86,9 @@ def spec_from_array(a) -> QuantSpec:
 
 def layout(codes: np.ndarray, spec: QuantSpec, scales: np.ndarray, scale_d: np.ndarray | None = None,
            biases: np.ndarray | None = None) -> dict[str, np.ndarray]:
-  """The arrays of a packed linear (a name's parts, without the name) from its codes `[N, K]` and scales."""
-  out = {"weight": pack_codes(codes, spec.bits), "scales": scales}
+  """The arrays of a packed linear (a name's parts, without the name) from its codes `[N, K]` (or its `weight` array,
+  uint32, already packed) and scales."""
+  out = {"weight": codes if codes.dtype == np.uint32 else pack_codes(codes, spec.bits), "scales": scales}
   if scale_d is not None: out["scale_d"] = scale_d
   if biases is not None: out["biases"] = biases
   return out | {"qspec": spec_array(spec)}
@@ -156,11 +163,15 @@ def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return scales, mins
 
 
-def _nibble_runs(qs: np.ndarray, run: int) -> np.ndarray:
-  """ggml's nibble layout: for each `run`-byte chunk, the low nibbles are elements 0..run-1 and the high nibbles
-  elements run..2run-1 of a 2*run stretch. `[..., n]` bytes -> `[..., 2n]` codes in element order."""
+def _nibble_runs(qs: np.ndarray, run: int, N: int) -> np.ndarray:
+  """ggml's nibble layout -> INT4's words `[N, K/8]`. ggml: for each `run`-byte chunk, the low nibbles are elements
+  0..run-1 and the high nibbles elements run..2run-1 of a 2*run stretch; INT4: byte i holds elements 2i (low nibble)
+  and 2i + 1. Moved a byte pair at a time, never a code at a time: the first half of a chunk's INT4 bytes pairs low
+  nibbles of neighbouring bytes, the second half their high nibbles."""
   c = qs.reshape(*qs.shape[:-1], -1, run)
-  return np.stack([c & 0xF, c >> 4], axis=-2).reshape(*qs.shape[:-1], -1)
+  even, odd = c[..., 0::2], c[..., 1::2]
+  out = np.concatenate([(even & 0xF) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)   # [..., chunks, run]
+  return out.reshape(N, -1).view("<u4")
 
 
 def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[dict[str, np.ndarray], QuantSpec]:
@@ -172,25 +183,27 @@ def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[dict
   if raw.size != N * (K // block) * nbytes: raise ValueError(f"{qtype} data of {raw.size} bytes does not match [{N}, {K}]")
   rows = max(1, ROWS_AT_ONCE // K)
   if N > rows:   # a big table (a 128k-token embedding) in slices: the temporaries stay small
-    raw = raw.reshape(N, -1)
-    pieces = [from_ggml(raw[i:i + rows], qtype, (min(rows, N - i), K))[0] for i in range(0, N, rows)]
-    return {p: (pieces[0][p] if p == "qspec" else np.concatenate([x[p] for x in pieces])) for p in pieces[0]}, GGML_SPECS[qtype]
+    raw, out = raw.reshape(N, -1), {}
+    for i in range(0, N, rows):   # each slice written into place: no second copy of the table
+      piece = from_ggml(raw[i:i + rows], qtype, (min(rows, N - i), K))[0]
+      for p, a in piece.items():
+        if p == "qspec": out[p] = a
+        else: out.setdefault(p, np.empty((N, *a.shape[1:]), a.dtype))[i:i + len(a)] = a
+    return out, GGML_SPECS[qtype]
   b = np.ascontiguousarray(raw, np.uint8).reshape(N, K // block, nbytes)
   if qtype in ("Q4_K", "Q5_K"):
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _k_scales_mins(b[..., 4:16])
-    if qtype == "Q4_K": q = _nibble_runs(b[..., 16:144], 32)
+    if qtype == "Q4_K": q = _nibble_runs(b[..., 16:144], 32, N)
     else:
-      low = _nibble_runs(b[..., 48:176], 32)                                  # [N, sb, 256]
       qh = b[..., 16:48]                                                      # bit j of byte t: element 32j + t
-      high = ((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(N, -1, QK)
-      q = low | (high << 4)
+      high = ((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(N, K)
+      q = join_codes(_nibble_runs(b[..., 48:176], 32, N), high, 5)
     scales, scale_d, biases = np.stack([sc, mn], axis=-1).reshape(N, -1, 2), np.stack([d, dmin], axis=-1), None
   elif qtype == "Q6_K":
     ql, qh, sc, d = b[..., 0:128], b[..., 128:192], b[..., 192:208], _f16(b[..., 208:210])
-    low = _nibble_runs(ql, 64)                                                # 2 halves of 128: nibbles of 64 bytes
-    high = ((qh.reshape(N, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(N, -1, QK)
-    q = low | (high << 4)
+    high = ((qh.reshape(N, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(N, K)
+    q = join_codes(_nibble_runs(ql, 64, N), high, 6)                          # 2 halves of 128: nibbles of 64 bytes
     scales, scale_d, biases = sc.view(np.int8).reshape(N, -1), d, None
   elif qtype == "Q3_K":
     hmask, qs, packed, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
@@ -205,11 +218,11 @@ def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[dict
     d = _f16(b[..., 0:2])
     at = 4 if qtype == "Q5_1" else 2
     qh = np.ascontiguousarray(b[..., at:at + 4]).view(np.uint32)[..., 0]   # bit j: element j's fifth bit
-    low = _nibble_runs(b[..., at + 4:at + 20], 16)
-    q = low | ((((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)) << 4)
+    high = (((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)).reshape(N, K)
+    q = join_codes(_nibble_runs(b[..., at + 4:at + 20], 16, N), high, 5)
     scales, scale_d, biases = d, None, (None if qtype == "Q5_0" else _f16(b[..., 2:4]))
   spec = GGML_SPECS[qtype]
-  return layout(q.reshape(N, K), spec, scales, scale_d, biases), spec
+  return layout(q if q.dtype == np.uint32 else q.reshape(N, K), spec, scales, scale_d, biases), spec
 
 
 # **** from MLX ****
