@@ -1,8 +1,10 @@
 """The packed linear's kernels (GGUF k-quants, Q5_0/Q5_1, MLX 5/6/8-bit: quant/blocks.py) against float64 numpy on the
 exactly dequantized weights: the CPU C kernel (AVX2 GEMV and GEMM, and its plain-C branch), the portable kernel.
 
-Bound: float32 summation, 4 K 2^-24 (|x| . (|S| q + |B|)) per output; the GEMV rounds x to 16 bits per run of 32
-inputs, adding half a 16-bit step of each input times |S (q - c)| (c = 2^(bits-1), the centre the codes are taken from)."""
+Bound: float32 summation, 4 K 2^-24 (|x| . (|S| q + |B|)) per output; the GEMV rounds x to 16 bits per max(G, 32)
+inputs, adding half a 16-bit step of each input times |S (q - c)| (c = 2^(bits-1), the centre the codes are taken from).
+Rows of 416 and 160 inputs end in a partly filled block of high bits (13 and 5 runs of 32), and 13 groups exercise the
+GEMV's 8-groups-at-a-time scales and its one-at-a-time tail together."""
 from __future__ import annotations
 import ctypes, shutil, subprocess, tempfile
 from pathlib import Path
@@ -17,12 +19,13 @@ from tinyvllm.quant.formats import PACKED, LinearWeights
 def cases():
   rng = np.random.default_rng(5)
   out = [(q, *blocks.from_ggml(random_ggml(q, 37, 512, rng), q, (37, 512))) for q in blocks.GGML_TYPES]
-  for bits, G in ((5, 32), (6, 64), (8, 128), (8, 32)):
-    codes = rng.integers(0, 1 << bits, (37, 512), dtype=np.uint8)
-    s = (rng.uniform(0.001, 0.02, (37, 512 // G)) * rng.choice([-1, 1], (37, 512 // G))).astype(np.float16)
-    b = rng.uniform(-0.3, 0.3, (37, 512 // G)).astype(np.float16)
+  out += [(f"{q}-K416", *blocks.from_ggml(random_ggml(q, 37, 416, rng), q, (37, 416))) for q in ("Q5_0", "Q5_1")]
+  for bits, G, K in ((5, 32, 416), (6, 64, 512), (6, 32, 416), (8, 128, 512), (8, 32, 160)):
+    codes = rng.integers(0, 1 << bits, (37, K), dtype=np.uint8)
+    s = (rng.uniform(0.001, 0.02, (37, K // G)) * rng.choice([-1, 1], (37, K // G))).astype(np.float16)
+    b = rng.uniform(-0.3, 0.3, (37, K // G)).astype(np.float16)
     spec = blocks.QuantSpec(bits, G)
-    out.append((f"affine{bits}g{G}", blocks.layout(codes, spec, s, None, b), spec))
+    out.append((f"affine{bits}g{G}-K{K}", blocks.layout(codes, spec, s, None, b), spec))
   return out
 
 
@@ -39,7 +42,8 @@ def bound(x: np.ndarray, parts: dict, spec, x16: bool) -> np.ndarray:
   x = np.abs(np.asarray(x, np.float64))
   out = 4 * K * 2.0 ** -24 * (x @ (S * q + B).T) + 1e-30
   if x16:
-    half_step = x.reshape(len(x), K // 32, 32).max(-1).repeat(32, axis=1) / 65534 * 1.001
+    unit = max(spec.group, 32)   # inputs sharing one scale of x
+    half_step = x.reshape(len(x), K // unit, unit).max(-1).repeat(unit, axis=1) / 65534 * 1.001
     out += half_step @ (S * np.abs(q - (1 << (spec.bits - 1)))).T
   return out
 
@@ -51,6 +55,9 @@ def check(y: np.ndarray, x: np.ndarray, parts: dict, spec, x16: bool) -> None:
   assert worst <= 1, f"error {worst:.2f}x the bound"
 
 
+def inputs(parts: dict, spec) -> int: return parts["scales"].shape[1] * spec.group
+
+
 def tensors(parts: dict, spec) -> LinearWeights:
   return LinearWeights(PACKED, **{k: Tensor(v) for k, v in parts.items() if k != "qspec"}, spec=spec)
 
@@ -59,14 +66,14 @@ def tensors(parts: dict, spec) -> LinearWeights:
 @pytest.mark.parametrize("M", [1, 3, 70])
 def test_cpu_kernel(name, parts, spec, M):
   from tinyvllm.kernels import cpu
-  x = np.random.default_rng(M).standard_normal((M, 512)).astype(np.float32)
+  x = np.random.default_rng(M).standard_normal((M, inputs(parts, spec))).astype(np.float32)
   check(cpu.packed_linear(Tensor(x), tensors(parts, spec)).numpy(), x, parts, spec, x16=M == 1)
 
 
 @pytest.mark.parametrize("name,parts,spec", CASES, ids=IDS)
 def test_portable_kernel_is_one_kernel(name, parts, spec):
   from tinyvllm.kernels import portable
-  x = np.random.default_rng(2).standard_normal((2, 512)).astype(np.float32)
+  x = np.random.default_rng(2).standard_normal((2, inputs(parts, spec))).astype(np.float32)
   lw, tx = tensors(parts, spec), Tensor(x).realize()
   for t in lw.tensors(): t.realize()
   GlobalCounters.reset()
@@ -75,18 +82,24 @@ def test_portable_kernel_is_one_kernel(name, parts, spec):
   check(y.numpy(), x, parts, spec, x16=False)
 
 
-@pytest.mark.parametrize("name,parts,spec", [CASES[IDS.index(n)] for n in ("Q4_K", "Q6_K", "Q5_1", "affine8g32")], ids=["Q4_K", "Q6_K", "Q5_1", "affine8g32"])
-def test_plain_c_branch(name, parts, spec):
-  """The non-AVX2 branch (what arm64 compiles), compiled here with AVX2 off."""
+COMPILED = ("Q4_K", "Q6_K", "Q5_1", "Q5_0-K416", "affine6g32-K416", "affine8g32-K160")
+
+
+@pytest.mark.parametrize("name,parts,spec", [CASES[IDS.index(n)] for n in COMPILED], ids=COMPILED)
+@pytest.mark.parametrize("flags,M", [(("-mno-avx2", "-mno-f16c"), 3), (("-march=x86-64-v3",), 1), (("-march=x86-64-v3",), 3)],
+                         ids=["plain-C", "AVX2-noVNNI-GEMV", "AVX2-noVNNI-GEMM"])
+def test_compiled_for_other_cpus(name, parts, spec, flags, M):
+  """The kernel as other CPUs compile it: the non-AVX2 branch (what arm64 compiles) with AVX2 off, and the AVX2 one
+  without VNNI (vpmaddwd + vpaddd where this machine uses vpdpwssd)."""
   from tinyvllm.kernels import cpu
   if shutil.which("clang") is None: pytest.skip("clang not found")
-  M, N, K = 3, 37, 512
+  N, K = 37, inputs(parts, spec)
   x = np.random.default_rng(0).standard_normal((M, K)).astype(np.float32)
   with tempfile.TemporaryDirectory() as d:
     src, so = Path(d) / "k.c", Path(d) / "k.so"
     src.write_text(cpu.packed_linear_kernel(M, N, K, spec)[1].replace(cpu.packed_linear_kernel(M, N, K, spec)[0], "k"))
-    subprocess.run(["clang", "-O2", "-mno-avx2", "-mno-f16c", "-ffreestanding", "-nostdlib", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
+    subprocess.run(["clang", "-O2", *flags, "-ffreestanding", "-nostdlib", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
     y = np.zeros((M, N), np.float32)
     arrays = [np.ascontiguousarray(parts[p]) for p in ("weight", "scales", "scale_d", "biases") if p in parts]
     ctypes.CDLL(str(so)).k(*[a.ctypes.data_as(ctypes.c_void_p) for a in (y, x, *arrays, np.zeros(2, np.uint64))])
-  check(y, x, parts, spec, x16=False)
+  check(y, x, parts, spec, x16=M == 1 and "-march=x86-64-v3" in flags)

@@ -605,16 +605,20 @@ def _row_words(K: int, spec) -> tuple[int, int, int]:
   return K // 8 + NB * 8, R, (1 << (spec.bits - 4)) - 1
 
 
-def _packed_scales(spec, K: int) -> str:
-  """C statements filling S[g] and (affine) B[g], floats, for weight row `n`: the group scales and biases, exactly
-  as quant/blocks.py dequantizes them (a two-level scale: float16 times an integer, exact in float; an affine
-  k-quant pairs each group's scale with its min, and each super-block's d with its dmin)."""
+def _packed_scale(spec, K: int, S: str = "S[g]", B: str = "B[g]") -> str:
+  """C statements setting float `S` and (affine) `B` to group g's scale and bias in weight row `n`, exactly as
+  quant/blocks.py dequantizes them (a two-level scale: float16 times an integer, exact in float; an affine k-quant
+  pairs each group's scale with its min, and each super-block's d with its dmin)."""
   NG, sg = K // spec.group, spec.super_groups
-  if not sg:
-    return f"for (int g = 0; g < {NG}; g++) {{ S[g] = h2f(s[n * {NG} + g]); {'' if spec.symmetric else f'B[g] = h2f(b[n * {NG} + g]);'} }}"
-  if spec.symmetric: return f"for (int g = 0; g < {NG}; g++) S[g] = h2f(sd[n * {NG // sg} + g / {sg}]) * (float)s[n * {NG} + g];"
-  return (f"for (int g = 0; g < {NG}; g++) {{ S[g] = h2f(sd[2 * (n * {NG // sg} + g / {sg})]) * (float)s[2 * (n * {NG} + g)];"
-          f" B[g] = -(h2f(sd[2 * (n * {NG // sg} + g / {sg}) + 1]) * (float)s[2 * (n * {NG} + g) + 1]); }}")
+  if not sg: return f"{S} = h2f(s[n * {NG} + g]);" + ("" if spec.symmetric else f" {B} = h2f(b[n * {NG} + g]);")
+  if spec.symmetric: return f"{S} = h2f(sd[n * {NG // sg} + g / {sg}]) * (float)s[n * {NG} + g];"
+  return (f"{S} = h2f(sd[2 * (n * {NG // sg} + g / {sg})]) * (float)s[2 * (n * {NG} + g)];"
+          f" {B} = -(h2f(sd[2 * (n * {NG // sg} + g / {sg}) + 1]) * (float)s[2 * (n * {NG} + g) + 1]);")
+
+
+def _packed_scales(spec, K: int) -> str:
+  """C statements filling S[g] and (affine) B[g] for every group of weight row `n` (_packed_scale)."""
+  return f"for (int g = 0; g < {K // spec.group}; g++) {{ {_packed_scale(spec, K)} }}"
 
 
 def _packed_scales8(spec, K: int) -> str:
@@ -645,7 +649,7 @@ def _packed_gemv_body(N: int, K: int, spec) -> str:
   from the last 16, and the scale vector carries each group's scale in its lanes. Per weight row, the groups' scale
   times x's (gs) and the bias term are computed 8 groups at a time."""
   NC, NG, G, HB = K // 32, K // spec.group, spec.group, spec.bits - 4
-  RW, R, hmask = _row_words(K, spec)
+  RW, R, high_mask = _row_words(K, spec)
   XU = max(G, 32)        # inputs per x scale
   NX = K // XU
   c = 1 << (spec.bits - 1)
@@ -659,7 +663,7 @@ def _packed_gemv_body(N: int, K: int, spec) -> str:
   bias1 = "" if spec.symmetric else f"bs += (B[0] + {c}.0f * S[0]) * xg[g];"
   return f"""
   const __m256i nib = _mm256_set1_epi16(15), ones = _mm256_set1_epi16(1), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const __m256i hmask = _mm256_set1_epi16({hmask << 4});   /* a run's high bits, moved to bits 4.. of a 16-bit code */
+  const __m256i hmask = _mm256_set1_epi16({high_mask << 4});   /* a run's high bits, moved to bits 4.. of a 16-bit code */
   const __m128i deint = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   (void)pair; (void)hmask; (void)deint;
@@ -710,7 +714,7 @@ def _packed_gemv_body(N: int, K: int, spec) -> str:
       float bs = hsum8(bacc);
       for (; g < {NG}; g++) {{   /* the last groups of a row whose group count is not a multiple of 8 */
         float S[1], B[1]; (void)B;
-        {_packed_scales(spec, K).replace("for (int g = 0; g < " + str(NG) + "; g++)", "").replace("S[g]", "S[0]").replace("B[g]", "B[0]")}
+        {_packed_scale(spec, K, "S[0]", "B[0]")}
         gs[r][g] = S[0] * dxg[g];
         {bias1}
       }}
@@ -736,13 +740,13 @@ def _packed_gemv_body(N: int, K: int, spec) -> str:
 def _packed_dequant_row(K: int, spec) -> str:
   """C statements dequantizing weight row `n` into float wrow[K] (k order), as quant/blocks.py: S q + B per group."""
   NC, HB, G = K // 32, spec.bits - 4, spec.group
-  RW, R, hmask = _row_words(K, spec)
+  RW, R, high_mask = _row_words(K, spec)
   c = spec.offset
   # the run's block, shifted and masked: byte i holds input i's high bits
   run_high = f"""
       unsigned char hk[32] __attribute__((aligned(32)));
       _mm256_store_si256((__m256i *)hk, _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)((const unsigned char *)(w + n * {RW} + {K // 8}) + (cc / {R}) * 32)),
-                                                                      _mm_cvtsi32_si128({HB} * (cc % {R}))), _mm256_set1_epi8({hmask})));""" if HB else ""
+                                                                      _mm_cvtsi32_si128({HB} * (cc % {R}))), _mm256_set1_epi8({high_mask})));""" if HB else ""
   high = """
         q = _mm256_add_epi32(q, _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(hk + 8 * j))), 4));""" if HB else ""
   value = (f"_mm256_mul_ps(_mm256_set1_ps(S[k0 / {G}]), _mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps({c}.0f)))" if spec.symmetric else
@@ -770,10 +774,10 @@ def _packed_fallback_body(M: int, N: int, K: int, spec, ys: int | None = None) -
   """Plain C (CPUs without AVX2): each weight dequantized as quant/blocks.py does, one dot product per output."""
   ys = ys or N
   HB, G = spec.bits - 4, spec.group
-  RW, R, hmask = _row_words(K, spec)
+  RW, R, high_mask = _row_words(K, spec)
   high = f"""{{ int run = k / 32;
           const unsigned char *hb = (const unsigned char *)(w + (long)n * {RW} + {K // 8});
-          q |= ((hb[(run / {R}) * 32 + k % 32] >> ({HB} * (run % {R}))) & {hmask}u) << 4; }}""" if HB else ""
+          q |= ((hb[(run / {R}) * 32 + k % 32] >> ({HB} * (run % {R}))) & {high_mask}u) << 4; }}""" if HB else ""
   value = f"S[k / {G}] * ((float)q - {spec.offset}.0f)" if spec.symmetric else f"S[k / {G}] * (float)q + B[k / {G}]"
   return f"""
   float S[{K // G}], B[{K // G}]; (void)B;

@@ -151,7 +151,7 @@ def q8_rows(codes: Tensor, scales: Tensor) -> Tensor:
 
 def packed_rows(w, dtype=dtypes.float32) -> Tensor:
   """Dequantize rows of a packed linear (quant/blocks.py; `w` a LinearWeights, or its gathered rows) -> `[T, K]` in
-  `dtype`. The codes' nibble and high planes are unpacked and scaled in float32 (a two-level scale is the product of
+  `dtype`. The codes' nibbles and high bits are unpacked and scaled in float32 (a two-level scale is the product of
   a float16 and an integer, exact there) inside whatever expression reads them: in a matmul, tinygrad fuses it all
   into one kernel (it reads at most three buffers: the layout's reason for three arrays) and no float W is stored."""
   spec, T = w.spec, w.weight.shape[0]

@@ -221,7 +221,7 @@ def _mlx_bits(config: ModelConfig, tensors: dict[str, np.ndarray], origin: dict[
       w, s, b, spec = quantized[base]
       make = lambda w=w, s=s, b=b, base=base: {f"{base}.{p}": a for p, a in blocks.from_mlx(w, s, b, bits)[0].items()}
       keys = blocks.stored_parts(spec) if bits > 4 else ("weight", "scales", "biases")   # 2 and 3 bits: INT4's layout
-      store.add([f"{base}.{p}" for p in keys], make, [w, s, b], int(w.shape[0] * w.shape[1] * 32 / bits * spec.bytes_per_weight()))
+      store.add([f"{base}.{p}" for p in keys], make, [w, s, b], blocks.packed_nbytes(spec, w.shape[0], w.shape[1] * 32 // bits))
     else: store.add([name], lambda name=name: {name: tensors[name]}, [tensors[name]], tensors[name].nbytes)
   return Checkpoint(config, store, path)
 
@@ -470,7 +470,7 @@ def _gguf_nbytes(t: GGUFTensor, compact: bool) -> int:
   if not compact: return 4 * n if t.type_name not in ("F32", "F16") else t.data.nbytes
   if t.type_name == "Q8_0": return n + n // 16
   if t.type_name in ("Q4_0", "Q4_1"): return n // 2 + n // 8
-  return int(n * blocks.GGML_SPECS[t.type_name].bytes_per_weight())
+  return blocks.packed_nbytes(blocks.GGML_SPECS[t.type_name], math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _gguf_arrays(name: str, t: GGUFTensor, compact: bool, config: ModelConfig) -> dict[str, np.ndarray]:

@@ -143,6 +143,12 @@ def part_shapes(spec: QuantSpec, n: int, k: int) -> dict[str, tuple[int, ...]]:
   return out
 
 
+def packed_nbytes(spec: QuantSpec, n: int, k: int) -> int:
+  """Bytes a packed `[n, k]` linear stores, a padded last block of high bits included (its spec array aside)."""
+  itemsize = {"weight": 4, "scales": 1 if spec.super_groups else 2, "scale_d": 2, "biases": 2}
+  return sum(itemsize[p] * int(np.prod(shape)) for p, shape in part_shapes(spec, n, k).items())
+
+
 def stored_parts(spec: QuantSpec) -> tuple[str, ...]:
   """The arrays a layout stores: its weight arrays and the spec."""
   return (*part_shapes(spec, 32, spec.group * max(spec.super_groups, 1) * 32), "qspec")
@@ -163,7 +169,7 @@ def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return scales, mins
 
 
-def _nibble_runs(qs: np.ndarray, run: int, N: int) -> np.ndarray:
+def _nibble_runs(qs: np.ndarray, run: int) -> np.ndarray:
   """ggml's nibble layout -> INT4's words `[N, K/8]`. ggml: for each `run`-byte chunk, the low nibbles are elements
   0..run-1 and the high nibbles elements run..2run-1 of a 2*run stretch; INT4: byte i holds elements 2i (low nibble)
   and 2i + 1. Moved a byte pair at a time, never a code at a time: the first half of a chunk's INT4 bytes pairs low
@@ -171,7 +177,7 @@ def _nibble_runs(qs: np.ndarray, run: int, N: int) -> np.ndarray:
   c = qs.reshape(*qs.shape[:-1], -1, run)
   even, odd = c[..., 0::2], c[..., 1::2]
   out = np.concatenate([(even & 0xF) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)   # [..., chunks, run]
-  return out.reshape(N, -1).view("<u4")
+  return out.reshape(qs.shape[0], -1).view("<u4")
 
 
 def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[dict[str, np.ndarray], QuantSpec]:
@@ -188,22 +194,24 @@ def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[dict
       piece = from_ggml(raw[i:i + rows], qtype, (min(rows, N - i), K))[0]
       for p, a in piece.items():
         if p == "qspec": out[p] = a
-        else: out.setdefault(p, np.empty((N, *a.shape[1:]), a.dtype))[i:i + len(a)] = a
+        else:
+          if p not in out: out[p] = np.empty((N, *a.shape[1:]), a.dtype)
+          out[p][i:i + len(a)] = a
     return out, GGML_SPECS[qtype]
   b = np.ascontiguousarray(raw, np.uint8).reshape(N, K // block, nbytes)
   if qtype in ("Q4_K", "Q5_K"):
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _k_scales_mins(b[..., 4:16])
-    if qtype == "Q4_K": q = _nibble_runs(b[..., 16:144], 32, N)
+    if qtype == "Q4_K": q = _nibble_runs(b[..., 16:144], 32)
     else:
       qh = b[..., 16:48]                                                      # bit j of byte t: element 32j + t
       high = ((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(N, K)
-      q = join_codes(_nibble_runs(b[..., 48:176], 32, N), high, 5)
+      q = join_codes(_nibble_runs(b[..., 48:176], 32), high, 5)
     scales, scale_d, biases = np.stack([sc, mn], axis=-1).reshape(N, -1, 2), np.stack([d, dmin], axis=-1), None
   elif qtype == "Q6_K":
     ql, qh, sc, d = b[..., 0:128], b[..., 128:192], b[..., 192:208], _f16(b[..., 208:210])
     high = ((qh.reshape(N, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(N, K)
-    q = join_codes(_nibble_runs(ql, 64, N), high, 6)                          # 2 halves of 128: nibbles of 64 bytes
+    q = join_codes(_nibble_runs(ql, 64), high, 6)                          # 2 halves of 128: nibbles of 64 bytes
     scales, scale_d, biases = sc.view(np.int8).reshape(N, -1), d, None
   elif qtype == "Q3_K":
     hmask, qs, packed, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
@@ -219,7 +227,7 @@ def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[dict
     at = 4 if qtype == "Q5_1" else 2
     qh = np.ascontiguousarray(b[..., at:at + 4]).view(np.uint32)[..., 0]   # bit j: element j's fifth bit
     high = (((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)).reshape(N, K)
-    q = join_codes(_nibble_runs(b[..., at + 4:at + 20], 16, N), high, 5)
+    q = join_codes(_nibble_runs(b[..., at + 4:at + 20], 16), high, 5)
     scales, scale_d, biases = d, None, (None if qtype == "Q5_0" else _f16(b[..., 2:4]))
   spec = GGML_SPECS[qtype]
   return layout(q if q.dtype == np.uint32 else q.reshape(N, K), spec, scales, scale_d, biases), spec

@@ -29,7 +29,7 @@ def stored_format(tensors: Mapping[str, Any], name: str) -> str:
 @dataclass(frozen=True)
 class QuantSpec:
   """How a packed linear is stored (quant/blocks.py): w = S * q + B per group of `group` inputs, q a `bits`-bit code."""
-  bits: int                    # 4, 5, 6 or 8: code bits as stored (a nibble plane, plus bits - 4 high planes)
+  bits: int                    # 4, 5, 6 or 8: code bits as stored (a nibble plane, plus bits - 4 high bits per code)
   group: int                   # inputs per scale
   super_groups: int = 0        # 0: a float16 scale (and bias) per group; s: two-level, a float16 per s groups times an integer
   signed_scales: bool = False  # two-level scales are int8 (else uint8)
@@ -39,6 +39,7 @@ class QuantSpec:
   def offset(self) -> int: return 1 << (self.bits - 1) if self.symmetric else 0
 
   def bytes_per_weight(self) -> float:
+    """Of rows whose 32-input runs fill whole blocks of high bits (quant/blocks.packed_nbytes counts a padded one)."""
     per_group = 1 if self.super_groups else 2   # an integer, or a float16
     scale = per_group / self.group + (2 / (self.group * self.super_groups) if self.super_groups else 0)
     return self.bits / 8 + scale * (1 if self.symmetric else 2)
