@@ -44,7 +44,7 @@ def test_ggml_blocks_repack_exactly(qtype, tmp_path):
     assert spec_of({f"x.{p}": a for p, a in parts.items()}, "x") == spec   # the spec travels in its array
     assert tuple(parts) == blocks.stored_parts(spec) and len(parts) <= 4   # at most three arrays and the spec
     assert {p: a.shape for p, a in parts.items() if p != "qspec"} == blocks.part_shapes(spec, *t.shape)
-    assert sum(a.nbytes for p, a in parts.items() if p != "qspec") == spec.bytes_per_weight() * np.prod(t.shape)
+    assert sum(a.nbytes for p, a in parts.items() if p != "qspec") == blocks.packed_nbytes(spec, *t.shape) == spec.bytes_per_weight() * np.prod(t.shape)
     ref = gguf_dequantize(raws[t.name], gguf.GGMLQuantizationType[qtype]).reshape(shapes[t.name])
     ours = blocks.dequantize(parts, spec)
     assert ours.dtype == np.float32 and np.array_equal(ours, ref), np.abs(ours - ref).max()
@@ -101,3 +101,12 @@ def test_big_tables_convert_in_slices(qtype, monkeypatch):
   for p in whole:
     assert sliced[p].dtype == whole[p].dtype
     np.testing.assert_array_equal(sliced[p], whole[p], err_msg=p)
+
+
+def test_byte_counts_include_a_padded_block():
+  """Q5_0 rows of 896 inputs (28 runs; blocks of 8 runs) store 4 blocks of high bits, 128 bytes, not 112: the loader's
+  byte counts (what the cache plan and progress bar read) come from the arrays' real shapes."""
+  rng = np.random.default_rng(9)
+  parts, spec = blocks.from_ggml(random_ggml("Q5_0", 8, 896, rng), "Q5_0", (8, 896))
+  assert parts["weight"].shape == (8, 896 // 8 + 4 * 8)
+  assert sum(a.nbytes for p, a in parts.items() if p != "qspec") == blocks.packed_nbytes(spec, 8, 896) > spec.bytes_per_weight() * 8 * 896
