@@ -16,7 +16,7 @@ import hashlib
 from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
 from tinyvllm.kernels.kv_cache import PagedKVCache, hadamard_block
-from tinyvllm.quant.formats import FLOAT, INT4, INT8, LinearWeights, QuantSpec
+from tinyvllm.quant.formats import FLOAT, INT4, INT8, LinearWeights, QuantSpec, projection_parts
 from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
 from tinyvllm.kernels.cpu import (SQRT, _DPWSSD, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _packed_params, _program, c_param_name, c_struct_fields,
                                   int4_body, packed_body, pool_arg, q8_body, rms_norm_source)
@@ -470,22 +470,11 @@ void {name}({", ".join(params)}) {{
 """
 
 
-# a projection of the kernel, or the parts it is made of when they are stored apart (model/llama.py FUSED)
-PROJECTION_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-
-
-def _parts(linears: dict[str, LinearWeights], name: str) -> list[LinearWeights] | None:
-  if name in linears: return [linears[name]]
-  parts = PROJECTION_PARTS.get(name, ())
-  return [linears[p] for p in parts] if parts and all(p in linears for p in parts) else None
-
-
 def takes(linears: dict[str, LinearWeights]) -> bool:
   """Whether the fused layer reads these projections: every format (float32, INT4, INT8, packed), fused or in parts
   whose rows start at multiples of 4 (the row tiles' width)."""
   for n in LINEARS:
-    parts = _parts(linears, n)
+    parts = projection_parts(linears, n)
     if parts is None or any(p.weight.shape[0] % 4 for p in parts[:-1]): return False
   return True
 
@@ -507,7 +496,7 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
   D, I = cfg.head_dim, cfg.intermediate_size
   shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, cache.k.shape[1],
                      tables.shape[1], cos_sin.shape[0], float(cfg.rms_norm_eps),
-                     *(_spec(_parts(linears, n)) for n in LINEARS), invariant,
+                     *(_spec(projection_parts(linears, n)) for n in LINEARS), invariant,
                      *(("int4" if int4 else "int8" if cache.quantized else "float") for int4 in (cache.k_int4, cache.v_int4)),
                      cache.k_rotated, cache.v_rotated)
   # a name stable across processes (hash() of a str is salted per process): tinygrad's disk cache of compiled
@@ -517,7 +506,7 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
   if out is None: out = Tensor.invalids(T, E, dtype=dtypes.float32, device=h.device)
   scratch = Tensor.invalids(shape.scratch, dtype=dtypes.float32, device=h.device)
   args = [out, *cache.tensors(), scratch, h.contiguous(), positions, slots, tables.contiguous(), token_seq, token_pos.contiguous(),
-          cos_sin, *norms, *(t for n in LINEARS for w in _parts(linears, n) for t in w.tensors()), pool_arg(pool, h.device)]
+          cos_sin, *norms, *(t for n in LINEARS for w in projection_parts(linears, n) for t in w.tensors()), pool_arg(pool, h.device)]
   return Tensor.custom_kernel(*args, fxn=lambda *p: _program(name, src, *p))[0]
 
 

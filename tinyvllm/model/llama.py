@@ -14,7 +14,8 @@ from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import AttentionGroup, Kernels, portable
 from tinyvllm.kernels.kv_cache import PagedKVCache
 from tinyvllm.quant import blocks
-from tinyvllm.quant.formats import FLOAT, INT4, INT8, PACKED, PARTS, WEIGHT_PARTS, LinearWeights, QuantSpec, spec_of, stored_format
+from tinyvllm.quant.formats import (FLOAT, FUSED_PROJECTIONS, INT4, INT8, PACKED, PARTS, WEIGHT_PARTS, LinearWeights, QuantSpec,
+                                    projection_parts, spec_of, stored_format)
 from tinyvllm.model import tensor_parallel
 from tinyvllm.model.rope import cos_sin_table, inverse_frequencies
 from tinyvllm.model.weights import ModelLoadError, expected_tensors, release_tensor
@@ -29,8 +30,6 @@ class ModelInputs:
   logits_index: Tensor           # int32 [R]: flat rows whose next-token logits are wanted
 
 
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -45,7 +44,7 @@ class LlamaLayer:
     """`specs`: the layouts of packed linears (their `.qspec` arrays stay on the host), by name relative to the layer."""
     self.cfg, self.weights, self.kernels = cfg, weights, kernels
     if linears is None:
-      names = [n for fused in LAYER_LINEARS for n in ((fused,) if f"{fused}.weight" in weights else FUSED.get(fused, (fused,)))]
+      names = [n for fused in LAYER_LINEARS for n in ((fused,) if f"{fused}.weight" in weights else FUSED_PROJECTIONS.get(fused, (fused,)))]
       specs = specs or {}
       self.linears = {n: LinearWeights.of(weights, n, PACKED if n in specs else None, specs.get(n)) for n in names}
     else:   # the same layout around other tensors
@@ -63,8 +62,9 @@ class LlamaLayer:
 
   def linear(self, name: str, x: Tensor) -> Tensor:
     """Projection `name` of x; a fused one whose parts are stored apart runs part by part, outputs side by side."""
-    if name in self.linears: return self.kernels.linear(x, self.linears[name])
-    return Tensor.cat(*(self.kernels.linear(x, self.linears[part]) for part in FUSED[name]), dim=1)
+    parts = projection_parts(self.linears, name)
+    if len(parts) == 1: return self.kernels.linear(x, parts[0])
+    return Tensor.cat(*(self.kernels.linear(x, part) for part in parts), dim=1)
 
   def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None) -> Tensor:
     """h `[T, hidden]` -> the layer's output, written into `out` when given (a realized buffer)."""
@@ -225,7 +225,7 @@ def _fuse(out: dict[str, np.ndarray], prefix: str, np_dtype) -> None:
   """Fuse one layer's q/k/v and gate/up linears in place (`prefix`: "model.layers.{i}."), when their parts are stored
   alike (one format, one layout): a fused projection is one matmul. Parts stored differently stay apart (the layer
   runs them one by one): dequantizing them to fuse would undo what the file saved."""
-  for fused, parts in FUSED.items():
+  for fused, parts in FUSED_PROJECTIONS.items():
     names = [prefix + part for part in parts]
     stored = [LinearWeights.of(out, n) for n in names]
     if len({(p.format, p.spec, p.group_size) for p in stored}) > 1: continue

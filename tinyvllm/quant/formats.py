@@ -45,6 +45,20 @@ class QuantSpec:
     return self.bits / 8 + scale * (1 if self.symmetric else 2)
 
 
+# a decoder layer's fused projections and the parts they are made of: one matmul when the parts are stored alike, the
+# parts one by one (outputs side by side) when a file stores them in different formats (model/llama.py _fuse)
+FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def projection_parts(linears: Mapping[str, Any], name: str) -> list | None:
+  """The records projection `name` is made of: itself when stored fused (or not a fused kind), else its parts; None
+  when `linears` has neither."""
+  if name in linears: return [linears[name]]
+  parts = FUSED_PROJECTIONS.get(name, ())
+  return [linears[p] for p in parts] if parts and all(p in linears for p in parts) else None
+
+
 def spec_of(tensors: Mapping[str, Any], name: str) -> QuantSpec:
   """The QuantSpec of packed linear `name`, from its `.qspec` array (bits, group, super_groups, signed, symmetric)."""
   bits, group, super_groups, signed, symmetric = (int(v) for v in list(tensors[f"{name}.qspec"]))
