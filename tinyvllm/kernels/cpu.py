@@ -240,6 +240,17 @@ _X16_CONSTS = ("const __m256i nib = _mm256_set1_epi16(15), ones = _mm256_set1_ep
                "const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), eight = _mm256_set1_ps(8.0f);")
 
 
+def _x16_run(src: str, at: str) -> str:
+  """C statements rounding the 32 floats at `src` times `inv` to 16-bit codes xq[at .. at + 32), in the chunk order
+  (even inputs, then odd), and setting `run_lanes` to their sums per int32 lane of the dot product (vpmaddwd with
+  ones). Shared by every GEMV that rounds x to 16 bits, so they round alike."""
+  return f"""int qi[32] __attribute__((aligned(32)));
+      for (int j = 0; j < 4; j++) _mm256_store_si256((__m256i *)(qi + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps({src} + 8 * j), inv)));
+      for (int t = 0; t < 16; t++) {{ xq[{at} + t] = (short)qi[2 * t]; xq[{at} + 16 + t] = (short)qi[2 * t + 1]; }}
+      __m256i run_lanes = _mm256_add_epi32(_mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + {at})), ones),
+                                           _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + {at} + 16)), ones));"""
+
+
 def _x16_row(xr: str, K: int, G: int) -> str:
   """C statements filling xq[K] (16-bit codes, chunk order above), dx[K/G] (their scales), xs[K/G] (float sums of
   x per group) and xc[K/G] (8 times the codes' sums in each int32 lane of the dot product: subtracted, they turn
@@ -262,11 +273,8 @@ def _x16_row(xr: str, K: int, G: int) -> str:
     __m256 inv = _mm256_set1_ps(xmax > 0 ? 32767.0f / xmax : 0.0f);
     __m256i lanes = _mm256_setzero_si256();
     for (int c = g * {G}; c < (g + 1) * {G}; c += 32) {{
-      int qi[32] __attribute__((aligned(32)));
-      for (int j = 0; j < 4; j++) _mm256_store_si256((__m256i *)(qi + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps({xr} + c + 8 * j), inv)));
-      for (int t = 0; t < 16; t++) {{ xq[c + t] = (short)qi[2 * t]; xq[c + 16 + t] = (short)qi[2 * t + 1]; }}
-      lanes = _mm256_add_epi32(lanes, _mm256_add_epi32(_mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + c)), ones),
-                                                        _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + c + 16)), ones)));
+      {_x16_run(f"{xr} + c", "c")}
+      lanes = _mm256_add_epi32(lanes, run_lanes);
     }}
     xc[g] = _mm256_slli_epi32(lanes, 3);
   }}"""
@@ -645,9 +653,9 @@ def _packed_gemv_body(N: int, K: int, spec) -> str:
   (even inputs in the low nibbles, odd in the high) plus, for b > 4 bits, the run's h = b - 4 high bits: one shift
   of its 32-byte block leaves byte i holding input i's in its low bits, so read as 16-bit lanes, lane t holds input
   2t's in its low byte and 2t + 1's in its high byte: shifted left and right by 4 and masked they add (high << 4) to
-  the even and odd codes, no shuffles. With 16-wide groups a run holds two: its int32 lanes 0-3 come from the first 16 inputs, 4-7
-  from the last 16, and the scale vector carries each group's scale in its lanes. Per weight row, the groups' scale
-  times x's (gs) and the bias term are computed 8 groups at a time."""
+  the even and odd codes, no shuffles. With 16-wide groups a run holds two: its int32 lanes 0-3 come from the first
+  16 inputs, 4-7 from the last 16, and the scale vector carries each group's scale in its lanes. Per weight row, the
+  groups' scale times x's (gs) and the bias term are computed 8 groups at a time."""
   NC, NG, G, HB = K // 32, K // spec.group, spec.group, spec.bits - 4
   RW, R, high_mask = _row_words(K, spec)
   XU = max(G, 32)        # inputs per x scale
@@ -683,12 +691,8 @@ def _packed_gemv_body(N: int, K: int, spec) -> str:
     __m256 inv = _mm256_set1_ps(d > 0 ? 1.0f / d : 0.0f);
     x16[2 * c] = hsum8(_mm256_add_ps(_mm256_loadu_ps(xr), _mm256_loadu_ps(xr + 8)));
     x16[2 * c + 1] = hsum8(_mm256_add_ps(_mm256_loadu_ps(xr + 16), _mm256_loadu_ps(xr + 24)));
-    int qi[32] __attribute__((aligned(32)));
-    for (int j = 0; j < 4; j++) _mm256_store_si256((__m256i *)(qi + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + 8 * j), inv)));
-    for (int t = 0; t < 16; t++) {{ xq[c * 32 + t] = (short)qi[2 * t]; xq[c * 32 + 16 + t] = (short)qi[2 * t + 1]; }}
-    __m256i l = _mm256_add_epi32(_mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + c * 32)), ones),
-                                 _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + c * 32 + 16)), ones));
-    xc[c] = _mm256_mullo_epi32(l, _mm256_set1_epi32(-{c}));
+    {_x16_run("xr", "c * 32")}
+    xc[c] = _mm256_mullo_epi32(run_lanes, _mm256_set1_epi32(-{c}));
   }}
   for (int g = 0; g < {NG}; g++) {{
     float t = 0;
