@@ -21,12 +21,7 @@ from __future__ import annotations
 import argparse, json, os, shutil, subprocess, sys, time
 from pathlib import Path
 import numpy as np
-
-SHAPES = {   # hidden, layers, heads, kv heads, intermediate, vocab, tied
-  "1b": (2048, 16, 32, 8, 8192, 128256, True),
-  "8b": (4096, 32, 32, 8, 14336, 128256, False),
-}
-
+from real_size import SHAPES, measure_load
 
 def write_f16_gguf(path: Path, shape: str) -> Path:
   """A random float16 Llama of `shape` as a GGUF file, each tensor generated and written in turn (never the whole model
@@ -72,34 +67,12 @@ def quantize(src: Path, quant: str, llama_quantize: str, dest: Path | None = Non
   return dest
 
 
-_LOAD = {"tinyvllm": r"""
-import json, sys, threading, time
-def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
-from tinyvllm.engine.llm_engine import LLMEngine
-base, peak, done = rss(), [0], []
-def watch():
-  while not done: peak[0] = max(peak[0], rss()); time.sleep(0.001)
-threading.Thread(target=watch, daemon=True).start()
-t = time.perf_counter()
-engine = LLMEngine.from_kwargs(sys.argv[1], num_kv_blocks=16, max_model_len=256)
-seconds = time.perf_counter() - t
-done.append(1)
-print(json.dumps({"load_seconds": seconds, "peak_rss_bytes": peak[0] - base, "rss_bytes": rss() - base}))
-""", "llama.cpp": r"""
-import json, sys, threading, time
-def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
-import llama_cpp
-base, peak, done = rss(), [0], []
-def watch():
-  while not done: peak[0] = max(peak[0], rss()); time.sleep(0.001)
-threading.Thread(target=watch, daemon=True).start()
-t = time.perf_counter()
-llm = llama_cpp.Llama(sys.argv[1], n_ctx=256, verbose=False, use_mmap=True)
-llm.eval([5, 6, 7])   # touches every weight once, as a first step would
-seconds = time.perf_counter() - t
-done.append(1)
-print(json.dumps({"load_seconds": seconds, "peak_rss_bytes": peak[0] - base, "rss_bytes": rss() - base}))
-"""}
+# each engine's imports and load, timed by real_size.measure_load (llama.cpp maps the file: one short step touches
+# every weight once, as a first step would)
+_LOAD = {"tinyvllm": ("from tinyvllm.engine.llm_engine import LLMEngine",
+                      "engine = LLMEngine.from_kwargs(sys.argv[1], num_kv_blocks=16, max_model_len=256)"),
+         "llama.cpp": ("import llama_cpp",
+                       "llm = llama_cpp.Llama(sys.argv[1], n_ctx=256, verbose=False, use_mmap=True); llm.eval([5, 6, 7])")}
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,",
@@ -146,9 +119,8 @@ def compare_text(path: Path, max_tokens: int = 32) -> dict:
 
 
 def load(engine: str, path: Path) -> dict:
-  r = subprocess.run([sys.executable, "-c", _LOAD[engine], str(path)], capture_output=True, text=True, env=os.environ | {"DEV": "CPU"})
-  if r.returncode != 0: sys.exit(f"bench/kquant.py: {engine} could not load {path}:\n{r.stderr[-2000:]}")
-  return json.loads(r.stdout.strip().splitlines()[-1])
+  imports, code = _LOAD[engine]
+  return measure_load(path, imports, code, env={"DEV": "CPU"})
 
 
 def main() -> None:

@@ -13,15 +13,10 @@ the process's resident memory every millisecond while it loads. Columns:
 On a 24 GB machine the 8B row is the issue-23 check: its 16 GB must load without a second host copy.
 """
 from __future__ import annotations
-import argparse, json, os, struct, subprocess, sys, time
+import argparse, json, os, struct, sys, time
 from pathlib import Path
 import numpy as np
-
-SHAPES = {   # (hidden, layers, heads, kv heads, intermediate, vocab, tied)
-  "1b": (2048, 16, 32, 8, 8192, 128256, True),
-  "8b": (4096, 32, 32, 8, 14336, 128256, False),
-}
-
+from real_size import SHAPES, measure_load
 
 def write_checkpoint(path: Path, shape: str) -> Path:
   """A random float16 Llama of `shape` in HF layout, written tensor by tensor (never the whole model in memory)."""
@@ -68,30 +63,14 @@ def write_checkpoint(path: Path, shape: str) -> Path:
   return path
 
 
-_CHILD = r"""
-import json, sys, threading, time
-def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
+def measure(path: Path) -> dict:
+  return measure_load(path, imports="""
 from tinygrad import Device
 from tinygrad.helpers import GlobalCounters
-from tinyvllm.engine.llm_engine import LLMEngine
-base, peak, done = rss(), [0], []
-def watch():
-  while not done: peak[0] = max(peak[0], rss()); time.sleep(0.001)
-watcher = threading.Thread(target=watch, daemon=True); watcher.start()
-t = time.perf_counter()
+from tinyvllm.engine.llm_engine import LLMEngine""", load="""
 engine = LLMEngine.from_kwargs(sys.argv[1], dtype="float16", kernel_backend="portable", num_kv_blocks=16, max_model_len=256)
-Device[engine.runner.device if isinstance(engine.runner.device, str) else engine.runner.device[0]].synchronize()
-seconds = time.perf_counter() - t
-done.append(1); watcher.join()
-print(json.dumps({"device": Device.DEFAULT, "load_seconds": seconds, "peak_rss_bytes": peak[0] - base,
-                  "device_bytes": GlobalCounters.mem_used, "rss_after_bytes": rss() - base}))
-"""
-
-
-def measure(path: Path) -> dict:
-  out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True)
-  if out.returncode != 0: sys.exit(f"bench/loading.py: loading {path} failed:\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
+Device[engine.runner.device if isinstance(engine.runner.device, str) else engine.runner.device[0]].synchronize()""",
+                      extras='{"device": Device.DEFAULT, "device_bytes": GlobalCounters.mem_used}')
 
 
 def main() -> None:
