@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Llama checkpoints in HF layout, written by transformers, with a tokenizer."""
+"""Shared fixtures: tiny random checkpoints (Llama and the other families) in HF layout, written by transformers, with a tokenizer."""
 from __future__ import annotations
 import contextlib, json, os
 from pathlib import Path
@@ -44,8 +44,13 @@ def write_tokenizer(path: Path) -> int:
 
 
 def make_tiny_llama(path: Path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+  return make_tiny_model(path, "llama", seed, dtype, **overrides)
+
+
+def make_tiny_model(path: Path, model_type: str, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+  """A tiny random checkpoint of any family transformers knows (`model_type`: "llama", "qwen3", ...), written by it."""
   import torch
-  from transformers import LlamaConfig, LlamaForCausalLM
+  from transformers import AutoConfig, AutoModelForCausalLM
   path.mkdir(parents=True, exist_ok=True)
   vocab = write_tokenizer(path)
   cfg = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -53,7 +58,7 @@ def make_tiny_llama(path: Path, seed: int = 0, dtype: str = "float32", **overrid
              bos_token_id=0, eos_token_id=1)
   cfg.update(overrides)
   torch.manual_seed(seed)
-  model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+  model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg)).eval()
   with torch.no_grad():   # HF initialises with std 0.02: widen it so logits are far from uniform and argmax is robust
     for p in model.parameters(): p.mul_(8.0 if p.dim() > 1 else 1.0)
   model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from tinyvllm.engine.block_manager import BlockManager, hash_block
+from tinyvllm.engine.block_manager import FREED, BlockManager, hash_block
 
 BS, N = 4, 16
 
@@ -22,13 +22,15 @@ class AllocatorMachine(RuleBasedStateMachine):
   def _refs(self) -> dict[int, int]:
     refs: dict[int, int] = {}
     for s in self.seqs:
-      for b in s["table"]: refs[b] = refs.get(b, 0) + 1
+      for b in s["table"]:
+        if b != FREED: refs[b] = refs.get(b, 0) + 1
     return refs
 
   def _release(self, blocks: list[int]) -> None:
     """What letting go of `blocks`, in this order, does to the model."""
     refs = self._refs()
     for b in blocks:
+      if b == FREED: continue
       refs[b] -= 1
       if refs[b] == 0: self.free_order.append(b)
 
@@ -73,6 +75,16 @@ class AllocatorMachine(RuleBasedStateMachine):
     assert len(s["table"]) == min(keep, len(s["table"]) + len(dropped))
 
   @precondition(lambda self: self.seqs)
+  @rule(i=st.integers(0, 1000), n=st.integers(0, 5))
+  def slide(self, i, n):
+    """A window passes the first n blocks: they go back (first block first), their entries become FREED."""
+    s = self.seqs[i % len(self.seqs)]
+    front = s["table"][:n]
+    self._release(front)
+    assert self.bm.release_front(s["table"], n) == sum(b != FREED for b in front)
+    assert s["table"][:n] == [FREED] * len(front)
+
+  @precondition(lambda self: self.seqs)
   @rule(i=st.integers(0, 1000))
   def free(self, i):
     s = self.seqs[i % len(self.seqs)]
@@ -98,7 +110,7 @@ class AllocatorMachine(RuleBasedStateMachine):
   def registered_blocks_hold_their_content(self):
     for s in self.seqs:
       for i in range(min(s["registered"], len(s["table"]))):
-        assert self.bm.blocks[s["table"][i]].hash in (None, s["hashes"][i])
+        if s["table"][i] != FREED: assert self.bm.blocks[s["table"][i]].hash in (None, s["hashes"][i])
 
 
 AllocatorMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)

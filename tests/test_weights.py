@@ -16,7 +16,8 @@ from tinyvllm.quant import int4
 GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 # one tensor type per projection, so a single file covers every type the loader supports
 GGUF_TYPES = {"token_embd": "Q8_0", "output": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "F16", "attn_output": "BF16",
               "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q8_0"}
@@ -34,14 +35,19 @@ def gguf_name(hf: str) -> str:
   return f"{GGUF_NAMES['.'.join(parts[:-1])]}.{parts[-1]}"
 
 
-def write_gguf(hf_dir: Path, out: Path, types: dict[str, str] = GGUF_TYPES, block_count: int | None = None) -> dict[str, np.ndarray]:
+def write_gguf(hf_dir: Path, out: Path, types: dict[str, str] = GGUF_TYPES, block_count: int | None = None,
+               arch: str = "llama") -> dict[str, np.ndarray]:
   """Convert a tiny HF checkpoint (any dtype, and its byte-level BPE tokenizer) to GGUF with the tensor types given
-  per projection (`block_count` overrides the layer count written). Returns the weights as HF names expect them
-  after the round trip (dequantized by the gguf package)."""
+  per projection (`block_count` overrides the layer count written) as llama.cpp's converter writes architecture
+  `arch`: Q/K rows permuted for "llama" only (qwen2 and qwen3 keep HF's order). Returns the weights as HF names
+  expect them after the round trip (dequantized by the gguf package)."""
   from safetensors.torch import load_file
   cfg = json.loads((hf_dir / "config.json").read_text())
   tok = json.loads((hf_dir / "tokenizer.json").read_text())
-  w = gguf.GGUFWriter(out, "llama")
+  permute = llama_cpp_permute if arch == "llama" else lambda w, n: w
+  unpermute = llama_cpp_permute_inverse if arch == "llama" else lambda w, n: w
+  w = gguf.GGUFWriter(out, arch)
+  if cfg.get("head_dim"): w.add_key_length(cfg["head_dim"]); w.add_value_length(cfg["head_dim"])
   w.add_block_count(block_count or cfg["num_hidden_layers"]); w.add_context_length(cfg["max_position_embeddings"])
   w.add_embedding_length(cfg["hidden_size"]); w.add_feed_forward_length(cfg["intermediate_size"])
   w.add_head_count(cfg["num_attention_heads"]); w.add_head_count_kv(cfg["num_key_value_heads"])
@@ -57,16 +63,16 @@ def write_gguf(hf_dir: Path, out: Path, types: dict[str, str] = GGUF_TYPES, bloc
   for name, t in load_file(hf_dir / "model.safetensors").items():
     arr = t.float().numpy()
     gname = gguf_name(name)
-    if name.endswith("q_proj.weight"): arr_g = llama_cpp_permute(arr, cfg["num_attention_heads"])
-    elif name.endswith("k_proj.weight"): arr_g = llama_cpp_permute(arr, cfg["num_key_value_heads"])
+    if name.endswith("q_proj.weight"): arr_g = permute(arr, cfg["num_attention_heads"])
+    elif name.endswith("k_proj.weight"): arr_g = permute(arr, cfg["num_key_value_heads"])
     else: arr_g = arr
     kind = "F32" if arr.ndim == 1 else types[gname.split(".")[-2]]
     qtype = getattr(gguf.GGMLQuantizationType, kind)
     data = gguf.quants.quantize(arr_g, qtype)
     w.add_tensor(gname, data, raw_dtype=qtype)
     back = gguf.quants.dequantize(data, qtype).reshape(arr.shape).astype(np.float32)
-    if name.endswith("q_proj.weight"): back = llama_cpp_permute_inverse(back, cfg["num_attention_heads"])
-    if name.endswith("k_proj.weight"): back = llama_cpp_permute_inverse(back, cfg["num_key_value_heads"])
+    if name.endswith("q_proj.weight"): back = unpermute(back, cfg["num_attention_heads"])
+    if name.endswith("k_proj.weight"): back = unpermute(back, cfg["num_key_value_heads"])
     expected[name] = back
   w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
   return expected

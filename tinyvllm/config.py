@@ -3,8 +3,8 @@ from __future__ import annotations
 import builtins, math, reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any
+from tinyvllm.model import families
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 ROPE_TYPES = ("default", "linear", "llama3")
 # auto: the model dtype; int8: codes + a float16 scale per token and KV head; int4: 4-bit codes of K and V rotated along
 # head_dim (Hadamard) + a float16 scale; k8v4: int8 keys, int4 values; int4-unrotated: int4 without the rotation, to
@@ -18,7 +18,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-  """A Llama-family decoder. Field names follow HF `config.json`."""
+  """A decoder of one of the families in model/families/: the shared Llama shape plus the parts a family switches on.
+  Field names follow HF `config.json`."""
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -31,8 +32,14 @@ class ModelConfig:
   rope_scaling: dict | None = None        # {"rope_type": "linear"|"llama3", "factor": ..., ...}; None for plain RoPE
   max_position_embeddings: int = 4096
   tie_word_embeddings: bool = False
-  attention_bias: bool = False
+  attention_bias: bool = False           # biases on q, k, v and o (HF Llama, Qwen3)
   mlp_bias: bool = False
+  qkv_bias: bool = False                 # biases on q, k and v only (Qwen2)
+  qk_norm: bool = False                  # RMSNorm over each head of q and k before RoPE (Qwen3)
+  sliding_window: int | None = None      # attention sees the last `sliding_window` keys (itself included)
+  layer_types: tuple[str, ...] | None = None   # per layer, "full_attention" or "sliding_attention"; None: every
+                                               # layer slides when sliding_window is set
+  model_type: str = "llama"              # the family (model/families/)
   quantization: dict | None = None        # {"group_size": G, "bits": 4} for pre-quantized checkpoints
   source: str = ""                        # where the config came from, for error messages
 
@@ -78,8 +85,26 @@ class ModelConfig:
           fail("rope_scaling", f"rope_scaling {kind} needs a positive number for {key!r}{where}, got {value!r}")
       if kind == "llama3" and self.rope_scaling.get("low_freq_factor", 1.0) == self.rope_scaling.get("high_freq_factor", 4.0):
         fail("rope_scaling", f"rope_scaling llama3 needs low_freq_factor != high_freq_factor{where}")
+    if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
+                                            or self.sliding_window < 1):
+      fail("sliding_window", f"sliding_window must be a positive integer or null{where}, got {self.sliding_window!r}")
+    if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers or
+                                         not set(self.layer_types) <= {"full_attention", "sliding_attention"}):
+      fail("layer_types", f"layer_types must name 'full_attention' or 'sliding_attention' for each of the "
+                          f"{self.num_hidden_layers} layers{where}, got {reprlib.repr(self.layer_types)}")
     if self.quantization is not None and not isinstance(self.quantization, dict):
       fail("quantization", f"quantization must be an object{where}, got {self.quantization!r}")
+
+  def layer_window(self, layer: int) -> int | None:
+    """How many of the latest keys layer `layer` attends to (itself included), or None for all of them."""
+    if self.sliding_window is None: return None
+    return self.sliding_window if self.layer_types is None or self.layer_types[layer] == "sliding_attention" else None
+
+  @property
+  def freeable_window(self) -> int | None:
+    """The window when every layer slides (KV blocks it has passed can go back to the pool), else None."""
+    if self.sliding_window is None or (self.layer_types and "full_attention" in self.layer_types): return None
+    return self.sliding_window
 
   @property
   def q_size(self) -> int: return self.num_attention_heads * self.head_dim
@@ -92,9 +117,10 @@ class ModelConfig:
     if not isinstance(d, dict): raise ConfigError(f"{source} must hold a JSON object, got a JSON {type(d).__name__}")
     archs = d.get("architectures") or []
     if not isinstance(archs, list): archs = [archs]
-    if d.get("model_type") != "llama" and not any(isinstance(a, str) and a in SUPPORTED_ARCHITECTURES for a in archs):
+    family = families.for_hf(archs, d.get("model_type"))
+    if family is None:
       raise ConfigError(f"unsupported architecture {reprlib.repr(archs or d.get('model_type'))} in {source}; "
-                        f"tinyvllm runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+                        f"tinyvllm runs {', '.join(families.hf_names())}")
     def get(key: str, default: Any = KeyError, kind: str = "int") -> Any:
       if default is KeyError and key not in d: raise ConfigError(f"{source} lacks the required field {key!r}")
       value = d.get(key, default)
@@ -119,6 +145,8 @@ class ModelConfig:
     quant = d.get("quantization") or d.get("quantization_config")
     if quant and not isinstance(quant, dict):
       raise ConfigError(f"field 'quantization' in {source} must be an object, got {reprlib.repr(quant)}")
+    extra = family.hf_fields(get, d)
+    if "layer_types" in extra and not isinstance(extra["layer_types"], tuple): extra["layer_types"] = tuple(extra["layer_types"])
     return ModelConfig(
       vocab_size=get("vocab_size"), hidden_size=hidden, intermediate_size=get("intermediate_size"),
       num_hidden_layers=get("num_hidden_layers"), num_attention_heads=n_heads,
@@ -128,15 +156,18 @@ class ModelConfig:
       max_position_embeddings=get("max_position_embeddings", 4096),
       tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
       attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
-      quantization=dict(quant) if quant else None, source=source)
+      quantization=dict(quant) if quant else None, source=source, model_type=family.model_type, **extra)
 
   @staticmethod
   def from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
-    """Build from GGUF metadata (`llama.*` keys)."""
+    """Build from GGUF metadata (`<architecture>.*` keys: `llama.*`, `qwen2.*`, ...)."""
     arch = meta.get("general.architecture")
-    if not isinstance(arch, str) or arch != "llama":
-      raise ConfigError(f"unsupported GGUF architecture {reprlib.repr(arch)} in {source}; tinyvllm runs 'llama'")
+    family = families.for_gguf(arch) if isinstance(arch, str) else None
+    if family is None:
+      raise ConfigError(f"unsupported GGUF architecture {reprlib.repr(arch)} in {source}; tinyvllm runs "
+                        f"{', '.join(map(repr, families.gguf_names()))}")
     def get(key: str, default: Any = KeyError, kind: str = "int") -> Any:
+      key = f"{arch}.{key}"
       if default is KeyError and key not in meta: raise ConfigError(f"{source} lacks the GGUF metadata key {key!r}")
       value = meta.get(key, default)
       if kind == "int": ok = isinstance(value, int) and not isinstance(value, bool)
@@ -145,34 +176,35 @@ class ModelConfig:
         raise ConfigError(f"GGUF metadata key {key} in {source} must be {'an integer' if kind == 'int' else 'a number'}, "
                           f"got {reprlib.repr(value)}")
       return value
-    keys = {"vocab_size": "llama.vocab_size", "hidden_size": "llama.embedding_length",
-            "intermediate_size": "llama.feed_forward_length", "num_hidden_layers": "llama.block_count",
-            "num_attention_heads": "llama.attention.head_count", "num_key_value_heads": "llama.attention.head_count_kv",
-            "head_dim": "llama.attention.key_length", "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon",
-            "rope_theta": "llama.rope.freq_base", "rope_scaling": "llama.rope.scaling.factor",
-            "max_position_embeddings": "llama.context_length"}
-    n_heads, hidden = get("llama.attention.head_count"), get("llama.embedding_length")
-    if n_heads <= 0: raise ConfigError(f"GGUF metadata key llama.attention.head_count in {source} must be positive, got {n_heads}")
-    present = lambda key: key in meta and not (isinstance(meta[key], int) and meta[key] == 0)   # 0 means "not given"
-    if present("llama.vocab_size"): vocab = get("llama.vocab_size")
+    keys = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+            "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
+            "num_key_value_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+            "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+            "rope_scaling": "rope.scaling.factor", "max_position_embeddings": "context_length"}
+    keys = {name: f"{arch}.{key}" for name, key in keys.items()}
+    n_heads, hidden = get("attention.head_count"), get("embedding_length")
+    if n_heads <= 0: raise ConfigError(f"GGUF metadata key {arch}.attention.head_count in {source} must be positive, got {n_heads}")
+    present = lambda key: f"{arch}.{key}" in meta and not (isinstance(meta[f"{arch}.{key}"], int) and meta[f"{arch}.{key}"] == 0)   # 0: "not given"
+    if present("vocab_size"): vocab = get("vocab_size")
     else:
       tokens = meta.get("tokenizer.ggml.tokens")
       if not isinstance(tokens, list):
-        raise ConfigError(f"{source} lacks the GGUF metadata key 'llama.vocab_size' (and has no token list to count)")
+        raise ConfigError(f"{source} lacks the GGUF metadata key '{arch}.vocab_size' (and has no token list to count)")
       vocab = len(tokens)
       keys["vocab_size"] = "tokenizer.ggml.tokens"
     scaling = None
-    if isinstance(meta.get("llama.rope.scaling.type"), str) and meta["llama.rope.scaling.type"] == "linear":
-      scaling = {"rope_type": "linear", "factor": float(get("llama.rope.scaling.factor", kind="number"))}
+    if isinstance(meta.get(f"{arch}.rope.scaling.type"), str) and meta[f"{arch}.rope.scaling.type"] == "linear":
+      scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", kind="number"))}
     try:
       return ModelConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=get("llama.feed_forward_length"),
-        num_hidden_layers=get("llama.block_count"), num_attention_heads=n_heads,
-        num_key_value_heads=get("llama.attention.head_count_kv", n_heads),
-        head_dim=get("llama.attention.key_length", None, "int") if present("llama.attention.key_length") else hidden // n_heads,
-        rms_norm_eps=float(get("llama.attention.layer_norm_rms_epsilon", 1e-5, "number")),
-        rope_theta=float(get("llama.rope.freq_base", 10000.0, "number")), rope_scaling=scaling,
-        max_position_embeddings=get("llama.context_length", 4096), source=source)
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"), num_attention_heads=n_heads,
+        num_key_value_heads=get("attention.head_count_kv", n_heads),
+        head_dim=get("attention.key_length", None, "int") if present("attention.key_length") else hidden // n_heads,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, "number")),
+        rope_theta=float(get("rope.freq_base", 10000.0, "number")), rope_scaling=scaling,
+        max_position_embeddings=get("context_length", 4096), source=source, model_type=family.model_type,
+        **family.gguf_fields(get, meta))
     except ConfigError as e:
       key = keys.get(getattr(e, "field", None))
       if key is None: raise

@@ -2,7 +2,9 @@
 
 A block table is a plain list of block ids; slot `p` of a sequence lives in block `table[p // block_size]` at
 offset `p % block_size`. Tables grow on demand, shrink when speculative tokens are rolled back, and a block is
-returned to the pool when the last table holding it lets it go.
+returned to the pool when the last table holding it lets it go. With sliding-window attention on every layer, the
+blocks a sequence's window has passed go back early (`release_front`): their entries become `FREED`, which the
+model runner reads as any block, its keys masked out by the window.
 
 Prefix caching (vLLM v1's design): once a block is full and its K/V are computed, it is registered under a hash
 of its parent block's hash and its token ids, so a later sequence with the same prefix takes the same block
@@ -24,6 +26,9 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"
   h.update(np.asarray(token_ids, dtype="<i4").tobytes())
   h.update(extra)
   return h.digest()
+
+
+FREED = -1   # a table entry whose block went back to the pool (out of every window); the table keeps its length
 
 
 class Block:
@@ -117,7 +122,18 @@ class BlockManager:
     for block in reversed(table): self._release(block)
     table.clear()
 
+  def release_front(self, table: list[int], num_blocks: int) -> int:
+    """Let go of the table's first `num_blocks` blocks (out of the sequence's every window: nothing reads them again);
+    their entries become FREED. Returns how many went back now."""
+    released = 0
+    for i in range(min(num_blocks, len(table))):
+      if table[i] != FREED:
+        self._release(table[i])
+        table[i], released = FREED, released + 1
+    return released
+
   def _release(self, block_id: int) -> None:
+    if block_id == FREED: return
     block = self.blocks[block_id]
     assert block.ref_count > 0, f"block {block_id} freed twice"
     block.ref_count -= 1
@@ -160,6 +176,7 @@ class BlockManager:
     Returns the index of the first block not yet registered (the caller's next `start_block`)."""
     end = min(num_computed_tokens // self.block_size, len(hashes), len(table))
     for i in range(start_block, end):
+      if table[i] == FREED: continue
       block = self.blocks[table[i]]
       if block.hash is None and hashes[i] not in self.cached:
         block.hash = hashes[i]

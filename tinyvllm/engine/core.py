@@ -77,7 +77,7 @@ class EngineCore:
     self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
                                frozenset(tokenizer.eos_token_ids),
                                lookahead_tokens=config.num_speculative_tokens if self.spec else 0,
-                               packed_prefill=self.runner.model.packs_prefill)
+                               packed_prefill=self.runner.model.packs_prefill, window=ckpt.config.freeable_window)
     self.requests: dict[str, list[Sequence]] = {}
     self._seed_stream = np.random.default_rng(config.seed)
     # structured output: a step's token masks, on a worker thread while the model runs if the step leaves a core idle
@@ -96,7 +96,8 @@ class EngineCore:
       if not 0 < n < target.config.num_hidden_layers:
         raise ConfigError(f"draft_model={name!r}: N must be between 1 and {target.config.num_hidden_layers - 1}")
       keep = select_tensors(target.tensors, lambda k: not k.startswith("model.layers.") or int(k.split(".")[2]) < n)
-      return self._build_model(dataclasses.replace(target.config, num_hidden_layers=n), keep, dtype)
+      layer_types = target.config.layer_types[:n] if target.config.layer_types else None
+      return self._build_model(dataclasses.replace(target.config, num_hidden_layers=n, layer_types=layer_types), keep, dtype)
     draft = load_checkpoint(name)
     draft_tok = load_tokenizer(draft.path)
     same = draft.config.vocab_size == target.config.vocab_size and draft_tok.vocab_size == tokenizer.vocab_size and \

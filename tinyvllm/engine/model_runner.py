@@ -188,7 +188,7 @@ class ModelRunner:
     for i, w in enumerate(items):
       n, start = len(w.tokens), start if shape.packed else i * C
       pos = np.arange(w.start, w.start + n)
-      table = np.asarray(w.block_table, np.int32)
+      table = np.maximum(np.asarray(w.block_table, np.int32), 0)   # FREED entries (out of the window) read block 0, masked
       tokens[start:start + n] = w.tokens
       positions[start:start + n] = q_pos[start:start + n] = pos
       token_seq[start:start + n] = i

@@ -45,8 +45,11 @@ class SchedulerOutput:
 
 class Scheduler:
   def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-               eos_token_ids: frozenset[int] = frozenset(), lookahead_tokens: int = 0, packed_prefill: bool = False):
-    self.blocks = block_manager
+               eos_token_ids: frozenset[int] = frozenset(), lookahead_tokens: int = 0, packed_prefill: bool = False,
+               window: int | None = None):
+    """`window`: every layer of the model attends to at most the latest `window` keys (ModelConfig.freeable_window):
+    blocks a sequence's window has passed go back to the pool before each step."""
+    self.blocks, self.window = block_manager, window
     self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
     self.max_model_len, self.eos_token_ids = max_model_len, eos_token_ids
     self.lookahead = lookahead_tokens     # extra slots a decode reserves (speculative tokens)
@@ -57,6 +60,7 @@ class Scheduler:
     self.held: dict[str, list[Sequence]] = {}
     self.num_preemptions = 0
     self.prefix_cache_queries = self.prefix_cache_hits = 0   # tokens looked up / found at admissions
+    self.num_window_freed = 0   # blocks returned early because every window had passed them
 
   def add(self, seq: Sequence) -> None:
     if self.blocks.enable_caching and seq.index > 0 and seq.num_prompt_tokens > self.blocks.block_size:
@@ -68,6 +72,8 @@ class Scheduler:
   def schedule(self) -> SchedulerOutput:
     out = SchedulerOutput()
     budget = self.max_num_batched_tokens
+    if self.window is not None:
+      for seq in self.running: self._slide(seq)
     # decodes, oldest first; each needs room for its next token (plus any lookahead)
     for seq in list(self.running):
       if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling: continue
@@ -95,6 +101,13 @@ class Scheduler:
       self._admit(seq, hit, chunk)
       out.prefills.append(PrefillChunk(seq, chunk))
     return out
+
+  def _slide(self, seq: Sequence) -> None:
+    """Release the blocks wholly below seq's window: the next query, at position p = num_computed_tokens, sees keys
+    above p - window, so a block whose last slot is at most p - window is never read again."""
+    bs = self.blocks.block_size
+    passed = max(0, seq.num_computed_tokens - self.window + 1) // bs
+    self.num_window_freed += self.blocks.release_front(seq.block_table, passed)
 
   def _cached_prefix(self, seq: Sequence) -> list[int]:
     """The cached blocks a waiting sequence can start from: its longest cached run of full blocks, leaving at

@@ -125,6 +125,15 @@ class Kernels:
     """Can prefill chunks of a model with these layers go back to back (`packs_prefill`, and every layer takes them)?"""
     return self.packs_prefill
 
+  def lacks(self, cfg) -> str | None:
+    """One line saying which parts of the model (a family's q/k norms, sliding windows: model/families/) this
+    backend's own kernels lack and how they run instead, or None when they have them all."""
+    return None
+
+  def fuses(self, layer) -> bool:
+    """Does `decoder_layer` run this layer (model/llama.py LlamaLayer: its window, weights and linears) whole?"""
+    return False
+
   def check_kv_cache(self, fmt: KVCacheFormat) -> None:
     """Refuse, with the reason, a KV cache format this backend's kernels cannot read."""
 
@@ -165,23 +174,32 @@ class Kernels:
     return portable.int4_linear(x, w.weight, w.scales, w.biases, w.group_size)
 
   def rope_and_cache_write(self, qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor,
-                           cache: PagedKVCache, slot_mapping: Tensor) -> tuple[Tensor, PagedKVCache]:
+                           cache: PagedKVCache, slot_mapping: Tensor, qk_norms: tuple | None = None) -> tuple[Tensor, PagedKVCache]:
     """qkv `[T, (H + 2 KVH) D]`: rotate q and k, write k and v into their cache slots (quantized for an int8 cache).
+    `qk_norms` (q weight, k weight, eps): RMSNorm each head of q and k before RoPE (Qwen3).
 
     Returns (rotated q `[T, H, D]`, the cache ordered after the write)."""
-    q, k, v = split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim)
+    q, k, v = self.head_norms(*split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)
     cs = cos_sin[positions]
     return portable.rope(q, cs), portable.write_cache(cache, portable.rope(k, cs), v, slot_mapping)
+
+  def head_norms(self, q: Tensor, k: Tensor, v: Tensor, qk_norms: tuple | None) -> tuple[Tensor, Tensor, Tensor]:
+    """q `[T, H, D]`, k and v `[T, KVH, D]`, q and k RMS-normed head by head when `qk_norms` (q weight, k weight, eps)."""
+    if qk_norms is None: return q, k, v
+    wq, wk, eps = qk_norms
+    norm = lambda x, w: self.rms_norm(x.reshape(-1, x.shape[-1]), w, eps).reshape(x.shape)
+    return norm(q, wq), norm(k, wk), v
 
   def swiglu(self, gate_up: Tensor, inter: int) -> Tensor:
     """silu(gate) * up of the fused gate/up projection's output `[T, 2 * inter]`."""
     return gate_up[:, :inter].silu() * gate_up[:, inter:]
 
-  def attention(self, q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: float) -> Tensor:
-    """q `[P*C, H, D]` of one group -> attention output `[P*C, H, D]`."""
+  def attention(self, q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: float, window: int | None = None) -> Tensor:
+    """q `[P*C, H, D]` of one group -> attention output `[P*C, H, D]`; with a `window`, each query sees only the latest
+    `window` keys up to its own position."""
     P, C = group.num_seqs, group.query_len
     tables = group.block_tables[:, :group.used_blocks]   # portable attention's cost follows the columns it reads
-    out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), cache, tables, group.q_pos, scale)
+    out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), cache, tables, group.q_pos, scale, window)
     return out.reshape(P * C, *q.shape[1:])
 
 
@@ -207,11 +225,20 @@ class CpuKernels(Kernels):
 
   def packs_layers(self, layers) -> bool:
     """Packed prefill groups are read by the fused layer only: a model with a layer it does not take (stored in a
-    format it does not read) pads prefill chunks instead, for the composed layer's attention."""
-    return all(cpu_layer.takes(layer.linears) for layer in layers)
+    format it does not read, or with a part it lacks) pads prefill chunks instead, for the composed layer's attention."""
+    return all(self.fuses(layer) for layer in layers)
+
+  def lacks(self, cfg) -> str | None:
+    missing = [part for part, used in (("q/k norms", cfg.qk_norm), ("sliding windows", cfg.sliding_window is not None)) if used]
+    if not missing: return None
+    return (f"kernel_backend 'cpu': the fused C layer has no {' or '.join(missing)} yet; this model's layers run composed "
+            f"(C linears and norms, portable attention)")
+
+  def fuses(self, layer) -> bool:
+    """Layers without q/k norms or a window, whose parts' rows start at multiples of a row tile (cpu_layer.takes)."""
+    return layer.window is None and not layer.cfg.qk_norm and cpu_layer.takes(layer.linears)
 
   def decoder_layer(self, h, linears, norms, cfg, group, positions, slot_mapping, cos_sin, cache, out):
-    if not cpu_layer.takes(linears): return None   # parts whose rows do not start at a row tile's multiple
     return cpu_layer.decoder_layer(h, linears, norms, cfg, positions, slot_mapping, group.block_tables, group.token_seq,
                                    group.q_pos.reshape(group.num_tokens), cos_sin, cache, out, self.batch_invariant, self.pool)
 
@@ -238,11 +265,16 @@ class ShaderKernels(Kernels):
   def int4_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders)
 
-  def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping):
-    q, k, v = split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim)
+  def lacks(self, cfg) -> str | None:
+    if cfg.sliding_window is None: return None
+    return f"kernel_backend {self.name!r}: the Metal attention kernels have no sliding window yet; windowed layers run the portable attention"
+
+  def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, qk_norms=None):
+    q, k, v = self.head_norms(*split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)
     return metal.rope_and_cache_write(q, k, v, positions, cos_sin, cache, slot_mapping, backend=self.shaders)
 
-  def attention(self, q, cache, group, scale):
+  def attention(self, q, cache, group, scale, window=None):
+    if window is not None: return super().attention(q, cache, group, scale, window)
     if group.query_len == 1:
       return metal.paged_attention_decode(q, cache, group.block_tables, group.context_lens, scale, backend=self.shaders)
     return metal.paged_attention_prefill(q, cache, group.block_tables, group.token_seq, group.q_pos.reshape(group.num_tokens),

@@ -101,12 +101,14 @@ def _gather(cache: Tensor, scale: Tensor | None, block_tables: Tensor, dtype) ->
   return rows if scale is None else rows * scale[block_tables].cast(dtype).unsqueeze(-1)
 
 
-def paged_attention(q: Tensor, cache: PagedKVCache, block_tables: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+def paged_attention(q: Tensor, cache: PagedKVCache, block_tables: Tensor, q_pos: Tensor, scale: float,
+                    window: int | None = None) -> Tensor:
   """Attention of q `[P, C, H, D]` to each sequence's paged K/V.
 
   block_tables `[P, MB]` int32, q_pos `[P, C]` int32: query slot (p, c) sees the key positions 0..q_pos[p, c]
-  of sequence p, which is causal within a chunk and full attention to the cached prefix. Every query sees at
-  least position 0, so padding rows stay finite; their output is ignored by the caller.
+  of sequence p, which is causal within a chunk and full attention to the cached prefix; with a `window`, only
+  positions above q_pos[p, c] - window. Every query sees its own position (padding slots: position 0), so padding
+  rows stay finite; their output is ignored by the caller.
   """
   P, C, H, D = q.shape
   _, BS, KVH, _ = cache.k.shape
@@ -117,7 +119,9 @@ def paged_attention(q: Tensor, cache: PagedKVCache, block_tables: Tensor, q_pos:
   v = _gather(cache.v, cache.v_scale, block_tables, q.dtype).reshape(P, S, KVH, D).permute(0, 2, 1, 3)
   q = q.reshape(P, C, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(P, KVH, G * C, D)          # (P, KVH, G*C, D)
   scores = (q @ k.transpose(-1, -2)).float() * scale                                      # (P, KVH, G*C, S)
-  visible = Tensor.arange(S).reshape(1, 1, 1, S) <= q_pos.reshape(P, 1, 1, C, 1).expand(P, 1, G, C, 1).reshape(P, 1, G * C, 1)
+  key_pos, last = Tensor.arange(S).reshape(1, 1, 1, S), q_pos.reshape(P, 1, 1, C, 1).expand(P, 1, G, C, 1).reshape(P, 1, G * C, 1)
+  visible = key_pos <= last
+  if window is not None: visible = visible & (key_pos > last - window)
   scores = visible.where(scores, float("-inf"))
   # spelled out rather than .softmax(): measured 2x faster on CPU, and the final contiguous() stops the
   # scheduler from fusing two layers' P@V into one slow kernel

@@ -84,13 +84,12 @@ class ShardedKernels(Kernels):
     return t if axis is None else Tensor(t.uop.unshard(axis))
 
   def rope_and_cache_write(self, qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor,
-                           cache: PagedKVCache, slot_mapping: Tensor) -> tuple[Tensor, PagedKVCache]:
+                           cache: PagedKVCache, slot_mapping: Tensor, qk_norms: tuple | None = None) -> tuple[Tensor, PagedKVCache]:
     T, D, n = qkv.shape[0], cache.head_dim, self.shards
     hq, hk = n_heads // n, n_kv_heads // n
     per_device = qkv.reshape(T, n, hq + 2 * hk, D)   # the device axis is the split one: each row of it is one shard
-    q = per_device[:, :, :hq].reshape(T, n_heads, D)
-    k = per_device[:, :, hq:hq + hk].reshape(T, n_kv_heads, D)
-    v = per_device[:, :, hq + hk:].reshape(T, n_kv_heads, D)
+    q, k, v = self.head_norms(per_device[:, :, :hq].reshape(T, n_heads, D), per_device[:, :, hq:hq + hk].reshape(T, n_kv_heads, D),
+                              per_device[:, :, hq + hk:].reshape(T, n_kv_heads, D), qk_norms)
     cs = cos_sin[positions]
     return portable.rope(q, cs), portable.write_cache(cache, portable.rope(k, cs), v, slot_mapping)
 

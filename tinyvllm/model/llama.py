@@ -40,9 +40,10 @@ class LlamaLayer:
   (quant/formats.py): the fused ones, or q/k/v (gate/up) apart when their formats differ (a Q4_K_M GGUF keeps some
   layers' v in Q6_K)."""
   def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor], kernels: Kernels, linears: dict[str, LinearWeights] | None = None,
-               specs: dict[str, QuantSpec] | None = None):
-    """`specs`: the layouts of packed linears (their `.qspec` arrays stay on the host), by name relative to the layer."""
-    self.cfg, self.weights, self.kernels = cfg, weights, kernels
+               specs: dict[str, QuantSpec] | None = None, window: int | None = None):
+    """`specs`: the layouts of packed linears (their `.qspec` arrays stay on the host), by name relative to the layer.
+    `window`: the keys its attention sees, the latest `window` of them (cfg.layer_window), or None for all."""
+    self.cfg, self.weights, self.kernels, self.window = cfg, weights, kernels, window
     if linears is None:
       names = [n for fused in LAYER_LINEARS for n in ((fused,) if f"{fused}.weight" in weights else FUSED_PROJECTIONS.get(fused, (fused,)))]
       specs = specs or {}
@@ -52,13 +53,13 @@ class LlamaLayer:
 
   @property
   def signature(self) -> tuple:
-    """What a captured layer fixes: the weights' names, and each projection's format, layout and shapes."""
-    return tuple(self.weights) + tuple((n, lw.format, lw.spec, tuple(tuple(t.shape) for t in lw.tensors())) for n, lw in self.linears.items())
+    """What a captured layer fixes: the weights' names, its window, and each projection's format, layout and shapes."""
+    return tuple(self.weights) + (("window", self.window),) + tuple((n, lw.format, lw.spec, tuple(tuple(t.shape) for t in lw.tensors())) for n, lw in self.linears.items())
 
   def tensors(self) -> list[Tensor]: return list(self.weights.values())
 
   def with_tensors(self, tensors: list[Tensor]) -> LlamaLayer:
-    return LlamaLayer(self.cfg, dict(zip(self.weights, tensors, strict=True)), self.kernels, self.linears)
+    return LlamaLayer(self.cfg, dict(zip(self.weights, tensors, strict=True)), self.kernels, self.linears, window=self.window)
 
   def linear(self, name: str, x: Tensor) -> Tensor:
     """Projection `name` of x; a fused one whose parts are stored apart runs part by part, outputs side by side."""
@@ -70,7 +71,7 @@ class LlamaLayer:
     """h `[T, hidden]` -> the layer's output, written into `out` when given (a realized buffer)."""
     cfg, kn, w = self.cfg, self.kernels, self.weights
     norms = (w["input_layernorm.weight"], w["post_attention_layernorm.weight"])
-    if len(inp.groups) == 1 and (fused := kn.decoder_layer(h, self.linears, norms, cfg, inp.groups[0], inp.positions, inp.slot_mapping,
+    if len(inp.groups) == 1 and kn.fuses(self) and (fused := kn.decoder_layer(h, self.linears, norms, cfg, inp.groups[0], inp.positions, inp.slot_mapping,
                                                            cos_sin, cache, out)) is not None:
       return fused
     result = self._compose(h, inp, cos_sin, cache)
@@ -80,10 +81,11 @@ class LlamaLayer:
     cfg, kn, w = self.cfg, self.kernels, self.weights
     T, H, KVH, D = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qkv = self.linear("self_attn.qkv_proj", kn.rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps))
-    q, cache = kn.rope_and_cache_write(qkv, H, KVH, inp.positions, cos_sin, cache, inp.slot_mapping)
+    qk_norms = (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"], cfg.rms_norm_eps) if cfg.qk_norm else None
+    q, cache = kn.rope_and_cache_write(qkv, H, KVH, inp.positions, cos_sin, cache, inp.slot_mapping, qk_norms)
     outs, start = [], 0
     for g in inp.groups:
-      outs.append(kn.attention(q[start:start + g.num_tokens], cache, g, D ** -0.5))
+      outs.append(kn.attention(q[start:start + g.num_tokens], cache, g, D ** -0.5, self.window))
       start += g.num_tokens
     attn = (outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])).reshape(T, H * D)
     h = h + self.linear("self_attn.o_proj", attn)
@@ -127,7 +129,9 @@ class Llama:
     for i in range(cfg.num_hidden_layers):
       prefix = f"model.layers.{i}."
       self.layers.append(LlamaLayer(cfg, {k[len(prefix):]: t for k, t in w.items() if k.startswith(prefix)}, kernels,
-                                    specs={k[len(prefix):]: v for k, v in specs.items() if k.startswith(prefix)}))
+                                    specs={k[len(prefix):]: v for k, v in specs.items() if k.startswith(prefix)},
+                                    window=cfg.layer_window(i)))
+    if lacking := kernels.lacks(cfg): print(f"tinyvllm: {lacking}", file=sys.stderr)
     self.packs_prefill = kernels.packs_layers(self.layers)   # prefill chunks back to back (kernels.AttentionGroup)
     inv_freq = inverse_frequencies(cfg, tensors.get("rope_freqs.weight"))
     table = cos_sin_table(inv_freq, max_positions)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 from tinyvllm.config import ModelConfig
+from tinyvllm.model import families
 from tinyvllm.model.gguf_file import GGUFError, GGUFTensor, read_gguf
 from tinyvllm.quant import blocks, ggml, int4
 from tinyvllm.quant.formats import FLOAT, INT8, stored_format
@@ -328,7 +329,9 @@ def expected_tensors(config: ModelConfig) -> tuple[dict[str, int], dict[str, tup
                     f"{p}.self_attn.v_proj": (c.kv_size, c.hidden_size), f"{p}.self_attn.o_proj": (c.hidden_size, c.q_size),
                     f"{p}.mlp.gate_proj": (c.intermediate_size, c.hidden_size), f"{p}.mlp.up_proj": (c.intermediate_size, c.hidden_size),
                     f"{p}.mlp.down_proj": (c.hidden_size, c.intermediate_size)})
-    biased += [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj") if c.attention_bias]
+    if c.qk_norm: vectors.update({f"{p}.self_attn.q_norm.weight": c.head_dim, f"{p}.self_attn.k_norm.weight": c.head_dim})
+    biased += [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj") if c.attention_bias or c.qkv_bias]
+    biased += [f"{p}.self_attn.o_proj"] if c.attention_bias else []
     biased += [f"{p}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj") if c.mlp_bias]
   return vectors, linears, biased
 
@@ -379,7 +382,7 @@ _GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", 
                "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj"}
+               "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
@@ -426,26 +429,29 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
     msg = str(e).removeprefix(f"{path}: ")
     raise ModelLoadError(f"{path} is not a readable GGUF file: {msg}") from None
   config = ModelConfig.from_gguf(meta, source=str(path))
+  arch = meta["general.architecture"]
+  permuted = families.for_gguf(arch).gguf_rope_permuted
   by_name: dict[str, GGUFTensor] = {}
   for t in gguf_tensors:
     if t.type_name not in GGUF_TENSOR_TYPES:
       raise ModelLoadError(f"{path}: tensor {t.name} has GGUF type {t.type_name}; supported: {', '.join(GGUF_TENSOR_TYPES)}")
     name = hf_name(t.name)
     if (m := _LAYER.match(name)) and int(m.group(1)) >= config.num_hidden_layers:
-      raise ModelLoadError(f"{path}: tensor {t.name} belongs to layer {int(m.group(1))}, but llama.block_count declares "
+      raise ModelLoadError(f"{path}: tensor {t.name} belongs to layer {int(m.group(1))}, but {arch}.block_count declares "
                            f"{config.num_hidden_layers} layers")
     if name in by_name: raise ModelLoadError(f"{path}: tensors {by_name[name].name} and {t.name} are both {name}")
     by_name[name] = t
   if "lm_head.weight" not in by_name: config = dataclasses.replace(config, tie_word_embeddings=True)
   # shapes checked before any conversion; tensors the model does not read are not converted (nor kept)
-  keep = check_tensors(config, by_name, str(path), "llama.block_count", lambda n: by_name[n].name if n in by_name else gguf_name(n),
+  keep = check_tensors(config, by_name, str(path), f"{arch}.block_count", lambda n: by_name[n].name if n in by_name else gguf_name(n),
                        stored=False)
   store, kept_types = LazyTensors(), set()
   for name in keep:
     t = by_name[name]
     compact = keep_q4 and t.type_name in COMPACT_GGUF_TYPES and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES)
     if compact: kept_types.add(t.type_name)
-    store.add(_gguf_keys(name, t.type_name if compact else None), lambda name=name, t=t, compact=compact: _gguf_arrays(name, t, compact, config),
+    store.add(_gguf_keys(name, t.type_name if compact else None),
+              lambda name=name, t=t, compact=compact: _gguf_arrays(name, t, compact, config, permuted),
               [t.data], _gguf_nbytes(t, compact))
   if kept_types:
     smallest = min(int(re.search(r"\d", q).group()) for q in kept_types)
@@ -473,12 +479,15 @@ def _gguf_nbytes(t: GGUFTensor, compact: bool) -> int:
   return blocks.packed_nbytes(blocks.GGML_SPECS[t.type_name], math.prod(t.shape[:-1]), t.shape[-1])
 
 
-def _gguf_arrays(name: str, t: GGUFTensor, compact: bool, config: ModelConfig) -> dict[str, np.ndarray]:
-  """One GGUF tensor as the model reads it (see load_gguf). Rows move as whole rows, so llama.cpp's Q/K row order is
-  undone on raw quantized blocks just like on floats."""
+def _gguf_arrays(name: str, t: GGUFTensor, compact: bool, config: ModelConfig, permuted: bool) -> dict[str, np.ndarray]:
+  """One GGUF tensor as the model reads it (see load_gguf). `permuted`: the architecture's Q/K rows are in llama.cpp's
+  order (families.Family.gguf_rope_permuted); rows move as whole rows, so that order is undone on raw quantized blocks
+  just like on floats."""
   qtype, shape, data, base = t.type_name, t.shape, t.data, name[:-len(".weight")]
-  if name.endswith("self_attn.q_proj.weight"): data = unpermute_rope_rows(data, config.num_attention_heads)
-  if name.endswith("self_attn.k_proj.weight"): data = unpermute_rope_rows(data, config.num_key_value_heads)
+  if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+    data = unpermute_rope_rows(data, config.num_attention_heads)
+  if permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+    data = unpermute_rope_rows(data, config.num_key_value_heads)
   if compact and qtype == "Q8_0":
     codes, d = ggml.q8_0_parts(data)
     return {name: codes.reshape(shape), f"{base}.scales": d.astype(np.float16)}   # d is float16 in the file

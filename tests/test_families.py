@@ -1,0 +1,167 @@
+"""Model families beyond Llama (model/families/) against HF transformers on tiny random checkpoints it writes: every
+prompt position's logits on every backend, greedy generation through the engine (chunked prefill, preemption,
+prefix caching) against HF's generate, the same weights as GGUF files written the way llama.cpp's converter writes
+each architecture, and sliding-window attention over prompts several windows long.
+
+Tolerance: relative error 1e-4 in float32, as tests/test_model_parity.py argues for Llama (same maths in the same
+precision; the families add biases, a per-head RMSNorm and masks, none of which changes the error's size)."""
+from __future__ import annotations
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from conftest import make_tiny_model, our_prefill_logits
+from test_weights import write_gguf
+from tinyvllm import SamplingParams
+from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.model.weights import load_checkpoint
+
+TOL = 1e-4
+
+# name -> (HF model_type, config overrides): each family with what sets it apart
+FAMILY_CONFIGS = {
+  "qwen2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),   # q/k/v biases
+  "qwen3": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),   # q/k norms, head_dim apart
+  "mistral": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12)),   # every layer slides
+  # a window on layer 1 only (max_window_layers=1): windowed and full layers in one model
+  "qwen2_window": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=10,
+                                 max_window_layers=1)),
+  # the Metal kernels' shapes (head_dim 64), for the emulator
+  "qwen3_metal": ("qwen3", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
+  "mistral_metal": ("mistral", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=12)),
+}
+
+
+@pytest.fixture(scope="module")
+def family_model(tmp_path_factory):
+  made = {}
+  def make(name: str):
+    if name not in made:
+      model_type, overrides = FAMILY_CONFIGS[name]
+      made[name] = make_tiny_model(tmp_path_factory.mktemp(f"family-{name}"), model_type, **overrides)
+    return made[name]
+  return make
+
+
+def rel_err(a, b) -> float: return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+def hf_model(path, state: dict | None = None):
+  model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  if state is not None: model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+  return model
+
+
+def hf_logits(model, ids: list[int]) -> np.ndarray:
+  with torch.no_grad(): return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+@pytest.mark.parametrize("name,backend", [(n, b) for n in ("qwen2", "qwen3", "mistral", "qwen2_window") for b in ("portable", "cpu")] +
+                         [("qwen3_metal", "emulator"), ("mistral_metal", "emulator")])
+def test_prefill_logits_every_position(family_model, name, backend):
+  """40 positions: over three windows of the windowed models, so the mask decides most of their logits."""
+  path = family_model(name)
+  ids = np.random.default_rng(1).integers(0, 380, 40).tolist()
+  ours, ref = our_prefill_logits(path, ids, backend, block_size=8), hf_logits(hf_model(path), ids)
+  assert rel_err(ours, ref) < TOL
+  assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.97
+
+
+def test_the_window_matters(family_model):
+  """The windowed model's logits beyond its window differ from the same weights attending to everything (so the
+  test above checks the mask, not a window too wide to act)."""
+  path = family_model("mistral")
+  ids = np.random.default_rng(1).integers(0, 380, 40).tolist()
+  windowed = hf_model(path)
+  full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, sliding_window=None).eval()
+  a, b = hf_logits(windowed, ids), hf_logits(full, ids)
+  assert rel_err(a[:12], b[:12]) < 1e-6 and rel_err(a[12:], b[12:]) > 1e-2
+
+
+@pytest.mark.parametrize("name,backend", [("qwen2", "cpu"), ("qwen3", "cpu"), ("mistral", "cpu"), ("qwen2_window", "portable")])
+def test_engine_greedy_matches_hf_generate(family_model, name, backend):
+  """Three prompts sharing a 16-token prefix through the engine, chunked (16 tokens a step) in a pool too small for
+  them all (preempted and recomputed), then a fourth with the same prefix (found in the prefix cache): each
+  continuation equals HF's greedy generate."""
+  path = family_model(name)
+  # the pool: too small for three sequences at once (a windowed model needs fewer blocks: its passed ones go back)
+  blocks = 6 if name == "mistral" else 9
+  engine = LLMEngine.from_kwargs(str(path), block_size=8, num_kv_blocks=blocks, max_num_batched_tokens=16, kernel_backend=backend)
+  rng = np.random.default_rng(3)
+  prefix = rng.integers(0, 380, 16).tolist()
+  prompts = [prefix + rng.integers(0, 380, 14).tolist() for _ in range(4)]
+  params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+  outputs = {}
+  def run(ids: list[int]):
+    for i in ids: engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params)
+    while engine.has_unfinished_requests():
+      for out in engine.step():
+        if out.finished: outputs[int(out.request_id)] = out.outputs[0].token_ids
+  run([0, 1, 2])
+  assert engine.core.scheduler.num_preemptions > 0
+  hits = engine.core.scheduler.prefix_cache_hits
+  run([3])
+  assert engine.core.scheduler.prefix_cache_hits >= hits + 16
+  model = hf_model(path)
+  for i, prompt in enumerate(prompts):
+    with torch.no_grad():
+      # an explicit mask: without one, HF takes every pad_token_id in the prompt for padding
+      want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=16,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+    assert outputs[i] == want.tolist(), f"prompt {i}"
+
+
+@pytest.mark.parametrize("name,freed", [("mistral", True), ("qwen2_window", False)])
+def test_blocks_out_of_every_window_go_back(family_model, name, freed):
+  """A 70-token prompt and 20 more tokens (block 8, window 12 on every layer, chunks of 16): the blocks the window has
+  passed go back to the pool as the sequence advances, so it never holds more than the window and a chunk need
+  (5 blocks, against 11 for the 88 positions the last step reads), and its tokens still equal HF's. A model with a
+  full-attention layer keeps every block."""
+  path = family_model(name)
+  engine = LLMEngine.from_kwargs(str(path), block_size=8, num_kv_blocks=32, max_num_batched_tokens=16, kernel_backend="portable")
+  prompt = np.random.default_rng(4).integers(4, 380, 70).tolist()
+  engine.add_request("0", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+  bm, held = engine.core.block_manager, []
+  while engine.has_unfinished_requests():
+    for out in engine.step(): pass
+    held.append(bm.num_blocks - bm.num_free)
+  want = hf_model(path).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 70, dtype=torch.long), max_new_tokens=20,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, 70:].tolist()
+  assert out.outputs[0].token_ids == want
+  if freed: assert max(held) <= 5 and engine.core.scheduler.num_window_freed >= 11 - 5
+  else: assert max(held) == 11 and engine.core.scheduler.num_window_freed == 0
+
+
+@pytest.mark.parametrize("name,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3")])
+def test_gguf_of_each_architecture(family_model, tmp_path, name, arch):
+  """The same weights as llama.cpp's converter writes them (Q/K rows in HF's order for these architectures, biases
+  and q/k norms as F32 vectors, linears in Q8_0/Q4_0/Q4_1/F16/BF16): the config read from `<arch>.*` keys, and
+  logits equal HF's on the weights the gguf package dequantizes."""
+  path = family_model(name)
+  expected = write_gguf(path, tmp_path / "m.gguf", arch=arch)
+  ckpt = load_checkpoint(tmp_path / "m.gguf")
+  assert ckpt.config.model_type == arch and ckpt.config.qkv_bias == (arch == "qwen2") and ckpt.config.qk_norm == (arch == "qwen3")
+  ids = list(range(5, 40))
+  ours, ref = our_prefill_logits(tmp_path / "m.gguf", ids, "cpu"), hf_logits(hf_model(path, expected), ids)
+  assert rel_err(ours, ref) < TOL
+
+
+def test_family_configs_and_their_errors():
+  base = dict(vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2)
+  qwen2 = ModelConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False, "sliding_window": 64})
+  assert qwen2.qkv_bias and not qwen2.attention_bias and qwen2.sliding_window is None and qwen2.model_type == "qwen2"
+  windowed = ModelConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 64,
+                                  "max_window_layers": 2})
+  assert [windowed.layer_window(i) for i in range(4)] == [None, None, 64, 64]
+  mistral = ModelConfig.from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+  assert [mistral.layer_window(i) for i in range(4)] == [4096] * 4
+  assert ModelConfig.from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None}).sliding_window is None
+  assert ModelConfig.from_hf({**base, "model_type": "qwen3"}).qk_norm
+  with pytest.raises(ConfigError, match="unsupported architecture.*GPTNeoXForCausalLM.*Qwen3ForCausalLM"):
+    ModelConfig.from_hf({**base, "architectures": ["GPTNeoXForCausalLM"]})
+  with pytest.raises(ConfigError, match="sliding_window"):
+    ModelConfig.from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 0})
+  with pytest.raises(ConfigError, match="layer_types"):
+    ModelConfig.from_hf({**base, "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "sliding_window": 8,
+                         "layer_types": ["full_attention"] * 3})

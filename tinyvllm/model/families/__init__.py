@@ -1,0 +1,61 @@
+"""Model families: what each checkpoint family adds to the shared decoder (model/llama.py), one module per family.
+
+A family is a description, not a model class: the HF architectures and GGUF architecture it answers to, the
+ModelConfig fields its config.json and GGUF metadata set beyond the shared ones, and how llama.cpp's converter stored
+its tensors. The decoder's parts (q/k/v biases, per-head q/k norms, sliding-window attention, ...) are switched on by
+those ModelConfig fields, so the runner, the kernels and the loaders never branch on a family's name: a backend that
+lacks a part says so by the field (kernels/__init__.py `Kernels.composes`). Adding a family is one module here, listed
+in FAMILIES, and one test config (tests/test_families.py)."""
+from __future__ import annotations
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# get(key, default, kind) reads and checks one field of config.json ("int", "number", "object", "bool"); for GGUF
+# metadata, the key without the "<architecture>." prefix
+Getter = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Family:
+  model_type: str                          # HF config.json "model_type"
+  architectures: tuple[str, ...]           # HF config.json "architectures"
+  gguf_architecture: str | None = None     # GGUF general.architecture
+  # ModelConfig fields read from config.json (`get`, the raw dict) / GGUF metadata beyond the shared Llama ones
+  hf_fields: Callable[[Getter, dict], dict] = lambda get, d: {}
+  gguf_fields: Callable[[Getter, dict], dict] = lambda get, meta: {}
+  # llama.cpp's converter reorders the rows of Q and K of this architecture (LlamaModel.permute) so each head's rotary
+  # pairs interleave; the loader undoes it. Architectures llama.cpp runs with "NEOX" RoPE keep HF's order.
+  gguf_rope_permuted: bool = False
+
+
+def sliding_layers(get: Getter, d: dict, num_layers: int) -> dict:
+  """The sliding-window fields of a Qwen2/Qwen3-style config.json: `layer_types` when given, else the window applies
+  to layers from `max_window_layers` on, and only with `use_sliding_window`. Every released Qwen2.5/Qwen3 checkpoint
+  has use_sliding_window false (full attention everywhere)."""
+  if not d.get("use_sliding_window", False) or d.get("sliding_window") is None: return {}
+  window = get("sliding_window")
+  if d.get("layer_types") is not None: return {"sliding_window": window, "layer_types": tuple(d["layer_types"])}
+  first = get("max_window_layers", num_layers)
+  return {"sliding_window": window, "layer_types": tuple("sliding_attention" if i >= first else "full_attention"
+                                                           for i in range(num_layers))}
+
+
+from tinyvllm.model.families import llama, mistral, qwen2, qwen3   # noqa: E402  (they import Family from here)
+
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+
+
+def for_hf(architectures: list, model_type: Any) -> Family | None:
+  """The family of a config.json: by its architectures, else by its model_type."""
+  for f in FAMILIES:
+    if any(a in f.architectures for a in architectures): return f
+  return next((f for f in FAMILIES if f.model_type == model_type), None)
+
+
+def for_gguf(architecture: Any) -> Family | None:
+  return next((f for f in FAMILIES if f.gguf_architecture == architecture), None)
+
+
+def hf_names() -> list[str]: return [a for f in FAMILIES for a in f.architectures]
+def gguf_names() -> list[str]: return [f.gguf_architecture for f in FAMILIES if f.gguf_architecture]
