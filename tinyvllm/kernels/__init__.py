@@ -137,10 +137,12 @@ class Kernels:
   def check_kv_cache(self, fmt: KVCacheFormat) -> None:
     """Refuse, with the reason, a KV cache format this backend's kernels cannot read."""
 
-  def decoder_layer(self, h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Tensor, Tensor], cfg, group: AttentionGroup,
-                    positions: Tensor, slot_mapping: Tensor, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None) -> Tensor | None:
+  def decoder_layer(self, h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Tensor, ...], cfg, group: AttentionGroup,
+                    positions: Tensor, slot_mapping: Tensor, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None,
+                    window: int | None = None) -> Tensor | None:
     """A whole decoder layer as one kernel, written into `out` if given, where the backend has one; None means:
-    compose it from the operations below."""
+    compose it from the operations below. `norms`: the layer's two RMSNorm weights, then the q and k head norms'
+    when the model has them."""
     return None
 
   def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -228,19 +230,14 @@ class CpuKernels(Kernels):
     format it does not read, or with a part it lacks) pads prefill chunks instead, for the composed layer's attention."""
     return all(self.fuses(layer) for layer in layers)
 
-  def lacks(self, cfg) -> str | None:
-    missing = [part for part, used in (("q/k norms", cfg.qk_norm), ("sliding windows", cfg.sliding_window is not None)) if used]
-    if not missing: return None
-    return (f"kernel_backend 'cpu': the fused C layer has no {' or '.join(missing)} yet; this model's layers run composed "
-            f"(C linears and norms, portable attention)")
-
   def fuses(self, layer) -> bool:
-    """Layers without q/k norms or a window, whose parts' rows start at multiples of a row tile (cpu_layer.takes)."""
-    return layer.window is None and not layer.cfg.qk_norm and cpu_layer.takes(layer.linears)
+    """Layers whose projections' parts start at multiples of a row tile (cpu_layer.takes); q/k norms and windows
+    are the fused layer's own."""
+    return cpu_layer.takes(layer.linears)
 
-  def decoder_layer(self, h, linears, norms, cfg, group, positions, slot_mapping, cos_sin, cache, out):
+  def decoder_layer(self, h, linears, norms, cfg, group, positions, slot_mapping, cos_sin, cache, out, window=None):
     return cpu_layer.decoder_layer(h, linears, norms, cfg, positions, slot_mapping, group.block_tables, group.token_seq,
-                                   group.q_pos.reshape(group.num_tokens), cos_sin, cache, out, self.batch_invariant, self.pool)
+                                   group.q_pos.reshape(group.num_tokens), cos_sin, cache, out, self.batch_invariant, self.pool, window)
 
 
 class ShaderKernels(Kernels):

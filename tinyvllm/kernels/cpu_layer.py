@@ -139,6 +139,8 @@ class LayerShape:
   v_storage: str = "float"  # the same for V (k8v4: int8 keys, int4 values)
   k_rotated: bool = False   # int4: stored rotated by the Hadamard matrix R along head_dim
   v_rotated: bool = False
+  qk_norm: bool = False     # RMSNorm each head of q and k before RoPE (Qwen3: weights qn, kn)
+  window: int = 0           # attend to the latest `window` keys only (sliding window); 0: all
 
   @property
   def kv_quantized(self) -> bool: return self.k_storage != "float"
@@ -180,7 +182,7 @@ def _source(name: str, s: LayerShape, scale: float) -> str:
             "float *restrict scratch", "const float *restrict h",
             "const int *restrict pos", "const int *restrict slots", "const int *restrict tables", "const int *restrict token_seq",
             "const int *restrict token_pos", "const float *restrict cs", "const float *restrict ln1", "const float *restrict ln2",
-            *s.qkv.args("qkv"), *s.o.args("o"), *s.gate_up.args("gate_up"), *s.down.args("down"),
+            *(["const float *restrict qn", "const float *restrict kn"] if s.qk_norm else []), *s.qkv.args("qkv"), *s.o.args("o"), *s.gate_up.args("gate_up"), *s.down.args("down"),
             "const unsigned long long *restrict pool"]
   # a projection over rows nb..ne-1, called from a pool part: its weights come from the layer's context struct
   call = lambda lin, spec, y, x: f"{lin}({y}, {x}, {', '.join('c->' + c_param_name(a) for a in spec.args(lin))}, nb, ne);"
@@ -236,6 +238,7 @@ static inline float hsum8(__m256 v);
 {_linear_fn("down", s.down, T, s.invariant)}
 
 {rms_norm_source("rms_norm", T, E, s.eps)}
+{rms_norm_source("head_norm", 1, D, s.eps) if s.qk_norm else ""}
 static inline void rope(float *restrict dst, const float *restrict x, const float *restrict c, const float *restrict sn) {{
   for (int i = 0; i < {half}; i++) {{
     float x1 = x[i], x2 = x[i + {half}];
@@ -247,19 +250,27 @@ static inline void rope(float *restrict dst, const float *restrict x, const floa
 {_F2H + _KV_QUANT if s.kv_quantized else ""}
 {_kv_store("store_k", s.k_storage, s.k_rotated, D)}
 {_kv_store("store_v", s.v_storage, s.v_rotated, D)}
-/* rotate q and k, write k and v into their cache slots (slot -1: a padding token, nothing written) */
+/* rotate q and k (RMS-normed head by head first, with qk_norm), write k and v into their cache slots (slot -1: a
+   padding token, nothing written) */
 static void rope_write(float *restrict q, struct layer_ctx *c, const float *restrict qkv) {{
   for (int t = 0; t < {T}; t++) {{
     const float *row = qkv + (long)t * {QKV};
     int p = c->pos[t] < 0 ? 0 : c->pos[t] >= {s.max_pos} ? {s.max_pos - 1} : c->pos[t];
     const float *cs = c->cs + (long)p * {D}, *sn = cs + {half};
-    for (int hd = 0; hd < {H}; hd++) rope(q + ((long)t * {H} + hd) * {D}, row + hd * {D}, cs, sn);
+    float normed[{D}];
+    for (int hd = 0; hd < {H}; hd++) {{
+      const float *x = row + hd * {D};
+      {"head_norm(normed, x, c->qn); x = normed;" if s.qk_norm else ""}
+      rope(q + ((long)t * {H} + hd) * {D}, x, cs, sn);
+    }}
     int slot = c->slots[t];
     if (slot < 0) continue;   /* a padding token; the source leaves out the cache size so one binary serves every size */
     for (int hd = 0; hd < {KVH}; hd++) {{
       long at = (long)slot * {KVH} + hd;
       float k[{D}];
-      rope(k, row + ({H} + hd) * {D}, cs, sn);
+      const float *x = row + ({H} + hd) * {D};
+      {"head_norm(normed, x, c->kn); x = normed;" if s.qk_norm else ""}
+      rope(k, x, cs, sn);
       store_k(c->kc, {"c->ks" if s.kv_quantized else "0"}, at, k);
       store_v(c->vc, {"c->vs" if s.kv_quantized else "0"}, at, row + ({H + KVH} + hd) * {D});
     }}
@@ -338,11 +349,13 @@ static inline void attend_tile(const float *restrict qg, struct layer_ctx *c, co
    thread count), so a token's attention is the same arithmetic alone, in any batch and on any number of threads.
    A power of two (parts of at least {SPLIT_KEYS} keys, at most {NSPLIT}), so the parts divide evenly over 2 or 4 threads. */
 static inline int key_splits(int n) {{ int k = 1; while (k < {NSPLIT} && n >= 2 * k * {SPLIT_KEYS}) k *= 2; return k; }}
-static inline int token_units(struct layer_ctx *c, int t) {{ return c->token_seq[t] < 0 ? 0 : key_splits(c->token_pos[t] + 1); }}
+/* token t's first key: 0, or with a sliding window the oldest of the latest {s.window} keys */
+static inline int first_key(struct layer_ctx *c, int t) {{ return {s.window} && c->token_pos[t] + 1 > {s.window} ? c->token_pos[t] + 1 - {s.window} : 0; }}
+static inline int token_units(struct layer_ctx *c, int t) {{ return c->token_seq[t] < 0 ? 0 : key_splits(c->token_pos[t] + 1 - first_key(c, t)); }}
 
 /* Attention units ub..ue-1, where a unit is one key split of one token (tokens in order, splits in order): token t
-   attends to keys 0..token_pos[t] of block-table row token_seq[t] (-1: padding), causal in a chunk and the whole
-   cached prefix. A unit sweeps its keys a tile at a time and, per tile, every KV head: each key's K (and V) rows
+   attends to keys first_key(t)..token_pos[t] of block-table row token_seq[t] (-1: padding), causal in a chunk and the
+   whole cached prefix (or its window). A unit sweeps its keys a tile at a time and, per tile, every KV head: each key's K (and V) rows
    for all heads are one contiguous run, read once, in order. The {G} query heads of a KV head share each row.
    A unit leaves its unnormalized state (acc, max, sum per query head) in c->part for attention_merge. */
 static void attention(const float *restrict q, struct layer_ctx *c, int ub, int ue) {{
@@ -351,9 +364,9 @@ static void attention(const float *restrict q, struct layer_ctx *c, int ub, int 
   int t = 0, u0 = 0;   /* token t's units are u0 .. u0 + token_units(t) - 1 */
   for (int u = ub; u < ue; u++) {{
     while (u >= u0 + token_units(c, t)) u0 += token_units(c, t++);
-    int sp = u - u0, n = c->token_pos[t] + 1, ns = key_splits(n), tiles = (n + {TILE - 1}) / {TILE};
-    int jb = tiles * sp / ns * {TILE}, je = tiles * (sp + 1) / ns * {TILE};
-    if (je > n) je = n;
+    int lo = first_key(c, t), sp = u - u0, n = c->token_pos[t] + 1 - lo, ns = key_splits(n), tiles = (n + {TILE - 1}) / {TILE};
+    int jb = lo + tiles * sp / ns * {TILE}, je = lo + tiles * (sp + 1) / ns * {TILE};
+    if (je > lo + n) je = lo + n;
     const int *table = c->tables + (long)c->token_seq[t] * {s.table_width};
     const float *qt = q + (long)t * {H * D};
 {rotate_q}
@@ -484,21 +497,22 @@ def _spec(ws: list[LinearWeights]) -> LinearSpec:
                           for w in ws))
 
 
-def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Tensor, Tensor], cfg, positions: Tensor, slots: Tensor,
+def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Tensor, ...], cfg, positions: Tensor, slots: Tensor,
                   tables: Tensor, token_seq: Tensor,
                   token_pos: Tensor, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None,
-                  invariant: bool = False, pool: Tensor | None = None) -> Tensor:
+                  invariant: bool = False, pool: Tensor | None = None, window: int | None = None) -> Tensor:
   """One decoder layer: h `[T, hidden]` float32 -> `[T, hidden]`, written into `out` when given (a realized buffer,
   so the caller can alternate two); k/v written into the cache in place; `pool`: a ThreadPool's buffer
   (kernels/threads.py) to split the work over, or None for one thread. `linears`: the layer's projections under HF
-  names relative to the layer, q/k/v and gate/up fused (see model/llama.py); `norms`: the two RMSNorm weights."""
+  names relative to the layer, q/k/v and gate/up fused (see model/llama.py); `norms`: the two RMSNorm weights, then
+  the q and k head norms' when the model has them; `window`: the layer's sliding window, or None."""
   T, E = h.shape
   D, I = cfg.head_dim, cfg.intermediate_size
   shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, cache.k.shape[1],
                      tables.shape[1], cos_sin.shape[0], float(cfg.rms_norm_eps),
                      *(_spec(projection_parts(linears, n)) for n in LINEARS), invariant,
                      *(("int4" if int4 else "int8" if cache.quantized else "float") for int4 in (cache.k_int4, cache.v_int4)),
-                     cache.k_rotated, cache.v_rotated)
+                     cache.k_rotated, cache.v_rotated, len(norms) == 4, window or 0)
   # a name stable across processes (hash() of a str is salted per process): tinygrad's disk cache of compiled
   # kernels is keyed by source, so the same shape compiles once per machine, not once per process
   name = f"llama_layer_{hashlib.sha256(repr(shape).encode()).hexdigest()[:16]}"

@@ -71,8 +71,9 @@ class LlamaLayer:
     """h `[T, hidden]` -> the layer's output, written into `out` when given (a realized buffer)."""
     cfg, kn, w = self.cfg, self.kernels, self.weights
     norms = (w["input_layernorm.weight"], w["post_attention_layernorm.weight"])
-    if len(inp.groups) == 1 and kn.fuses(self) and (fused := kn.decoder_layer(h, self.linears, norms, cfg, inp.groups[0], inp.positions, inp.slot_mapping,
-                                                           cos_sin, cache, out)) is not None:
+    if cfg.qk_norm: norms += (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"])
+    if len(inp.groups) == 1 and kn.fuses(self) and (fused := kn.decoder_layer(h, self.linears, norms, cfg, inp.groups[0], inp.positions,
+                                                                              inp.slot_mapping, cos_sin, cache, out, self.window)) is not None:
       return fused
     result = self._compose(h, inp, cos_sin, cache)
     return result if out is None else out.assign(result)
