@@ -47,8 +47,10 @@ def make_tiny_llama(path: Path, seed: int = 0, dtype: str = "float32", **overrid
   return make_tiny_model(path, "llama", seed, dtype, **overrides)
 
 
-def make_tiny_model(path: Path, model_type: str, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
-  """A tiny random checkpoint of any family transformers knows (`model_type`: "llama", "qwen3", ...), written by it."""
+def make_tiny_model(path: Path, model_type: str, seed: int = 0, dtype: str = "float32", vector_noise: float = 0.0, **overrides) -> Path:
+  """A tiny random checkpoint of any family transformers knows (`model_type`: "llama", "qwen3", ...), written by it.
+  `vector_noise`: add N(0, vector_noise) to every 1-D parameter (norm weights, biases), which HF initialises to ones
+  or zeros: a test of biases or of Gemma's 1 + weight norms must not read zeros."""
   import torch
   from transformers import AutoConfig, AutoModelForCausalLM
   path.mkdir(parents=True, exist_ok=True)
@@ -61,6 +63,8 @@ def make_tiny_model(path: Path, model_type: str, seed: int = 0, dtype: str = "fl
   model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg)).eval()
   with torch.no_grad():   # HF initialises with std 0.02: widen it so logits are far from uniform and argmax is robust
     for p in model.parameters(): p.mul_(8.0 if p.dim() > 1 else 1.0)
+    for p in model.parameters():
+      if p.dim() == 1 and vector_noise: p.add_(torch.randn(p.shape) * vector_noise)
   model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
   return path
 

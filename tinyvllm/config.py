@@ -6,6 +6,7 @@ from typing import Any
 from tinyvllm.model import families
 
 ROPE_TYPES = ("default", "linear", "llama3")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 # auto: the model dtype; int8: codes + a float16 scale per token and KV head; int4: 4-bit codes of K and V rotated along
 # head_dim (Hadamard) + a float16 scale; k8v4: int8 keys, int4 values; int4-unrotated: int4 without the rotation, to
 # measure what it buys
@@ -40,6 +41,15 @@ class ModelConfig:
   layer_types: tuple[str, ...] | None = None   # per layer, "full_attention" or "sliding_attention"; None: every
                                                # layer slides when sliding_window is set
   model_type: str = "llama"              # the family (model/families/)
+  hidden_act: str = "silu"               # the MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)
+  norm_weight_offset: float = 0.0        # RMSNorms scale by (offset + weight): 1 for Gemma's HF checkpoints
+  sandwich_norms: bool = False           # Gemma 2/3: outputs of attention and MLP normed too (post_attention_layernorm,
+                                         # post_feedforward_layernorm); the MLP's input by pre_feedforward_layernorm
+  scale_embeddings: bool = False         # embeddings times sqrt(hidden_size) (Gemma)
+  query_pre_attn_scalar: float | None = None   # attention scores scaled by its -1/2 power instead of head_dim's
+  attn_logit_softcapping: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+  final_logit_softcapping: float | None = None # logits likewise (Gemma 2)
+  rope_local_theta: float | None = None  # sliding-window layers' RoPE base, unscaled (Gemma 3; None: rope_theta)
   quantization: dict | None = None        # {"group_size": G, "bits": 4} for pre-quantized checkpoints
   source: str = ""                        # where the config came from, for error messages
 
@@ -92,6 +102,12 @@ class ModelConfig:
                                          not set(self.layer_types) <= {"full_attention", "sliding_attention"}):
       fail("layer_types", f"layer_types must name 'full_attention' or 'sliding_attention' for each of the "
                           f"{self.num_hidden_layers} layers{where}, got {reprlib.repr(self.layer_types)}")
+    if self.hidden_act not in HIDDEN_ACTS:
+      fail("hidden_act", f"unsupported hidden_act {self.hidden_act!r}{where}; supported: {', '.join(HIDDEN_ACTS)}")
+    for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta"):
+      value = getattr(self, name)
+      if value is not None and (not number(value) or not value > 0):
+        fail(name, f"{name} must be a positive number or null{where}, got {value!r}")
     if self.quantization is not None and not isinstance(self.quantization, dict):
       fail("quantization", f"quantization must be an object{where}, got {self.quantization!r}")
 
@@ -99,6 +115,10 @@ class ModelConfig:
     """How many of the latest keys layer `layer` attends to (itself included), or None for all of them."""
     if self.sliding_window is None: return None
     return self.sliding_window if self.layer_types is None or self.layer_types[layer] == "sliding_attention" else None
+
+  @property
+  def attention_scale(self) -> float:
+    return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
   @property
   def freeable_window(self) -> int | None:
@@ -136,6 +156,7 @@ class ModelConfig:
     # transformers 5.x moves rope_theta (and the scaling) into `rope_parameters`; reading only the top level
     # silently falls back to 10000, which turns SmolLM2 (theta 1e5) into fluent nonsense.
     rope = dict(get("rope_parameters", None, "object") if d.get("rope_parameters") else {})
+    if isinstance(rope.get("full_attention"), dict): rope = dict(rope["full_attention"])   # per layer type (Gemma 3): see its family
     theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
     scaling = get("rope_scaling", None, "object") if d.get("rope_scaling") else (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling is not None:
@@ -145,9 +166,7 @@ class ModelConfig:
     quant = d.get("quantization") or d.get("quantization_config")
     if quant and not isinstance(quant, dict):
       raise ConfigError(f"field 'quantization' in {source} must be an object, got {reprlib.repr(quant)}")
-    extra = family.hf_fields(get, d)
-    if "layer_types" in extra and not isinstance(extra["layer_types"], tuple): extra["layer_types"] = tuple(extra["layer_types"])
-    return ModelConfig(
+    fields = dict(
       vocab_size=get("vocab_size"), hidden_size=hidden, intermediate_size=get("intermediate_size"),
       num_hidden_layers=get("num_hidden_layers"), num_attention_heads=n_heads,
       num_key_value_heads=get("num_key_value_heads", None, "int") if d.get("num_key_value_heads") else n_heads,
@@ -156,7 +175,11 @@ class ModelConfig:
       max_position_embeddings=get("max_position_embeddings", 4096),
       tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
       attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
-      quantization=dict(quant) if quant else None, source=source, model_type=family.model_type, **extra)
+      hidden_act=d.get("hidden_act") or "silu",
+      quantization=dict(quant) if quant else None, source=source, model_type=family.model_type)
+    fields.update(family.hf_fields(get, d))   # a family's own fields, and its defaults where config.json is silent
+    if fields.get("layer_types") is not None: fields["layer_types"] = tuple(fields["layer_types"])
+    return ModelConfig(**fields)
 
   @staticmethod
   def from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:

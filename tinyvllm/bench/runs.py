@@ -36,7 +36,7 @@ def model_tensors(model) -> list[TensorInfo]:
     if isinstance(val, LinearWeights): items = [(part, getattr(val, part)) for part in PARTS]
     else: items = val.items() if isinstance(val, dict) else [("weight", val)]
     for suffix, t in items:
-      if not isinstance(t, Tensor) or attr == "cos_sin": continue
+      if not isinstance(t, Tensor) or attr.startswith("cos_sin"): continue   # RoPE tables, not weights
       if attr.startswith("embed"): add(f"model.embed_tokens.{suffix}" if attr == "embed_tokens" else f"model.embed_tokens.{attr}", t)
       elif attr.startswith("lm_head"): add(f"lm_head.{suffix}" if attr == "lm_head" else f"lm_head.{attr}", t)
       else: add(f"model.{attr}.{suffix}", t)

@@ -267,7 +267,7 @@ class ModelRunner:
       cache, weights = self.kv_caches[0].with_tensors(cache_and_weights[:n_cache]), cache_and_weights[n_cache:]
       group = AttentionGroup(P, C, tables.reshape(P, MB), extent, q_pos.reshape(1 if shape.packed else P, C), ctx, token_seq,
                              packed=shape.packed)
-      return template.with_tensors(weights)(h, ModelInputs(None, positions, slots, [group], None), self.model.cos_sin, cache, out)
+      return template.with_tensors(weights)(h, ModelInputs(None, positions, slots, [group], None), self.model.rope_table(template), cache, out)
 
     layers = tuple(Replay(functools.partial(layer, template)) for template in self.layer_templates for _ in range(self.layer_graphs))
     replays = (Replay(unpack), layers, Replay(lambda h, rows: self.model.logits(h, rows)))

@@ -192,16 +192,17 @@ class Kernels:
     norm = lambda x, w: self.rms_norm(x.reshape(-1, x.shape[-1]), w, eps).reshape(x.shape)
     return norm(q, wq), norm(k, wk), v
 
-  def swiglu(self, gate_up: Tensor, inter: int) -> Tensor:
-    """silu(gate) * up of the fused gate/up projection's output `[T, 2 * inter]`."""
-    return gate_up[:, :inter].silu() * gate_up[:, inter:]
+  def glu(self, gate_up: Tensor, inter: int, act: str = "silu") -> Tensor:
+    """act(gate) * up of the fused gate/up projection's output `[T, 2 * inter]`: SwiGLU, or GeGLU with "gelu_pytorch_tanh"."""
+    return portable.gated(gate_up[:, :inter], gate_up[:, inter:], act)
 
-  def attention(self, q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: float, window: int | None = None) -> Tensor:
+  def attention(self, q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: float, window: int | None = None,
+                softcap: float | None = None) -> Tensor:
     """q `[P*C, H, D]` of one group -> attention output `[P*C, H, D]`; with a `window`, each query sees only the latest
-    `window` keys up to its own position."""
+    `window` keys up to its own position; with `softcap`, scores become softcap * tanh(scores / softcap)."""
     P, C = group.num_seqs, group.query_len
     tables = group.block_tables[:, :group.used_blocks]   # portable attention's cost follows the columns it reads
-    out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), cache, tables, group.q_pos, scale, window)
+    out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), cache, tables, group.q_pos, scale, window, softcap)
     return out.reshape(P * C, *q.shape[1:])
 
 
@@ -230,10 +231,17 @@ class CpuKernels(Kernels):
     format it does not read, or with a part it lacks) pads prefill chunks instead, for the composed layer's attention."""
     return all(self.fuses(layer) for layer in layers)
 
+  def lacks(self, cfg) -> str | None:
+    missing = [part for part, used in (("Gemma's post-norms", cfg.sandwich_norms), ("GeGLU", cfg.hidden_act != "silu"),
+                                       ("score soft-capping", cfg.attn_logit_softcapping is not None)) if used]
+    if not missing: return None
+    return (f"kernel_backend 'cpu': the fused C layer has no {', '.join(missing)} yet; this model's layers run composed "
+            f"(C linears and norms, portable attention)")
+
   def fuses(self, layer) -> bool:
-    """Layers whose projections' parts start at multiples of a row tile (cpu_layer.takes); q/k norms and windows
-    are the fused layer's own."""
-    return cpu_layer.takes(layer.linears)
+    """Layers whose projections' parts start at multiples of a row tile (cpu_layer.takes) and whose parts the fused
+    layer has (q/k norms and windows are its own; see `lacks`)."""
+    return self.lacks(layer.cfg) is None and cpu_layer.takes(layer.linears)
 
   def decoder_layer(self, h, linears, norms, cfg, group, positions, slot_mapping, cos_sin, cache, out, window=None):
     return cpu_layer.decoder_layer(h, linears, norms, cfg, positions, slot_mapping, group.block_tables, group.token_seq,
@@ -263,15 +271,18 @@ class ShaderKernels(Kernels):
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders)
 
   def lacks(self, cfg) -> str | None:
-    if cfg.sliding_window is None: return None
-    return f"kernel_backend {self.name!r}: the Metal attention kernels have no sliding window yet; windowed layers run the portable attention"
+    missing = [part for part, used in (("sliding windows", cfg.sliding_window is not None),
+                                       ("score soft-capping", cfg.attn_logit_softcapping is not None)) if used]
+    if not missing: return None
+    return (f"kernel_backend {self.name!r}: the Metal attention kernels have no {' or '.join(missing)} yet; those layers run "
+            f"the portable attention")
 
   def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, qk_norms=None):
     q, k, v = self.head_norms(*split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)
     return metal.rope_and_cache_write(q, k, v, positions, cos_sin, cache, slot_mapping, backend=self.shaders)
 
-  def attention(self, q, cache, group, scale, window=None):
-    if window is not None: return super().attention(q, cache, group, scale, window)
+  def attention(self, q, cache, group, scale, window=None, softcap=None):
+    if window is not None or softcap is not None: return super().attention(q, cache, group, scale, window, softcap)
     if group.query_len == 1:
       return metal.paged_attention_decode(q, cache, group.block_tables, group.context_lens, scale, backend=self.shaders)
     return metal.paged_attention_prefill(q, cache, group.block_tables, group.token_seq, group.q_pos.reshape(group.num_tokens),

@@ -515,8 +515,8 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
                      cache.k_rotated, cache.v_rotated, len(norms) == 4, window or 0)
   # a name stable across processes (hash() of a str is salted per process): tinygrad's disk cache of compiled
   # kernels is keyed by source, so the same shape compiles once per machine, not once per process
-  name = f"llama_layer_{hashlib.sha256(repr(shape).encode()).hexdigest()[:16]}"
-  src = _source(name, shape, D ** -0.5)
+  name = f"llama_layer_{hashlib.sha256(repr((shape, cfg.attention_scale)).encode()).hexdigest()[:16]}"
+  src = _source(name, shape, cfg.attention_scale)
   if out is None: out = Tensor.invalids(T, E, dtype=dtypes.float32, device=h.device)
   scratch = Tensor.invalids(shape.scratch, dtype=dtypes.float32, device=h.device)
   args = [out, *cache.tensors(), scratch, h.contiguous(), positions, slots, tables.contiguous(), token_seq, token_pos.contiguous(),

@@ -22,6 +22,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
   return y if bias is None else y + bias
 
 
+def gated(gate: Tensor, up: Tensor, act: str) -> Tensor:
+  """act(gate) * up: SwiGLU ("silu") or GeGLU ("gelu_pytorch_tanh": GELU's tanh approximation, tinygrad's .gelu())."""
+  return (gate.silu() if act == "silu" else gate.gelu()) * up
+
+
 def rope(x: Tensor, cos_sin: Tensor) -> Tensor:
   """x `[T, heads, D]`, cos_sin `[T, D]` (cos of D/2 frequencies, then sin): HF rotate-half RoPE."""
   half = x.shape[-1] // 2
@@ -102,12 +107,12 @@ def _gather(cache: Tensor, scale: Tensor | None, block_tables: Tensor, dtype) ->
 
 
 def paged_attention(q: Tensor, cache: PagedKVCache, block_tables: Tensor, q_pos: Tensor, scale: float,
-                    window: int | None = None) -> Tensor:
+                    window: int | None = None, softcap: float | None = None) -> Tensor:
   """Attention of q `[P, C, H, D]` to each sequence's paged K/V.
 
   block_tables `[P, MB]` int32, q_pos `[P, C]` int32: query slot (p, c) sees the key positions 0..q_pos[p, c]
   of sequence p, which is causal within a chunk and full attention to the cached prefix; with a `window`, only
-  positions above q_pos[p, c] - window. Every query sees its own position (padding slots: position 0), so padding
+  positions above q_pos[p, c] - window. `softcap`: scores become softcap * tanh(scores / softcap) (Gemma 2). Every query sees its own position (padding slots: position 0), so padding
   rows stay finite; their output is ignored by the caller.
   """
   P, C, H, D = q.shape
@@ -119,6 +124,7 @@ def paged_attention(q: Tensor, cache: PagedKVCache, block_tables: Tensor, q_pos:
   v = _gather(cache.v, cache.v_scale, block_tables, q.dtype).reshape(P, S, KVH, D).permute(0, 2, 1, 3)
   q = q.reshape(P, C, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(P, KVH, G * C, D)          # (P, KVH, G*C, D)
   scores = (q @ k.transpose(-1, -2)).float() * scale                                      # (P, KVH, G*C, S)
+  if softcap is not None: scores = (scores / softcap).tanh() * softcap
   key_pos, last = Tensor.arange(S).reshape(1, 1, 1, S), q_pos.reshape(P, 1, 1, C, 1).expand(P, 1, G, C, 1).reshape(P, 1, G * C, 1)
   visible = key_pos <= last
   if window is not None: visible = visible & (key_pos > last - window)

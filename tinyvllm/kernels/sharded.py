@@ -93,8 +93,8 @@ class ShardedKernels(Kernels):
     cs = cos_sin[positions]
     return portable.rope(q, cs), portable.write_cache(cache, portable.rope(k, cs), v, slot_mapping)
 
-  def swiglu(self, gate_up: Tensor, inter: int) -> Tensor:
-    """silu(gate) * up of the fused gate/up output, laid out device by device (gate_0 up_0 | gate_1 up_1 ...)."""
+  def glu(self, gate_up: Tensor, inter: int, act: str = "silu") -> Tensor:
+    """act(gate) * up of the fused gate/up output, laid out device by device (gate_0 up_0 | gate_1 up_1 ...)."""
     T, n = gate_up.shape[0], self.shards
     per_device = gate_up.reshape(T, n, 2, inter // n)
-    return (per_device[:, :, 0].silu() * per_device[:, :, 1]).reshape(T, inter)
+    return portable.gated(per_device[:, :, 0], per_device[:, :, 1], act).reshape(T, inter)

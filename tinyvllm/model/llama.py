@@ -4,7 +4,7 @@ A step's batch is flat: T tokens laid out group by group (see kernels.AttentionG
 tokens at once; attention runs per group; logits are computed only for the rows the sampler needs.
 """
 from __future__ import annotations
-import sys
+import dataclasses, sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 import numpy as np
@@ -44,6 +44,7 @@ class LlamaLayer:
     """`specs`: the layouts of packed linears (their `.qspec` arrays stay on the host), by name relative to the layer.
     `window`: the keys its attention sees, the latest `window` of them (cfg.layer_window), or None for all."""
     self.cfg, self.weights, self.kernels, self.window = cfg, weights, kernels, window
+    self.local_rope = window is not None and cfg.rope_local_theta is not None   # Gemma 3's sliding layers: their own RoPE base
     if linears is None:
       names = [n for fused in LAYER_LINEARS for n in ((fused,) if f"{fused}.weight" in weights else FUSED_PROJECTIONS.get(fused, (fused,)))]
       specs = specs or {}
@@ -70,7 +71,7 @@ class LlamaLayer:
   def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None) -> Tensor:
     """h `[T, hidden]` -> the layer's output, written into `out` when given (a realized buffer)."""
     cfg, kn, w = self.cfg, self.kernels, self.weights
-    norms = (w["input_layernorm.weight"], w["post_attention_layernorm.weight"])
+    norms = (w["input_layernorm.weight"], w["pre_feedforward_layernorm.weight" if cfg.sandwich_norms else "post_attention_layernorm.weight"])
     if cfg.qk_norm: norms += (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"])
     if len(inp.groups) == 1 and kn.fuses(self) and (fused := kn.decoder_layer(h, self.linears, norms, cfg, inp.groups[0], inp.positions,
                                                                               inp.slot_mapping, cos_sin, cache, out, self.window)) is not None:
@@ -86,15 +87,17 @@ class LlamaLayer:
     q, cache = kn.rope_and_cache_write(qkv, H, KVH, inp.positions, cos_sin, cache, inp.slot_mapping, qk_norms)
     outs, start = [], 0
     for g in inp.groups:
-      outs.append(kn.attention(q[start:start + g.num_tokens], cache, g, D ** -0.5, self.window))
+      outs.append(kn.attention(q[start:start + g.num_tokens], cache, g, cfg.attention_scale, self.window, cfg.attn_logit_softcapping))
       start += g.num_tokens
-    attn = (outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])).reshape(T, H * D)
-    h = h + self.linear("self_attn.o_proj", attn)
-    gate_up = self.linear("mlp.gate_up_proj", kn.rms_norm(h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps))
-    inter = cfg.intermediate_size
+    attn = self.linear("self_attn.o_proj", (outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])).reshape(T, H * D))
+    if cfg.sandwich_norms: attn = kn.rms_norm(attn, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    h = h + attn
+    pre_mlp = w["pre_feedforward_layernorm.weight" if cfg.sandwich_norms else "post_attention_layernorm.weight"]
+    gate_up = self.linear("mlp.gate_up_proj", kn.rms_norm(h, pre_mlp, cfg.rms_norm_eps))
     # materialise the activation: fused into the down projection it is recomputed for every output row
-    act = kn.swiglu(gate_up, inter).contiguous()
-    return (h + self.linear("mlp.down_proj", act)).contiguous()
+    mlp = self.linear("mlp.down_proj", kn.glu(gate_up, cfg.intermediate_size, cfg.hidden_act).contiguous())
+    if cfg.sandwich_norms: mlp = kn.rms_norm(mlp, w["post_feedforward_layernorm.weight"], cfg.rms_norm_eps)
+    return (h + mlp).contiguous()
 
 
 class Llama:
@@ -134,9 +137,12 @@ class Llama:
                                     window=cfg.layer_window(i)))
     if lacking := kernels.lacks(cfg): print(f"tinyvllm: {lacking}", file=sys.stderr)
     self.packs_prefill = kernels.packs_layers(self.layers)   # prefill chunks back to back (kernels.AttentionGroup)
-    inv_freq = inverse_frequencies(cfg, tensors.get("rope_freqs.weight"))
-    table = cos_sin_table(inv_freq, max_positions)
-    self.cos_sin = tensor_parallel.place(table, device, None) if isinstance(device, tuple) else Tensor(table, device=device).realize()
+    place = lambda table: tensor_parallel.place(table, device, None) if isinstance(device, tuple) else Tensor(table, device=device).realize()
+    self.cos_sin = place(cos_sin_table(inverse_frequencies(cfg, tensors.get("rope_freqs.weight")), max_positions))
+    self.cos_sin_local = None   # the sliding layers' table when they rotate with a base of their own (Gemma 3)
+    if cfg.rope_local_theta is not None:
+      local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
+      self.cos_sin_local = place(cos_sin_table(inverse_frequencies(local), max_positions))
 
   @staticmethod
   def _prepare(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, keeps: frozenset[str]) -> Iterator[dict[str, np.ndarray]]:
@@ -158,6 +164,8 @@ class Llama:
 
     def vector(name: str) -> np.ndarray:
       _check(tensors, name, (vectors[name],), cfg)
+      if cfg.norm_weight_offset and name.endswith("norm.weight"):   # Gemma's norms scale by 1 + weight: fold the 1 in
+        return (np.float32(cfg.norm_weight_offset) + np.asarray(tensors[name], np.float32)).astype(np_dtype)
       return np.ascontiguousarray(tensors[name], dtype=np_dtype)
 
     def linear(name: str) -> dict[str, np.ndarray]:
@@ -207,21 +215,29 @@ class Llama:
     for layer, cache in zip(self.layers, kv_caches):
       # realizing layer by layer keeps each graph tinygrad schedules small (scheduling cost grows faster
       # than linearly with graph size); under TinyJit every realize is captured into the one replay
-      h = layer(h, inp, self.cos_sin, cache).realize()
+      h = layer(h, inp, self.rope_table(layer), cache).realize()
     return self.logits(h, inp.logits_index)
 
+  def rope_table(self, layer: LlamaLayer) -> Tensor:
+    """The cos/sin table `layer` rotates q and k with."""
+    return self.cos_sin_local if layer.local_rope else self.cos_sin
+
   def embed(self, tokens: Tensor) -> Tensor:
-    """(T, hidden): table rows, dequantized on the fly when the table is quantized."""
+    """(T, hidden): table rows, dequantized on the fly when the table is quantized (times sqrt(hidden) for Gemma,
+    the factor rounded to the model dtype first, as HF does)."""
     e = self.embed_tokens
-    if e.format == FLOAT: return e.weight[tokens]
-    if e.format == INT8: return portable.q8_rows(e.weight[tokens], e.scales[tokens]).cast(self.dtype)
-    if e.format == PACKED:
-      return portable.packed_rows(LinearWeights(PACKED, **{p: t[tokens] for p, t in e.parts().items()}, spec=e.spec), self.dtype)
-    return portable.int4_rows(e.weight[tokens], e.scales[tokens], e.biases[tokens]).cast(self.dtype)
+    if e.format == FLOAT: rows = e.weight[tokens]
+    elif e.format == INT8: rows = portable.q8_rows(e.weight[tokens], e.scales[tokens]).cast(self.dtype)
+    elif e.format == PACKED:
+      rows = portable.packed_rows(LinearWeights(PACKED, **{p: t[tokens] for p, t in e.parts().items()}, spec=e.spec), self.dtype)
+    else: rows = portable.int4_rows(e.weight[tokens], e.scales[tokens], e.biases[tokens]).cast(self.dtype)
+    if not self.cfg.scale_embeddings: return rows
+    return rows * Tensor(self.cfg.hidden_size ** 0.5, dtype=self.dtype, device=rows.device)
 
   def logits(self, h: Tensor, rows: Tensor) -> Tensor:
     h = self.kernels.rms_norm(h[rows], self.norm, self.cfg.rms_norm_eps)            # (R, hidden)
     logits = self.kernels.linear(h, self.lm_head).float()
+    if (cap := self.cfg.final_logit_softcapping) is not None: logits = (logits / cap).tanh() * cap
     # tensor parallel: each device's share of the vocabulary (or a whole copy), gathered on the first device
     return logits if isinstance(logits.device, str) else logits.to(logits.device[0])
 

@@ -325,6 +325,8 @@ def expected_tensors(config: ModelConfig) -> tuple[dict[str, int], dict[str, tup
   for i in range(c.num_hidden_layers):
     p = f"model.layers.{i}"
     vectors.update({f"{p}.input_layernorm.weight": c.hidden_size, f"{p}.post_attention_layernorm.weight": c.hidden_size})
+    if c.sandwich_norms: vectors.update({f"{p}.pre_feedforward_layernorm.weight": c.hidden_size,
+                                         f"{p}.post_feedforward_layernorm.weight": c.hidden_size})
     linears.update({f"{p}.self_attn.q_proj": (c.q_size, c.hidden_size), f"{p}.self_attn.k_proj": (c.kv_size, c.hidden_size),
                     f"{p}.self_attn.v_proj": (c.kv_size, c.hidden_size), f"{p}.self_attn.o_proj": (c.hidden_size, c.q_size),
                     f"{p}.mlp.gate_proj": (c.intermediate_size, c.hidden_size), f"{p}.mlp.up_proj": (c.intermediate_size, c.hidden_size),

@@ -41,9 +41,9 @@ def sliding_layers(get: Getter, d: dict, num_layers: int) -> dict:
                                                            for i in range(num_layers))}
 
 
-from tinyvllm.model.families import llama, mistral, qwen2, qwen3   # noqa: E402  (they import Family from here)
+from tinyvllm.model.families import gemma2, gemma3, llama, mistral, qwen2, qwen3   # noqa: E402  (they import Family from here)
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY)
 
 
 def for_hf(architectures: list, model_type: Any) -> Family | None:

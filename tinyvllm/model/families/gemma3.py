@@ -1,0 +1,23 @@
+"""Gemma 3 (text; Gemma3ForCausalLM: the 1B model, or the language model of a multimodal checkpoint saved alone): Gemma 2's
+layer (see gemma2.py) with RMSNorms over each head of q and k (1 + weight, like every Gemma norm) instead of
+soft-capping, five sliding-window layers (window 512 in the 1B model) to each global one, and two RoPE bases: the
+sliding layers rotate with 10000, unscaled; the global ones with 1e6 and the config's scaling (linear x8 above 1B)."""
+from tinyvllm.model.families import Family
+from tinyvllm.model.families.gemma2 import gemma_fields
+
+
+def _hf_fields(get, d: dict) -> dict:
+  n = get("num_hidden_layers")
+  pattern = get("sliding_window_pattern", 6)
+  types = d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+  rope = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+  nested = isinstance(rope.get("sliding_attention"), dict)   # transformers 5: one RoPE entry per layer type
+  local = rope["sliding_attention"].get("rope_theta", 10000.0) if nested else get("rope_local_base_freq", 10000.0, "number")
+  fields = gemma_fields(get, d, 256) | {"layer_types": types, "qk_norm": True, "rope_local_theta": float(local),
+                                        "attn_logit_softcapping": d.get("attn_logit_softcapping"),
+                                        "final_logit_softcapping": d.get("final_logit_softcapping")}
+  if "rope_theta" not in d and not (nested and "rope_theta" in rope.get("full_attention", {})): fields["rope_theta"] = 1e6
+  return fields
+
+
+FAMILY = Family("gemma3_text", ("Gemma3ForCausalLM",), hf_fields=_hf_fields)
