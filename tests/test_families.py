@@ -31,9 +31,10 @@ FAMILY_CONFIGS = {
   # alternating windowed and global layers
   "gemma2": ("gemma2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
                             attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
-  # and Gemma 3: q/k norms, no soft-capping, a local RoPE base on the windowed layers, the global one scaled
-  "gemma3": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=12, sliding_window_pattern=2,
-                                 query_pre_attn_scalar=24, rope_parameters={
+  # and Gemma 3: q/k norms, no soft-capping, a local RoPE base on the windowed layers, the global one scaled; six
+  # layers, the last one global (its default pattern, the one llama.cpp assumes)
+  "gemma3": ("gemma3_text", dict(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=12,
+                                 query_pre_attn_scalar=32, rope_parameters={
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})),
   # the Metal kernels' shapes (head_dim 64), for the emulator
@@ -148,15 +149,17 @@ def test_blocks_out_of_every_window_go_back(family_model, name, freed):
   else: assert max(held) == 11 and engine.core.scheduler.num_window_freed == 0
 
 
-@pytest.mark.parametrize("name,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3")])
+@pytest.mark.parametrize("name,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3")])
 def test_gguf_of_each_architecture(family_model, tmp_path, name, arch):
   """The same weights as llama.cpp's converter writes them (Q/K rows in HF's order for these architectures, biases
-  and q/k norms as F32 vectors, linears in Q8_0/Q4_0/Q4_1/F16/BF16): the config read from `<arch>.*` keys, and
-  logits equal HF's on the weights the gguf package dequantizes."""
+  and q/k norms as F32 vectors, Gemma's norms as 1 + weight under llama.cpp's names, linears in
+  Q8_0/Q4_0/Q4_1/F16/BF16): the config read from `<arch>.*` keys, and logits equal HF's on the weights the gguf
+  package dequantizes."""
   path = family_model(name)
   expected = write_gguf(path, tmp_path / "m.gguf", arch=arch)
   ckpt = load_checkpoint(tmp_path / "m.gguf")
-  assert ckpt.config.model_type == arch and ckpt.config.qkv_bias == (arch == "qwen2") and ckpt.config.qk_norm == (arch == "qwen3")
+  assert ckpt.config.model_type.startswith(arch) and ckpt.config.qkv_bias == (arch == "qwen2")
+  assert ckpt.config.qk_norm == (arch != "qwen2")
   ids = list(range(5, 40))
   ours, ref = our_prefill_logits(tmp_path / "m.gguf", ids, "cpu"), hf_logits(hf_model(path, expected), ids)
   assert rel_err(ours, ref) < TOL
@@ -173,6 +176,16 @@ def test_family_configs_and_their_errors():
   assert [mistral.layer_window(i) for i in range(4)] == [4096] * 4
   assert ModelConfig.from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None}).sliding_window is None
   assert ModelConfig.from_hf({**base, "model_type": "qwen3"}).qk_norm
+  # a Gemma 2 GGUF's metadata: llama.cpp's layer pattern (even layers slide) and its attention scale rule (head_dim,
+  # but hidden / heads in the 46-layer 27B model)
+  meta = {"general.architecture": "gemma2", "gemma2.block_count": 4, "gemma2.embedding_length": 64, "gemma2.feed_forward_length": 96,
+          "gemma2.attention.head_count": 2, "gemma2.attention.key_length": 16, "gemma2.attention.sliding_window": 8,
+          "gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0, "gemma2.vocab_size": 10}
+  g2 = ModelConfig.from_gguf(meta, "g.gguf")
+  assert g2.layer_types == ("sliding_attention", "full_attention") * 2 and g2.query_pre_attn_scalar == 16
+  assert g2.norm_weight_offset == 0 and g2.sandwich_norms and g2.attn_logit_softcapping == 50.0
+  big = ModelConfig.from_gguf({**meta, "gemma2.block_count": 46}, "g.gguf")
+  assert big.query_pre_attn_scalar == 32   # 64 / 2
   with pytest.raises(ConfigError, match="unsupported architecture.*GPTNeoXForCausalLM.*Qwen3ForCausalLM"):
     ModelConfig.from_hf({**base, "architectures": ["GPTNeoXForCausalLM"]})
   with pytest.raises(ConfigError, match="sliding_window"):

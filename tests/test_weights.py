@@ -28,11 +28,11 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
   return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, names: dict[str, str] = GGUF_NAMES) -> str:
   parts = hf.split(".")
   if parts[0] == "model" and parts[1] == "layers":
-    return f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
-  return f"{GGUF_NAMES['.'.join(parts[:-1])]}.{parts[-1]}"
+    return f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
+  return f"{names['.'.join(parts[:-1])]}.{parts[-1]}"
 
 
 def write_gguf(hf_dir: Path, out: Path, types: dict[str, str] = GGUF_TYPES, block_count: int | None = None,
@@ -46,12 +46,25 @@ def write_gguf(hf_dir: Path, out: Path, types: dict[str, str] = GGUF_TYPES, bloc
   tok = json.loads((hf_dir / "tokenizer.json").read_text())
   permute = llama_cpp_permute if arch == "llama" else lambda w, n: w
   unpermute = llama_cpp_permute_inverse if arch == "llama" else lambda w, n: w
+  gemma = arch.startswith("gemma")
+  # llama.cpp's names for Gemma's norms (its ffn_norm is the MLP's input norm, HF Gemma's pre_feedforward_layernorm)
+  names = GGUF_NAMES | ({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                         "post_feedforward_layernorm": "post_ffw_norm"} if gemma else {})
   w = gguf.GGUFWriter(out, arch)
   if cfg.get("head_dim"): w.add_key_length(cfg["head_dim"]); w.add_value_length(cfg["head_dim"])
+  if gemma:
+    w.add_sliding_window(cfg["sliding_window"])
+    if cfg.get("attn_logit_softcapping"): w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    if cfg.get("final_logit_softcapping"): w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+  rope = cfg["rope_parameters"]
+  if "full_attention" in rope:   # Gemma 3: the global layers' base and scaling (the sliding ones': 10000, llama.cpp's own)
+    rope = rope["full_attention"]
+    if rope.get("rope_type") == "linear":
+      w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR); w.add_rope_scaling_factor(rope["factor"])
   w.add_block_count(block_count or cfg["num_hidden_layers"]); w.add_context_length(cfg["max_position_embeddings"])
   w.add_embedding_length(cfg["hidden_size"]); w.add_feed_forward_length(cfg["intermediate_size"])
   w.add_head_count(cfg["num_attention_heads"]); w.add_head_count_kv(cfg["num_key_value_heads"])
-  w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"]); w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+  w.add_rope_freq_base(rope["rope_theta"]); w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
   w.add_vocab_size(cfg["vocab_size"])
   vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
   specials = {t["content"] for t in tok["added_tokens"]}
@@ -62,7 +75,11 @@ def write_gguf(hf_dir: Path, out: Path, types: dict[str, str] = GGUF_TYPES, bloc
   expected = {}
   for name, t in load_file(hf_dir / "model.safetensors").items():
     arr = t.float().numpy()
-    gname = gguf_name(name)
+    gname = gguf_name(name, names)
+    if gemma and name.endswith("norm.weight"):   # llama.cpp's converter stores Gemma's norms as 1 + weight
+      w.add_tensor(gname, np.float32(1) + arr, raw_dtype=gguf.GGMLQuantizationType.F32)
+      expected[name] = arr
+      continue
     if name.endswith("q_proj.weight"): arr_g = permute(arr, cfg["num_attention_heads"])
     elif name.endswith("k_proj.weight"): arr_g = permute(arr, cfg["num_key_value_heads"])
     else: arr_g = arr

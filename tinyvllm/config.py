@@ -219,15 +219,15 @@ class ModelConfig:
     if isinstance(meta.get(f"{arch}.rope.scaling.type"), str) and meta[f"{arch}.rope.scaling.type"] == "linear":
       scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", kind="number"))}
     try:
-      return ModelConfig(
+      fields = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=get("feed_forward_length"),
         num_hidden_layers=get("block_count"), num_attention_heads=n_heads,
         num_key_value_heads=get("attention.head_count_kv", n_heads),
         head_dim=get("attention.key_length", None, "int") if present("attention.key_length") else hidden // n_heads,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, "number")),
         rope_theta=float(get("rope.freq_base", 10000.0, "number")), rope_scaling=scaling,
-        max_position_embeddings=get("context_length", 4096), source=source, model_type=family.model_type,
-        **family.gguf_fields(get, meta))
+        max_position_embeddings=get("context_length", 4096), source=source, model_type=family.model_type)
+      return ModelConfig(**(fields | family.gguf_fields(get, meta)))
     except ConfigError as e:
       key = keys.get(getattr(e, "field", None))
       if key is None: raise

@@ -100,6 +100,9 @@ def quantize_checkpoint(model: str | None, out: Path, group_size: int = 64, meth
   if ckpt.path.is_dir() and json.loads((ckpt.path / "config.json").read_text()).get("quantization"):
     raise QuantizeError(f"--model {ckpt.path} is already quantized")
   gguf = ckpt.path.is_file()
+  if gguf and ckpt.config.model_type != "llama":   # the HF config written below is a Llama's
+    raise QuantizeError(f"--model {ckpt.path}: writing a GGUF's weights as an HF checkpoint covers the llama architecture; "
+                        f"this file is {ckpt.config.model_type}: quantize its HF checkpoint instead")
   q4 = ggml_q4_tensors(ckpt.path, ckpt.config) if gguf else {}
   if q4:
     how = "repacked losslessly" if group_size == 32 else f"requantized from their decoded values (--group-size {group_size} != 32)"

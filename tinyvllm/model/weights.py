@@ -392,11 +392,13 @@ def _is_gguf(path: Path) -> bool:
   with open(path, "rb") as f: return f.read(4) == b"GGUF"
 
 
-def hf_name(gguf_name: str) -> str:
-  """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+def hf_name(gguf_name: str, family_names: Mapping[str, str] = {}) -> str:
+  """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; `family_names`: a family's own meanings of
+  names inside a block (families.Family.gguf_names)."""
   parts = gguf_name.split(".")
   if parts[0] == "blk" and len(parts) >= 4:
-    return f"model.layers.{parts[1]}.{_GGUF_NAMES.get(parts[2], parts[2])}.{'.'.join(parts[3:])}"
+    inner = family_names.get(parts[2]) or _GGUF_NAMES.get(parts[2], parts[2])
+    return f"model.layers.{parts[1]}.{inner}.{'.'.join(parts[3:])}"
   if len(parts) < 2: return gguf_name
   return f"{_GGUF_NAMES.get(parts[0], parts[0])}.{'.'.join(parts[1:])}"
 
@@ -404,12 +406,13 @@ def hf_name(gguf_name: str) -> str:
 _HF_NAMES = {hf: g for g, hf in _GGUF_NAMES.items()}
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, family_names: Mapping[str, str] = {}) -> str:
   """The inverse of hf_name: 'model.layers.3.self_attn.q_proj.weight' -> 'blk.3.attn_q.weight'."""
   base, _, part = name.rpartition(".")
   if m := _LAYER.match(base + "."):
     inner = base[m.end():]
-    return f"blk.{m.group(1)}.{_HF_NAMES.get(inner, inner)}.{part}"
+    own = {hf: g for g, hf in family_names.items()}
+    return f"blk.{m.group(1)}.{own.get(inner) or _HF_NAMES.get(inner, inner)}.{part}"
   return f"{_HF_NAMES.get(base, base)}.{part}"
 
 
@@ -432,12 +435,13 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
     raise ModelLoadError(f"{path} is not a readable GGUF file: {msg}") from None
   config = ModelConfig.from_gguf(meta, source=str(path))
   arch = meta["general.architecture"]
-  permuted = families.for_gguf(arch).gguf_rope_permuted
+  family = families.for_gguf(arch)
+  permuted, names = family.gguf_rope_permuted, dict(family.gguf_names)
   by_name: dict[str, GGUFTensor] = {}
   for t in gguf_tensors:
     if t.type_name not in GGUF_TENSOR_TYPES:
       raise ModelLoadError(f"{path}: tensor {t.name} has GGUF type {t.type_name}; supported: {', '.join(GGUF_TENSOR_TYPES)}")
-    name = hf_name(t.name)
+    name = hf_name(t.name, names)
     if (m := _LAYER.match(name)) and int(m.group(1)) >= config.num_hidden_layers:
       raise ModelLoadError(f"{path}: tensor {t.name} belongs to layer {int(m.group(1))}, but {arch}.block_count declares "
                            f"{config.num_hidden_layers} layers")
@@ -445,7 +449,7 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
     by_name[name] = t
   if "lm_head.weight" not in by_name: config = dataclasses.replace(config, tie_word_embeddings=True)
   # shapes checked before any conversion; tensors the model does not read are not converted (nor kept)
-  keep = check_tensors(config, by_name, str(path), f"{arch}.block_count", lambda n: by_name[n].name if n in by_name else gguf_name(n),
+  keep = check_tensors(config, by_name, str(path), f"{arch}.block_count", lambda n: by_name[n].name if n in by_name else gguf_name(n, names),
                        stored=False)
   store, kept_types = LazyTensors(), set()
   for name in keep:

@@ -27,6 +27,9 @@ class Family:
   # llama.cpp's converter reorders the rows of Q and K of this architecture (LlamaModel.permute) so each head's rotary
   # pairs interleave; the loader undoes it. Architectures llama.cpp runs with "NEOX" RoPE keep HF's order.
   gguf_rope_permuted: bool = False
+  # GGUF tensor names (llama.cpp's, inside a block) that mean something else in this family than in Llama's, with
+  # the HF name (relative to the layer) they stand for
+  gguf_names: tuple[tuple[str, str], ...] = ()
 
 
 def sliding_layers(get: Getter, d: dict, num_layers: int) -> dict:

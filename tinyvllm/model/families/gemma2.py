@@ -21,4 +21,29 @@ def _hf_fields(get, d: dict) -> dict:
                                       "final_logit_softcapping": d.get("final_logit_softcapping", 30.0)}
 
 
-FAMILY = Family("gemma2", ("Gemma2ForCausalLM",), hf_fields=_hf_fields)
+# llama.cpp's names for Gemma's four norms: its ffn_norm is the MLP's input norm, as in Llama, but that norm is called
+# pre_feedforward_layernorm in HF's Gemma, where post_attention_layernorm norms the attention's output
+GGUF_NAMES = (("ffn_norm", "pre_feedforward_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+              ("post_ffw_norm", "post_feedforward_layernorm"))
+
+
+def gguf_gemma_fields(get, pattern: int, big_layers: int) -> dict:
+  """What llama.cpp's Gemma 2 / 3 GGUFs say, and what it assumes: norm weights already hold 1 + weight (its
+  converter adds the 1), every `pattern`-th layer global (the others slide), attention scaled by head_dim^-1/2 except
+  in the 27B models (`big_layers` layers), which scale by (hidden / heads)^-1/2."""
+  n, hidden, heads = get("block_count"), get("embedding_length"), get("attention.head_count")
+  head_dim = get("attention.key_length", hidden // heads)
+  return {"hidden_act": "gelu_pytorch_tanh", "sandwich_norms": True, "scale_embeddings": True,
+          "sliding_window": get("attention.sliding_window", 4096),
+          "layer_types": tuple("sliding_attention" if i % pattern < pattern - 1 else "full_attention" for i in range(n)),
+          "query_pre_attn_scalar": float(hidden // heads if n == big_layers else head_dim)}
+
+
+def _gguf_fields(get, meta: dict) -> dict:
+  return gguf_gemma_fields(get, 2, 46) | {
+    "attn_logit_softcapping": float(get("attn_logit_softcapping", 50.0, "number")),
+    "final_logit_softcapping": float(get("final_logit_softcapping", 30.0, "number"))}
+
+
+FAMILY = Family("gemma2", ("Gemma2ForCausalLM",), gguf_architecture="gemma2", hf_fields=_hf_fields, gguf_fields=_gguf_fields,
+                gguf_names=GGUF_NAMES)

@@ -3,7 +3,7 @@ layer (see gemma2.py) with RMSNorms over each head of q and k (1 + weight, like 
 soft-capping, five sliding-window layers (window 512 in the 1B model) to each global one, and two RoPE bases: the
 sliding layers rotate with 10000, unscaled; the global ones with 1e6 and the config's scaling (linear x8 above 1B)."""
 from tinyvllm.model.families import Family
-from tinyvllm.model.families.gemma2 import gemma_fields
+from tinyvllm.model.families.gemma2 import GGUF_NAMES, gemma_fields, gguf_gemma_fields
 
 
 def _hf_fields(get, d: dict) -> dict:
@@ -20,4 +20,11 @@ def _hf_fields(get, d: dict) -> dict:
   return fields
 
 
-FAMILY = Family("gemma3_text", ("Gemma3ForCausalLM",), hf_fields=_hf_fields)
+def _gguf_fields(get, meta: dict) -> dict:
+  # llama.cpp rotates the sliding layers with base 10000 (newer files may say so in rope.freq_base_swa)
+  return gguf_gemma_fields(get, 6, 62) | {"qk_norm": True,
+                                          "rope_local_theta": float(get("rope.freq_base_swa", 10000.0, "number"))}
+
+
+FAMILY = Family("gemma3_text", ("Gemma3ForCausalLM",), gguf_architecture="gemma3", hf_fields=_hf_fields, gguf_fields=_gguf_fields,
+                gguf_names=GGUF_NAMES)
