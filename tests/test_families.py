@@ -1,4 +1,4 @@
-"""Model families beyond Llama (model/families/) against HF transformers on tiny random checkpoints it writes: every
+"""Model families beyond Llama (model/families/: Qwen2, Qwen3, Mistral, Gemma 2 and 3, Phi-3) against HF transformers on tiny random checkpoints it writes: every
 prompt position's logits on every backend, greedy generation through the engine (chunked prefill, preemption,
 prefix caching) against HF's generate, the same weights as GGUF files written the way llama.cpp's converter writes
 each architecture, and sliding-window attention over prompts several windows long.
@@ -15,7 +15,7 @@ from test_weights import write_gguf
 from tinyvllm import SamplingParams
 from tinyvllm.config import ConfigError, ModelConfig
 from tinyvllm.engine.llm_engine import LLMEngine
-from tinyvllm.model.weights import load_checkpoint
+from tinyvllm.model.weights import load_checkpoint, load_config
 
 TOL = 1e-4
 
@@ -37,9 +37,18 @@ FAMILY_CONFIGS = {
                                  query_pre_attn_scalar=32, rope_parameters={
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})),
+  # fused qkv_proj and gate_up_proj in the checkpoint; LongRoPE past its original 32 positions (long factors, attention factor)
+  "phi3": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, original_max_position_embeddings=32,
+                        pad_token_id=0, rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                                      "long_factor": [1.0 + 0.5 * i for i in range(8)]})),
+  "phi3_window": ("phi3", dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=12, pad_token_id=0)),   # Phi-3-mini-4k's
   # the Metal kernels' shapes (head_dim 64), for the emulator
   "qwen3_metal": ("qwen3", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
   "mistral_metal": ("mistral", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=12)),
+  "phi3_metal": ("phi3", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, max_position_embeddings=128,
+                              original_max_position_embeddings=32, rope_scaling={
+                                "rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(32)],
+                                "long_factor": [1.0 + 0.2 * i for i in range(32)]})),
   "gemma3_metal": ("gemma3_text", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=12,
                                        sliding_window_pattern=2)),
 }
@@ -69,9 +78,9 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
   with torch.no_grad(): return model(torch.tensor([ids])).logits[0].double().numpy()
 
 
-@pytest.mark.parametrize("name,backend", [(n, b) for n in ("qwen2", "qwen3", "mistral", "qwen2_window", "gemma2", "gemma3")
-                                          for b in ("portable", "cpu")] +
-                         [("qwen3_metal", "emulator"), ("mistral_metal", "emulator"), ("gemma3_metal", "emulator")])
+@pytest.mark.parametrize("name,backend", [(n, b) for n in ("qwen2", "qwen3", "mistral", "qwen2_window", "gemma2", "gemma3", "phi3",
+                                                        "phi3_window") for b in ("portable", "cpu")] +
+                         [(f"{n}_metal", "emulator") for n in ("qwen3", "mistral", "gemma3", "phi3")])
 def test_prefill_logits_every_position(family_model, name, backend):
   """40 positions: over three windows of the windowed models, so the mask decides most of their logits."""
   path = family_model(name)
@@ -93,14 +102,14 @@ def test_the_window_matters(family_model):
 
 
 @pytest.mark.parametrize("name,backend", [("qwen2", "cpu"), ("qwen3", "cpu"), ("mistral", "cpu"), ("qwen2_window", "portable"),
-                                          ("gemma2", "cpu"), ("gemma3", "cpu")])
+                                          ("gemma2", "cpu"), ("gemma3", "cpu"), ("phi3_window", "cpu")])
 def test_engine_greedy_matches_hf_generate(family_model, name, backend):
   """Three prompts sharing a 16-token prefix through the engine, chunked (16 tokens a step) in a pool too small for
   them all (preempted and recomputed), then a fourth with the same prefix (found in the prefix cache): each
   continuation equals HF's greedy generate."""
   path = family_model(name)
   # the pool: too small for three sequences at once (a windowed model needs fewer blocks: its passed ones go back)
-  blocks = 6 if name == "mistral" else 9
+  blocks = 6 if load_config(path).freeable_window else 9
   engine = LLMEngine.from_kwargs(str(path), block_size=8, num_kv_blocks=blocks, max_num_batched_tokens=16, kernel_backend=backend)
   rng = np.random.default_rng(3)
   prefix = rng.integers(0, 380, 16).tolist()
@@ -126,6 +135,19 @@ def test_engine_greedy_matches_hf_generate(family_model, name, backend):
       want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=16,
                             do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
     assert outputs[i] == want.tolist(), f"prompt {i}"
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_named(family_model, tmp_path):
+  import shutil
+  from safetensors.numpy import load_file, save_file
+  from tinyvllm.model.weights import ModelLoadError
+  src = family_model("phi3_window")
+  shutil.copytree(src, tmp_path / "m")
+  tensors = load_file(tmp_path / "m" / "model.safetensors")
+  tensors["model.layers.1.mlp.gate_up_proj.weight"] = tensors["model.layers.1.mlp.gate_up_proj.weight"][:-2]
+  save_file(tensors, tmp_path / "m" / "model.safetensors")
+  with pytest.raises(ModelLoadError, match=r"model.layers.1.mlp.gate_up_proj.weight has 190 rows; the config implies 192 \(96 \+ 96\)"):
+    load_checkpoint(tmp_path / "m")
 
 
 @pytest.mark.parametrize("name,freed", [("mistral", True), ("qwen2_window", False)])
@@ -186,6 +208,12 @@ def test_family_configs_and_their_errors():
   assert g2.norm_weight_offset == 0 and g2.sandwich_norms and g2.attn_logit_softcapping == 50.0
   big = ModelConfig.from_gguf({**meta, "gemma2.block_count": 46}, "g.gguf")
   assert big.query_pre_attn_scalar == 32   # 64 / 2
+  phi = {**base, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 64, "max_position_embeddings": 256}
+  with pytest.raises(ConfigError, match="partial_rotary_factor"): ModelConfig.from_hf({**phi, "partial_rotary_factor": 0.75})
+  with pytest.raises(ConfigError, match="short_factor.*4 positive numbers"):   # head_dim 8: 4 frequencies
+    ModelConfig.from_hf({**phi, "rope_scaling": {"type": "su", "short_factor": [1.0] * 3, "long_factor": [1.0] * 4}})
+  su = ModelConfig.from_hf({**phi, "rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}})
+  assert su.rope_scaling["rope_type"] == "longrope" and su.rope_scaling["original_max_position_embeddings"] == 64
   with pytest.raises(ConfigError, match="unsupported architecture.*GPTNeoXForCausalLM.*Qwen3ForCausalLM"):
     ModelConfig.from_hf({**base, "architectures": ["GPTNeoXForCausalLM"]})
   with pytest.raises(ConfigError, match="sliding_window"):

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from tinyvllm.model import families
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 # auto: the model dtype; int8: codes + a float16 scale per token and KV head; int4: 4-bit codes of K and V rotated along
 # head_dim (Hadamard) + a float16 scale; k8v4: int8 keys, int4 values; int4-unrotated: int4 without the rotation, to
@@ -86,8 +86,15 @@ class ModelConfig:
       kind = self.rope_scaling.get("rope_type")
       if kind not in ROPE_TYPES:
         fail("rope_scaling", f"unsupported rope_scaling type {kind!r}{where}; supported: {', '.join(ROPE_TYPES)}")
-      needed = {"linear": ("factor",), "llama3": ("factor",)}.get(kind, ())
-      optional = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if kind == "llama3" else ()
+      needed = {"linear": ("factor",), "llama3": ("factor",), "longrope": ("original_max_position_embeddings",)}.get(kind, ())
+      optional = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                  "longrope": ("attention_factor", "factor")}.get(kind, ())
+      if kind == "longrope":   # Phi-3's per-frequency divisors, one list for short contexts and one for long
+        for key in ("short_factor", "long_factor"):
+          value = self.rope_scaling.get(key)
+          if not isinstance(value, list) or len(value) != self.head_dim // 2 or not all(number(v) and v > 0 for v in value):
+            fail("rope_scaling", f"rope_scaling longrope needs {key!r}: {self.head_dim // 2} positive numbers (head_dim / 2){where}, "
+                                 f"got {reprlib.repr(value)}")
       for key in needed + optional:
         if key not in self.rope_scaling and key in optional: continue
         value = self.rope_scaling.get(key)

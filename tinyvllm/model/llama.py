@@ -17,7 +17,7 @@ from tinyvllm.quant import blocks
 from tinyvllm.quant.formats import (FLOAT, FUSED_PROJECTIONS, INT4, INT8, PACKED, PARTS, WEIGHT_PARTS, LinearWeights, QuantSpec,
                                     projection_parts, spec_of, stored_format)
 from tinyvllm.model import tensor_parallel
-from tinyvllm.model.rope import cos_sin_table, inverse_frequencies
+from tinyvllm.model.rope import attention_factor, cos_sin_table, inverse_frequencies
 from tinyvllm.model.weights import ModelLoadError, expected_tensors, release_tensor
 
 
@@ -138,7 +138,8 @@ class Llama:
     if lacking := kernels.lacks(cfg): print(f"tinyvllm: {lacking}", file=sys.stderr)
     self.packs_prefill = kernels.packs_layers(self.layers)   # prefill chunks back to back (kernels.AttentionGroup)
     place = lambda table: tensor_parallel.place(table, device, None) if isinstance(device, tuple) else Tensor(table, device=device).realize()
-    self.cos_sin = place(cos_sin_table(inverse_frequencies(cfg, tensors.get("rope_freqs.weight")), max_positions))
+    self.cos_sin = place(cos_sin_table(inverse_frequencies(cfg, tensors.get("rope_freqs.weight"), max_positions), max_positions,
+                                       attention_factor(cfg)))
     self.cos_sin_local = None   # the sliding layers' table when they rotate with a base of their own (Gemma 3)
     if cfg.rope_local_theta is not None:
       local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)

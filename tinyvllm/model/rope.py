@@ -9,13 +9,19 @@ import numpy as np
 from tinyvllm.config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig, freq_factors: np.ndarray | None = None) -> np.ndarray:
-  """Rotation rate of each of the head_dim/2 frequency pairs, with the config's rope scaling applied."""
+def inverse_frequencies(config: ModelConfig, freq_factors: np.ndarray | None = None, max_positions: int = 0) -> np.ndarray:
+  """Rotation rate of each of the head_dim/2 frequency pairs, with the config's rope scaling applied. LongRoPE
+  (Phi-3) divides by its long factors when the engine's context (`max_positions`) reaches past the original one,
+  else by its short factors: HF switches per forward pass by the sequence's length; one table for the engine's whole
+  context is what vLLM does too."""
   dim = config.head_dim
   inv_freq = 1.0 / config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
   scaling = config.rope_scaling or {}
   kind = scaling.get("rope_type")
-  if kind == "linear":
+  if kind == "longrope":
+    long = max_positions > scaling["original_max_position_embeddings"]
+    inv_freq = inv_freq / np.asarray(scaling["long_factor" if long else "short_factor"], dtype=np.float64)
+  elif kind == "linear":
     inv_freq = inv_freq / float(scaling["factor"])
   elif kind == "llama3":
     inv_freq = _llama3(inv_freq, float(scaling["factor"]), float(scaling.get("low_freq_factor", 1.0)),
@@ -37,10 +43,21 @@ def _llama3(inv_freq: np.ndarray, factor: float, low_freq_factor: float, high_fr
   return np.where(wavelength > long_cutoff, inv_freq / factor, np.where(wavelength < short_cutoff, inv_freq, blended))
 
 
-def cos_sin_table(inv_freq: np.ndarray, max_positions: int) -> np.ndarray:
-  """float32 `[max_positions, head_dim]`: cos of every frequency, then sin."""
+def cos_sin_table(inv_freq: np.ndarray, max_positions: int, magnitude: float = 1.0) -> np.ndarray:
+  """float32 `[max_positions, head_dim]`: cos of every frequency, then sin, times `magnitude` (attention_factor)."""
   angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-  return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+  return (magnitude * np.concatenate([np.cos(angles), np.sin(angles)], axis=1)).astype(np.float32)
+
+
+def attention_factor(config: ModelConfig) -> float:
+  """What LongRoPE multiplies cos and sin by (so q.k by its square): the config's attention_factor, else
+  sqrt(1 + ln(s) / ln(original context)) with s = max_position_embeddings / original (or its `factor`); 1 otherwise."""
+  scaling = config.rope_scaling or {}
+  if scaling.get("rope_type") != "longrope": return 1.0
+  if scaling.get("attention_factor") is not None: return float(scaling["attention_factor"])
+  original = scaling["original_max_position_embeddings"]
+  s = scaling.get("factor") or config.max_position_embeddings / original
+  return 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(original))
 
 
 def apply_rope_reference(x: np.ndarray, positions: np.ndarray, table: np.ndarray) -> np.ndarray:

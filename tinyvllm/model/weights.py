@@ -14,7 +14,7 @@ from tinyvllm.config import ModelConfig
 from tinyvllm.model import families
 from tinyvllm.model.gguf_file import GGUFError, GGUFTensor, read_gguf
 from tinyvllm.quant import blocks, ggml, int4
-from tinyvllm.quant.formats import FLOAT, INT8, stored_format
+from tinyvllm.quant.formats import FLOAT, FUSED_PROJECTIONS, INT8, stored_format
 
 
 class ModelLoadError(ValueError):
@@ -189,6 +189,7 @@ def load_hf_dir(path: Path) -> Checkpoint:
     shard = read_safetensors(path / name)
     tensors.update(shard)
     origin.update(dict.fromkeys(shard, name))
+  if families.for_model_type(config.model_type).hf_fused: split_fused(config, tensors, origin, str(path))
   bits = (config.quantization or {}).get("bits", 4)
   if bits != 4: return _mlx_bits(config, tensors, origin, path, bits)
   keep = check_tensors(config, tensors, str(path), "num_hidden_layers in config.json",
@@ -196,6 +197,26 @@ def load_hf_dir(path: Path) -> Checkpoint:
   tensors = {k: tensors[k] for k in keep}
   if config.quantization is not None: tensors = int4.float16_params(tensors)   # mlx-lm stores scales/biases in the source dtype
   return Checkpoint(config, tensors, path)
+
+
+def split_fused(config: ModelConfig, tensors: dict[str, np.ndarray], origin: dict[str, str], where: str) -> None:
+  """In place: a checkpoint's fused q/k/v (`self_attn.qkv_proj`) and gate/up (`mlp.gate_up_proj`) tensors become
+  their parts, rows split as views (no copy): weights, and the scales and biases of quantized ones, all have a row
+  per output. The model fuses them again where they are stored alike."""
+  rows = {"self_attn.qkv_proj": (config.q_size, config.kv_size, config.kv_size),
+          "mlp.gate_up_proj": (config.intermediate_size, config.intermediate_size)}
+  for name in [n for n in tensors if _LAYER.match(n)]:
+    layer = _LAYER.match(name).group(0)
+    fused, _, part = name[len(layer):].rpartition(".")
+    if fused not in FUSED_PROJECTIONS: continue
+    arr, sizes = tensors.pop(name), rows[fused]
+    if arr.ndim < 1 or arr.shape[0] != sum(sizes):
+      raise ModelLoadError(f"{where}: tensor {name} has {arr.shape[0] if arr.ndim else 0} rows; the config implies {sum(sizes)} "
+                           f"({' + '.join(map(str, sizes))})")
+    start = 0
+    for piece, n in zip(FUSED_PROJECTIONS[fused], sizes):
+      tensors[f"{layer}{piece}.{part}"], start = arr[start:start + n], start + n
+      origin[f"{layer}{piece}.{part}"] = origin.get(name, name)
 
 
 MLX_BITS = (2, 3, 4, 5, 6, 8)

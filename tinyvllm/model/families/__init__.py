@@ -30,6 +30,9 @@ class Family:
   # GGUF tensor names (llama.cpp's, inside a block) that mean something else in this family than in Llama's, with
   # the HF name (relative to the layer) they stand for
   gguf_names: tuple[tuple[str, str], ...] = ()
+  # the HF checkpoint stores q/k/v as self_attn.qkv_proj and gate/up as mlp.gate_up_proj (Phi-3): the loader splits
+  # their rows into the parts (model/weights.py split_fused)
+  hf_fused: bool = False
 
 
 def sliding_layers(get: Getter, d: dict, num_layers: int) -> dict:
@@ -44,9 +47,9 @@ def sliding_layers(get: Getter, d: dict, num_layers: int) -> dict:
                                                            for i in range(num_layers))}
 
 
-from tinyvllm.model.families import gemma2, gemma3, llama, mistral, qwen2, qwen3   # noqa: E402  (they import Family from here)
+from tinyvllm.model.families import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3   # noqa: E402  (they import Family)
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY)
 
 
 def for_hf(architectures: list, model_type: Any) -> Family | None:
@@ -54,6 +57,10 @@ def for_hf(architectures: list, model_type: Any) -> Family | None:
   for f in FAMILIES:
     if any(a in f.architectures for a in architectures): return f
   return next((f for f in FAMILIES if f.model_type == model_type), None)
+
+
+def for_model_type(model_type: str) -> Family:
+  return next(f for f in FAMILIES if f.model_type == model_type)
 
 
 def for_gguf(architecture: Any) -> Family | None:

@@ -1,0 +1,23 @@
+"""Phi-3 / Phi-3.5 (mini, medium): a Llama whose checkpoint stores q/k/v fused as `self_attn.qkv_proj` and gate/up as
+`mlp.gate_up_proj` (the loader splits their rows; the model fuses them again), with LongRoPE scaling in the 128k
+models (per-frequency short and long divisors and an attention factor on cos and sin: model/rope.py) and a sliding
+window when the config sets one (Phi-3-mini-4k: 2047). Phi-4-mini's partial rotary embedding is not supported."""
+from tinyvllm.model.families import Family
+
+
+def _hf_fields(get, d: dict) -> dict:
+  fields = {"sliding_window": get("sliding_window")} if d.get("sliding_window") is not None else {}
+  rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+  if isinstance(rope, dict) and rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
+    from tinyvllm.config import ConfigError
+    raise ConfigError(f"partial_rotary_factor {rope.get('partial_rotary_factor', d.get('partial_rotary_factor'))} (Phi-4-mini's "
+                      f"partial rotary embedding) is not supported yet: tinyvllm rotates whole heads")
+  kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+  if kind in ("longrope", "su"):   # "su": the 2024 configs' name for it
+    fields["rope_scaling"] = {k: v for k, v in rope.items() if k not in ("rope_theta", "type", "partial_rotary_factor")} | {
+      "rope_type": "longrope",
+      "original_max_position_embeddings": rope.get("original_max_position_embeddings") or get("original_max_position_embeddings", 4096)}
+  return fields
+
+
+FAMILY = Family("phi3", ("Phi3ForCausalLM",), hf_fields=_hf_fields, hf_fused=True)
