@@ -16,6 +16,7 @@ from tinyvllm import SamplingParams
 from tinyvllm.config import ConfigError, ModelConfig
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.model.weights import load_checkpoint, load_config
+from tinyvllm.quant.formats import FUSED_PROJECTIONS
 
 TOL = 1e-4
 
@@ -221,3 +222,42 @@ def test_family_configs_and_their_errors():
   with pytest.raises(ConfigError, match="layer_types"):
     ModelConfig.from_hf({**base, "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "sliding_window": 8,
                          "layer_types": ["full_attention"] * 3})
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3_window"])
+def test_mlx_4bit_checkpoint_of_each_family(family_model, tmp_path, name):
+  """mlx-lm's own `convert -q` (4 bits, groups of 32; the embeddings quantized too, Phi-3's fused projections as
+  they are): logits equal HF's on the same weights dequantized with our float16 scales (exact float maths: 1e-4),
+  and mlx-lm's own within float16's rounding of the scales (1e-2, see tests/test_mlx_interop.py)."""
+  mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'mlx[cpu]' mlx-lm)")
+  mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
+  from mlx_lm.utils import load_model
+  out = tmp_path / "q4"
+  mlx_lm.convert(str(family_model(name)), str(out), quantize=True, q_group_size=32, q_bits=4)
+  assert load_checkpoint(out).config.quantization["bits"] == 4
+  tokens = np.random.default_rng(5).integers(4, 380, 30).tolist()
+  ours = our_prefill_logits(out, tokens, "cpu")
+  state = dict(load_checkpoint(out, "none").tensors)
+  for fused, parts in FUSED_PROJECTIONS.items():   # Phi-3's HF model reads them fused, as its checkpoint stores them
+    for i in range(load_config(out).num_hidden_layers):
+      p = f"model.layers.{i}."
+      if f"{p}{parts[0]}.weight" in state and name.startswith("phi3"):
+        state[f"{p}{fused}.weight"] = np.concatenate([state.pop(f"{p}{part}.weight") for part in parts])
+  exact = hf_logits(hf_model(family_model(name), state), tokens)
+  assert rel_err(ours, exact) < 1e-4
+  # mlx-lm reads RoPE from transformers 4's top-level keys (rope_theta, rope_scaling, Gemma 3's rope_local_base_freq),
+  # with its own defaults where they are missing; transformers 5 wrote them into rope_parameters: spell them out
+  import json
+  cfg = json.loads((out / "config.json").read_text())
+  rope = cfg.get("rope_parameters") or {}
+  if "full_attention" in rope:
+    cfg |= {"rope_theta": rope["full_attention"]["rope_theta"], "rope_local_base_freq": rope["sliding_attention"]["rope_theta"]}
+    if rope["full_attention"].get("rope_type") == "linear": cfg["rope_scaling"] = {"rope_type": "linear", "factor": rope["full_attention"]["factor"]}
+  else: cfg["rope_theta"] = rope["rope_theta"]
+  (out / "config.json").write_text(json.dumps(cfg))
+  model, _ = load_model(out)
+  # mlx-lm applies no window to Mistral, Gemma 2 or Phi-3 configs: compare the positions every window covers
+  n = cfg.get("sliding_window") or len(tokens)
+  theirs = np.array(model(mx.array([tokens[:n]]))[0].astype(mx.float32))
+  assert rel_err(ours[:n], theirs) < 1e-2
+  assert rel_err(our_prefill_logits(out, tokens, "cpu"), ours) == 0   # the same config read either way
