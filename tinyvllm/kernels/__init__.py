@@ -231,17 +231,10 @@ class CpuKernels(Kernels):
     format it does not read, or with a part it lacks) pads prefill chunks instead, for the composed layer's attention."""
     return all(self.fuses(layer) for layer in layers)
 
-  def lacks(self, cfg) -> str | None:
-    missing = [part for part, used in (("Gemma's post-norms", cfg.sandwich_norms), ("GeGLU", cfg.hidden_act != "silu"),
-                                       ("score soft-capping", cfg.attn_logit_softcapping is not None)) if used]
-    if not missing: return None
-    return (f"kernel_backend 'cpu': the fused C layer has no {', '.join(missing)} yet; this model's layers run composed "
-            f"(C linears and norms, portable attention)")
-
   def fuses(self, layer) -> bool:
-    """Layers whose projections' parts start at multiples of a row tile (cpu_layer.takes) and whose parts the fused
-    layer has (q/k norms and windows are its own; see `lacks`)."""
-    return self.lacks(layer.cfg) is None and cpu_layer.takes(layer.linears)
+    """Layers whose projections' parts start at multiples of a row tile (cpu_layer.takes); every family's parts (q/k
+    norms, windows, Gemma's post-norms, GeGLU and soft-capping) are the fused layer's own."""
+    return cpu_layer.takes(layer.linears)
 
   def decoder_layer(self, h, linears, norms, cfg, group, positions, slot_mapping, cos_sin, cache, out, window=None):
     return cpu_layer.decoder_layer(h, linears, norms, cfg, positions, slot_mapping, group.block_tables, group.token_seq,

@@ -139,8 +139,11 @@ class LayerShape:
   v_storage: str = "float"  # the same for V (k8v4: int8 keys, int4 values)
   k_rotated: bool = False   # int4: stored rotated by the Hadamard matrix R along head_dim
   v_rotated: bool = False
-  qk_norm: bool = False     # RMSNorm each head of q and k before RoPE (Qwen3: weights qn, kn)
+  qk_norm: bool = False     # RMSNorm each head of q and k before RoPE (Qwen3, Gemma 3: weights qn, kn)
   window: int = 0           # attend to the latest `window` keys only (sliding window); 0: all
+  sandwich: bool = False    # Gemma 2/3: attention and MLP outputs RMS-normed (ln3, ln4) before their residual adds
+  gelu: bool = False        # GeGLU (tanh GELU) instead of SwiGLU
+  softcap: float = 0.0      # attention scores become softcap * tanh(scores / softcap) (Gemma 2); 0: none
 
   @property
   def kv_quantized(self) -> bool: return self.k_storage != "float"
@@ -182,7 +185,8 @@ def _source(name: str, s: LayerShape, scale: float) -> str:
             "float *restrict scratch", "const float *restrict h",
             "const int *restrict pos", "const int *restrict slots", "const int *restrict tables", "const int *restrict token_seq",
             "const int *restrict token_pos", "const float *restrict cs", "const float *restrict ln1", "const float *restrict ln2",
-            *(["const float *restrict qn", "const float *restrict kn"] if s.qk_norm else []), *s.qkv.args("qkv"), *s.o.args("o"), *s.gate_up.args("gate_up"), *s.down.args("down"),
+            *(["const float *restrict qn", "const float *restrict kn"] if s.qk_norm else []),
+            *(["const float *restrict ln3", "const float *restrict ln4"] if s.sandwich else []), *s.qkv.args("qkv"), *s.o.args("o"), *s.gate_up.args("gate_up"), *s.down.args("down"),
             "const unsigned long long *restrict pool"]
   # a projection over rows nb..ne-1, called from a pool part: its weights come from the layer's context struct
   call = lambda lin, spec, y, x: f"{lin}({y}, {x}, {', '.join('c->' + c_param_name(a) for a in spec.args(lin))}, nb, ne);"
@@ -247,6 +251,10 @@ static inline void rope(float *restrict dst, const float *restrict x, const floa
   }}
 }}
 
+/* tanh(y) = 1 - 2 / (e^2y + 1): exp8 saturates at e^88, where this is 1 */
+static inline vf tanh8(vf y) {{ return 1.0f - 2.0f / (exp8(2.0f * y) + 1.0f); }}
+/* the MLP's gate: {"GELU's tanh approximation (GeGLU)" if s.gelu else "SiLU (SwiGLU)"} */
+static inline vf gate8(vf g) {{ return {"0.5f * g * (1.0f + tanh8(0.7978845608f * (g + 0.044715f * g * g * g)))" if s.gelu else "g / (1.0f + exp8(-g))"}; }}
 {_F2H + _KV_QUANT if s.kv_quantized else ""}
 {_kv_store("store_k", s.k_storage, s.k_rotated, D)}
 {_kv_store("store_v", s.v_storage, s.v_rotated, D)}
@@ -318,6 +326,7 @@ static inline void attend_tile(const float *restrict qg, struct layer_ctx *c, co
         for (int e = 0; e < 8; e++) d[e] += qv * vload(kp[b * 8 + e] + i * 8);
       }}
       vf sb = hsum8x(d) * (*(const vf *)(kscale + b * 8) * {scale!r}f);
+      {f"sb = {s.softcap!r}f * tanh8(sb * {1 / s.softcap!r}f);   /* soft-capped */" if s.softcap else ""}
       sb = vsel(lane + b * 8 < nt, sb, (vf){{0}} - 1e30f);
       sc[b] = sb;
       mx = vsel(sb > mx, sb, mx);
@@ -444,14 +453,13 @@ static void part_act(void *ctx, int part, int nparts) {{
   struct layer_ctx *c = ctx;
   int b, e;
   tv_share({T * I}, part, nparts, &b, &e);
-  for (int j = b; j < e;) {{   /* SiLU(gate) * up, 8 at a time inside a token's row */
+  for (int j = b; j < e;) {{   /* {"GELU" if s.gelu else "SiLU"}(gate) * up, 8 at a time inside a token's row */
     int t = j / {I}, i = j % {I};
     const float *g = c->gu + (long)t * {2 * I} + i, *u = g + {I};
     if (i + 8 <= {I} && j + 8 <= e) {{
-      vf gv = vload(g);
-      *(vf_u *)(c->act + j) = gv / (1.0f + exp8(-gv)) * vload(u);
+      *(vf_u *)(c->act + j) = gate8(vload(g)) * vload(u);
       j += 8;
-    }} else {{ c->act[j] = g[0] / (1.0f + exp_f32(-g[0])) * u[0]; j++; }}
+    }} else {{ c->act[j] = gate8((vf){{0}} + g[0])[0] * u[0]; j++; }}
   }}
 }}
 static void part_down(void *ctx, int part, int nparts) {{
@@ -468,12 +476,14 @@ void {name}({", ".join(params)}) {{
   tv_parallel(pool, part_attention, &c);
   {"attention_merge(att, &c, 0, " + str(T) + ");   /* a few tokens: less than waking the pool */" if T <= 8 else "tv_parallel(pool, part_merge, &c);"}
   tv_parallel(pool, part_o, &c);
-  for (long i = 0; i < {T * E}; i++) out[i] = h[i] + prod[i];
+  {"rms_norm(xn, prod, ln3);   /* the attention output normed (xn is free again) */" if s.sandwich else ""}
+  for (long i = 0; i < {T * E}; i++) out[i] = h[i] + {"xn" if s.sandwich else "prod"}[i];
   rms_norm(xn, out, ln2);
   tv_parallel(pool, part_gate_up, &c);
   tv_parallel(pool, part_act, &c);
   tv_parallel(pool, part_down, &c);
-  for (long i = 0; i < {T * E}; i++) out[i] += prod[i];
+  {"rms_norm(xn, prod, ln4);" if s.sandwich else ""}
+  for (long i = 0; i < {T * E}; i++) out[i] += {"xn" if s.sandwich else "prod"}[i];
 }}
 {C_PARALLEL}
 {_HALF}
@@ -504,15 +514,17 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
   """One decoder layer: h `[T, hidden]` float32 -> `[T, hidden]`, written into `out` when given (a realized buffer,
   so the caller can alternate two); k/v written into the cache in place; `pool`: a ThreadPool's buffer
   (kernels/threads.py) to split the work over, or None for one thread. `linears`: the layer's projections under HF
-  names relative to the layer, q/k/v and gate/up fused (see model/llama.py); `norms`: the two RMSNorm weights, then
-  the q and k head norms' when the model has them; `window`: the layer's sliding window, or None."""
+  names relative to the layer, q/k/v and gate/up fused (see model/llama.py); `norms`: the RMSNorm weights of the
+  layer's input and of the MLP's input, then the q and k head norms' (cfg.qk_norm), then the attention and MLP output
+  norms' (cfg.sandwich_norms); `window`: the layer's sliding window, or None."""
   T, E = h.shape
   D, I = cfg.head_dim, cfg.intermediate_size
   shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, cache.k.shape[1],
                      tables.shape[1], cos_sin.shape[0], float(cfg.rms_norm_eps),
                      *(_spec(projection_parts(linears, n)) for n in LINEARS), invariant,
                      *(("int4" if int4 else "int8" if cache.quantized else "float") for int4 in (cache.k_int4, cache.v_int4)),
-                     cache.k_rotated, cache.v_rotated, len(norms) == 4, window or 0)
+                     cache.k_rotated, cache.v_rotated, cfg.qk_norm, window or 0, cfg.sandwich_norms, cfg.hidden_act != "silu",
+                     cfg.attn_logit_softcapping or 0.0)
   # a name stable across processes (hash() of a str is salted per process): tinygrad's disk cache of compiled
   # kernels is keyed by source, so the same shape compiles once per machine, not once per process
   name = f"llama_layer_{hashlib.sha256(repr((shape, cfg.attention_scale)).encode()).hexdigest()[:16]}"

@@ -73,6 +73,7 @@ class LlamaLayer:
     cfg, kn, w = self.cfg, self.kernels, self.weights
     norms = (w["input_layernorm.weight"], w["pre_feedforward_layernorm.weight" if cfg.sandwich_norms else "post_attention_layernorm.weight"])
     if cfg.qk_norm: norms += (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"])
+    if cfg.sandwich_norms: norms += (w["post_attention_layernorm.weight"], w["post_feedforward_layernorm.weight"])
     if len(inp.groups) == 1 and kn.fuses(self) and (fused := kn.decoder_layer(h, self.linears, norms, cfg, inp.groups[0], inp.positions,
                                                                               inp.slot_mapping, cos_sin, cache, out, self.window)) is not None:
       return fused
