@@ -40,7 +40,7 @@ def _skip_if_offline(fn, *args):
 @pytest.fixture(scope="module")
 def llama_vocabs() -> Path:
   root = _skip_if_offline(fetch_sdist_members, "llama-cpp-python", "0.3.36",
-                          r"^vendor/llama\.cpp/models/ggml-vocab-llama-(spm|bpe)\.gguf")
+                          r"^vendor/llama\.cpp/models/ggml-vocab-(llama-spm|llama-bpe|qwen2|phi-3)\.gguf")
   return root / "vendor" / "llama.cpp" / "models"
 
 
@@ -62,10 +62,12 @@ def read_vocab_cases(vocab: Path) -> list[tuple[str, list[int]]]:
   return [(text, [int(t) for t in ids.split()]) for text, ids in zip(inputs, outputs)]
 
 
-@pytest.mark.parametrize("kind", ["spm", "bpe"])
-def test_llama_cpp_vectors(llama_vocabs, llama_spm, llama_bpe, kind):
-  tok = {"spm": llama_spm, "bpe": llama_bpe}[kind]
-  cases = read_vocab_cases(llama_vocabs / f"ggml-vocab-llama-{kind}.gguf")
+@pytest.mark.parametrize("kind", ["llama-spm", "llama-bpe", "qwen2", "phi-3"])
+def test_llama_cpp_vectors(llama_vocabs, kind):
+  """llama.cpp's own tokenizer test vectors for Llama's two vocabularies, Qwen2's (byte-level BPE, its own
+  pre-tokenizer) and Phi-3's (SentencePiece)."""
+  tok = load_tokenizer(llama_vocabs / f"ggml-vocab-{kind}.gguf")
+  cases = read_vocab_cases(llama_vocabs / f"ggml-vocab-{kind}.gguf")
   assert len(cases) == 46
   # llama.cpp's test calls common_tokenize(ctx, text, add_special=false, parse_special=false)
   failures = [(text, want, got) for text, want in cases
@@ -83,6 +85,51 @@ def test_llama_vocab_metadata(llama_spm, llama_bpe):
   assert {128001, 128009} <= llama_bpe.eos_token_ids  # <|end_of_text|>, <|eot_id|>
   assert llama_bpe.encode("<|start_header_id|>user<|end_header_id|>", add_special_tokens=False) == [128006, 882, 128007]
   assert llama_bpe.decode([128000, 9906]) == "Hello" and llama_bpe.decode([128000, 9906], False) == "<|begin_of_text|>Hello"
+
+
+def test_family_vocab_metadata(llama_vocabs):
+  """Each family's end-of-turn tokens stop generation: Qwen's <|im_end|> beside <|endoftext|>, Phi-3's <|end|>."""
+  qwen = load_tokenizer(llama_vocabs / "ggml-vocab-qwen2.gguf")
+  assert {151643, 151645} <= qwen.eos_token_ids and not qwen.add_bos   # <|endoftext|>, <|im_end|>
+  assert qwen.encode("<|im_start|>user\nHi<|im_end|>")[:1] == [151644] and qwen.encode("<|im_end|>") == [151645]
+  phi = load_tokenizer(llama_vocabs / "ggml-vocab-phi-3.gguf")
+  assert {32000, 32007} <= phi.eos_token_ids and phi.encode("<|end|>", add_special_tokens=False) == [32007]   # <|endoftext|>, <|end|>
+
+
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+                  "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_gemma_style_tokenizer_and_chat_template(tmp_path):
+  """Gemma's tokenizer.json shape (SentencePiece-style BPE: spaces normalized to "▁", no pre-tokenizer, byte
+  fallback, BOS added by its post-processor) and its turn template, against transformers on the same directory:
+  ids, decoding, the rendered chat and its ids; <end_of_turn> stops generation."""
+  from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, processors, trainers
+  from transformers import AutoTokenizer
+  hf = HFTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+  hf.normalizer = normalizers.Replace(" ", "▁")
+  hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+  hf.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=600, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>",
+                                                                                     "<end_of_turn>"], show_progress=False))
+  spec = json.loads(hf.to_str())
+  for b in range(256): spec["model"]["vocab"].setdefault(f"<0x{b:02X}>", len(spec["model"]["vocab"]))
+  hf = HFTokenizer.from_str(json.dumps(spec))
+  hf.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+  hf.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+                                                              "add_bos_token": True, "chat_template": GEMMA_TEMPLATE}))
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
+  tok, ref = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+  assert tok.add_bos and {1, 5} <= tok.eos_token_ids
+  for text in SAMPLES + _random_texts(100, seed=4):
+    ids = ref(text)["input_ids"]
+    assert tok.encode(text) == ids, text
+    assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+  chat = [{"role": "user", "content": "Hello there "}, {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Ünïcödé 3"}]
+  rendered = tok.apply_chat_template(chat, add_generation_prompt=True)
+  assert rendered == ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+  assert tok.encode(rendered, add_special_tokens=False) == ref(rendered, add_special_tokens=False)["input_ids"]
 
 
 # **** SmolLM2 against transformers ****
