@@ -7,7 +7,8 @@
 //   block_tables  [num_seqs, max_blocks]                        int32 (unused entries 0)
 //   context_lens  [num_seqs]                                    int32 (0 = padding row -> zeros)
 //   params        PagedParams
-// Query head h uses KV head h / G, G = n_heads / n_kv_heads <= 8.
+// Query head h uses KV head h / G, G = n_heads / n_kv_heads <= 8. With params.window > 0 (a sliding window) the query
+// sees only the latest `window` keys of its context; with params.softcap > 0 its scores are soft-capped (Gemma 2).
 // c = i8 (kv_cache_dtype="int8", tinyvllm/kernels/kv_cache.py): the caches hold int8 codes (char) and two more
 // buffers follow them, one half scale per (slot, KV head), row (s, kvh) ~ k_scale[s * n_kv_heads + kvh] * codes:
 //   k_scale       [num_blocks, block_size, n_kv_heads]          half
@@ -90,7 +91,12 @@ struct PagedParams {
   int partition_size;   // keys per partition (partitioned kernels)
   int num_partitions;
   float scale;          // softmax scale, usually 1/sqrt(D)
+  int window;           // sliding window: the latest `window` keys only (0: all keys)
+  float softcap;        // scores become softcap * tanh(scores / softcap) (Gemma 2; 0: none)
 };
+
+// The first key a sequence's query sees: with a sliding window, the oldest of its latest `window` keys
+METAL_FUNC int first_key(int ctx, constant PagedParams& p) { return p.window > 0 ? max(0, ctx - p.window) : 0; }
 
 template <typename T> METAL_FUNC vec<T, 4> to_vec4(float4 v);
 template <> METAL_FUNC float4 to_vec4<float>(float4 v) { return v; }
@@ -121,10 +127,12 @@ METAL_FUNC void paged_decode_impl(
   const float NEG_BIG = -FLT_MAX;        // finite "minus infinity"
 
   const int seq = tgid.z, kvh = tgid.y, part = tgid.x;
-  const int ctx = context_lens[seq];
-  const int kbeg = PARTITIONED ? part * p.partition_size : 0;
-  if (PARTITIONED && kbeg >= ctx) return;  // past the context: the reduce never reads this partition
-  const int kend = PARTITIONED ? min(ctx, kbeg + p.partition_size) : ctx;
+  const int ctx = context_lens[seq], kfirst = first_key(ctx, p);
+  const int pbeg = PARTITIONED ? part * p.partition_size : 0;
+  // past the context, or wholly before the window: the reduce never reads this partition
+  if (PARTITIONED && (pbeg >= ctx || pbeg + p.partition_size <= kfirst)) return;
+  const int kbeg = max(pbeg, kfirst);
+  const int kend = PARTITIONED ? min(ctx, pbeg + p.partition_size) : ctx;
   const int G = p.n_heads / p.n_kv_heads;
   const int bs = p.block_size, bshift = popcount(bs - 1);   // power of two (host checks): no integer division per key
   device const int* table = block_tables + (long)seq * p.max_blocks;
@@ -134,6 +142,7 @@ METAL_FUNC void paged_decode_impl(
 
   // The G query heads of this KV head (contiguous in q), in float, pre-scaled for base-2 scores: qs[g * D + d]
   const float qscale = p.scale * 1.4426950408889634f;
+  const float cap2 = p.softcap * 1.4426950408889634f;   // the soft cap in the same base-2 units as the scores
   for (int i = tid; i < G * D; i += NT) qs[i] = float(q[((long)seq * p.n_heads + kvh * G) * D + i]) * qscale;
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -178,6 +187,7 @@ METAL_FUNC void paged_decode_impl(
       float mx = m[g];
       for (int u = 0; u < U; u++) {
         s[u] = k0 + u < kend ? simd_sum(dot(qg, kr[u])) * ks[u] : NEG_BIG;   // uniform condition: no divergence
+        if (p.softcap > 0.0f && k0 + u < kend) s[u] = cap2 * precise::tanh(s[u] / cap2);
         mx = max(mx, s[u]);
       }
       const float corr = exp2(m[g] - mx);
@@ -330,18 +340,20 @@ template <typename T>
     uint tid [[thread_index_in_threadgroup]]) {
   const int head = tgid.x, seq = tgid.y, D = p.head_dim;
   if ((int)tid >= D / 4) return;
-  const int used = (context_lens[seq] + p.partition_size - 1) / p.partition_size;  // partitions with keys
+  const int ctx = context_lens[seq];
+  // the partitions with keys the query sees: from its window's first key's to its last key's
+  const int first = first_key(ctx, p) / p.partition_size, used = (ctx + p.partition_size - 1) / p.partition_size;
   const long row = (long)seq * p.n_heads + head;
   device const float* part0 = tmp_out + row * p.num_partitions * D + 4 * tid;
   float4 res = float4(0.0f);
-  if (used == 1) {
-    res = *(device const float4*)part0;   // already normalised
-  } else if (used > 1) {
+  if (used - first == 1) {
+    res = *(device const float4*)(part0 + first * D);   // already normalised
+  } else if (used - first > 1) {
     float mx = -FLT_MAX;
-    for (int i = 0; i < used; i++) mx = max(mx, max_logits[row * p.num_partitions + i]);
+    for (int i = first; i < used; i++) mx = max(mx, max_logits[row * p.num_partitions + i]);
     float sum = 0.0f;
     float4 acc = float4(0.0f);
-    for (int i = 0; i < used; i++) {
+    for (int i = first; i < used; i++) {
       const long idx = row * p.num_partitions + i;
       const float w = exp_sums[idx] * exp2(max_logits[idx] - mx);
       sum += w;

@@ -4,7 +4,8 @@
 // paged_attention_prefill_<x>_<c>_<D>: x = dtype of q and out, c = dtype of the caches, D in {64, 80, 96, 128}.
 //   Token t belongs to sequence token_seq[t] (a row of block_tables; -1 = padding -> zeros) and sits at
 //   absolute position token_pos[t]; it attends to keys 0..token_pos[t] of its sequence, which is causal inside
-//   the chunk and full attention to the cached prefix. Tokens may come in any order and mix sequences.
+//   the chunk and full attention to the cached prefix (with params.window > 0, only keys above token_pos[t] - window;
+//   with params.softcap > 0, scores soft-capped as in Gemma 2). Tokens may come in any order and mix sequences.
 //   grid: (ceil(num_tokens / TQ), n_kv_heads) threadgroups of 128 threads (4 SIMD-groups), where
 //   TQ = tokens_per_tile = max(1, 32 / G) and G = n_heads / n_kv_heads <= 16.
 //   buffers:
@@ -77,6 +78,8 @@ struct PrefillParams {
   int max_blocks;
   int tokens_per_tile;  // TQ
   float scale;
+  int window;           // sliding window: keys above token_pos - window only (0: all)
+  float softcap;        // scores soft-capped (0: none)
 };
 
 // Tile geometry for tiles of dtype KT: rows padded to KS elements, BK keys per tile, 2 BK rows (K then V)
@@ -122,6 +125,7 @@ METAL_FUNC void paged_prefill_impl(
   const int ntok = min(TQ, p.num_tokens - t0);
   const long kv_row = (long)p.n_kv_heads * D;
   const float qk_scale = p.scale * 1.4426950408889634f;          // scores in log2 units: exp2
+  const float cap2 = p.softcap * 1.4426950408889634f;            // the soft cap in the same units
 
   // This lane's row of every fragment (Apple's simdgroup_matrix layout) and the two columns it holds
   const int frow = (int)((lane / 16) * 4 + (lane / 2) % 4), fcol = (int)(((lane / 8) % 2) * 4 + (lane % 2) * 2);
@@ -158,9 +162,11 @@ METAL_FUNC void paged_prefill_impl(
     // (float reductions: exact for positions < 2^24)
     const int kmax = (int)simd_max(lane_seq == s ? float(lane_pos + 1) : 0.0f);
     const int sg_kmax = (int)simd_max(my_seq == s ? float(my_pos + 1) : 0.0f);
+    // with a sliding window, no row of s sees keys below its earliest token's window: start at that key's tile
+    const int kmin = p.window > 0 ? (int)simd_min(lane_seq == s ? float(max(0, lane_pos + 1 - p.window)) : FLT_MAX) : 0;
     device const int* table = block_tables + (long)s * p.max_blocks;
 
-    for (int k0 = 0; k0 < kmax; k0 += BK) {
+    for (int k0 = kmin / BK * BK; k0 < kmax; k0 += BK) {
       // 1. Gather the K and V tiles (the barrier before: every SIMD-group is done with the previous tile / Q)
       threadgroup_barrier(mem_flags::mem_threadgroup);
       for (int e = tid; e < BK * D4; e += NT) {
@@ -197,8 +203,9 @@ METAL_FUNC void paged_prefill_impl(
       for (int kb = 0; kb < NKB; kb++)
         for (int e = 0; e < 2; e++) {
           const int key = k0 + kb * 8 + fcol + e;
-          const bool valid = my_seq == s && key <= my_pos;
-          sc[kb][e] = valid ? float(sf[kb].thread_elements()[e]) * qk_scale : NEG_BIG;
+          const bool valid = my_seq == s && key <= my_pos && (p.window == 0 || key > my_pos - p.window);
+          const float sv = float(sf[kb].thread_elements()[e]) * qk_scale;
+          sc[kb][e] = !valid ? NEG_BIG : p.softcap > 0.0f ? cap2 * precise::tanh(sv / cap2) : sv;
           tmax = max(tmax, sc[kb][e]);
         }
       tmax = max(tmax, simd_shuffle_xor(tmax, 1));
@@ -209,7 +216,8 @@ METAL_FUNC void paged_prefill_impl(
       simdgroup_matrix<KT, 8, 8> pf[NKB];
       for (int kb = 0; kb < NKB; kb++)
         for (int e = 0; e < 2; e++) {
-          const bool valid = my_seq == s && k0 + kb * 8 + fcol + e <= my_pos;
+          const int key = k0 + kb * 8 + fcol + e;
+          const bool valid = my_seq == s && key <= my_pos && (p.window == 0 || key > my_pos - p.window);
           const float pe = valid ? exp2(sc[kb][e] - m_new) : 0.0f;
           tsum += pe;
           pf[kb].thread_elements()[e] = KT(pe);

@@ -50,6 +50,8 @@ FAMILY_CONFIGS = {
                               original_max_position_embeddings=32, rope_scaling={
                                 "rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(32)],
                                 "long_factor": [1.0 + 0.2 * i for i in range(32)]})),
+  "gemma2_metal": ("gemma2", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=12,
+                                  query_pre_attn_scalar=64, attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
   "gemma3_metal": ("gemma3_text", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=12,
                                        sliding_window_pattern=2)),
 }
@@ -81,7 +83,7 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("name,backend", [(n, b) for n in ("qwen2", "qwen3", "mistral", "qwen2_window", "gemma2", "gemma3", "phi3",
                                                         "phi3_window") for b in ("portable", "cpu")] +
-                         [(f"{n}_metal", "emulator") for n in ("qwen3", "mistral", "gemma3", "phi3")])
+                         [(f"{n}_metal", "emulator") for n in ("qwen3", "mistral", "gemma2", "gemma3", "phi3")])
 def test_prefill_logits_every_position(family_model, name, backend):
   """40 positions: over three windows of the windowed models, so the mask decides most of their logits."""
   path = family_model(name)
@@ -103,7 +105,7 @@ def test_the_window_matters(family_model):
 
 
 @pytest.mark.parametrize("name,backend", [("qwen2", "cpu"), ("qwen3", "cpu"), ("mistral", "cpu"), ("qwen2_window", "portable"),
-                                          ("gemma2", "cpu"), ("gemma3", "cpu"), ("phi3_window", "cpu")])
+                                          ("gemma2", "cpu"), ("gemma3", "cpu"), ("phi3_window", "cpu"), ("gemma2_metal", "emulator")])
 def test_engine_greedy_matches_hf_generate(family_model, name, backend):
   """Three prompts sharing a 16-token prefix through the engine, chunked (16 tokens a step) in a pool too small for
   them all (preempted and recomputed), then a fourth with the same prefix (found in the prefix cache): each

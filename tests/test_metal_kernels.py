@@ -76,29 +76,31 @@ def random_heads(rng, shape) -> np.ndarray:
   return rng.standard_normal(shape) * np.exp(rng.normal(0.0, 0.7, shape[:-1] + (1,)))
 
 
-def attention_ref(qv, k_cache, v_cache, table_row, ctx, scale):
-  """One token's heads qv [H, D] against keys 0..ctx-1 of a paged sequence."""
+def attention_ref(qv, k_cache, v_cache, table_row, ctx, scale, window=None, softcap=None):
+  """One token's heads qv [H, D] against keys 0..ctx-1 of a paged sequence (the last `window` of them only, scores
+  soft-capped by `softcap`, when given)."""
   H, D = qv.shape
   bs, KVH = k_cache.shape[1], k_cache.shape[2]
   if ctx <= 0: return np.zeros((H, D))
-  k = np.arange(ctx)
+  k = np.arange(max(0, ctx - window) if window else 0, ctx)
   slots = table_row[k // bs] * bs + k % bs
   K = k_cache.reshape(-1, KVH, D)[slots].astype(np.float64)
   V = v_cache.reshape(-1, KVH, D)[slots].astype(np.float64)
   out = np.zeros((H, D))
   for h in range(H):
     s = K[:, h // (H // KVH)] @ qv[h].astype(np.float64) * scale
+    if softcap: s = softcap * np.tanh(s / softcap)
     p = np.exp(s - s.max())
     out[h] = (p / p.sum()) @ V[:, h // (H // KVH)]
   return out
 
 
-def decode_ref(q, k_cache, v_cache, tables, lens, scale):
-  return np.stack([attention_ref(q[b], k_cache, v_cache, tables[b], lens[b], scale) for b in range(len(q))])
+def decode_ref(q, k_cache, v_cache, tables, lens, scale, **kw):
+  return np.stack([attention_ref(q[b], k_cache, v_cache, tables[b], lens[b], scale, **kw) for b in range(len(q))])
 
 
-def prefill_ref(q, k_cache, v_cache, tables, token_seq, token_pos, scale):
-  return np.stack([attention_ref(q[t], k_cache, v_cache, tables[token_seq[t]], token_pos[t] + 1, scale) if token_seq[t] >= 0
+def prefill_ref(q, k_cache, v_cache, tables, token_seq, token_pos, scale, **kw):
+  return np.stack([attention_ref(q[t], k_cache, v_cache, tables[token_seq[t]], token_pos[t] + 1, scale, **kw) if token_seq[t] >= 0
                    else np.zeros(q.shape[1:]) for t in range(len(q))])
 
 
@@ -166,37 +168,39 @@ def tensor_cache(cache, dev) -> PagedKVCache:
   return PagedKVCache(*[Tensor(a, device=dev).realize() for a in cache])
 
 
-def run_decode(runner, q, cache, tables, lens, scale, partition_size=None, order="forward"):
+def run_decode(runner, q, cache, tables, lens, scale, partition_size=None, order="forward", window=None, softcap=None):
   if runner == "direct":
     B, H, D = q.shape
     k_cache = cache[0]
     ls = M.decode_launches(B, H, k_cache.shape[2], D, k_cache.shape[1], tables.shape[1], TG[q.dtype], TG[k_cache.dtype], scale,
-                           partition_size)
+                           partition_size, window, softcap)
     out = np.zeros_like(q)
     if len(ls) == 1: direct_run(ls[0], [q, *cache, tables, lens, out], order)
     else:
       n = ls[0].grid[0]
-      tmp, sums, maxes = np.zeros((B, H, n, D), np.float32), np.zeros((B, H, n), np.float32), np.zeros((B, H, n), np.float32)
+      # NaN where a partition writes nothing (a GPU's buffers start as garbage): the reduce must read only written ones
+      tmp, sums, maxes = np.full((B, H, n, D), np.nan, np.float32), np.full((B, H, n), np.nan, np.float32), np.full((B, H, n), np.nan, np.float32)
       direct_run(ls[0], [q, *cache, tables, lens, tmp, sums, maxes], order)
       direct_run(ls[1], [tmp, sums, maxes, lens, out], order)
     return out
   dev = "METAL" if runner == "metal" else "CPU"
   t = [Tensor(a, device=dev).realize() for a in (q, tables, lens)]
   return M.paged_attention_decode(t[0], tensor_cache(cache, dev), t[1], t[2], scale, backend=runner,
-                                  partition_size=partition_size).numpy()
+                                  partition_size=partition_size, window=window, softcap=softcap).numpy()
 
 
-def run_prefill(runner, q, cache, tables, token_seq, token_pos, scale, order="forward"):
+def run_prefill(runner, q, cache, tables, token_seq, token_pos, scale, order="forward", window=None, softcap=None):
   if runner == "direct":
     T, H, D = q.shape
     k_cache = cache[0]
-    launch = M.prefill_launch(T, H, k_cache.shape[2], D, k_cache.shape[1], tables.shape[1], TG[q.dtype], TG[k_cache.dtype], scale)
+    launch = M.prefill_launch(T, H, k_cache.shape[2], D, k_cache.shape[1], tables.shape[1], TG[q.dtype], TG[k_cache.dtype], scale,
+                              window, softcap)
     out = np.zeros_like(q)
     direct_run(launch, [q, *cache, tables, token_seq, token_pos, out], order)
     return out
   dev = "METAL" if runner == "metal" else "CPU"
   t = [Tensor(a, device=dev).realize() for a in (q, tables, token_seq, token_pos)]
-  return M.paged_attention_prefill(t[0], tensor_cache(cache, dev), *t[1:], scale, backend=runner).numpy()
+  return M.paged_attention_prefill(t[0], tensor_cache(cache, dev), *t[1:], scale, backend=runner, window=window, softcap=softcap).numpy()
 
 
 def run_rope(runner, q, k, v, pos, cos_sin, cache, slots, order="forward"):
@@ -228,23 +232,24 @@ def run_int4(runner, x, packed, scales, biases, g, order="forward"):
 # **** cases: build inputs, run, compare ****
 
 
-def decode_case(runner, D, bs, heads, dts, partition_size=None, lens=(1, 37, 0, 70, 16), seed=0, order="forward"):
+def decode_case(runner, D, bs, heads, dts, partition_size=None, lens=(1, 37, 0, 70, 16), seed=0, order="forward", **kw):
+  """kw: window, softcap (sliding-window and soft-capped attention)."""
   (H, KVH), (qdt, cdt) = heads, dts
   rng = np.random.default_rng(seed)
   cache, tables = paged_inputs(rng, lens, bs, KVH, D, cdt)
   q = rng.standard_normal((len(lens), H, D)).astype(NP[qdt])
   lens = np.array(lens, np.int32)
-  out = run_decode(runner, q, cache, tables, lens, D ** -0.5, partition_size, order)
+  out = run_decode(runner, q, cache, tables, lens, D ** -0.5, partition_size, order, **kw)
   assert out.dtype == q.dtype and out.shape == q.shape
   assert not out[lens == 0].any(), "a padding row must give zeros"
-  err = rel_err(out, decode_ref(q, *cache_f64(cache), tables, lens, D ** -0.5))
+  err = rel_err(out, decode_ref(q, *cache_f64(cache), tables, lens, D ** -0.5, **kw))
   assert err < tol(qdt, cdt), err
   return err
 
 
-def prefill_case(runner, D, bs, heads, dts, seed=0, order="forward", chunk=None):
+def prefill_case(runner, D, bs, heads, dts, seed=0, order="forward", chunk=None, **kw):
   """chunk: (lens, token_seq, token_pos); default: the last 6 tokens of seq 0, a padding token, all 9 of seq 1,
-  the last 13 of seq 2."""
+  the last 13 of seq 2. kw: window, softcap."""
   (H, KVH), (qdt, cdt) = heads, dts
   rng = np.random.default_rng(seed)
   lens, token_seq, token_pos = chunk or ((45, 9, 70), [0] * 6 + [-1] + [1] * 9 + [2] * 13,
@@ -252,9 +257,9 @@ def prefill_case(runner, D, bs, heads, dts, seed=0, order="forward", chunk=None)
   cache, tables = paged_inputs(rng, lens, bs, KVH, D, cdt)
   token_seq, token_pos = np.array(token_seq, np.int32), np.array(token_pos, np.int32)
   q = rng.standard_normal((len(token_seq), H, D)).astype(NP[qdt])
-  out = run_prefill(runner, q, cache, tables, token_seq, token_pos, D ** -0.5, order)
+  out = run_prefill(runner, q, cache, tables, token_seq, token_pos, D ** -0.5, order, **kw)
   assert out.dtype == q.dtype and not out[token_seq < 0].any()
-  err = rel_err(out, prefill_ref(q, *cache_f64(cache), tables, token_seq, token_pos, D ** -0.5))
+  err = rel_err(out, prefill_ref(q, *cache_f64(cache), tables, token_seq, token_pos, D ** -0.5, **kw))
   assert err < tol(qdt, cdt), err
   return err
 
@@ -346,6 +351,19 @@ INT4_SHAPES = [(1, 72, 256), (3, 64, 512), (8, 40, 384), (9, 40, 256), (40, 72, 
 def test_decode(D, bs, heads, dts):
   decode_case("direct", D, bs, heads, dts)
   decode_case("direct", D, bs, heads, dts, partition_size=2 * bs, seed=1)  # partitioned + reduce, 1..5 partitions
+
+
+@pytest.mark.parametrize("dts", [(dtypes.float32, dtypes.float32), (dtypes.float16, dtypes.float16), (dtypes.float16, dtypes.int8)],
+                         ids=lambda d: f"{dt_id(d[0])}-{dt_id(d[1])}")
+@pytest.mark.parametrize("window,softcap", [(20, None), (5, None), (None, 1.5), (24, 2.0)])
+def test_attention_window_and_softcap(window, softcap, dts):
+  """Sliding windows (Mistral, Gemma, Qwen) and soft-capped scores (Gemma 2) against numpy: decode one-pass and
+  partitioned (partitions wholly before the window exit, the reduce merges only those after), and prefill (tiles
+  start at the window of the tile's earliest token)."""
+  D, bs, heads = 64, 8, (8, 2)
+  decode_case("direct", D, bs, heads, dts, window=window, softcap=softcap, seed=2)
+  decode_case("direct", D, bs, heads, dts, partition_size=2 * bs, window=window, softcap=softcap, seed=3)
+  prefill_case("direct", D, bs, heads, dts, window=window, softcap=softcap, seed=4)
 
 
 @attention_cases(DT_PAIRS[:3])

@@ -263,23 +263,16 @@ class ShaderKernels(Kernels):
   def int4_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders)
 
-  def lacks(self, cfg) -> str | None:
-    missing = [part for part, used in (("sliding windows", cfg.sliding_window is not None),
-                                       ("score soft-capping", cfg.attn_logit_softcapping is not None)) if used]
-    if not missing: return None
-    return (f"kernel_backend {self.name!r}: the Metal attention kernels have no {' or '.join(missing)} yet; those layers run "
-            f"the portable attention")
-
   def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, qk_norms=None):
     q, k, v = self.head_norms(*split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)
     return metal.rope_and_cache_write(q, k, v, positions, cos_sin, cache, slot_mapping, backend=self.shaders)
 
   def attention(self, q, cache, group, scale, window=None, softcap=None):
-    if window is not None or softcap is not None: return super().attention(q, cache, group, scale, window, softcap)
     if group.query_len == 1:
-      return metal.paged_attention_decode(q, cache, group.block_tables, group.context_lens, scale, backend=self.shaders)
+      return metal.paged_attention_decode(q, cache, group.block_tables, group.context_lens, scale, backend=self.shaders,
+                                          window=window, softcap=softcap)
     return metal.paged_attention_prefill(q, cache, group.block_tables, group.token_seq, group.q_pos.reshape(group.num_tokens),
-                                         scale, backend=self.shaders)
+                                         scale, backend=self.shaders, window=window, softcap=softcap)
 
 
 def make_kernels(backend: str = "portable", device: str | tuple[str, ...] = "CPU", batch_invariant: bool = False,

@@ -91,17 +91,22 @@ def rope_launch(num_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, x
                 (num_tokens, n_heads, n_kv_heads, head_dim), (num_tokens, 1, 1), (64, 1, 1))
 
 
-def _paged_params(num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, num_partitions, scale):
-  return (num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, num_partitions, _f32_bits(scale))
+def _paged_params(num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, num_partitions, scale, window,
+                  softcap):
+  return (num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, num_partitions, _f32_bits(scale),
+          window or 0, _f32_bits(softcap or 0.0))
 
 
 def decode_launches(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
-                    q_dtype: DType, cache_dtype: DType, scale: float, partition_size: int | None = None) -> list[Launch]:
+                    q_dtype: DType, cache_dtype: DType, scale: float, partition_size: int | None = None,
+                    window: int | None = None, softcap: float | None = None) -> list[Launch]:
   """One launch, or two (partitioned + reduce) when the table can hold more than PARTITION_THRESHOLD keys.
 
   The grid depends on shapes only (TinyJit captures it); the work follows context_lens at run time: partitions
   past a sequence's context exit at once, and the reduce copies a sequence that used a single partition.
   partition_size: None = choose from max_blocks * block_size; 0 = never partition; n = partitions of n keys.
+  window: a sliding window (the latest `window` keys only; partitions wholly before it exit at once); softcap: scores
+  soft-capped (Gemma 2).
   Kernels are instantiated for GMAX in (2, 4, 8) query heads per KV head: the smallest >= the GQA ratio.
   """
   _check_head_dim(head_dim)
@@ -114,10 +119,10 @@ def decode_launches(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int,
   common = ("q",) + _cache_buffers(cache_dtype) + ("block_tables", "context_lens")
   if not partition_size:
     return [Launch("paged_attention.metal", f"paged_attention_decode_{x}_{c}_{head_dim}_g{gmax}", common + ("out",),
-                   _paged_params(num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, 0, 1, scale),
+                   _paged_params(num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, 0, 1, scale, window, softcap),
                    (1, n_kv_heads, num_seqs), (256, 1, 1))]
   nparts = math.ceil(max_keys / partition_size)
-  params = _paged_params(num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, nparts, scale)
+  params = _paged_params(num_seqs, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, nparts, scale, window, softcap)
   return [Launch("paged_attention.metal", f"paged_attention_decode_partitioned_{x}_{c}_{head_dim}_g{gmax}",
                  common + ("tmp_out", "exp_sums", "max_logits"), params, (nparts, n_kv_heads, num_seqs), (256, 1, 1)),
           Launch("paged_attention.metal", f"paged_attention_reduce_{x}", ("tmp_out", "exp_sums", "max_logits", "context_lens", "out"),
@@ -125,14 +130,14 @@ def decode_launches(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int,
 
 
 def prefill_launch(num_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, max_blocks: int,
-                   q_dtype: DType, cache_dtype: DType, scale: float) -> Launch:
+                   q_dtype: DType, cache_dtype: DType, scale: float, window: int | None = None, softcap: float | None = None) -> Launch:
   _check_head_dim(head_dim)
   g = n_heads // n_kv_heads
   if n_heads % n_kv_heads or g > 16: raise ValueError(f"GQA ratio {n_heads}/{n_kv_heads} unsupported (<= 16)")
   tq = max(1, 32 // g)  # tokens per threadgroup: tq * g <= 32 query rows, 8 per SIMD-group (simdgroup_matrix tiles)
   return Launch("paged_prefill.metal", f"paged_attention_prefill_{_dt(q_dtype)}_{_cache_dt(cache_dtype)}_{head_dim}",
                 ("q",) + _cache_buffers(cache_dtype) + ("block_tables", "token_seq", "token_pos", "out"),
-                (num_tokens, n_heads, n_kv_heads, block_size, max_blocks, tq, _f32_bits(scale)),
+                (num_tokens, n_heads, n_kv_heads, block_size, max_blocks, tq, _f32_bits(scale), window or 0, _f32_bits(softcap or 0.0)),
                 (math.ceil(num_tokens / tq), n_kv_heads, 1), (128, 1, 1))
 
 
@@ -286,7 +291,8 @@ def _check_cache(cache: PagedKVCache) -> DType:
 # ---------------------------------------------------------------------------------------------- public functions
 
 def paged_attention_decode(q: Tensor, cache: PagedKVCache, block_tables: Tensor, context_lens: Tensor, scale: float,
-                           *, backend: str | _Backend, partition_size: int | None = None) -> Tensor:
+                           *, backend: str | _Backend, partition_size: int | None = None, window: int | None = None,
+                           softcap: float | None = None) -> Tensor:
   """Decode attention: one query token per sequence against its paged K/V.
 
   Args:
@@ -294,13 +300,13 @@ def paged_attention_decode(q: Tensor, cache: PagedKVCache, block_tables: Tensor,
     cache: the layer's PagedKVCache: k, v [num_blocks, block_size, n_kv_heads, head_dim] float32/float16, or int8
       codes with k_scale, v_scale float16 [num_blocks, block_size, n_kv_heads] (dequantized inside the kernel).
     block_tables: int32 [num_seqs, max_blocks]; context_lens: int32 [num_seqs] (0 -> zeros).
-    scale: softmax scale. partition_size: see `decode_launches`.
+    scale: softmax scale. partition_size, window, softcap: see `decode_launches`.
   Returns: [num_seqs, n_heads, head_dim] in q's dtype.
   """
   b = _prepare(backend)
   cache_dtype = _check_cache(cache)
   (B, H, D), (_, bs, KVH, _) = q.shape, cache.k.shape
-  launches = decode_launches(B, H, KVH, D, bs, block_tables.shape[1], q.dtype, cache_dtype, scale, partition_size)
+  launches = decode_launches(B, H, KVH, D, bs, block_tables.shape[1], q.dtype, cache_dtype, scale, partition_size, window, softcap)
   q, bt, cl = q.contiguous(), _int32(block_tables), _int32(context_lens)
   ins = [q, *cache.tensors(), bt, cl]
   out = Tensor.empty(B, H, D, dtype=q.dtype, device=q.device)
@@ -313,19 +319,20 @@ def paged_attention_decode(q: Tensor, cache: PagedKVCache, block_tables: Tensor,
 
 
 def paged_attention_prefill(q: Tensor, cache: PagedKVCache, block_tables: Tensor, token_seq: Tensor, token_pos: Tensor,
-                            scale: float, *, backend: str | _Backend) -> Tensor:
+                            scale: float, *, backend: str | _Backend, window: int | None = None, softcap: float | None = None) -> Tensor:
   """Prefill attention for a chunk of tokens whose K/V are already in the cache.
 
   Args:
     q: [T, n_heads, head_dim]; cache: the layer's PagedKVCache (float or int8, as in `paged_attention_decode`);
     token_seq: int32 [T] (row of block_tables, -1 = padding -> zeros);
-    token_pos: int32 [T] absolute positions: token t attends to keys 0..token_pos[t] of its sequence.
+    token_pos: int32 [T] absolute positions: token t attends to keys 0..token_pos[t] of its sequence (with a `window`,
+      those above token_pos[t] - window); softcap: scores soft-capped (Gemma 2).
   Returns: [T, n_heads, head_dim] in q's dtype.
   """
   b = _prepare(backend)
   cache_dtype = _check_cache(cache)
   (T, H, D), (_, bs, KVH, _) = q.shape, cache.k.shape
-  launch = prefill_launch(T, H, KVH, D, bs, block_tables.shape[1], q.dtype, cache_dtype, scale)
+  launch = prefill_launch(T, H, KVH, D, bs, block_tables.shape[1], q.dtype, cache_dtype, scale, window, softcap)
   ins = [q.contiguous(), *cache.tensors(), _int32(block_tables), _int32(token_seq), _int32(token_pos)]
   out = Tensor.empty(T, H, D, dtype=q.dtype, device=q.device)
   return b.run(launch, *ins, out)[len(ins)]
