@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse, json, os, struct, sys, time
 from pathlib import Path
 import numpy as np
-from real_size import SHAPES, measure_load
+from real_size import SHAPES, measure_load, write_word_tokenizer
 
 def write_checkpoint(path: Path, shape: str) -> Path:
   """A random float16 Llama of `shape` in HF layout, written tensor by tensor (never the whole model in memory)."""
@@ -55,11 +55,7 @@ def write_checkpoint(path: Path, shape: str) -> Path:
     "num_attention_heads": H, "num_key_value_heads": KVH, "intermediate_size": inter, "vocab_size": V,
     "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": tied,
     "torch_dtype": "float16", "bos_token_id": 0, "eos_token_id": 1}))
-  from tokenizers import Tokenizer, models, pre_tokenizers
-  tok = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(V)}, unk_token="<t0>"))
-  tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  tok.save(str(path / "tokenizer.json"))
-  (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<t0>", "eos_token": "<t1>"}))
+  write_word_tokenizer(path, V)
   return path
 
 

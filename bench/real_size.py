@@ -27,6 +27,16 @@ print(json.dumps({"load_seconds": seconds, "peak_rss_bytes": peak[0] - base, "rs
 """
 
 
+def write_word_tokenizer(path: Path, vocab_size: int) -> None:
+  """A word-level tokenizer of `vocab_size` tokens "<t0>" .. (BOS <t0>, EOS <t1>) beside a random checkpoint: the
+  benches feed token ids, the engine only needs a tokenizer to load."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  tok = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(vocab_size)}, unk_token="<t0>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<t0>", "eos_token": "<t1>"}))
+
+
 def measure_load(path: Path, imports: str, load: str, extras: str = "{}", env: dict | None = None) -> dict:
   """Seconds and peak RSS (above the process's before loading) of running `load` on `path` (`sys.argv[1]` in the child)
   in a fresh Python process."""
