@@ -152,6 +152,20 @@ def test_a_fused_tensor_of_the_wrong_size_is_named(family_model, tmp_path):
     load_checkpoint(tmp_path / "m")
 
 
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3_window"])
+def test_tensor_parallel_families(family_model, name):
+  """Two CPU devices, heads and FFN split (q/k norms head by head where each head lives): HF's greedy tokens."""
+  path = family_model(name)
+  engine = LLMEngine.from_kwargs(str(path), block_size=8, num_kv_blocks=64, tensor_parallel_size=2)
+  prompt = np.random.default_rng(3).integers(4, 380, 30).tolist()
+  engine.add_request("0", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+  while engine.has_unfinished_requests():
+    for out in engine.step(): pass
+  want = hf_model(path).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 30, dtype=torch.long), max_new_tokens=12,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, 30:].tolist()
+  assert out.outputs[0].token_ids == want
+
+
 @pytest.mark.parametrize("name,freed", [("mistral", True), ("qwen2_window", False)])
 def test_blocks_out_of_every_window_go_back(family_model, name, freed):
   """A 70-token prompt and 20 more tokens (block 8, window 12 on every layer, chunks of 16): the blocks the window has

@@ -93,6 +93,13 @@ class ShardedKernels(Kernels):
     cs = cos_sin[positions]
     return portable.rope(q, cs), portable.write_cache(cache, portable.rope(k, cs), v, slot_mapping)
 
+  def head_norms(self, q: Tensor, k: Tensor, v: Tensor, qk_norms: tuple | None) -> tuple[Tensor, Tensor, Tensor]:
+    """q and k's heads are split over the devices: each head normed where it is (flattening the heads would move
+    rows between shards)."""
+    if qk_norms is None: return q, k, v
+    wq, wk, eps = qk_norms
+    return portable.rms_norm(q, wq, eps), portable.rms_norm(k, wk, eps), v
+
   def glu(self, gate_up: Tensor, inter: int, act: str = "silu") -> Tensor:
     """act(gate) * up of the fused gate/up output, laid out device by device (gate_0 up_0 | gate_1 up_1 ...)."""
     T, n = gate_up.shape[0], self.shards
