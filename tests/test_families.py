@@ -152,11 +152,14 @@ def test_a_fused_tensor_of_the_wrong_size_is_named(family_model, tmp_path):
     load_checkpoint(tmp_path / "m")
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3_window"])
-def test_tensor_parallel_families(family_model, name):
-  """Two CPU devices, heads and FFN split (q/k norms head by head where each head lives): HF's greedy tokens."""
+@pytest.mark.parametrize("name,engine_args", [("qwen3", {"tensor_parallel_size": 2}), ("gemma3", {"tensor_parallel_size": 2}),
+                                              ("phi3_window", {"tensor_parallel_size": 2}),
+                                              ("gemma3", {"draft_model": "self:2", "speculation": "always"})])
+def test_tensor_parallel_and_speculation(family_model, name, engine_args):
+  """Two CPU devices, heads and FFN split (q/k norms head by head where each head lives), and speculative decoding
+  with the model's first layers as its draft (their layer types cut to match): HF's greedy tokens."""
   path = family_model(name)
-  engine = LLMEngine.from_kwargs(str(path), block_size=8, num_kv_blocks=64, tensor_parallel_size=2)
+  engine = LLMEngine.from_kwargs(str(path), block_size=8, num_kv_blocks=64, **engine_args)
   prompt = np.random.default_rng(3).integers(4, 380, 30).tolist()
   engine.add_request("0", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
   while engine.has_unfinished_requests():

@@ -125,11 +125,6 @@ class Kernels:
     """Can prefill chunks of a model with these layers go back to back (`packs_prefill`, and every layer takes them)?"""
     return self.packs_prefill
 
-  def lacks(self, cfg) -> str | None:
-    """One line saying which parts of the model (a family's q/k norms, sliding windows: model/families/) this
-    backend's own kernels lack and how they run instead, or None when they have them all."""
-    return None
-
   def fuses(self, layer) -> bool:
     """Does `decoder_layer` run this layer (model/llama.py LlamaLayer: its window, weights and linears) whole?"""
     return False
@@ -228,7 +223,7 @@ class CpuKernels(Kernels):
 
   def packs_layers(self, layers) -> bool:
     """Packed prefill groups are read by the fused layer only: a model with a layer it does not take (stored in a
-    format it does not read, or with a part it lacks) pads prefill chunks instead, for the composed layer's attention."""
+    format it does not read) pads prefill chunks instead, for the composed layer's attention."""
     return all(self.fuses(layer) for layer in layers)
 
   def fuses(self, layer) -> bool:

@@ -3,9 +3,8 @@
 A family is a description, not a model class: the HF architectures and GGUF architecture it answers to, the
 ModelConfig fields its config.json and GGUF metadata set beyond the shared ones, and how llama.cpp's converter stored
 its tensors. The decoder's parts (q/k/v biases, per-head q/k norms, sliding-window attention, ...) are switched on by
-those ModelConfig fields, so the runner, the kernels and the loaders never branch on a family's name: a backend that
-lacks a part says so by the field (kernels/__init__.py `Kernels.composes`). Adding a family is one module here, listed
-in FAMILIES, and one test config (tests/test_families.py)."""
+those ModelConfig fields, so the runner, the kernels and the loaders never branch on a family's name. Adding a family
+is one module here, listed in FAMILIES, and one test config (tests/test_families.py)."""
 from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
