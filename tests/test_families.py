@@ -190,7 +190,8 @@ def test_blocks_out_of_every_window_go_back(family_model, name, freed):
   else: assert max(held) == 11 and engine.core.scheduler.num_window_freed == 0
 
 
-@pytest.mark.parametrize("name,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3")])
+@pytest.mark.parametrize("name,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3"), ("phi3", "phi3"),
+                                       ("phi3_window", "phi3")])
 def test_gguf_of_each_architecture(family_model, tmp_path, name, arch):
   """The same weights as llama.cpp's converter writes them (Q/K rows in HF's order for these architectures, biases
   and q/k norms as F32 vectors, Gemma's norms as 1 + weight under llama.cpp's names, linears in
@@ -200,7 +201,13 @@ def test_gguf_of_each_architecture(family_model, tmp_path, name, arch):
   expected = write_gguf(path, tmp_path / "m.gguf", arch=arch)
   ckpt = load_checkpoint(tmp_path / "m.gguf")
   assert ckpt.config.model_type.startswith(arch) and ckpt.config.qkv_bias == (arch == "qwen2")
-  assert ckpt.config.qk_norm == (arch != "qwen2")
+  assert ckpt.config.qk_norm == (arch in ("qwen3", "gemma3"))
+  if name == "phi3": assert ckpt.config.rope_scaling["rope_type"] == "longrope"   # the divisors read from their tensors
+  if name == "phi3_window": assert ckpt.config.sliding_window == 12
+  for fused, parts in FUSED_PROJECTIONS.items() if arch == "phi3" else ():   # Phi-3's HF model reads them fused
+    for n in [n for n in expected if n.endswith(f"{parts[0]}.weight")]:
+      p = n[:-len(f"{parts[0]}.weight")]
+      expected[f"{p}{fused}.weight"] = np.concatenate([expected.pop(f"{p}{part}.weight") for part in parts])
   ids = list(range(5, 40))
   ours, ref = our_prefill_logits(tmp_path / "m.gguf", ids, "cpu"), hf_logits(hf_model(path, expected), ids)
   assert rel_err(ours, ref) < TOL

@@ -1,7 +1,7 @@
 """Checkpoint loading: GGUF tensor types (against the `gguf` package's own dequantizer), llama.cpp's Q/K row
 order, sharded bf16 safetensors, both config layouts, and the errors for what we do not support."""
 from __future__ import annotations
-import json
+import json, math
 from pathlib import Path
 import gguf
 import numpy as np
@@ -20,7 +20,7 @@ GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 # one tensor type per projection, so a single file covers every type the loader supports
 GGUF_TYPES = {"token_embd": "Q8_0", "output": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "F16", "attn_output": "BF16",
-              "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q8_0"}
+              "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q8_0", "attn_qkv": "Q4_1"}   # attn_qkv: Phi-3's fused q/k/v
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -48,9 +48,19 @@ def write_gguf(hf_dir: Path, out: Path, types: dict[str, str] = GGUF_TYPES, bloc
   unpermute = llama_cpp_permute_inverse if arch == "llama" else lambda w, n: w
   gemma = arch.startswith("gemma")
   # llama.cpp's names for Gemma's norms (its ffn_norm is the MLP's input norm, HF Gemma's pre_feedforward_layernorm)
+  # and for Phi-3's fused projections (gate and up as one ffn_up)
   names = GGUF_NAMES | ({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                         "post_feedforward_layernorm": "post_ffw_norm"} if gemma else {})
+                         "post_feedforward_layernorm": "post_ffw_norm"} if gemma else {}) | \
+          ({"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"} if arch == "phi3" else {})
   w = gguf.GGUFWriter(out, arch)
+  if arch == "phi3" and cfg["rope_parameters"].get("rope_type") == "longrope":
+    # llama.cpp's converter: the divisors as tensors, the original context and its attention factor as keys
+    rope, orig = cfg["rope_parameters"], cfg["rope_parameters"].get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(cfg["max_position_embeddings"] / orig) / math.log(orig)))
+    w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+    w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+  if arch == "phi3" and cfg.get("sliding_window"): w.add_sliding_window(cfg["sliding_window"])
   if cfg.get("head_dim"): w.add_key_length(cfg["head_dim"]); w.add_value_length(cfg["head_dim"])
   if gemma:
     w.add_sliding_window(cfg["sliding_window"])

@@ -199,10 +199,12 @@ def load_hf_dir(path: Path) -> Checkpoint:
   return Checkpoint(config, tensors, path)
 
 
-def split_fused(config: ModelConfig, tensors: dict[str, np.ndarray], origin: dict[str, str], where: str) -> None:
+def split_fused(config: ModelConfig, tensors: dict, origin: dict[str, str], where: str,
+                cut=lambda arr, start, end: arr[start:end]) -> None:
   """In place: a checkpoint's fused q/k/v (`self_attn.qkv_proj`) and gate/up (`mlp.gate_up_proj`) tensors become
-  their parts, rows split as views (no copy): weights, and the scales and biases of quantized ones, all have a row
-  per output. The model fuses them again where they are stored alike."""
+  their parts, rows split as views (no copy; `cut` takes rows start..end of one): weights, the scales and biases of
+  quantized ones and a GGUF's raw blocks all have a row per output. The model fuses them again where they are stored
+  alike."""
   rows = {"self_attn.qkv_proj": (config.q_size, config.kv_size, config.kv_size),
           "mlp.gate_up_proj": (config.intermediate_size, config.intermediate_size)}
   for name in [n for n in tensors if _LAYER.match(n)]:
@@ -210,12 +212,13 @@ def split_fused(config: ModelConfig, tensors: dict[str, np.ndarray], origin: dic
     fused, _, part = name[len(layer):].rpartition(".")
     if fused not in FUSED_PROJECTIONS: continue
     arr, sizes = tensors.pop(name), rows[fused]
-    if arr.ndim < 1 or arr.shape[0] != sum(sizes):
-      raise ModelLoadError(f"{where}: tensor {name} has {arr.shape[0] if arr.ndim else 0} rows; the config implies {sum(sizes)} "
+    n_rows = arr.shape[0] if len(arr.shape) else 0
+    if n_rows != sum(sizes):
+      raise ModelLoadError(f"{where}: tensor {origin.get(name, name)} has {n_rows} rows; the config implies {sum(sizes)} "
                            f"({' + '.join(map(str, sizes))})")
     start = 0
     for piece, n in zip(FUSED_PROJECTIONS[fused], sizes):
-      tensors[f"{layer}{piece}.{part}"], start = arr[start:start + n], start + n
+      tensors[f"{layer}{piece}.{part}"], start = cut(arr, start, start + n), start + n
       origin[f"{layer}{piece}.{part}"] = origin.get(name, name)
 
 
@@ -405,7 +408,8 @@ _GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", 
                "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+               "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "attn_qkv": "self_attn.qkv_proj"}
 GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
@@ -468,6 +472,15 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
                            f"{config.num_hidden_layers} layers")
     if name in by_name: raise ModelLoadError(f"{path}: tensors {by_name[name].name} and {t.name} are both {name}")
     by_name[name] = t
+  if family.hf_fused:   # Phi-3: attn_qkv and the fused ffn_up, their rows (whole ggml blocks) cut into the parts
+    split_fused(config, by_name, {n: t.name for n, t in by_name.items()}, str(path),
+                lambda t, a, b: dataclasses.replace(t, name=f"{t.name}[{a}:{b}]", shape=(b - a, *t.shape[1:]), data=t.data[a:b]))
+  if "rope_factors_long.weight" in by_name:   # LongRoPE's divisors travel as tensors (Phi-3.5, Phi-3-128k)
+    config = dataclasses.replace(config, rope_scaling={
+      "rope_type": "longrope", "short_factor": [float(x) for x in by_name["rope_factors_short.weight"].data],
+      "long_factor": [float(x) for x in by_name["rope_factors_long.weight"].data],
+      "original_max_position_embeddings": int(meta.get(f"{arch}.rope.scaling.original_context_length", 4096)),
+      **({"attention_factor": float(meta[f"{arch}.rope.scaling.attn_factor"])} if f"{arch}.rope.scaling.attn_factor" in meta else {})})
   if "lm_head.weight" not in by_name: config = dataclasses.replace(config, tie_word_embeddings=True)
   # shapes checked before any conversion; tensors the model does not read are not converted (nor kept)
   keep = check_tensors(config, by_name, str(path), f"{arch}.block_count", lambda n: by_name[n].name if n in by_name else gguf_name(n, names),

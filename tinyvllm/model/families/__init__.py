@@ -29,8 +29,8 @@ class Family:
   # GGUF tensor names (llama.cpp's, inside a block) that mean something else in this family than in Llama's, with
   # the HF name (relative to the layer) they stand for
   gguf_names: tuple[tuple[str, str], ...] = ()
-  # the HF checkpoint stores q/k/v as self_attn.qkv_proj and gate/up as mlp.gate_up_proj (Phi-3): the loader splits
-  # their rows into the parts (model/weights.py split_fused)
+  # the checkpoint (HF or GGUF) stores q/k/v as self_attn.qkv_proj and gate/up as mlp.gate_up_proj (Phi-3): the
+  # loader splits their rows into the parts (model/weights.py split_fused)
   hf_fused: bool = False
 
 

@@ -1,5 +1,5 @@
 """Phi-3 / Phi-3.5 (mini, medium): a Llama whose checkpoint stores q/k/v fused as `self_attn.qkv_proj` and gate/up as
-`mlp.gate_up_proj` (the loader splits their rows; the model fuses them again), with LongRoPE scaling in the 128k
+`mlp.gate_up_proj` (the loader splits their rows; the model fuses them again; GGUF: `attn_qkv` and a fused `ffn_up`), with LongRoPE scaling in the 128k
 models (per-frequency short and long divisors and an attention factor on cos and sin: model/rope.py) and a sliding
 window when the config sets one (Phi-3-mini-4k: 2047). Phi-4-mini's partial rotary embedding is not supported."""
 from tinyvllm.model.families import Family
@@ -20,4 +20,12 @@ def _hf_fields(get, d: dict) -> dict:
   return fields
 
 
-FAMILY = Family("phi3", ("Phi3ForCausalLM",), hf_fields=_hf_fields, hf_fused=True)
+def _gguf_fields(get, meta: dict) -> dict:
+  # LongRoPE's divisors are tensors in a GGUF (rope_factors_long/short): the loader adds them (model/weights.py)
+  window = get("attention.sliding_window", 0)
+  return {"sliding_window": window} if window else {}
+
+
+# llama.cpp's phi3 stores q/k/v as attn_qkv and gate/up as one ffn_up of twice the rows (no ffn_gate)
+FAMILY = Family("phi3", ("Phi3ForCausalLM",), gguf_architecture="phi3", hf_fields=_hf_fields, gguf_fields=_gguf_fields,
+                gguf_names=(("ffn_up", "mlp.gate_up_proj"),), hf_fused=True)
