@@ -63,6 +63,9 @@ def test_models_health_version(server, client, tiny_model):
   url, engine = server
   models = client.models.list().data
   assert [m.id for m in models] == [tiny_model.name] and models[0].max_model_len == 256 and models[0].object == "model"
+  assert client.models.retrieve(tiny_model.name).id == tiny_model.name   # GET /v1/models/{id}
+  missing = httpx.get(url + "/v1/models/no-such-model")
+  assert missing.status_code == 404 and "no-such-model" in missing.json()["error"]["message"]
   assert httpx.get(url + "/health").status_code == 200
   assert httpx.get(url + "/version").json() == {"version": __import__("tinyvllm").__version__}
 
@@ -139,7 +142,9 @@ def test_completion_echo_logprobs_cover_prompt_and_output(server, client, tiny_m
     assert abs(lp.token_logprobs[i] - row[ids[i]]) < LOGPROB_TOL
     top2 = np.sort(row)[::-1][:2]   # keyed by text, two tokens that read the same share one entry: the likelier
     assert max(lp.top_logprobs[i].values()) == pytest.approx(top2[0], abs=LOGPROB_TOL)
-    assert all(np.isclose(v, top2, atol=LOGPROB_TOL).any() for v in lp.top_logprobs[i].values())
+    # the two likeliest and, as OpenAI does, the token itself (up to 3 entries)
+    assert len(lp.top_logprobs[i]) <= 3 and lp.top_logprobs[i][lp.tokens[i]] == pytest.approx(row[ids[i]], abs=LOGPROB_TOL)
+    assert all(np.isclose(v, [*top2, row[ids[i]]], atol=LOGPROB_TOL).any() for v in lp.top_logprobs[i].values())
   assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
   assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == 5
 

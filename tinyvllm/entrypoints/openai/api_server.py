@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: `python -m tinyvllm.serve` (or `tinyvllm serve`).
 
 FastAPI routes on one AsyncLLM; the engine runs on its own thread, the event loop only parses, renders and
-streams. Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize (behind --api-key
+streams. Endpoints: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{id}), /tokenize, /detokenize (behind --api-key
 when set), /health, /metrics, /version. Every error is OpenAI's body {"error": {message, type, param, code}}.
 """
 from __future__ import annotations
@@ -68,11 +68,20 @@ def build_app(engine, settings: ServerSettings, metrics=None) -> FastAPI:
   @api.post("/v1/completions")
   async def completions(request: Request): return await completion.create(request)
 
+  def model_card() -> dict:
+    return {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "tinyvllm",
+            "root": settings.model_path, "parent": None, "max_model_len": engine.max_model_len}
+
   @api.get("/v1/models")
-  async def models():
-    return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": created,
-                                        "owned_by": "tinyvllm", "root": settings.model_path, "parent": None,
-                                        "max_model_len": engine.max_model_len}]}
+  async def models(): return {"object": "list", "data": [model_card()]}
+
+  @api.get("/v1/models/{model_id:path}")
+  async def model(model_id: str):
+    """OpenAI's retrieve (`client.models.retrieve(id)`): the one model this server runs, or a 404 naming the id."""
+    if model_id != settings.served_model_name:
+      raise APIError(404, f"the model '{model_id}' does not exist; this server runs '{settings.served_model_name}'",
+                     param="model", code="model_not_found")
+    return model_card()
 
   @api.post("/tokenize")
   async def tokenize(request: Request):

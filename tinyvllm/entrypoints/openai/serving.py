@@ -120,7 +120,8 @@ class OpenAIServing:
   def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], top_n: int,
                           text_offset: int) -> dict:
     """Completions' layout: parallel lists tokens / token_logprobs / top_logprobs / text_offset. An entry that is
-    None (the first prompt token, which nothing predicts) has logprob None."""
+    None (the first prompt token, which nothing predicts) has logprob None. top_logprobs holds the top_n likeliest
+    and the token itself."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for token_id, lps in zip(token_ids, logprobs):
       text = self.tokenizer.token_to_str(token_id)
@@ -135,6 +136,8 @@ class OpenAIServing:
       top = sorted((lp for lp in lps.values() if lp.rank <= top_n), key=lambda lp: lp.rank)[:top_n]
       best: dict[str, float] = {}   # two tokens may read the same (e.g. lone bytes as U+FFFD): keep the likelier
       for lp in top: best.setdefault(lp.decoded_token, max(lp.logprob, LOGPROB_FLOOR))
+      if top_n:   # OpenAI (and vLLM) always list the sampled token too: up to top_n + 1 entries
+        best.setdefault(lps[token_id].decoded_token, max(lps[token_id].logprob, LOGPROB_FLOOR))
       tops.append(best)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
