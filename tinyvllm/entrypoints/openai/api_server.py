@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from tinyvllm.entrypoints.engine_args import add_engine_args
 from tinyvllm.entrypoints.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest, parse_body
 from tinyvllm.entrypoints.openai.serving import OpenAIServing, ServerSettings
+from tinyvllm.tools import FORMATS
 
 log = logging.getLogger("tinyvllm.server")
 
@@ -122,7 +123,8 @@ def build_app(engine, settings: ServerSettings, metrics=None) -> FastAPI:
 
 
 def create_app(config, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_waiting_requests: int | None = None, chat_template: str | None = None) -> FastAPI:
+               max_waiting_requests: int | None = None, chat_template: str | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
   """Load the model of `config` (an EngineConfig with a local model path) into an AsyncLLM with Prometheus metrics,
   and build the app on it. `app.state.engine` is the engine, `app.state.settings` the settings."""
   from tinyvllm.engine.async_llm import AsyncLLM
@@ -133,7 +135,7 @@ def create_app(config, *, served_model_name: str | None = None, api_key: str | N
   engine = AsyncLLM.from_config(config, stat_loggers=[metrics])
   metrics.bind(lambda: engine.engine.scheduler_stats)
   settings = ServerSettings(served_model_name=name, model_path=str(path), api_key=api_key,
-                            max_waiting_requests=max_waiting_requests, chat_template=chat_template)
+                            max_waiting_requests=max_waiting_requests, chat_template=chat_template, tool_call_parser=tool_call_parser)
   return build_app(engine, settings, metrics)
 
 
@@ -151,6 +153,11 @@ def parser() -> argparse.ArgumentParser:
                                                            "(default: the model's file or directory name)")
   s.add_argument("--max-waiting-requests", type=int, default=None, help="answer 503 while this many requests wait (default: no limit)")
   s.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the model's")
+  s.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
+                 help="the format tool calls are read in (default: the one the chat template writes; json: a generic JSON "
+                      "format, described to the model in a system message when its template has no tool support)")
+  s.add_argument("--enable-auto-tool-choice", action="store_true",
+                 help="accepted for vLLM's command lines: tool_choice 'auto' is always available here")
   s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
   add_engine_args(p.add_argument_group("engine"))
   return p
@@ -184,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     path = resolve_model(model)
     config = EngineConfig.from_kwargs(model=str(path), **engine_kwargs(args))
-    app = create_app(config, served_model_name=args.served_model_name, chat_template=chat_template,
+    app = create_app(config, served_model_name=args.served_model_name, chat_template=chat_template, tool_call_parser=args.tool_call_parser,
                      api_key=args.api_key or os.environ.get("TINYVLLM_API_KEY") or None,
                      max_waiting_requests=args.max_waiting_requests)
   except (ValueError, TypeError, FetchError, OSError) as e:

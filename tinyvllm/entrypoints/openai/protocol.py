@@ -159,10 +159,12 @@ def _no_tools(value) -> bool: return value in ("none", [], None)
 
 
 class ChatCompletionRequest(_Request):
-  UNSUPPORTED: ClassVar[tuple] = (("tools", _no_tools), ("tool_choice", _no_tools), ("functions", _no_tools), ("function_call", _no_tools),
-                 ("parallel_tool_calls", lambda v: True), ("modalities", _text_only),
+  UNSUPPORTED: ClassVar[tuple] = (("functions", _no_tools), ("function_call", _no_tools), ("modalities", _text_only),
                  ("audio", None), ("prediction", None), ("reasoning_effort", None), ("web_search_options", None))
   messages: list[dict[str, Any]]
+  tools: list[Any] | None = None
+  tool_choice: str | dict[str, Any] | None = None   # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+  parallel_tool_calls: bool | None = True
   logprobs: bool | None = False
   top_logprobs: int | None = None
   max_tokens: int | None = None             # deprecated by OpenAI, still what most clients send
@@ -170,6 +172,30 @@ class ChatCompletionRequest(_Request):
   add_generation_prompt: bool | None = True
   continue_final_message: bool | None = False
   chat_template_kwargs: dict[str, Any] | None = None
+
+  def tool_request(self) -> tuple[list[dict] | None, str | None]:
+    """(tools, the choice: "none" | "auto" | "required" | a tool's name), checked: a malformed definition, a choice
+    naming no given tool or a choice without tools is a 400 naming the field."""
+    from tinyvllm.tools import check_tools, tool_names
+    if not self.tools:
+      if self.tool_choice not in (None, "none"):
+        raise APIError(400, "tool_choice needs tools: give the functions it may call in 'tools'", param="tool_choice")
+      return None, None
+    try: tools = check_tools(self.tools)
+    except ValueError as e: raise APIError(400, str(e), param="tools") from None
+    choice = self.tool_choice if self.tool_choice is not None else "auto"
+    if isinstance(choice, dict):
+      fn = choice.get("function")
+      if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                       param="tool_choice")
+      if fn["name"] not in tool_names(tools):
+        raise APIError(400, f"tool_choice names the function {fn['name']!r}, which is not among the tools "
+                            f"({', '.join(tool_names(tools))})", param="tool_choice")
+      return tools, fn["name"]
+    if choice not in ("none", "auto", "required"):
+      raise APIError(400, f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}", param="tool_choice")
+    return tools, choice
 
 
 class CompletionRequest(_Request):

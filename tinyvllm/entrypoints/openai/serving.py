@@ -2,7 +2,7 @@
 waiting for them while watching for a client that hangs up, OpenAI's logprob layouts, usage, SSE frames and the
 one log line per request."""
 from __future__ import annotations
-import asyncio, json, logging, time
+import asyncio, json, logging, re, time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from starlette.requests import Request
@@ -22,6 +22,7 @@ class ServerSettings:
   api_key: str | None = None
   max_waiting_requests: int | None = None   # None: no limit
   chat_template: str | None = None           # overrides the model's
+  tool_call_parser: str | None = None        # tools.FORMATS name; None: the one the chat template writes
 
 
 class OpenAIServing:
@@ -31,13 +32,30 @@ class OpenAIServing:
 
   # ---- admission ----
 
-  def render_chat(self, body) -> dict:
-    """A chat body's messages through the chat template (the server's --chat-template, else the model's), as
-    {"prompt", "prompt_token_ids"}; a message or template the renderer refuses is a 400 on `messages`."""
+  def render_chat(self, body, tools: list[dict] | None = None, tool_format=None) -> dict:
+    """A chat body's messages (and `tools`) through the chat template (the server's --chat-template, else the
+    model's), as {"prompt", "prompt_token_ids"}; a message or template the renderer refuses is a 400 on `messages`.
+    Tools, and tool calls and results in the history, are never dropped: a template that does not read them is a
+    400 saying so (unless --tool-call-parser json asks for the generic format, described in a system message)."""
+    from tinyvllm.tools import generic_instructions, template_messages
+    template = self.settings.chat_template or self.tokenizer.chat_template or ""
+    messages, kwargs = body.messages, dict(body.chat_template_kwargs or {})
+    if isinstance(messages, list) and any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages):
+      if "tool_calls" not in template:
+        raise APIError(400, "the messages hold tool calls or tool results, and this model's chat template does not write them "
+                            "(it never reads 'tool_calls'); pass --chat-template with one that does", param="messages")
+      messages = template_messages(messages)
+    if tools:
+      if re.search(r"\btools\b", template): kwargs["tools"] = tools
+      elif self.settings.tool_call_parser == "json":
+        messages = [{"role": "system", "content": generic_instructions(tools)}, *messages]
+      else:
+        raise APIError(400, "this model's chat template has no tool support (it never reads 'tools'); pass --chat-template "
+                            "with one that does, or --tool-call-parser json for a generic JSON call format", param="tools")
     try:
       return self.engine.input_processor.render_chat(
-        body.messages, add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-        chat_template=self.settings.chat_template, template_kwargs=body.chat_template_kwargs)
+        messages, add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+        chat_template=self.settings.chat_template, template_kwargs=kwargs or None)
     except ValueError as e: raise APIError(400, str(e), param="messages") from None
 
   def check_model(self, name: str | None) -> None:
@@ -65,6 +83,8 @@ class OpenAIServing:
     except ValueError as e:
       message = str(e)
       if field == "response_format": message = message.replace("structured_outputs.json", "response_format.json_schema.schema", 1)
+      if field == "tools":   # the grammar of a forced call: what failed is a tool's parameters schema
+        message = "tools: a function's parameters schema cannot be compiled: " + message.split(": ", 2)[-1]
       raise APIError(400, message, param=field) from None
 
   async def add_requests(self, request_id: str, prompts: list[dict], params: SamplingParams, prompt_field: str) -> list[RequestStream]:

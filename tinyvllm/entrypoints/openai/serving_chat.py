@@ -1,6 +1,7 @@
-"""POST /v1/chat/completions: messages -> the chat template -> one engine request with n completions."""
+"""POST /v1/chat/completions: messages (and tools) -> the chat template -> one engine request with n completions;
+with tools, each completion's text is read for calls in the model's format (tinyvllm/tools.py)."""
 from __future__ import annotations
-import time, uuid
+import dataclasses, time, uuid
 from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -8,6 +9,8 @@ from tinyvllm.engine.async_llm import RequestStream
 from tinyvllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, parse_body
 from tinyvllm.entrypoints.openai.serving import OpenAIServing, sse
 from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import StructuredOutputsParams
+from tinyvllm.tools import FORMATS, ToolFormat, detect_format, streamable
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -19,16 +22,26 @@ class OpenAIServingChat(OpenAIServing):
       raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
       raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
-    prompt = self.render_chat(body)
+    tools, choice = body.tool_request()
+    fmt = self.tool_format() if tools and choice != "none" else None
+    prompt = self.render_chat(body, tools=tools if fmt else None, tool_format=fmt)
     max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     self.check_length(len(prompt["prompt_token_ids"]), max_tokens, "messages", max_tokens_field)
     params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, body.prompt_logprobs)
-    await self.check_constraint(params, body.constraint_field)
+    constraint_field = body.constraint_field
+    if fmt is not None and choice != "auto":   # "required" or a named function: every completion is a valid call
+      if constraint_field is not None:
+        raise APIError(400, f"tool_choice={choice!r} forces a tool call, which {constraint_field} would constrain too: give one",
+                       param=constraint_field)
+      forced = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
+      grammar = fmt.grammar(forced, parallel=choice == "required" and body.parallel_tool_calls is not False)
+      params, constraint_field = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar)), "tools"
+    await self.check_constraint(params, constraint_field)
     request_id, started = f"chatcmpl-{uuid.uuid4().hex}", time.time()
     stream = (await self.add_requests(request_id, [prompt], params, "messages"))[0]
     if body.stream:
-      return StreamingResponse(self._stream(body, request_id, started, stream), media_type="text/event-stream")
+      return StreamingResponse(self._stream(body, request_id, started, stream, fmt), media_type="text/event-stream")
     finals = await self.final_outputs(request, [stream])
     if finals is None:
       self.log_request(request_id, "chat", started, [], "client disconnected")
@@ -36,21 +49,38 @@ class OpenAIServingChat(OpenAIServing):
     out = finals[0]
     self.log_request(request_id, "chat", started, [out], f"error: {out.error}" if out.error else "ok")
     if out.error: raise APIError(500, f"generation failed: {out.error}")
-    return JSONResponse(self._response(body, request_id, started, out))
+    return JSONResponse(self._response(body, request_id, started, out, fmt))
 
-  def _response(self, body: ChatCompletionRequest, request_id: str, started: float, out: RequestOutput) -> dict:
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": {"content": self.chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)} if body.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+  def tool_format(self) -> ToolFormat:
+    """The call format: --tool-call-parser, else the one the chat template writes (tools.detect_format)."""
+    if self.settings.tool_call_parser: return FORMATS[self.settings.tool_call_parser]
+    return detect_format(self.settings.chat_template or self.tokenizer.chat_template)
+
+  def _response(self, body: ChatCompletionRequest, request_id: str, started: float, out: RequestOutput,
+                fmt: ToolFormat | None) -> dict:
+    choices = []
+    for c in out.outputs:
+      message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+      if fmt is not None:
+        content, calls = fmt.parse(c.text)
+        if calls:
+          message = {"role": "assistant", "content": content, "tool_calls": [call.openai() for call in calls]}
+          if finish == "stop": finish = "tool_calls"
+      choices.append({"index": c.index, "message": message,
+                      "logprobs": {"content": self.chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)} if body.logprobs else None,
+                      "finish_reason": finish, "stop_reason": c.stop_reason})
     response = {"id": request_id, "object": "chat.completion", "created": int(started), "model": self.settings.served_model_name,
                 "choices": choices, "usage": self.usage([out]), "system_fingerprint": None}
     if body.prompt_logprobs is not None: response["prompt_logprobs"] = self.prompt_logprobs_json(out)
     return response
 
   async def _stream(self, body: ChatCompletionRequest, request_id: str, started: float,
-                    stream: RequestStream) -> AsyncIterator[str]:
+                    stream: RequestStream, fmt: ToolFormat | None = None) -> AsyncIterator[str]:
     """SSE frames: each choice's role first, then text deltas, a last chunk with its finish_reason, the usage
-    chunk when asked for, and [DONE]. Cancelled (client gone): the finally clause closes the stream (abort)."""
+    chunk when asked for, and [DONE]. Cancelled (client gone): the finally clause closes the stream (abort).
+    With tools, text that is or may become a call is held back; when the completion ends its calls are sent as
+    OpenAI streams them (each call's id and name with empty arguments, then its arguments), or the held text as
+    content when it holds no valid call."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -72,14 +102,31 @@ class OpenAIServingChat(OpenAIServing):
         for c in out.outputs:
           i = c.index
           if done[i]: continue
-          delta, new_tokens = c.text[sent_text[i]:], c.token_ids[sent_tokens[i]:]
-          if not delta and not new_tokens and c.finish_reason is None: continue
+          finish = c.finish_reason
+          visible = len(c.text) if fmt is None or finish is not None else streamable(fmt, c.text)
+          delta, new_tokens = c.text[sent_text[i]:visible], c.token_ids[sent_tokens[i]:]
+          if not delta and not new_tokens and finish is None: continue
+          calls = []
+          if fmt is not None and finish is not None:
+            content, calls = fmt.parse(c.text)
+            if calls:   # the held text was calls: whatever content came before them, then the calls
+              delta = (content or "")[sent_text[i]:] if content and len(content) > sent_text[i] else ""
+              if finish == "stop": finish = "tool_calls"
           choice = {"index": i, "delta": {"content": delta} if delta else {},
                     "logprobs": {"content": self.chat_logprobs(new_tokens, c.logprobs[sent_tokens[i]:], body.top_logprobs or 0)}
-                    if body.logprobs else None, "finish_reason": c.finish_reason}
-          if c.finish_reason is not None: choice["stop_reason"] = c.stop_reason
-          sent_text[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), c.finish_reason is not None
-          yield chunk([choice], self.usage([out]) if continuous else None)
+                    if body.logprobs else None, "finish_reason": None if calls else finish}
+          if finish is not None and not calls: choice["stop_reason"] = c.stop_reason
+          sent_text[i], sent_tokens[i], done[i] = max(visible, sent_text[i]), len(c.token_ids), finish is not None
+          if delta or new_tokens or not calls: yield chunk([choice], self.usage([out]) if continuous else None)
+          for k, call in enumerate(calls):
+            yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                                                                "function": {"name": call.name, "arguments": ""}}]},
+                          "logprobs": None, "finish_reason": None}])
+            yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]},
+                          "logprobs": None, "finish_reason": None}])
+          if calls:
+            yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason}],
+                        self.usage([out]) if continuous else None)
       else:
         status = "ok"
         if include_usage and final is not None: yield chunk([], self.usage([final]))
@@ -87,3 +134,4 @@ class OpenAIServingChat(OpenAIServing):
     finally:
       await stream.aclose()
       self.log_request(request_id, "chat stream", started, [final], status)
+

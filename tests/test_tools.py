@@ -1,0 +1,220 @@
+"""Tool calling: each format's parser on literal outputs written as each family documents them, the grammars that
+force valid calls (checked with llguidance on strings that do and do not satisfy the schemas), and the server
+driven by the `openai` client on a tiny random checkpoint whose chat template reads tools (Hermes style, as Qwen's):
+forced calls are valid whatever the weights, streamed calls equal plain ones, a two-turn loop renders the call and
+its result, and every malformed request is a 400 naming its field."""
+from __future__ import annotations
+import json
+import httpx
+import openai
+import pytest
+from conftest import serve_in_thread
+from tinyvllm.config import EngineConfig
+from tinyvllm.entrypoints.openai.api_server import create_app
+from tinyvllm.sampling_params import StructuredOutputsParams
+from tinyvllm.tools import FORMATS, check_tools, detect_format, streamable
+
+# bounded strings and numbers: a random-weight model under the grammar must finish a call within max_tokens
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                                                                            "days": {"type": "integer", "minimum": 0,
+                                                                                                     "maximum": 9}},
+                                                           "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+
+# a Hermes-style template (Qwen2.5's shape): tools in the system turn, calls in <tool_call> blocks, results as tool turns
+HERMES_TEMPLATE = (
+  "{% if tools %}<|im_start|>system\nYou may call these functions:\n{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}"
+  "Answer with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}"
+  "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+  "{% for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n"
+  "</tool_call>{% endfor %}<|im_end|>\n{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+  "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+# **** parsers, on outputs written as each format's documentation shows them ****
+
+@pytest.mark.parametrize("fmt,text,content,calls", [
+  ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
+   "Let me check.", [("get_weather", {"city": "Paris", "days": 2})]),
+  ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+             '"arguments": {"city": "Oslo", "days": 1}}\n</tool_call>', None, [("get_time", {}), ("get_weather", {"city": "Oslo", "days": 1})]),
+  ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}', None,
+   [("get_weather", {"city": "Paris", "days": 2})]),
+  ("llama3_json", '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Rome", "days": 3}}', None,
+   [("get_time", {}), ("get_weather", {"city": "Rome", "days": 3})]),
+  ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, {"name": "get_time", "arguments": {}}]',
+   None, [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+  ("json", '{"name": "get_weather", "arguments": {"city": "Lima", "days": 5}}', None, [("get_weather", {"city": "Lima", "days": 5})]),
+  ("json", '[{"name": "get_time", "arguments": {}}]', None, [("get_time", {})]),
+])
+def test_parsers_read_each_format(fmt, text, content, calls):
+  got_content, got = FORMATS[fmt].parse(text)
+  assert got_content == content
+  assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+  assert len({c.id for c in got}) == len(got) and all(c.id.startswith("call_") for c in got)
+
+
+@pytest.mark.parametrize("fmt,text", [
+  ("hermes", "The weather is fine."), ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'),
+  ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>'),
+  ("llama3_json", "Sure: {not json}"), ("mistral", "[TOOL_CALLS] nothing"), ("json", '{"city": "Paris"}'), ("json", "Hello"),
+])
+def test_text_that_is_not_a_call_stays_content(fmt, text):
+  assert FORMATS[fmt].parse(text) == (text, [])
+
+
+def test_streams_hold_back_what_may_become_a_call():
+  hermes, llama = FORMATS["hermes"], FORMATS["llama3_json"]
+  assert streamable(hermes, "Let me see <tool_") == len("Let me see ")
+  assert streamable(hermes, "Let me see <tool_call>\n{") == len("Let me see ")
+  assert streamable(hermes, "a < b") == len("a < b")
+  assert streamable(llama, "  ") == 0 and streamable(llama, "Paris is") == len("Paris is")
+
+
+def test_format_detection_and_tool_checks():
+  assert detect_format(HERMES_TEMPLATE).name == "hermes" and detect_format("[TOOL_CALLS]").name == "mistral"
+  assert detect_format("<|python_tag|>").name == "llama3_json" and detect_format(None).name == "json"
+  assert check_tools([WEATHER, TIME]) == [WEATHER, TIME]
+  for bad, where in [([{"type": "fn", "function": {"name": "x"}}], r"tools\[0\].type"), ([{"type": "function"}], r"tools\[0\].function"),
+                     ([{"type": "function", "function": {"name": "a b"}}], r"tools\[0\].function.name"),
+                     ([WEATHER, WEATHER], r"tools\[1\].function.name 'get_weather' is given twice"),
+                     ([{"type": "function", "function": {"name": "x", "parameters": {"type": "string"}}}], "describe an object"), ([], "non-empty")]:
+    with pytest.raises(ValueError, match=where): check_tools(bad)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_grammars_accept_valid_calls_only(tiny_model, fmt):
+  """llguidance on the grammar of each format: a call with arguments that satisfy the schema is a complete sentence;
+  a wrong argument type, a missing required argument or an unknown tool is refused."""
+  from tinyvllm.model.tokenizer import load_tokenizer
+  from tinyvllm.structured_output.compiler import GrammarCompiler
+  tok = load_tokenizer(tiny_model)
+  compiler = GrammarCompiler(tok, tok.vocab_size)
+  f = FORMATS[fmt]
+  def call(name, args): return {"name": name, f.arguments_key: args}
+  def written(*calls) -> str:
+    if fmt == "hermes": return "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+    if fmt == "llama3_json": return "; ".join(json.dumps(c) for c in calls)
+    if fmt == "mistral": return "[TOOL_CALLS]" + json.dumps(list(calls))
+    return json.dumps(calls[0] if len(calls) == 1 else list(calls))
+  def accepts(grammar: str, text: str) -> bool:
+    matcher = compiler.compile(StructuredOutputsParams(grammar=grammar)).new_state().matcher
+    ids = tok.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+  both = f.grammar([WEATHER, TIME], parallel=True)
+  assert accepts(both, written(call("get_weather", {"city": "Paris", "days": 2})))
+  assert accepts(both, written(call("get_weather", {"city": "Paris", "days": 2}), call("get_time", {})))
+  assert not accepts(both, written(call("get_weather", {"city": "Paris", "days": "two"})))
+  assert not accepts(both, written(call("get_weather", {"city": "Paris", "days": 12})))   # past the schema's maximum
+  assert not accepts(both, written(call("get_weather", {"city": "Paris"})))
+  assert not accepts(both, written(call("get_date", {})))
+  one = f.grammar([TIME], parallel=False)
+  assert accepts(one, written(call("get_time", {}))) and not accepts(one, written(call("get_time", {}), call("get_time", {})))
+
+
+# **** the server ****
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_model_factory):   # the "long" checkpoint: tools in the prompt take a few hundred of its tiny vocabulary's tokens
+  app = create_app(EngineConfig(model=str(tiny_model_factory("long")), block_size=16, num_kv_blocks=512, max_model_len=1024),
+                   chat_template=HERMES_TEMPLATE)
+  with serve_in_thread(app) as url:
+    yield url, openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_model):   # the fixture model's own template: no tool support
+  app = create_app(EngineConfig(model=str(tiny_model), block_size=8, num_kv_blocks=64, max_model_len=256))
+  with serve_in_thread(app) as url: yield url
+
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def valid_weather(args: dict) -> bool:
+  return set(args) == {"city", "days"} and isinstance(args["city"], str) and len(args["city"]) <= 6 and args["days"] in range(10)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_calls_are_valid_and_stream_alike(tool_server, choice):
+  url, client = tool_server
+  kw = dict(model=client.models.list().data[0].id, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=choice, temperature=0,
+            max_tokens=120, parallel_tool_calls=False)
+  out = client.chat.completions.create(**kw)
+  c = out.choices[0]
+  assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+  call = c.message.tool_calls[0]
+  assert call.type == "function" and call.id.startswith("call_")
+  args = json.loads(call.function.arguments)
+  if isinstance(choice, dict): assert call.function.name == "get_weather"
+  assert call.function.name in ("get_weather", "get_time") and (valid_weather(args) if call.function.name == "get_weather" else args == {})
+  # streamed: the call's id and name first (empty arguments), then its arguments; the same call as the plain answer
+  chunks = list(client.chat.completions.create(**kw, stream=True))
+  deltas = [ch.choices[0].delta.tool_calls for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]
+  assert deltas[0][0].function.name == call.function.name and deltas[0][0].function.arguments == "" and deltas[0][0].id
+  assert "".join(d[0].function.arguments or "" for d in deltas) == call.function.arguments
+  assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_parallel_calls_none_and_auto(tool_server):
+  url, client = tool_server
+  model = client.models.list().data[0].id
+  out = client.chat.completions.create(model=model, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0,
+                                       seed=3, max_tokens=200, n=4)
+  for c in out.choices:   # every completion a list of one or more valid calls
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls
+    for call in c.message.tool_calls:
+      args = json.loads(call.function.arguments)
+      assert valid_weather(args) if call.function.name == "get_weather" else (call.function.name == "get_time" and args == {})
+  none = client.chat.completions.create(model=model, messages=MESSAGES, tools=[WEATHER], tool_choice="none", max_tokens=8,
+                                        extra_body={"ignore_eos": True})
+  assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "length"
+  auto = client.chat.completions.create(model=model, messages=MESSAGES, tools=[WEATHER], max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+  assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content   # random weights: prose
+
+
+def test_two_turn_agent_loop_renders_the_call_and_its_result(tool_server):
+  url, client = tool_server
+  model = client.models.list().data[0].id
+  first = client.chat.completions.create(model=model, messages=MESSAGES, tools=[WEATHER], tool_choice="required", temperature=0,
+                                         max_tokens=120, parallel_tool_calls=False)
+  assert first.choices[0].finish_reason == "tool_calls"
+  call = first.choices[0].message.tool_calls[0]
+  history = MESSAGES + [first.choices[0].message.model_dump(exclude_none=True),
+                        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+  second = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=6,
+                                          extra_body={"ignore_eos": True})
+  assert second.choices[0].message.content and second.choices[0].message.tool_calls is None
+  rendered = httpx.post(url + "/detokenize", json={"tokens": httpx.post(url + "/tokenize", json={"messages": history}).json()["tokens"]}).json()
+  assert f'"name": "{call.function.name}"' in rendered["prompt"] and "sunny, 21 C" in rendered["prompt"]
+  assert '"arguments": {"city": ' in rendered["prompt"]   # the arguments written as an object, not as a JSON string
+
+
+@pytest.mark.parametrize("body,param,words", [
+  ({"tools": [{"type": "fn", "function": {"name": "x"}}]}, "tools", "tools[0].type"),
+  ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+  ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+  ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "'sometimes'"),
+  ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
+    "tool_choice": "required"}, "tools", "tools"),
+  ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "forces a tool call"),
+])
+def test_bad_tool_requests_are_400s(tool_server, body, param, words):
+  url, _ = tool_server
+  r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **body}, timeout=60)
+  assert r.status_code == 400, r.text
+  err = r.json()["error"]
+  assert err["param"] == param and words in err["message"]
+
+
+def test_a_template_without_tools_says_so(plain_server):
+  r = httpx.post(plain_server + "/v1/chat/completions", json={"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 4}, timeout=60)
+  assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "no tool support" in r.json()["error"]["message"]
+  history = MESSAGES + [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                                              "function": {"name": "get_weather", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+  r = httpx.post(plain_server + "/v1/chat/completions", json={"messages": history, "max_tokens": 4}, timeout=60)
+  assert r.status_code == 400 and "does not write them" in r.json()["error"]["message"]   # never dropped silently

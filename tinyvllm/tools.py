@@ -1,0 +1,260 @@
+"""Tool calling: OpenAI's tool definitions checked, the call formats models are trained to write, parsed out of their
+text, and grammars that force a valid call when one must come (tool_choice "required" or a named function).
+
+A format (vLLM's parser names) knows three things: where a call begins in a model's text (so a stream can send the
+text before it as content), how to read the calls out of a finished text, and a Lark grammar (llguidance's dialect,
+with JSON schemas embedded by `%json`) whose every sentence is a list of calls to the given tools with arguments
+that satisfy each tool's parameter schema.
+
+  hermes       Qwen2.5 / Qwen3 / Hermes: <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one block per call
+  llama3_json  Llama 3.1-3.3: {"name": ..., "parameters": {...}}, after an optional <|python_tag|>, calls joined by "; "
+  mistral      Mistral: [TOOL_CALLS] followed by a JSON list of {"name": ..., "arguments": {...}}
+  json         any other template: a JSON object {"name": ..., "arguments": {...}} or a list of them
+
+Text that does not parse as calls (a model writing prose, or a broken call under tool_choice "auto") comes back as
+content: a malformed call never comes back as a tool call.
+"""
+from __future__ import annotations
+import json, re, uuid
+from dataclasses import dataclass, field
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+  name: str
+  arguments: str                     # JSON text of the arguments object, as OpenAI sends it
+  id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+  def openai(self) -> dict:
+    return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def check_tools(tools) -> list[dict]:
+  """OpenAI's `tools`: a list of {"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}.
+  Returns them as given; anything else raises ValueError naming the entry (`tools[i].function.name`, ...)."""
+  if not isinstance(tools, list) or not tools: raise ValueError("tools must be a non-empty list of {type: function, function: {...}}")
+  names = set()
+  for i, tool in enumerate(tools):
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+      raise ValueError(f"{where}.type must be 'function', got {tool.get('type') if isinstance(tool, dict) else tool!r}")
+    if set(tool) - {"type", "function"}: raise ValueError(f"{where}: unknown field '{sorted(set(tool) - {'type', 'function'})[0]}'")
+    fn = tool.get("function")
+    if not isinstance(fn, dict): raise ValueError(f"{where}.function must be an object with a 'name'")
+    unknown = sorted(set(fn) - {"name", "description", "parameters", "strict"})
+    if unknown: raise ValueError(f"{where}.function: unknown field '{unknown[0]}'")
+    name = fn.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+      raise ValueError(f"{where}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}")
+    if name in names: raise ValueError(f"{where}.function.name {name!r} is given twice")
+    names.add(name)
+    if "description" in fn and not isinstance(fn["description"], str): raise ValueError(f"{where}.function.description must be a string")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict): raise ValueError(f"{where}.function.parameters must be a JSON schema (an object)")
+    if params.get("type", "object") != "object":
+      raise ValueError(f"{where}.function.parameters must describe an object (type 'object'), got type {params.get('type')!r}")
+  return tools
+
+
+def tool_names(tools: list[dict]) -> list[str]: return [t["function"]["name"] for t in tools]
+
+
+def call_schema(tools: list[dict], arguments_key: str = "arguments") -> dict:
+  """The JSON schema of one call to any of `tools`: {"name": <its name>, <arguments_key>: <its parameters>}."""
+  def one(tool: dict) -> dict:
+    fn = tool["function"]
+    return {"type": "object", "properties": {"name": {"const": fn["name"]},
+                                             arguments_key: fn.get("parameters") or {"type": "object", "properties": {}}},
+            "required": ["name", arguments_key], "additionalProperties": False}
+  schemas = [one(t) for t in tools]
+  return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+# JSON in forced calls is written as json.dumps writes it (and as models are trained to): ", " and ": ", no other
+# whitespace. Free whitespace would let a model ramble in blanks before finishing a call.
+_LAYOUT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+
+
+def _json(schema: dict) -> str:
+  """A schema embedded in a grammar (`%json`), with the call layout above."""
+  return json.dumps(schema | _LAYOUT)
+
+
+def _object_at(text: str, start: int) -> tuple[object, int] | None:
+  """The JSON value starting at text[start] (after whitespace) and where it ends, or None."""
+  while start < len(text) and text[start].isspace(): start += 1
+  try: return json.JSONDecoder().raw_decode(text, start)
+  except ValueError: return None
+
+
+def _calls(values: list, arguments_key: str) -> list[ToolCall] | None:
+  """Calls from decoded JSON values, or None when any is not {"name": str, arguments_key: object}."""
+  out = []
+  for v in values:
+    if not isinstance(v, dict) or not isinstance(v.get("name"), str): return None
+    args = v.get(arguments_key, v.get("arguments", v.get("parameters", {})))
+    if not isinstance(args, dict): return None
+    out.append(ToolCall(v["name"], json.dumps(args, ensure_ascii=False)))
+  return out
+
+
+class ToolFormat:
+  name = "json"
+  markers: tuple[str, ...] = ("{", "[")   # what a call starts with; text before it is content
+  arguments_key = "arguments"
+
+  def start(self, text: str) -> int:
+    """Where the first call begins in `text` (-1: none yet). For the JSON formats a call is the whole answer, so it
+    begins only at the first non-blank character."""
+    stripped = text.lstrip()
+    return len(text) - len(stripped) if stripped[:1] in self.markers else -1
+
+  def may_start(self, tail: str) -> bool:
+    """Could more text make `tail` (the end of a completion so far) the start of a call? A stream holds it back."""
+    return not tail.strip()
+
+  def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls): the calls the text holds and the text before them; no calls -> (text, [])."""
+    at = self.start(text)
+    if at < 0: return text, []
+    decoded = _object_at(text, at)
+    if decoded is None or text[decoded[1]:].strip(): return text, []
+    value = decoded[0]
+    calls = _calls(value if isinstance(value, list) else [value], self.arguments_key)
+    return (text, []) if not calls else (text[:at].strip() or None, calls)
+
+  def grammar(self, tools: list[dict], parallel: bool) -> str:
+    schema = call_schema(tools, self.arguments_key)
+    if parallel: schema = {"anyOf": [schema, {"type": "array", "items": schema, "minItems": 1}]}   # one call, or a list
+    return f"start: %json {_json(schema)}\n"
+
+
+class HermesFormat(ToolFormat):
+  name, markers = "hermes", ("<tool_call>",)
+  OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+  def start(self, text: str) -> int: return text.find(self.OPEN)
+
+  def may_start(self, tail: str) -> bool: return self.OPEN.startswith(tail)
+
+  def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    at = self.start(text)
+    if at < 0: return text, []
+    values, rest = [], text[at:]
+    for m in re.finditer(r"<tool_call>(.*?)</tool_call>", rest, re.S):
+      decoded = _object_at(m.group(1), 0)
+      if decoded is None or m.group(1)[decoded[1]:].strip(): return text, []
+      values.append(decoded[0])
+    if not values or re.sub(r"<tool_call>.*?</tool_call>", "", rest, flags=re.S).strip(): return text, []
+    calls = _calls(values, self.arguments_key)
+    return (text, []) if not calls else (text[:at].strip() or None, calls)
+
+  def grammar(self, tools: list[dict], parallel: bool) -> str:
+    block = f'block: "{self.OPEN}\\n" call "\\n{self.CLOSE}"\ncall: %json {_json(call_schema(tools))}\n'
+    return ('start: block ("\\n" block)*\n' if parallel else "start: block\n") + block
+
+
+class Llama3JsonFormat(ToolFormat):
+  name, markers, arguments_key = "llama3_json", ("{", "<|python_tag|>"), "parameters"
+  TAG = "<|python_tag|>"
+
+  def start(self, text: str) -> int:
+    stripped = text.lstrip()
+    at = len(text) - len(stripped)
+    return at if stripped.startswith(self.TAG) or stripped[:1] == "{" else -1
+
+  def may_start(self, tail: str) -> bool: return self.TAG.startswith(tail.strip())
+
+  def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    at = self.start(text)
+    if at < 0: return text, []
+    body, values, pos = text[at:].strip().removeprefix(self.TAG), [], 0
+    while True:
+      decoded = _object_at(body, pos)
+      if decoded is None: return text, []
+      values.append(decoded[0])
+      rest = body[decoded[1]:].lstrip()
+      if not rest: break
+      if not rest.startswith(";"): return text, []
+      pos = len(body) - len(rest) + 1
+    calls = _calls(values, self.arguments_key)
+    return (text, []) if not calls else (text[:at].strip() or None, calls)
+
+  def grammar(self, tools: list[dict], parallel: bool) -> str:
+    call = f"call: %json {_json(call_schema(tools, self.arguments_key))}\n"
+    return ('start: call ("; " call)*\n' if parallel else "start: call\n") + call
+
+
+class MistralFormat(ToolFormat):
+  name, markers = "mistral", ("[TOOL_CALLS]",)
+  TAG = "[TOOL_CALLS]"
+
+  def start(self, text: str) -> int: return text.find(self.TAG)
+
+  def may_start(self, tail: str) -> bool: return self.TAG.startswith(tail)
+
+  def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    at = self.start(text)
+    if at < 0: return text, []
+    decoded = _object_at(text, at + len(self.TAG))
+    if decoded is None or text[decoded[1]:].strip(): return text, []
+    value = decoded[0]
+    calls = _calls(value if isinstance(value, list) else [value], self.arguments_key)
+    return (text, []) if not calls else (text[:at].strip() or None, calls)
+
+  def grammar(self, tools: list[dict], parallel: bool) -> str:
+    items = {"type": "array", "items": call_schema(tools), "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    return f'start: "{self.TAG}" calls\ncalls: %json {_json(items)}\n'
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat(), ToolFormat())}
+
+
+def streamable(fmt: ToolFormat, text: str) -> int:
+  """How much of a growing completion can go out as content now: the text before a call's start, less the tail
+  that more text could turn into one (markers are short: only the last 32 characters are held)."""
+  at = fmt.start(text)
+  if at >= 0: return at
+  for cut in range(max(0, len(text) - 32), len(text)):
+    if fmt.may_start(text[cut:]): return cut
+  return len(text)
+
+
+def generic_instructions(tools: list[dict]) -> str:
+  """A system message describing `tools` and the generic JSON call format, for a chat template that has no tool
+  support of its own (used only when asked for: --tool-call-parser json)."""
+  specs = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+  return ("You can call these functions:\n" + specs + "\nTo call one, answer with only a JSON object "
+          '{"name": <function name>, "arguments": <arguments object>} (or a JSON list of such objects); otherwise answer normally.')
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+  """Messages as chat templates expect them: an assistant's tool_calls with their `arguments` as objects (OpenAI
+  sends JSON text; Qwen's, Llama's and Mistral's templates write them with tojson), the rest as given."""
+  out = []
+  for m in messages:
+    calls = m.get("tool_calls") if isinstance(m, dict) else None
+    if isinstance(calls, list):
+      fixed = []
+      for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+          try: fn = {**fn, "arguments": json.loads(fn["arguments"])}
+          except ValueError: pass   # left as text: the template writes what the client sent
+          call = {**call, "function": fn}
+        fixed.append(call)
+      m = {**m, "tool_calls": fixed}
+    out.append(m)
+  return out
+
+
+def detect_format(template: str | None) -> ToolFormat:
+  """The format a chat template asks for, by the markers it writes (vLLM's parser names); the generic JSON one
+  when it names none."""
+  t = template or ""
+  if "<tool_call>" in t: return FORMATS["hermes"]
+  if "[TOOL_CALLS]" in t: return FORMATS["mistral"]
+  if "<|python_tag|>" in t or "ipython" in t: return FORMATS["llama3_json"]
+  return FORMATS["json"]
