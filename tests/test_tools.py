@@ -218,3 +218,21 @@ def test_a_template_without_tools_says_so(plain_server):
                         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
   r = httpx.post(plain_server + "/v1/chat/completions", json={"messages": history, "max_tokens": 4}, timeout=60)
   assert r.status_code == 400 and "does not write them" in r.json()["error"]["message"]   # never dropped silently
+
+
+def test_llm_chat_with_tools(tiny_model_factory):
+  """The Python API: LLM.chat(tools=...) renders them through the template; the format's grammar forces a call,
+  which the format's parser reads back; a template without tools refuses them."""
+  from tinyvllm import LLM, SamplingParams
+  llm = LLM(str(tiny_model_factory("long")), block_size=16, num_kv_blocks=256, max_model_len=1024)
+  try:
+    fmt = FORMATS["hermes"]
+    params = SamplingParams(temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(grammar=fmt.grammar([WEATHER], False)))
+    out = llm.chat(MESSAGES, params, tools=[WEATHER], chat_template=HERMES_TEMPLATE, use_tqdm=False)[0]
+    assert "get_weather" in out.prompt and out.outputs[0].finish_reason == "stop"
+    content, calls = fmt.parse(out.outputs[0].text)
+    assert content is None and [c.name for c in calls] == ["get_weather"] and valid_weather(json.loads(calls[0].arguments))
+    with pytest.raises(ValueError, match="no tool support"): llm.chat(MESSAGES, tools=[WEATHER], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"tools\[0\].type"): llm.chat(MESSAGES, tools=[{"type": "x"}], use_tqdm=False)
+  finally:
+    llm.shutdown()

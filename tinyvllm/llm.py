@@ -77,12 +77,23 @@ class LLM:
 
   def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
            use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
-           chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-    """Apply the model's chat template (or `chat_template`) to one conversation or a list of them, then generate."""
+           chat_template: str | None = None, chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+    """Apply the model's chat template (or `chat_template`) to one conversation or a list of them, then generate.
+
+    `tools`: OpenAI's function definitions, given to the template (which must read them: ValueError otherwise);
+    history messages may hold assistant `tool_calls` and `role: "tool"` results, in OpenAI's shapes. The calls in an
+    answer are read with `tinyvllm.tools.detect_format(llm.get_tokenizer().chat_template).parse(text)`; to force one,
+    constrain with its grammar (`StructuredOutputsParams(grammar=fmt.grammar(tools, parallel=False))`)."""
+    from tinyvllm.tools import check_tools, prepare_chat
     conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+    template = chat_template or self.get_tokenizer().chat_template or ""
+    if tools is not None: check_tools(tools)
     render = self.llm_engine.input_processor.render_chat
-    prompts = [render(c, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                      chat_template=chat_template, template_kwargs=chat_template_kwargs) for c in conversations]
+    prompts = []
+    for c in conversations:
+      c, extra = prepare_chat(c, tools, template)
+      prompts.append(render(c, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                            chat_template=chat_template, template_kwargs=(chat_template_kwargs or {}) | extra or None))
     return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
   def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:

@@ -230,6 +230,33 @@ def generic_instructions(tools: list[dict]) -> str:
           '{"name": <function name>, "arguments": <arguments object>} (or a JSON list of such objects); otherwise answer normally.')
 
 
+class ToolTemplateError(ValueError):
+  """Tools or tool history a chat template cannot write; `field` is what the caller sent them in."""
+  def __init__(self, message: str, field: str):
+    super().__init__(message)
+    self.field = field
+
+
+def prepare_chat(messages: list[dict], tools: list[dict] | None, template: str, generic: bool = False) -> tuple[list[dict], dict]:
+  """(messages, template variables) for rendering `messages` and `tools` with `template` (its source): tool calls
+  in the history get their arguments as objects; tools go to the template's `tools` variable. What the template
+  cannot write is refused, never dropped: history with tool calls or results needs a template that reads
+  `tool_calls`, tools one that reads `tools` (or `generic`: a system message describing them in the JSON format)."""
+  extra: dict = {}
+  if isinstance(messages, list) and any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages):
+    if "tool_calls" not in template:
+      raise ToolTemplateError("the messages hold tool calls or tool results, and this model's chat template does not write them "
+                              "(it never reads 'tool_calls'); use a chat template that does", "messages")
+    messages = template_messages(messages)
+  if tools:
+    if re.search(r"\btools\b", template): extra["tools"] = tools
+    elif generic: messages = [{"role": "system", "content": generic_instructions(tools)}, *messages]
+    else:
+      raise ToolTemplateError("this model's chat template has no tool support (it never reads 'tools'); use a chat template "
+                              "that does, or the generic JSON call format (--tool-call-parser json)", "tools")
+  return messages, extra
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
   """Messages as chat templates expect them: an assistant's tool_calls with their `arguments` as objects (OpenAI
   sends JSON text; Qwen's, Llama's and Mistral's templates write them with tojson), the rest as given."""

@@ -2,7 +2,7 @@
 waiting for them while watching for a client that hangs up, OpenAI's logprob layouts, usage, SSE frames and the
 one log line per request."""
 from __future__ import annotations
-import asyncio, json, logging, re, time
+import asyncio, json, logging, time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from starlette.requests import Request
@@ -37,21 +37,11 @@ class OpenAIServing:
     model's), as {"prompt", "prompt_token_ids"}; a message or template the renderer refuses is a 400 on `messages`.
     Tools, and tool calls and results in the history, are never dropped: a template that does not read them is a
     400 saying so (unless --tool-call-parser json asks for the generic format, described in a system message)."""
-    from tinyvllm.tools import generic_instructions, template_messages
+    from tinyvllm.tools import ToolTemplateError, prepare_chat
     template = self.settings.chat_template or self.tokenizer.chat_template or ""
-    messages, kwargs = body.messages, dict(body.chat_template_kwargs or {})
-    if isinstance(messages, list) and any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages):
-      if "tool_calls" not in template:
-        raise APIError(400, "the messages hold tool calls or tool results, and this model's chat template does not write them "
-                            "(it never reads 'tool_calls'); pass --chat-template with one that does", param="messages")
-      messages = template_messages(messages)
-    if tools:
-      if re.search(r"\btools\b", template): kwargs["tools"] = tools
-      elif self.settings.tool_call_parser == "json":
-        messages = [{"role": "system", "content": generic_instructions(tools)}, *messages]
-      else:
-        raise APIError(400, "this model's chat template has no tool support (it never reads 'tools'); pass --chat-template "
-                            "with one that does, or --tool-call-parser json for a generic JSON call format", param="tools")
+    try: messages, extra = prepare_chat(body.messages, tools, template, generic=self.settings.tool_call_parser == "json")
+    except ToolTemplateError as e: raise APIError(400, f"{e} (--chat-template)", param=e.field) from None
+    kwargs = dict(body.chat_template_kwargs or {}) | extra
     try:
       return self.engine.input_processor.render_chat(
         messages, add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
