@@ -236,3 +236,49 @@ def test_llm_chat_with_tools(tiny_model_factory):
     with pytest.raises(ValueError, match=r"tools\[0\].type"): llm.chat(MESSAGES, tools=[{"type": "x"}], use_tqdm=False)
   finally:
     llm.shutdown()
+
+
+# **** the Responses API ****
+
+def test_responses_text_tools_and_continuation(tool_server):
+  """client.responses.create: text with instructions (equal to the chat answer of the same conversation), a forced
+  function call, then its output sent back with previous_response_id, streamed and not."""
+  url, client = tool_server
+  model = client.models.list().data[0].id
+  r = client.responses.create(model=model, input="What is the weather in Paris?", instructions="Be brief.", max_output_tokens=6,
+                              temperature=0)
+  chat = client.chat.completions.create(model=model, messages=[{"role": "system", "content": "Be brief."}] + MESSAGES, max_tokens=6,
+                                        temperature=0)
+  assert r.object == "response" and r.id.startswith("resp_") and r.output_text == chat.choices[0].message.content
+  assert r.status in ("completed", "incomplete") and r.usage.output_tokens == chat.usage.completion_tokens
+  tools = [{"type": "function", **WEATHER["function"]}]
+  called = client.responses.create(model=model, input="What is the weather in Paris?", tools=tools, tool_choice="required",
+                                   parallel_tool_calls=False, temperature=0, max_output_tokens=120)
+  calls = [item for item in called.output if item.type == "function_call"]
+  assert len(calls) == 1 and calls[0].name == "get_weather" and valid_weather(json.loads(calls[0].arguments))
+  follow = client.responses.create(model=model, previous_response_id=called.id, tools=tools, tool_choice="none", max_output_tokens=4,
+                                   input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+  assert follow.previous_response_id == called.id and follow.output[0].type == "message"
+  # streamed: the same call, through the Responses API's events
+  events = list(client.responses.create(model=model, input="What is the weather in Paris?", tools=tools, tool_choice="required",
+                                        parallel_tool_calls=False, temperature=0, max_output_tokens=120, stream=True))
+  kinds = [e.type for e in events]
+  assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+  args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+  assert args == calls[0].arguments and events[-1].response.output[-1].name == "get_weather"
+  text_events = list(client.responses.create(model=model, input="What is the weather in Paris?", instructions="Be brief.",
+                                             max_output_tokens=6, temperature=0, stream=True))
+  assert "".join(e.delta for e in text_events if e.type == "response.output_text.delta") == r.output_text
+
+
+@pytest.mark.parametrize("body,status,param", [
+  ({"input": "hi", "previous_response_id": "resp_missing"}, 404, "previous_response_id"),
+  ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools"),
+  ({"input": [{"type": "image", "url": "x"}]}, 400, "input"),
+  ({"input": "hi", "reasoning": {"effort": "high"}}, 400, "reasoning"),
+  ({"input": "hi", "temprature": 1}, 400, "temprature"),
+])
+def test_bad_responses_requests(tool_server, body, status, param):
+  r = httpx.post(tool_server[0] + "/v1/responses", json=body, timeout=60)
+  assert r.status_code == status, r.text
+  assert r.json()["error"]["param"] == param

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: `python -m tinyvllm.serve` (or `tinyvllm serve`).
 
 FastAPI routes on one AsyncLLM; the engine runs on its own thread, the event loop only parses, renders and
-streams. Endpoints: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{id}), /tokenize, /detokenize (behind --api-key
-when set), /health, /metrics, /version. Every error is OpenAI's body {"error": {message, type, param, code}}.
+streams. Endpoints: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models (and /v1/models/{id}),
+/tokenize, /detokenize (behind --api-key when set), /health, /metrics, /version. Every error is OpenAI's body {"error": {message, type, param, code}}.
 """
 from __future__ import annotations
 import argparse, hmac, logging, os, socket, sys, time
@@ -26,6 +26,7 @@ def build_app(engine, settings: ServerSettings, metrics=None) -> FastAPI:
   from tinyvllm import __version__
   from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
   from tinyvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+  from tinyvllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
   @asynccontextmanager
   async def lifespan(app: FastAPI):
@@ -35,6 +36,7 @@ def build_app(engine, settings: ServerSettings, metrics=None) -> FastAPI:
   app = FastAPI(title="tinyvllm", version=__version__, lifespan=lifespan)
   app.state.engine, app.state.settings = engine, settings
   chat, completion, serving = OpenAIServingChat(engine, settings), OpenAIServingCompletion(engine, settings), OpenAIServing(engine, settings)
+  responses = OpenAIServingResponses(chat)
   created = int(time.time())
 
   @app.exception_handler(APIError)
@@ -68,6 +70,9 @@ def build_app(engine, settings: ServerSettings, metrics=None) -> FastAPI:
 
   @api.post("/v1/completions")
   async def completions(request: Request): return await completion.create(request)
+
+  @api.post("/v1/responses")
+  async def responses_create(request: Request): return await responses.create(request)
 
   def model_card() -> dict:
     return {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "tinyvllm",

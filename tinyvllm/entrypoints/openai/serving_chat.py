@@ -9,13 +9,30 @@ from tinyvllm.engine.async_llm import RequestStream
 from tinyvllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, parse_body
 from tinyvllm.entrypoints.openai.serving import OpenAIServing, sse
 from tinyvllm.outputs import RequestOutput
-from tinyvllm.sampling_params import StructuredOutputsParams
+from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from tinyvllm.tools import FORMATS, ToolFormat, detect_format, streamable
 
 
 class OpenAIServingChat(OpenAIServing):
   async def create(self, request: Request) -> Response:
     body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+    prompt, params, fmt = await self.prepare(body)
+    request_id, started = f"chatcmpl-{uuid.uuid4().hex}", time.time()
+    stream = (await self.add_requests(request_id, [prompt], params, "messages"))[0]
+    if body.stream:
+      return StreamingResponse(self._stream(body, request_id, started, stream, fmt), media_type="text/event-stream")
+    finals = await self.final_outputs(request, [stream])
+    if finals is None:
+      self.log_request(request_id, "chat", started, [], "client disconnected")
+      return Response(status_code=499)
+    out = finals[0]
+    self.log_request(request_id, "chat", started, [out], f"error: {out.error}" if out.error else "ok")
+    if out.error: raise APIError(500, f"generation failed: {out.error}")
+    return JSONResponse(self._response(body, request_id, started, out, fmt))
+
+  async def prepare(self, body: ChatCompletionRequest) -> tuple[dict, SamplingParams, ToolFormat | None]:
+    """A checked chat body -> (the rendered prompt, its sampling params, the tool-call format when calls are to be
+    read). Every problem is a 400 naming its field. The Responses API (serving_responses.py) comes through here too."""
     body.check_fields()
     self.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
@@ -38,18 +55,7 @@ class OpenAIServingChat(OpenAIServing):
       grammar = fmt.grammar(forced, parallel=choice == "required" and body.parallel_tool_calls is not False)
       params, constraint_field = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar)), "tools"
     await self.check_constraint(params, constraint_field)
-    request_id, started = f"chatcmpl-{uuid.uuid4().hex}", time.time()
-    stream = (await self.add_requests(request_id, [prompt], params, "messages"))[0]
-    if body.stream:
-      return StreamingResponse(self._stream(body, request_id, started, stream, fmt), media_type="text/event-stream")
-    finals = await self.final_outputs(request, [stream])
-    if finals is None:
-      self.log_request(request_id, "chat", started, [], "client disconnected")
-      return Response(status_code=499)
-    out = finals[0]
-    self.log_request(request_id, "chat", started, [out], f"error: {out.error}" if out.error else "ok")
-    if out.error: raise APIError(500, f"generation failed: {out.error}")
-    return JSONResponse(self._response(body, request_id, started, out, fmt))
+    return prompt, params, fmt
 
   def tool_format(self) -> ToolFormat:
     """The call format: --tool-call-parser, else the one the chat template writes (tools.detect_format)."""
