@@ -5,6 +5,7 @@ forced calls are valid whatever the weights, streamed calls equal plain ones, a 
 its result, and every malformed request is a 400 naming its field."""
 from __future__ import annotations
 import json
+from typing import Literal   # the Agents SDK reads a function tool's annotations from this module
 import httpx
 import openai
 import pytest
@@ -282,3 +283,37 @@ def test_bad_responses_requests(tool_server, body, status, param):
   r = httpx.post(tool_server[0] + "/v1/responses", json=body, timeout=60)
   assert r.status_code == status, r.text
   assert r.json()["error"]["param"] == param
+
+
+# **** agent frameworks, as their users drive a local server ****
+
+def test_openai_agents_sdk_default_responses_path(tool_server):
+  """The OpenAI Agents SDK's default model (the Responses API, streamed) with a function tool: the turn is forced to
+  call it, the SDK parses the call and runs the function with the arguments we sent, and (stop_on_first_tool: a
+  random-weight model never ends a text turn on its own) its result is the run's final output."""
+  agents = pytest.importorskip("agents", reason="openai-agents is not installed")
+  from openai import AsyncOpenAI
+  url, client = tool_server
+  agents.set_tracing_disabled(True)
+  seen = []
+  @agents.function_tool
+  def get_weather(city: Literal["Paris", "Oslo"], days: Literal[1, 2, 3]) -> str:
+    """Weather in a city."""
+    seen.append((city, days))
+    return "sunny"
+  model = agents.OpenAIResponsesModel(model=client.models.list().data[0].id,
+                                      openai_client=AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0))
+  agent = agents.Agent(name="weather", instructions="Answer about the weather.", tools=[get_weather], model=model,
+                       tool_use_behavior="stop_on_first_tool",
+                       model_settings=agents.ModelSettings(tool_choice="required", max_tokens=120, temperature=0))
+  result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=2)
+  assert len(seen) == 1 and seen[0][0] in ("Paris", "Oslo") and seen[0][1] in (1, 2, 3)
+  assert result.final_output == "sunny"
+
+
+def test_langchain_bind_tools(tool_server):
+  lc = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
+  url, client = tool_server
+  llm = lc.ChatOpenAI(base_url=url + "/v1", api_key="unused", model=client.models.list().data[0].id, temperature=0, max_tokens=120)
+  message = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Paris?")
+  assert [c["name"] for c in message.tool_calls] == ["get_weather"] and valid_weather(message.tool_calls[0]["args"])

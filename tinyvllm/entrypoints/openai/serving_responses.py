@@ -106,7 +106,8 @@ class OpenAIServingResponses:
     """The Responses API's events: response.created and .in_progress; for the text, output_item.added,
     content_part.added, output_text.delta as it comes (held back where a call may begin), output_text.done,
     content_part.done, output_item.done; for each call at the end, output_item.added (arguments ""),
-    function_call_arguments.delta and .done, output_item.done; then response.completed with the whole response."""
+    function_call_arguments.delta and .done, output_item.done; then response.completed (response.incomplete when
+    max_output_tokens cut it) with the whole response."""
     seq = iter(range(1 << 62))
     def event(kind: str, **data) -> str:
       data = {"type": kind, "sequence_number": next(seq), **data}
@@ -155,7 +156,8 @@ class OpenAIServingResponses:
         yield event("response.output_item.done", output_index=index, item=item)
         items.append(item)
       remember(items)
-      yield event("response.completed", response=self._response(body, response_id, started, final, items))
+      done = self._response(body, response_id, started, final, items)
+      yield event("response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done)
     finally:
       await stream.aclose()
       self.chat.log_request(response_id, "responses stream", started, [final], status)
