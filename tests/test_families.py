@@ -148,7 +148,8 @@ def test_a_fused_tensor_of_the_wrong_size_is_named(family_model, tmp_path):
   tensors = load_file(tmp_path / "m" / "model.safetensors")
   tensors["model.layers.1.mlp.gate_up_proj.weight"] = tensors["model.layers.1.mlp.gate_up_proj.weight"][:-2]
   save_file(tensors, tmp_path / "m" / "model.safetensors")
-  with pytest.raises(ModelLoadError, match=r"model.layers.1.mlp.gate_up_proj.weight has 190 rows; the config implies 192 \(96 \+ 96\)"):
+  with pytest.raises(ModelLoadError, match=r"model.layers.1.mlp.gate_up_proj.weight \(in model.safetensors\) has 190 rows; "
+                                           r"the config implies 192 \(96 \+ 96\)"):
     load_checkpoint(tmp_path / "m")
 
 

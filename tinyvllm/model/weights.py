@@ -189,7 +189,8 @@ def load_hf_dir(path: Path) -> Checkpoint:
     shard = read_safetensors(path / name)
     tensors.update(shard)
     origin.update(dict.fromkeys(shard, name))
-  if families.for_model_type(config.model_type).hf_fused: split_fused(config, tensors, origin, str(path))
+  if families.for_model_type(config.model_type).hf_fused:
+    split_fused(config, tensors, origin, str(path), show=lambda n: f"{n} (in {origin[n]})" if n in origin else n)
   bits = (config.quantization or {}).get("bits", 4)
   if bits != 4: return _mlx_bits(config, tensors, origin, path, bits)
   keep = check_tensors(config, tensors, str(path), "num_hidden_layers in config.json",
@@ -200,7 +201,7 @@ def load_hf_dir(path: Path) -> Checkpoint:
 
 
 def split_fused(config: ModelConfig, tensors: dict, origin: dict[str, str], where: str,
-                cut=lambda arr, start, end: arr[start:end]) -> None:
+                cut=lambda arr, start, end: arr[start:end], show=lambda name: name) -> None:
   """In place: a checkpoint's fused q/k/v (`self_attn.qkv_proj`) and gate/up (`mlp.gate_up_proj`) tensors become
   their parts, rows split as views (no copy; `cut` takes rows start..end of one): weights, the scales and biases of
   quantized ones and a GGUF's raw blocks all have a row per output. The model fuses them again where they are stored
@@ -214,7 +215,7 @@ def split_fused(config: ModelConfig, tensors: dict, origin: dict[str, str], wher
     arr, sizes = tensors.pop(name), rows[fused]
     n_rows = arr.shape[0] if len(arr.shape) else 0
     if n_rows != sum(sizes):
-      raise ModelLoadError(f"{where}: tensor {origin.get(name, name)} has {n_rows} rows; the config implies {sum(sizes)} "
+      raise ModelLoadError(f"{where}: tensor {show(name)} has {n_rows} rows; the config implies {sum(sizes)} "
                            f"({' + '.join(map(str, sizes))})")
     start = 0
     for piece, n in zip(FUSED_PROJECTIONS[fused], sizes):
@@ -473,8 +474,10 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
     if name in by_name: raise ModelLoadError(f"{path}: tensors {by_name[name].name} and {t.name} are both {name}")
     by_name[name] = t
   if family.hf_fused:   # Phi-3: attn_qkv and the fused ffn_up, their rows (whole ggml blocks) cut into the parts
-    split_fused(config, by_name, {n: t.name for n, t in by_name.items()}, str(path),
-                lambda t, a, b: dataclasses.replace(t, name=f"{t.name}[{a}:{b}]", shape=(b - a, *t.shape[1:]), data=t.data[a:b]))
+    gguf_names = {n: t.name for n, t in by_name.items()}
+    split_fused(config, by_name, gguf_names, str(path),
+                lambda t, a, b: dataclasses.replace(t, name=f"{t.name}[{a}:{b}]", shape=(b - a, *t.shape[1:]), data=t.data[a:b]),
+                show=lambda n: gguf_names.get(n, n))
   if "rope_factors_long.weight" in by_name:   # LongRoPE's divisors travel as tensors (Phi-3.5, Phi-3-128k)
     config = dataclasses.replace(config, rope_scaling={
       "rope_type": "longrope", "short_factor": [float(x) for x in by_name["rope_factors_short.weight"].data],
