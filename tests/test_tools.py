@@ -211,6 +211,15 @@ def test_bad_tool_requests_are_400s(tool_server, body, param, words):
   assert err["param"] == param and words in err["message"]
 
 
+def test_a_refused_request_leaves_one_log_line(tool_server, caplog):
+  import logging
+  with caplog.at_level(logging.INFO, logger="tinyvllm.server"):
+    r = httpx.post(tool_server[0] + "/v1/chat/completions", json={"messages": MESSAGES, "tool_choice": "required"}, timeout=60)
+  assert r.status_code == 400
+  lines = [rec.getMessage() for rec in caplog.records if "refused" in rec.getMessage()]
+  assert len(lines) == 1 and "400 (param tool_choice)" in lines[0] and "needs tools" in lines[0]
+
+
 def test_a_template_without_tools_says_so(plain_server):
   r = httpx.post(plain_server + "/v1/chat/completions", json={"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 4}, timeout=60)
   assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "no tool support" in r.json()["error"]["message"]

@@ -40,7 +40,11 @@ def build_app(engine, settings: ServerSettings, metrics=None) -> FastAPI:
   created = int(time.time())
 
   @app.exception_handler(APIError)
-  async def api_error(request: Request, e: APIError): return JSONResponse(e.body(), status_code=e.status)
+  async def api_error(request: Request, e: APIError):
+    # one line per refused request (a client debugging its 400s reads the cause in the server's log too)
+    log.log(logging.WARNING if e.status >= 500 else logging.INFO, "%s %s refused %d%s: %s", request.method, request.url.path,
+            e.status, f" (param {e.param})" if e.param else "", e.message)
+    return JSONResponse(e.body(), status_code=e.status)
 
   @app.exception_handler(StarletteHTTPException)
   async def http_error(request: Request, e: StarletteHTTPException):
