@@ -69,6 +69,7 @@ class OpenAIServingChat(OpenAIServing):
       message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
       if fmt is not None:
         content, calls = fmt.parse(c.text)
+        if body.parallel_tool_calls is False: calls = calls[:1]   # at most one call, as OpenAI promises
         if calls:
           message = {"role": "assistant", "content": content, "tool_calls": [call.openai() for call in calls]}
           if finish == "stop": finish = "tool_calls"
@@ -115,6 +116,7 @@ class OpenAIServingChat(OpenAIServing):
           calls = []
           if fmt is not None and finish is not None:
             content, calls = fmt.parse(c.text)
+            if body.parallel_tool_calls is False: calls = calls[:1]
             if calls:   # the held text was calls: whatever content came before them, then the calls
               delta = (content or "")[sent_text[i]:] if content and len(content) > sent_text[i] else ""
               if finish == "stop": finish = "tool_calls"
