@@ -121,8 +121,11 @@ class ToolFormat:
     if at < 0: return text, []
     decoded = _object_at(text, at)
     if decoded is None or text[decoded[1]:].strip(): return text, []
-    value = decoded[0]
-    calls = _calls(value if isinstance(value, list) else [value], self.arguments_key)
+    return self._answer(text, at, decoded[0] if isinstance(decoded[0], list) else [decoded[0]])
+
+  def _answer(self, text: str, at: int, values: list) -> tuple[str | None, list[ToolCall]]:
+    """(the text before the calls at `at`, the calls) when every decoded value is a call, else (text, [])."""
+    calls = _calls(values, self.arguments_key)
     return (text, []) if not calls else (text[:at].strip() or None, calls)
 
   def grammar(self, tools: list[dict], parallel: bool) -> str:
@@ -148,8 +151,7 @@ class HermesFormat(ToolFormat):
       if decoded is None or m.group(1)[decoded[1]:].strip(): return text, []
       values.append(decoded[0])
     if not values or re.sub(r"<tool_call>.*?</tool_call>", "", rest, flags=re.S).strip(): return text, []
-    calls = _calls(values, self.arguments_key)
-    return (text, []) if not calls else (text[:at].strip() or None, calls)
+    return self._answer(text, at, values)
 
   def grammar(self, tools: list[dict], parallel: bool) -> str:
     block = f'block: "{self.OPEN}\\n" call "\\n{self.CLOSE}"\ncall: %json {_json(call_schema(tools))}\n'
@@ -179,8 +181,7 @@ class Llama3JsonFormat(ToolFormat):
       if not rest: break
       if not rest.startswith(";"): return text, []
       pos = len(body) - len(rest) + 1
-    calls = _calls(values, self.arguments_key)
-    return (text, []) if not calls else (text[:at].strip() or None, calls)
+    return self._answer(text, at, values)
 
   def grammar(self, tools: list[dict], parallel: bool) -> str:
     call = f"call: %json {_json(call_schema(tools, self.arguments_key))}\n"
@@ -200,9 +201,7 @@ class MistralFormat(ToolFormat):
     if at < 0: return text, []
     decoded = _object_at(text, at + len(self.TAG))
     if decoded is None or text[decoded[1]:].strip(): return text, []
-    value = decoded[0]
-    calls = _calls(value if isinstance(value, list) else [value], self.arguments_key)
-    return (text, []) if not calls else (text[:at].strip() or None, calls)
+    return self._answer(text, at, decoded[0] if isinstance(decoded[0], list) else [decoded[0]])
 
   def grammar(self, tools: list[dict], parallel: bool) -> str:
     items = {"type": "array", "items": call_schema(tools), "minItems": 1, **({} if parallel else {"maxItems": 1})}
