@@ -115,6 +115,19 @@ def test_grammars_accept_valid_calls_only(tiny_model, fmt):
   assert accepts(one, written(call("get_time", {}))) and not accepts(one, written(call("get_time", {}), call("get_time", {})))
 
 
+def test_a_marker_that_is_one_token_is_asked_for_as_that_token(tiny_model):
+  """Mistral's [TOOL_CALLS] is a single special token in its vocabulary: the forced grammar asks for that token, not
+  for its spelling in pieces (here the tiny vocabulary's special <|im_start|>, id 2, stands in for it)."""
+  from tinyvllm.model.tokenizer import load_tokenizer
+  from tinyvllm.structured_output.compiler import GrammarCompiler
+  tok = load_tokenizer(tiny_model)
+  grammar = FORMATS["mistral"].grammar([TIME], False, token_of=lambda text: 2)
+  assert grammar.startswith("start: <[2]> calls")
+  matcher = GrammarCompiler(tok, tok.vocab_size).compile(StructuredOutputsParams(grammar=grammar)).new_state().matcher
+  ids = [2] + tok.encode('[{"name": "get_time", "arguments": {}}]', add_special_tokens=False)
+  assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
 # **** the server ****
 
 @pytest.fixture(scope="module")

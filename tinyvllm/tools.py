@@ -82,6 +82,12 @@ def _json(schema: dict) -> str:
   return json.dumps(schema | _LAYOUT)
 
 
+def _marker(text: str, token_of) -> str:
+  """A marker in a grammar: its token (`<[id]>`) when it is one in the vocabulary, else the literal text."""
+  token = token_of(text)
+  return f"<[{token}]>" if token is not None else json.dumps(text)
+
+
 def _object_at(text: str, start: int) -> tuple[object, int] | None:
   """The JSON value starting at text[start] (after whitespace) and where it ends, or None."""
   while start < len(text) and text[start].isspace(): start += 1
@@ -128,7 +134,10 @@ class ToolFormat:
     calls = _calls(values, self.arguments_key)
     return (text, []) if not calls else (text[:at].strip() or None, calls)
 
-  def grammar(self, tools: list[dict], parallel: bool) -> str:
+  def grammar(self, tools: list[dict], parallel: bool, token_of=lambda text: None) -> str:
+    """A Lark grammar of calls to `tools` (one, or with `parallel` one or more). `token_of(marker)`: the token id a
+    marker is in the model's vocabulary (Mistral's [TOOL_CALLS] is one special token), written `<[id]>` so the
+    grammar asks for the token the model was trained to emit; None: the marker as text."""
     schema = call_schema(tools, self.arguments_key)
     if parallel: schema = {"anyOf": [schema, {"type": "array", "items": schema, "minItems": 1}]}   # one call, or a list
     return f"start: %json {_json(schema)}\n"
@@ -153,8 +162,8 @@ class HermesFormat(ToolFormat):
     if not values or re.sub(r"<tool_call>.*?</tool_call>", "", rest, flags=re.S).strip(): return text, []
     return self._answer(text, at, values)
 
-  def grammar(self, tools: list[dict], parallel: bool) -> str:
-    block = f'block: "{self.OPEN}\\n" call "\\n{self.CLOSE}"\ncall: %json {_json(call_schema(tools))}\n'
+  def grammar(self, tools: list[dict], parallel: bool, token_of=lambda text: None) -> str:
+    block = f'block: {_marker(self.OPEN, token_of)} "\\n" call "\\n" {_marker(self.CLOSE, token_of)}\ncall: %json {_json(call_schema(tools))}\n'
     return ('start: block ("\\n" block)*\n' if parallel else "start: block\n") + block
 
 
@@ -183,7 +192,7 @@ class Llama3JsonFormat(ToolFormat):
       pos = len(body) - len(rest) + 1
     return self._answer(text, at, values)
 
-  def grammar(self, tools: list[dict], parallel: bool) -> str:
+  def grammar(self, tools: list[dict], parallel: bool, token_of=lambda text: None) -> str:
     call = f"call: %json {_json(call_schema(tools, self.arguments_key))}\n"
     return ('start: call ("; " call)*\n' if parallel else "start: call\n") + call
 
@@ -203,9 +212,9 @@ class MistralFormat(ToolFormat):
     if decoded is None or text[decoded[1]:].strip(): return text, []
     return self._answer(text, at, decoded[0] if isinstance(decoded[0], list) else [decoded[0]])
 
-  def grammar(self, tools: list[dict], parallel: bool) -> str:
+  def grammar(self, tools: list[dict], parallel: bool, token_of=lambda text: None) -> str:
     items = {"type": "array", "items": call_schema(tools), "minItems": 1, **({} if parallel else {"maxItems": 1})}
-    return f'start: "{self.TAG}" calls\ncalls: %json {_json(items)}\n'
+    return f'start: {_marker(self.TAG, token_of)} calls\ncalls: %json {_json(items)}\n'
 
 
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat(), ToolFormat())}

@@ -52,10 +52,18 @@ class OpenAIServingChat(OpenAIServing):
         raise APIError(400, f"tool_choice={choice!r} forces a tool call, which {constraint_field} would constrain too: give one",
                        param=constraint_field)
       forced = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
-      grammar = fmt.grammar(forced, parallel=choice == "required" and body.parallel_tool_calls is not False)
+      grammar = fmt.grammar(forced, parallel=choice == "required" and body.parallel_tool_calls is not False, token_of=self.marker_token)
       params, constraint_field = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar)), "tools"
+    if fmt is not None and any(self.tokenizer.is_special(t) for t in map(self.marker_token, fmt.markers) if t is not None):
+      # the format's marker is a special token (Mistral's [TOOL_CALLS], Llama's <|python_tag|>): keep it in the text
+      params = dataclasses.replace(params, skip_special_tokens=False)
     await self.check_constraint(params, constraint_field)
     return prompt, params, fmt
+
+  def marker_token(self, text: str) -> int | None:
+    """The token id `text` is in this model's vocabulary, if it is one token."""
+    ids = self.tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
   def tool_format(self) -> ToolFormat:
     """The call format: --tool-call-parser, else the one the chat template writes (tools.detect_format)."""
