@@ -44,6 +44,7 @@ FAMILY_CONFIGS = {
                                                       "long_factor": [1.0 + 0.5 * i for i in range(8)]})),
   "phi3_window": ("phi3", dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=12, pad_token_id=0)),   # Phi-3-mini-4k's
   # the Metal kernels' shapes (head_dim 64), for the emulator
+  "qwen2_metal": ("qwen2", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
   "qwen3_metal": ("qwen3", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
   "mistral_metal": ("mistral", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=12)),
   "phi3_metal": ("phi3", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, max_position_embeddings=128,
@@ -83,7 +84,7 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("name,backend", [(n, b) for n in ("qwen2", "qwen3", "mistral", "qwen2_window", "gemma2", "gemma3", "phi3",
                                                         "phi3_window") for b in ("portable", "cpu")] +
-                         [(f"{n}_metal", "emulator") for n in ("qwen3", "mistral", "gemma2", "gemma3", "phi3")])
+                         [(f"{n}_metal", "emulator") for n in ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")])
 def test_prefill_logits_every_position(family_model, name, backend):
   """40 positions: over three windows of the windowed models, so the mask decides most of their logits."""
   path = family_model(name)
