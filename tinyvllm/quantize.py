@@ -107,6 +107,9 @@ def quantize_checkpoint(model: str | None, out: Path, group_size: int = 64, meth
   if q4:
     how = "repacked losslessly" if group_size == 32 else f"requantized from their decoded values (--group-size {group_size} != 32)"
     log(f"{len(q4)} GGUF Q4_0/Q4_1 weights {how}")
+  if calibration is not None and ckpt.config.model_type != "llama":   # calibrate.py runs transformers' Llama
+    raise QuantizeError(f"--calibration runs Llama checkpoints; this one is {ckpt.config.model_type}: quantize it without "
+                        f"--calibration (--method clip still refits each group)")
   importance = calibration_importance(ckpt, calibration, calibration_tokens, log) if calibration is not None else None
   tensors = int4.quantize_state_dict(ckpt.tensors, group_size, method, quantize_embeddings, ggml_q4=q4, importance=importance,
                                      progress=lambda names: tqdm(names, desc=f"quantizing ({method}, group {group_size})", unit="tensor", file=sys.stderr))
