@@ -13,7 +13,7 @@ from conftest import serve_in_thread
 from tinyvllm.config import EngineConfig
 from tinyvllm.entrypoints.openai.api_server import create_app
 from tinyvllm.sampling_params import StructuredOutputsParams
-from tinyvllm.tools import FORMATS, check_tools, detect_format, streamable
+from tinyvllm.tools import FORMATS, check_tools, detect_format, scan_calls, streamable
 
 # bounded strings and numbers: a random-weight model under the grammar must finish a call within max_tokens
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -64,6 +64,18 @@ def test_parsers_read_each_format(fmt, text, content, calls):
 ])
 def test_text_that_is_not_a_call_stays_content(fmt, text):
   assert FORMATS[fmt].parse(text) == (text, [])
+
+
+def test_scan_calls_follows_a_call_as_it_is_written():
+  text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa{r}\\"is", "days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_ti'
+  assert scan_calls(text) == [("get_weather", '{"city": "Pa{r}\\"is", "days": 2}', True)]   # braces in strings do not count
+  cut = text[:text.index(', "days"')]
+  assert scan_calls(cut) == [("get_weather", '{"city": "Pa{r}\\"is"', False)]
+  assert scan_calls('[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"ci') == \
+    [("get_time", "{}", True), ("get_weather", '{"ci', False)]
+  assert scan_calls('{"name": "get_time", "parameters": {}}', "parameters") == [("get_time", "{}", True)]
+  _, calls = FORMATS["hermes"].parse(text[:text.rindex("\n<tool_call>")])
+  assert calls[0].arguments == '{"city": "Pa{r}\\"is", "days": 2}'   # the arguments as written
 
 
 def test_streams_hold_back_what_may_become_a_call():
@@ -169,7 +181,8 @@ def test_forced_calls_are_valid_and_stream_alike(tool_server, choice):
   deltas = [ch.choices[0].delta.tool_calls for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]
   assert deltas[0][0].function.name == call.function.name and deltas[0][0].function.arguments == "" and deltas[0][0].id
   assert "".join(d[0].function.arguments or "" for d in deltas) == call.function.arguments
-  assert chunks[-1].choices[0].finish_reason == "tool_calls"
+  assert len(deltas) > 3   # a forced call streams as it is written: its arguments in several fragments
+  assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
 
 
 def test_parallel_calls_none_and_auto(tool_server):

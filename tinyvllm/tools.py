@@ -106,6 +106,43 @@ def _calls(values: list, arguments_key: str) -> list[ToolCall] | None:
   return out
 
 
+def _object_end(text: str, start: int) -> int:
+  """The index just past the JSON object that opens at text[start] ("{"), or -1 while it is still open: braces
+  counted outside strings (escapes skipped)."""
+  depth, in_string, escaped = 0, False, False
+  for i in range(start, len(text)):
+    ch = text[i]
+    if in_string:
+      if escaped: escaped = False
+      elif ch == "\\": escaped = True
+      elif ch == '"': in_string = False
+    elif ch == '"': in_string = True
+    elif ch == "{": depth += 1
+    elif ch == "}":
+      depth -= 1
+      if depth == 0: return i + 1
+  return -1
+
+
+def scan_calls(text: str, arguments_key: str = "arguments") -> list[tuple[str, str, bool]]:
+  """The calls of a completion as far as it goes, for text written under a call grammar (its layout: {"name": "N",
+  "<arguments_key>": {...}}): (name, the arguments' JSON text so far, whether it is complete), for every call whose
+  name is complete. What a stream sends while a forced call is being written."""
+  out, pos, key = [], 0, f', "{arguments_key}": '
+  while (i := text.find('{"name": "', pos)) >= 0:
+    j = text.find('"', i + 10)
+    if j < 0: break                          # the name is still being written
+    name, a = text[i + 10:j], j + 1 + len(key)
+    if not text.startswith(key, j + 1):
+      if key.startswith(text[j + 1:]): out.append((name, "", False))   # its arguments' key still being written
+      break                                  # not the layout of a call grammar
+    end = _object_end(text, a) if a < len(text) else -1
+    out.append((name, text[a:end if end >= 0 else len(text)], end >= 0))
+    if end < 0: break
+    pos = end
+  return out
+
+
 class ToolFormat:
   name = "json"
   markers: tuple[str, ...] = ("{", "[")   # what a call starts with; text before it is content
@@ -130,9 +167,15 @@ class ToolFormat:
     return self._answer(text, at, decoded[0] if isinstance(decoded[0], list) else [decoded[0]])
 
   def _answer(self, text: str, at: int, values: list) -> tuple[str | None, list[ToolCall]]:
-    """(the text before the calls at `at`, the calls) when every decoded value is a call, else (text, [])."""
+    """(the text before the calls at `at`, the calls) when every decoded value is a call, else (text, []). Where
+    the calls are laid out as a call grammar writes them, their arguments are the text the model wrote (as OpenAI
+    returns them, and as a stream sent them); else the decoded arguments written again."""
     calls = _calls(values, self.arguments_key)
-    return (text, []) if not calls else (text[:at].strip() or None, calls)
+    if not calls: return text, []
+    raw = scan_calls(text[at:], self.arguments_key)
+    if len(raw) == len(calls) and all(done and name == c.name for (name, _, done), c in zip(raw, calls)):
+      calls = [ToolCall(c.name, args, c.id) for c, (_, args, _) in zip(calls, raw)]
+    return text[:at].strip() or None, calls
 
   def grammar(self, tools: list[dict], parallel: bool, token_of=lambda text: None) -> str:
     """A Lark grammar of calls to `tools` (one, or with `parallel` one or more). `token_of(marker)`: the token id a

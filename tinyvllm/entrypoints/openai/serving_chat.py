@@ -10,7 +10,7 @@ from tinyvllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from tinyvllm.entrypoints.openai.serving import OpenAIServing, sse
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
-from tinyvllm.tools import FORMATS, ToolFormat, detect_format, streamable
+from tinyvllm.tools import FORMATS, ToolFormat, detect_format, scan_calls, streamable
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -20,7 +20,8 @@ class OpenAIServingChat(OpenAIServing):
     request_id, started = f"chatcmpl-{uuid.uuid4().hex}", time.time()
     stream = (await self.add_requests(request_id, [prompt], params, "messages"))[0]
     if body.stream:
-      return StreamingResponse(self._stream(body, request_id, started, stream, fmt), media_type="text/event-stream")
+      forced = fmt is not None and params.structured_outputs is not None and body.constraint_field is None
+      return StreamingResponse(self._stream(body, request_id, started, stream, fmt, forced), media_type="text/event-stream")
     finals = await self.final_outputs(request, [stream])
     if finals is None:
       self.log_request(request_id, "chat", started, [], "client disconnected")
@@ -65,6 +66,53 @@ class OpenAIServingChat(OpenAIServing):
     ids = self.tokenizer.encode(text, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None
 
+  async def _stream_forced(self, body: ChatCompletionRequest, request_id: str, started: float, stream: RequestStream,
+                           fmt: ToolFormat) -> AsyncIterator[str]:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+      data = {"id": request_id, "object": "chat.completion.chunk", "created": int(started),
+              "model": self.settings.served_model_name, "choices": choices}
+      if include_usage: data["usage"] = usage
+      return sse(data)
+    n, final, status = body.n, None, "client disconnected"
+    ids, sent, done = [[] for _ in range(n)], [[] for _ in range(n)], [False] * n   # per choice: call ids, argument chars sent
+    try:
+      for i in range(n):
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": None}, "logprobs": None, "finish_reason": None}])
+      async for out in stream:
+        final = out
+        if out.error:
+          status = f"error: {out.error}"
+          yield sse(APIError(500, f"generation failed: {out.error}").body())
+          break
+        for c in out.outputs:
+          i = c.index
+          if done[i]: continue
+          calls = scan_calls(c.text, fmt.arguments_key)
+          if body.parallel_tool_calls is False: calls = calls[:1]
+          for k, (name, args, _) in enumerate(calls):
+            if k == len(ids[i]):   # a new call: its id and name, arguments to come
+              ids[i].append(f"call_{uuid.uuid4().hex[:24]}")
+              sent[i].append(0)
+              yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, "id": ids[i][k], "type": "function",
+                                                                  "function": {"name": name, "arguments": ""}}]},
+                            "logprobs": None, "finish_reason": None}])
+            if len(args) > sent[i][k]:
+              yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, "function": {"arguments": args[sent[i][k]:]}}]},
+                            "logprobs": None, "finish_reason": None}])
+              sent[i][k] = len(args)
+          if c.finish_reason is not None:
+            done[i] = True
+            finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+            yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason}])
+      else:
+        status = "ok"
+        if include_usage and final is not None: yield chunk([], self.usage([final]))
+      yield sse("[DONE]")
+    finally:
+      await stream.aclose()
+      self.log_request(request_id, "chat stream", started, [final], status)
+
   def tool_format(self) -> ToolFormat:
     """The call format: --tool-call-parser, else the one the chat template writes (tools.detect_format)."""
     if self.settings.tool_call_parser: return FORMATS[self.settings.tool_call_parser]
@@ -90,12 +138,17 @@ class OpenAIServingChat(OpenAIServing):
     return response
 
   async def _stream(self, body: ChatCompletionRequest, request_id: str, started: float,
-                    stream: RequestStream, fmt: ToolFormat | None = None) -> AsyncIterator[str]:
+                    stream: RequestStream, fmt: ToolFormat | None = None, forced: bool = False) -> AsyncIterator[str]:
     """SSE frames: each choice's role first, then text deltas, a last chunk with its finish_reason, the usage
     chunk when asked for, and [DONE]. Cancelled (client gone): the finally clause closes the stream (abort).
     With tools, text that is or may become a call is held back; when the completion ends its calls are sent as
     OpenAI streams them (each call's id and name with empty arguments, then its arguments), or the held text as
-    content when it holds no valid call."""
+    content when it holds no valid call. A forced call (`forced`: the grammar makes every completion valid calls)
+    streams as it is written: each call's id and name once its name is complete, then its arguments fragment by
+    fragment."""
+    if forced:
+      async for frame in self._stream_forced(body, request_id, started, stream, fmt): yield frame
+      return
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
