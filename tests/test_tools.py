@@ -352,3 +352,42 @@ def test_langchain_bind_tools(tool_server):
   llm = lc.ChatOpenAI(base_url=url + "/v1", api_key="unused", model=client.models.list().data[0].id, temperature=0, max_tokens=120)
   message = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Paris?")
   assert [c["name"] for c in message.tool_calls] == ["get_weather"] and valid_weather(message.tool_calls[0]["args"])
+
+
+# **** the families' own chat templates (llama.cpp keeps copies in its sources: the llama-cpp-python sdist) ****
+
+@pytest.fixture(scope="module")
+def real_templates():
+  from tinyvllm.model.fetch import FetchError, fetch_sdist_members
+  try:
+    root = fetch_sdist_members("llama-cpp-python", "0.3.36", r"^vendor/llama\.cpp/models/templates/.*\.jinja$")
+  except FetchError as e: pytest.skip(f"package index unreachable: {e}")
+  return root / "vendor" / "llama.cpp" / "models" / "templates"
+
+
+@pytest.mark.parametrize("name,fmt", [("Qwen-Qwen2.5-7B-Instruct", "hermes"), ("Qwen-Qwen3-0.6B", "hermes"),
+                                      ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "hermes"),
+                                      ("meta-llama-Llama-3.1-8B-Instruct", "llama3_json"), ("meta-llama-Llama-3.2-3B-Instruct", "llama3_json"),
+                                      ("mistralai-Mistral-Nemo-Instruct-2407", "mistral"),
+                                      ("microsoft-Phi-3.5-mini-instruct", None), ("google-gemma-2-2b-it", None)])
+def test_real_templates_render_tools_and_their_history(real_templates, name, fmt):
+  """Each family's published template: its format detected, and a turn with tools, an assistant call (OpenAI's id
+  and JSON-text arguments) and its result rendered with the tool, the arguments as an object and the result; Mistral's
+  gets 9-character call ids, the same in the call and in its result. Templates without tools refuse them."""
+  from tinyvllm.model.tokenizer.chat_template import compile_chat_template
+  from tinyvllm.tools import ToolTemplateError, prepare_chat, short_id
+  source = (real_templates / f"{name}.jinja").read_text()
+  history = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0123456789abcdef", "type": "function",
+                                                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+             {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "sunny, 21 C"}]
+  if fmt is None:
+    with pytest.raises(ToolTemplateError, match="never reads"): prepare_chat(history, [WEATHER], source)
+    return
+  assert detect_format(source).name == fmt
+  messages, extra = prepare_chat(history, [WEATHER], source)
+  text = compile_chat_template(source, name).render(messages=messages, add_generation_prompt=True, bos_token="<s>", eos_token="</s>",
+                                                   **extra)
+  assert "get_weather" in text and "Weather in a city" in text and "sunny, 21 C" in text
+  assert '"city": "Paris"' in text and '"{\\"city\\"' not in text   # the arguments as an object, never as a quoted string
+  if fmt == "mistral": assert text.count(short_id("call_0123456789abcdef")) == 2 and len(short_id("call_0123456789abcdef")) == 9

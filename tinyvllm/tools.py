@@ -15,7 +15,7 @@ Text that does not parse as calls (a model writing prose, or a broken call under
 content: a malformed call never comes back as a tool call.
 """
 from __future__ import annotations
-import json, re, uuid
+import hashlib, json, re, uuid
 from dataclasses import dataclass, field
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -298,7 +298,8 @@ def prepare_chat(messages: list[dict], tools: list[dict] | None, template: str, 
     if "tool_calls" not in template:
       raise ToolTemplateError("the messages hold tool calls or tool results, and this model's chat template does not write them "
                               "(it never reads 'tool_calls'); use a chat template that does", "messages")
-    messages = template_messages(messages)
+    # Mistral's templates refuse call ids that are not 9 letters or digits; OpenAI's (call_...) are longer
+    messages = template_messages(messages, short_ids=detect_format(template).name == "mistral")
   if tools:
     if re.search(r"\btools\b", template): extra["tools"] = tools
     elif generic: messages = [{"role": "system", "content": generic_instructions(tools)}, *messages]
@@ -308,9 +309,19 @@ def prepare_chat(messages: list[dict], tools: list[dict] | None, template: str, 
   return messages, extra
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
+def short_id(call_id) -> str:
+  """A call id as 9 letters and digits (Mistral's templates require them), the same for the same id: a call and
+  its result stay paired."""
+  if isinstance(call_id, str) and re.fullmatch(r"[A-Za-z0-9]{9}", call_id): return call_id
+  digest = int.from_bytes(hashlib.sha256(str(call_id).encode()).digest()[:8], "big")
+  alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+  return "".join(alphabet[(digest // 62 ** i) % 62] for i in range(9))
+
+
+def template_messages(messages: list[dict], short_ids: bool = False) -> list[dict]:
   """Messages as chat templates expect them: an assistant's tool_calls with their `arguments` as objects (OpenAI
-  sends JSON text; Qwen's, Llama's and Mistral's templates write them with tojson), the rest as given."""
+  sends JSON text; Qwen's, Llama's and Mistral's templates write them with tojson), call ids as 9 letters and digits
+  with `short_ids` (in the calls and in the tool results that answer them), the rest as given."""
   out = []
   for m in messages:
     calls = m.get("tool_calls") if isinstance(m, dict) else None
@@ -322,8 +333,11 @@ def template_messages(messages: list[dict]) -> list[dict]:
           try: fn = {**fn, "arguments": json.loads(fn["arguments"])}
           except ValueError: pass   # left as text: the template writes what the client sent
           call = {**call, "function": fn}
+        if short_ids and isinstance(call, dict) and "id" in call: call = {**call, "id": short_id(call["id"])}
         fixed.append(call)
       m = {**m, "tool_calls": fixed}
+    if short_ids and isinstance(m, dict) and m.get("role") == "tool" and "tool_call_id" in m:
+      m = {**m, "tool_call_id": short_id(m["tool_call_id"])}
     out.append(m)
   return out
 
