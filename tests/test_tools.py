@@ -391,3 +391,19 @@ def test_real_templates_render_tools_and_their_history(real_templates, name, fmt
   assert "get_weather" in text and "Weather in a city" in text and "sunny, 21 C" in text
   assert '"city": "Paris"' in text and '"{\\"city\\"' not in text   # the arguments as an object, never as a quoted string
   if fmt == "mistral": assert text.count(short_id("call_0123456789abcdef")) == 2 and len(short_id("call_0123456789abcdef")) == 9
+
+
+@pytest.mark.parametrize("name", ["Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "meta-llama-Llama-3.1-8B-Instruct",
+                                  "mistralai-Mistral-Nemo-Instruct-2407", "microsoft-Phi-3.5-mini-instruct", "google-gemma-2-2b-it"])
+def test_real_templates_render_as_transformers_does(real_templates, tiny_model, name):
+  """The families' chat templates through our renderer equal transformers' rendering of the same template with the
+  same tokenizer (a plain conversation; Gemma's has no system role)."""
+  from transformers import AutoTokenizer
+  from tinyvllm.model.tokenizer import load_tokenizer
+  source = (real_templates / f"{name}.jinja").read_text()
+  chat = ([] if "gemma" in name else [{"role": "system", "content": "Be brief."}]) + [
+    {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "Ünïcödé and 3 numbers: 1, 2, 3"}]
+  ours = load_tokenizer(tiny_model).apply_chat_template(chat, add_generation_prompt=True, chat_template=source)
+  theirs = AutoTokenizer.from_pretrained(tiny_model).apply_chat_template(chat, add_generation_prompt=True, chat_template=source, tokenize=False)
+  assert ours == theirs
