@@ -94,6 +94,29 @@ def test_prefill_logits_every_position(family_model, name, backend):
   assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.97
 
 
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
+  """A Gemma3ForConditionalGeneration checkpoint (Gemma 3 4B and up): its text_config and language_model tensors
+  load, the vision tower is not read, and the text logits equal HF's multimodal model on text alone."""
+  from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+  from conftest import write_tokenizer
+  vocab = write_tokenizer(tmp_path)
+  torch.manual_seed(0)
+  cfg = Gemma3Config(text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=32, sliding_window=12, query_pre_attn_scalar=32),
+                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                                        patch_size=8), mm_tokens_per_image=4)
+  model = Gemma3ForConditionalGeneration(cfg).eval()
+  with torch.no_grad():
+    for p in model.parameters(): p.mul_(8.0) if p.dim() > 1 else p.add_(torch.randn(p.shape) * 0.3)
+  model.save_pretrained(tmp_path)
+  ckpt = load_checkpoint(tmp_path)
+  assert ckpt.config.model_type == "gemma3_text" and ckpt.config.layer_types[-1] == "full_attention"
+  assert not any("vision" in n for n in ckpt.tensors)
+  ids = np.random.default_rng(1).integers(0, vocab, 40).tolist()
+  ref = hf_logits(Gemma3ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval(), ids)
+  assert rel_err(our_prefill_logits(tmp_path, ids, "cpu"), ref) < TOL
+
+
 def test_the_window_matters(family_model):
   """The windowed model's logits beyond its window differ from the same weights attending to everything (so the
   test above checks the mask, not a window too wide to act)."""

@@ -148,6 +148,7 @@ class ModelConfig:
     if family is None:
       raise ConfigError(f"unsupported architecture {reprlib.repr(archs or d.get('model_type'))} in {source}; "
                         f"tinyvllm runs {', '.join(families.hf_names())}")
+    d = family.hf_text_config(d)   # a multimodal checkpoint: its language model's config
     def get(key: str, default: Any = KeyError, kind: str = "int") -> Any:
       if default is KeyError and key not in d: raise ConfigError(f"{source} lacks the required field {key!r}")
       value = d.get(key, default)

@@ -189,7 +189,12 @@ def load_hf_dir(path: Path) -> Checkpoint:
     shard = read_safetensors(path / name)
     tensors.update(shard)
     origin.update(dict.fromkeys(shard, name))
-  if families.for_model_type(config.model_type).hf_fused:
+  family = families.for_model_type(config.model_type)
+  for old_prefix, new_prefix in family.hf_renames:   # a multimodal checkpoint's language model
+    for name in [n for n in tensors if n.startswith(old_prefix)]:
+      new = new_prefix + name[len(old_prefix):]
+      tensors[new], origin[new] = tensors.pop(name), origin.pop(name, name)
+  if family.hf_fused:
     split_fused(config, tensors, origin, str(path), show=lambda n: f"{n} (in {origin[n]})" if n in origin else n)
   bits = (config.quantization or {}).get("bits", 4)
   if bits != 4: return _mlx_bits(config, tensors, origin, path, bits)

@@ -32,6 +32,10 @@ class Family:
   # the checkpoint (HF or GGUF) stores q/k/v as self_attn.qkv_proj and gate/up as mlp.gate_up_proj (Phi-3): the
   # loader splits their rows into the parts (model/weights.py split_fused)
   hf_fused: bool = False
+  # a multimodal checkpoint's language model: its text config out of config.json, and its tensors' prefixes (HF's
+  # saved names) renamed to the decoder's; vision weights are not read
+  hf_text_config: Callable[[dict], dict] = lambda d: d
+  hf_renames: tuple[tuple[str, str], ...] = ()
 
 
 def sliding_layers(get: Getter, d: dict, num_layers: int) -> dict:

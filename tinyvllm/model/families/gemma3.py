@@ -1,4 +1,5 @@
-"""Gemma 3 (text; Gemma3ForCausalLM: the 1B model, or the language model of a multimodal checkpoint saved alone): Gemma 2's
+"""Gemma 3: Gemma3ForCausalLM (the 1B model), or the language model of a multimodal Gemma3ForConditionalGeneration
+checkpoint (4B, 12B, 27B: its text_config and `language_model.*` tensors; the vision tower is not read). Gemma 2's
 layer (see gemma2.py) with RMSNorms over each head of q and k (1 + weight, like every Gemma norm) instead of
 soft-capping, five sliding-window layers (window 512 in the 1B model) to each global one, and two RoPE bases: the
 sliding layers rotate with 10000, unscaled; the global ones with 1e6 and the config's scaling (linear x8 above 1B)."""
@@ -26,5 +27,13 @@ def _gguf_fields(get, meta: dict) -> dict:
                                           "rope_local_theta": float(get("rope.freq_base_swa", 10000.0, "number"))}
 
 
-FAMILY = Family("gemma3_text", ("Gemma3ForCausalLM",), gguf_architecture="gemma3", hf_fields=_hf_fields, gguf_fields=_gguf_fields,
-                gguf_names=GGUF_NAMES)
+def _text_config(d: dict) -> dict:
+  """config.json's text_config (a multimodal checkpoint), with what the top level says for the whole model."""
+  if not isinstance(d.get("text_config"), dict): return d
+  top = {k: d[k] for k in ("architectures", "quantization", "quantization_config", "tie_word_embeddings") if k in d}
+  return {**d["text_config"], **top}
+
+
+FAMILY = Family("gemma3_text", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), gguf_architecture="gemma3",
+                hf_fields=_hf_fields, gguf_fields=_gguf_fields, gguf_names=GGUF_NAMES, hf_text_config=_text_config,
+                hf_renames=(("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.lm_head.", "lm_head.")))
