@@ -43,6 +43,12 @@ FAMILY_CONFIGS = {
                         pad_token_id=0, rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                                       "long_factor": [1.0 + 0.5 * i for i in range(8)]})),
   "phi3_window": ("phi3", dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=12, pad_token_id=0)),   # Phi-3-mini-4k's
+  # Phi-4-mini: RoPE on part of each head (half here, with LongRoPE on the rotated part; three quarters below)
+  "phi4": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, original_max_position_embeddings=32,
+                        pad_token_id=0, partial_rotary_factor=0.5, tie_word_embeddings=True,
+                        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(4)],
+                                      "long_factor": [1.0 + 0.5 * i for i in range(4)], "partial_rotary_factor": 0.5})),
+  "phi4_75": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, partial_rotary_factor=0.75)),
   # the Metal kernels' shapes (head_dim 64), for the emulator
   "qwen2_metal": ("qwen2", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
   "qwen3_metal": ("qwen3", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
@@ -53,6 +59,7 @@ FAMILY_CONFIGS = {
                                 "long_factor": [1.0 + 0.2 * i for i in range(32)]})),
   "gemma2_metal": ("gemma2", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=12,
                                   query_pre_attn_scalar=64, attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+  "phi4_metal": ("phi3", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, partial_rotary_factor=0.75)),
   "gemma3_metal": ("gemma3_text", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=12,
                                        sliding_window_pattern=2)),
 }
@@ -83,8 +90,8 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name,backend", [(n, b) for n in ("qwen2", "qwen3", "mistral", "qwen2_window", "gemma2", "gemma3", "phi3",
-                                                        "phi3_window") for b in ("portable", "cpu")] +
-                         [(f"{n}_metal", "emulator") for n in ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")])
+                                                        "phi3_window", "phi4", "phi4_75") for b in ("portable", "cpu")] +
+                         [(f"{n}_metal", "emulator") for n in ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "phi4")])
 def test_prefill_logits_every_position(family_model, name, backend):
   """40 positions: over three windows of the windowed models, so the mask decides most of their logits."""
   path = family_model(name)
@@ -129,7 +136,8 @@ def test_the_window_matters(family_model):
 
 
 @pytest.mark.parametrize("name,backend", [("qwen2", "cpu"), ("qwen3", "cpu"), ("mistral", "cpu"), ("qwen2_window", "portable"),
-                                          ("gemma2", "cpu"), ("gemma3", "cpu"), ("phi3_window", "cpu"), ("gemma2_metal", "emulator")])
+                                          ("gemma2", "cpu"), ("gemma3", "cpu"), ("phi3_window", "cpu"), ("phi4_75", "cpu"),
+                                          ("gemma2_metal", "emulator")])
 def test_engine_greedy_matches_hf_generate(family_model, name, backend):
   """Three prompts sharing a 16-token prefix through the engine, chunked (16 tokens a step) in a pool too small for
   them all (preempted and recomputed), then a fourth with the same prefix (found in the prefix cache): each
@@ -216,7 +224,7 @@ def test_blocks_out_of_every_window_go_back(family_model, name, freed):
 
 
 @pytest.mark.parametrize("name,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3"), ("phi3", "phi3"),
-                                       ("phi3_window", "phi3")])
+                                       ("phi3_window", "phi3"), ("phi4", "phi3")])
 def test_gguf_of_each_architecture(family_model, tmp_path, name, arch):
   """The same weights as llama.cpp's converter writes them (Q/K rows in HF's order for these architectures, biases
   and q/k norms as F32 vectors, Gemma's norms as 1 + weight under llama.cpp's names, linears in
@@ -260,7 +268,8 @@ def test_family_configs_and_their_errors():
   big = ModelConfig.from_gguf({**meta, "gemma2.block_count": 46}, "g.gguf")
   assert big.query_pre_attn_scalar == 32   # 64 / 2
   phi = {**base, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 64, "max_position_embeddings": 256}
-  with pytest.raises(ConfigError, match="partial_rotary_factor"): ModelConfig.from_hf({**phi, "partial_rotary_factor": 0.75})
+  assert ModelConfig.from_hf({**phi, "partial_rotary_factor": 0.75}).rotary_dim == 6   # head_dim 8
+  with pytest.raises(ConfigError, match="partial_rotary_factor"): ModelConfig.from_hf({**phi, "partial_rotary_factor": 0.3})
   with pytest.raises(ConfigError, match="short_factor.*4 positive numbers"):   # head_dim 8: 4 frequencies
     ModelConfig.from_hf({**phi, "rope_scaling": {"type": "su", "short_factor": [1.0] * 3, "long_factor": [1.0] * 4}})
   su = ModelConfig.from_hf({**phi, "rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}})

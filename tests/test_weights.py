@@ -61,6 +61,8 @@ def write_gguf(hf_dir: Path, out: Path, types: dict[str, str] = GGUF_TYPES, bloc
     w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
     w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
   if arch == "phi3" and cfg.get("sliding_window"): w.add_sliding_window(cfg["sliding_window"])
+  partial = cfg["rope_parameters"].get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+  if partial != 1.0: w.add_rope_dimension_count(int((cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial))
   if cfg.get("head_dim"): w.add_key_length(cfg["head_dim"]); w.add_value_length(cfg["head_dim"])
   if gemma:
     w.add_sliding_window(cfg["sliding_window"])

@@ -50,6 +50,7 @@ class ModelConfig:
   attn_logit_softcapping: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
   final_logit_softcapping: float | None = None # logits likewise (Gemma 2)
   rope_local_theta: float | None = None  # sliding-window layers' RoPE base, unscaled (Gemma 3; None: rope_theta)
+  partial_rotary_factor: float = 1.0     # the share of each head's dimensions RoPE rotates (Phi-4-mini: 0.75)
   quantization: dict | None = None        # {"group_size": G, "bits": 4} for pre-quantized checkpoints
   source: str = ""                        # where the config came from, for error messages
 
@@ -92,8 +93,9 @@ class ModelConfig:
       if kind == "longrope":   # Phi-3's per-frequency divisors, one list for short contexts and one for long
         for key in ("short_factor", "long_factor"):
           value = self.rope_scaling.get(key)
-          if not isinstance(value, list) or len(value) != self.head_dim // 2 or not all(number(v) and v > 0 for v in value):
-            fail("rope_scaling", f"rope_scaling longrope needs {key!r}: {self.head_dim // 2} positive numbers (head_dim / 2){where}, "
+          n = int(self.head_dim * self.partial_rotary_factor) // 2 if number(self.partial_rotary_factor) else self.head_dim // 2
+          if not isinstance(value, list) or len(value) != n or not all(number(v) and v > 0 for v in value):
+            fail("rope_scaling", f"rope_scaling longrope needs {key!r}: {n} positive numbers (one per rotated frequency){where}, "
                                  f"got {reprlib.repr(value)}")
       for key in needed + optional:
         if key not in self.rope_scaling and key in optional: continue
@@ -109,6 +111,10 @@ class ModelConfig:
                                          not set(self.layer_types) <= {"full_attention", "sliding_attention"}):
       fail("layer_types", f"layer_types must name 'full_attention' or 'sliding_attention' for each of the "
                           f"{self.num_hidden_layers} layers{where}, got {reprlib.repr(self.layer_types)}")
+    if not number(self.partial_rotary_factor) or not 0 < self.partial_rotary_factor <= 1 or \
+       self.head_dim * self.partial_rotary_factor != int(self.head_dim * self.partial_rotary_factor) or self.rotary_dim % 2:
+      fail("partial_rotary_factor", f"partial_rotary_factor must be in (0, 1] and rotate an even whole number of head_dim's "
+                                    f"{self.head_dim} dimensions{where}, got {self.partial_rotary_factor!r}")
     if self.hidden_act not in HIDDEN_ACTS:
       fail("hidden_act", f"unsupported hidden_act {self.hidden_act!r}{where}; supported: {', '.join(HIDDEN_ACTS)}")
     for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta"):
@@ -122,6 +128,11 @@ class ModelConfig:
     """How many of the latest keys layer `layer` attends to (itself included), or None for all of them."""
     if self.sliding_window is None: return None
     return self.sliding_window if self.layer_types is None or self.layer_types[layer] == "sliding_attention" else None
+
+  @property
+  def rotary_dim(self) -> int:
+    """The dimensions of each head RoPE rotates (the first ones, rotate-half within them); the rest pass through."""
+    return int(self.head_dim * self.partial_rotary_factor)
 
   @property
   def attention_scale(self) -> float:

@@ -17,7 +17,7 @@ from tinyvllm.quant import blocks
 from tinyvllm.quant.formats import (FLOAT, FUSED_PROJECTIONS, INT4, INT8, PACKED, PARTS, WEIGHT_PARTS, LinearWeights, QuantSpec,
                                     projection_parts, spec_of, stored_format)
 from tinyvllm.model import tensor_parallel
-from tinyvllm.model.rope import attention_factor, cos_sin_table, inverse_frequencies
+from tinyvllm.model.rope import attention_factor, cos_sin_table, head_dim_order, inverse_frequencies
 from tinyvllm.model.weights import ModelLoadError, expected_tensors, release_tensor
 
 
@@ -163,8 +163,18 @@ class Llama:
         print(f"tinyvllm: {fmt} weights run as {dtype} on these kernels (they keep {', '.join(sorted(keeps))} compact)", file=sys.stderr)
       return blocks.dequantize_linear(tensors, name, fmt).astype(np_dtype)
 
+    order = head_dim_order(cfg)   # a partial rotary embedding: q and k's head dimensions reordered (rope.head_dim_order)
+    def heads_reordered(arrays: dict[str, np.ndarray], n_heads: int) -> dict[str, np.ndarray]:
+      rows = (np.arange(n_heads)[:, None] * cfg.head_dim + order[None, :]).reshape(-1)
+      return {k: v if k.endswith(".qspec") else np.ascontiguousarray(v[rows]) for k, v in arrays.items()}
+
     def vector(name: str) -> np.ndarray:
       _check(tensors, name, (vectors[name],), cfg)
+      if order is not None and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+        return np.ascontiguousarray(np.asarray(tensors[name], np_dtype)[order])
+      if order is not None and name.endswith(("self_attn.q_proj.bias", "self_attn.k_proj.bias")):
+        n_heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+        return heads_reordered({name: np.asarray(tensors[name], np_dtype)}, n_heads)[name]
       if cfg.norm_weight_offset and name.endswith("norm.weight"):   # Gemma's norms scale by 1 + weight: fold the 1 in
         return (np.float32(cfg.norm_weight_offset) + np.asarray(tensors[name], np.float32)).astype(np_dtype)
       return np.ascontiguousarray(tensors[name], dtype=np_dtype)
@@ -194,6 +204,8 @@ class Llama:
       else:
         _check(tensors, f"{name}.weight", (n, k), cfg)
         out[f"{name}.weight"] = np.ascontiguousarray(tensors[f"{name}.weight"], dtype=np_dtype)
+      if order is not None and name.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+        out = heads_reordered(out, cfg.num_attention_heads if name.endswith("q_proj") else cfg.num_key_value_heads)
       return out
 
     def group(prefix: str) -> Iterator[dict[str, np.ndarray]]:
