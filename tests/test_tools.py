@@ -66,6 +66,36 @@ def test_text_that_is_not_a_call_stays_content(fmt, text):
   assert FORMATS[fmt].parse(text) == (text, [])
 
 
+def test_mistral_args_spelling():
+  """Mistral Small 3.x's spelling: [TOOL_CALLS]name[ARGS]{...} per call ([CALL_ID]id in history); its grammar."""
+  from tinyvllm.tools import MISTRAL_ARGS
+  text = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{}'
+  content, calls = MISTRAL_ARGS.parse(text)
+  assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 2}),
+                                                                                       ("get_time", {})]
+  assert MISTRAL_ARGS.parse('[TOOL_CALLS][{"name": "get_time", "arguments": {}}]')[1][0].name == "get_time"   # the older spelling
+  assert MISTRAL_ARGS.parse("[TOOL_CALLS]get_weather[ARGS]{broken")[1] == []
+  assert MISTRAL_ARGS.scan('[TOOL_CALLS]get_weather[ARGS]{"city": "Pa') == [("get_weather", '{"city": "Pa', False)]
+  assert detect_format("... '[TOOL_CALLS]' + name + '[ARGS]' ...") is MISTRAL_ARGS
+
+
+def test_mistral_args_grammar(tiny_model):
+  from tinyvllm.model.tokenizer import load_tokenizer
+  from tinyvllm.structured_output.compiler import GrammarCompiler
+  from tinyvllm.tools import MISTRAL_ARGS
+  tok = load_tokenizer(tiny_model)
+  compiler = GrammarCompiler(tok, tok.vocab_size)
+  def accepts(grammar, text):
+    matcher = compiler.compile(StructuredOutputsParams(grammar=grammar)).new_state().matcher
+    ids = tok.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+  both, one = MISTRAL_ARGS.grammar([WEATHER, TIME], True), MISTRAL_ARGS.grammar([TIME], False)
+  assert accepts(both, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]get_time[ARGS]{}')
+  assert not accepts(both, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 12}')
+  assert not accepts(both, '[TOOL_CALLS]get_date[ARGS]{}')
+  assert accepts(one, "[TOOL_CALLS]get_time[ARGS]{}") and not accepts(one, "[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_time[ARGS]{}")
+
+
 def test_scan_calls_follows_a_call_as_it_is_written():
   text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa{r}\\"is", "days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_ti'
   assert scan_calls(text) == [("get_weather", '{"city": "Pa{r}\\"is", "days": 2}', True)]   # braces in strings do not count
@@ -369,6 +399,7 @@ def real_templates():
                                       ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "hermes"),
                                       ("meta-llama-Llama-3.1-8B-Instruct", "llama3_json"), ("meta-llama-Llama-3.2-3B-Instruct", "llama3_json"),
                                       ("mistralai-Mistral-Nemo-Instruct-2407", "mistral"),
+                                      ("Mistral-Small-3.2-24B-Instruct-2506", "mistral"),
                                       ("microsoft-Phi-3.5-mini-instruct", None), ("google-gemma-2-2b-it", None)])
 def test_real_templates_render_tools_and_their_history(real_templates, name, fmt):
   """Each family's published template: its format detected, and a turn with tools, an assistant call (OpenAI's id

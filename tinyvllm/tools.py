@@ -8,7 +8,8 @@ that satisfy each tool's parameter schema.
 
   hermes       Qwen2.5 / Qwen3 / Hermes: <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one block per call
   llama3_json  Llama 3.1-3.3: {"name": ..., "parameters": {...}}, after an optional <|python_tag|>, calls joined by "; "
-  mistral      Mistral: [TOOL_CALLS] followed by a JSON list of {"name": ..., "arguments": {...}}
+  mistral      Mistral: [TOOL_CALLS] followed by a JSON list of {"name": ..., "arguments": {...}}; in templates that write
+               [ARGS] (Mistral Small 3.x), [TOOL_CALLS]name[ARGS]{...} per call
   json         any other template: a JSON object {"name": ..., "arguments": {...}} or a list of them
 
 Text that does not parse as calls (a model writing prose, or a broken call under tool_choice "auto") comes back as
@@ -158,6 +159,10 @@ class ToolFormat:
     """Could more text make `tail` (the end of a completion so far) the start of a call? A stream holds it back."""
     return not tail.strip()
 
+  def scan(self, text: str) -> list[tuple[str, str, bool]]:
+    """The calls of a completion written under this format's grammar, as far as it goes (see scan_calls)."""
+    return scan_calls(text, self.arguments_key)
+
   def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls): the calls the text holds and the text before them; no calls -> (text, [])."""
     at = self.start(text)
@@ -172,7 +177,7 @@ class ToolFormat:
     returns them, and as a stream sent them); else the decoded arguments written again."""
     calls = _calls(values, self.arguments_key)
     if not calls: return text, []
-    raw = scan_calls(text[at:], self.arguments_key)
+    raw = self.scan(text[at:])
     if len(raw) == len(calls) and all(done and name == c.name for (name, _, done), c in zip(raw, calls)):
       calls = [ToolCall(c.name, args, c.id) for c, (_, args, _) in zip(calls, raw)]
     return text[:at].strip() or None, calls
@@ -260,7 +265,43 @@ class MistralFormat(ToolFormat):
     return f'start: {_marker(self.TAG, token_of)} calls\ncalls: %json {_json(items)}\n'
 
 
+class MistralArgsFormat(MistralFormat):
+  """Mistral's later spelling (Mistral Small 3.x, Devstral, Ministral: templates that write [ARGS]): each call is
+  [TOOL_CALLS]name[ARGS]{arguments}, a history call with [CALL_ID]id before [ARGS]. Parsed as either spelling."""
+  ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"
+  _CALL = re.compile(r"\[TOOL_CALLS\]([A-Za-z0-9_-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
+
+  def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    at = self.start(text)
+    if at < 0: return text, []
+    if not self._CALL.match(text, at): return super().parse(text)   # the JSON-list spelling
+    calls, pos = [], at
+    while pos < len(text) and (m := self._CALL.match(text, pos)):
+      decoded = _object_at(text, m.end())
+      if decoded is None or not isinstance(decoded[0], dict): return text, []
+      calls.append(ToolCall(m.group(1), text[m.end():decoded[1]].strip()))
+      pos = decoded[1]
+      while pos < len(text) and text[pos].isspace(): pos += 1
+    if pos < len(text): return text, []
+    return text[:at].strip() or None, calls
+
+  def scan(self, text: str) -> list[tuple[str, str, bool]]:
+    out = []
+    for m in self._CALL.finditer(text):
+      end = _object_end(text, m.end()) if m.end() < len(text) else -1
+      out.append((m.group(1), text[m.end():end if end >= 0 else len(text)], end >= 0))
+      if end < 0: break
+    return out
+
+  def grammar(self, tools: list[dict], parallel: bool, token_of=lambda text: None) -> str:
+    rules = [f'c{i}: {_marker(self.TAG, token_of)} {json.dumps(t["function"]["name"])} {_marker(self.ARGS, token_of)} '
+             f'%json {_json(t["function"].get("parameters") or {"type": "object", "properties": {}})}' for i, t in enumerate(tools)]
+    return (f"start: call{'+' if parallel else ''}\ncall: " + " | ".join(f"c{i}" for i in range(len(tools))) + "\n" +
+            "\n".join(rules) + "\n")
+
+
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat(), ToolFormat())}
+MISTRAL_ARGS = MistralArgsFormat()
 
 
 def streamable(fmt: ToolFormat, text: str) -> int:
@@ -347,6 +388,6 @@ def detect_format(template: str | None) -> ToolFormat:
   when it names none."""
   t = template or ""
   if "<tool_call>" in t: return FORMATS["hermes"]
-  if "[TOOL_CALLS]" in t: return FORMATS["mistral"]
+  if "[TOOL_CALLS]" in t: return MISTRAL_ARGS if "[ARGS]" in t else FORMATS["mistral"]
   if "<|python_tag|>" in t or "ipython" in t: return FORMATS["llama3_json"]
   return FORMATS["json"]

@@ -10,7 +10,7 @@ from tinyvllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from tinyvllm.entrypoints.openai.serving import OpenAIServing, sse
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
-from tinyvllm.tools import FORMATS, ToolFormat, detect_format, scan_calls, streamable
+from tinyvllm.tools import FORMATS, ToolFormat, detect_format, streamable
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -88,7 +88,7 @@ class OpenAIServingChat(OpenAIServing):
         for c in out.outputs:
           i = c.index
           if done[i]: continue
-          calls = scan_calls(c.text, fmt.arguments_key)
+          calls = fmt.scan(c.text)
           if body.parallel_tool_calls is False: calls = calls[:1]
           for k, (name, args, _) in enumerate(calls):
             if k == len(ids[i]):   # a new call: its id and name, arguments to come
@@ -115,8 +115,9 @@ class OpenAIServingChat(OpenAIServing):
 
   def tool_format(self) -> ToolFormat:
     """The call format: --tool-call-parser, else the one the chat template writes (tools.detect_format)."""
-    if self.settings.tool_call_parser: return FORMATS[self.settings.tool_call_parser]
-    return detect_format(self.settings.chat_template or self.tokenizer.chat_template)
+    detected = detect_format(self.settings.chat_template or self.tokenizer.chat_template)
+    if self.settings.tool_call_parser and self.settings.tool_call_parser != detected.name: return FORMATS[self.settings.tool_call_parser]
+    return detected   # (the flag naming the template's own format keeps its spelling: Mistral's [ARGS] one)
 
   def _response(self, body: ChatCompletionRequest, request_id: str, started: float, out: RequestOutput,
                 fmt: ToolFormat | None) -> dict:
