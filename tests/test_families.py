@@ -283,17 +283,19 @@ def test_family_configs_and_their_errors():
                          "layer_types": ["full_attention"] * 3})
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3_window"])
-def test_mlx_4bit_checkpoint_of_each_family(family_model, tmp_path, name):
-  """mlx-lm's own `convert -q` (4 bits, groups of 32; the embeddings quantized too, Phi-3's fused projections as
-  they are): logits equal HF's on the same weights dequantized with our float16 scales (exact float maths: 1e-4),
-  and mlx-lm's own within float16's rounding of the scales (1e-2, see tests/test_mlx_interop.py)."""
+@pytest.mark.parametrize("name,bits", [(n, 4) for n in ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3_window")] +
+                         [("qwen3", 8), ("phi3_window", 6)])
+def test_mlx_checkpoint_of_each_family(family_model, tmp_path, name, bits):
+  """mlx-lm's own `convert -q` (4 bits for each family, 8 and 6 for two; groups of 32; the embeddings quantized too,
+  Phi-3's fused projections as they are): logits equal HF's on the same weights dequantized with our float16
+  scales (exact float maths: 1e-4), and mlx-lm's own within float16's rounding of the scales (1e-2, see
+  tests/test_mlx_interop.py)."""
   mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'mlx[cpu]' mlx-lm)")
   mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
   from mlx_lm.utils import load_model
-  out = tmp_path / "q4"
-  mlx_lm.convert(str(family_model(name)), str(out), quantize=True, q_group_size=32, q_bits=4)
-  assert load_checkpoint(out).config.quantization["bits"] == 4
+  out = tmp_path / f"q{bits}"
+  mlx_lm.convert(str(family_model(name)), str(out), quantize=True, q_group_size=32, q_bits=bits)
+  assert load_checkpoint(out).config.quantization["bits"] == bits
   tokens = np.random.default_rng(5).integers(4, 380, 30).tolist()
   ours = our_prefill_logits(out, tokens, "cpu")
   state = dict(load_checkpoint(out, "none").tensors)
