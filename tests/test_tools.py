@@ -330,8 +330,9 @@ def test_responses_text_tools_and_continuation(tool_server):
                                         parallel_tool_calls=False, temperature=0, max_output_tokens=120, stream=True))
   kinds = [e.type for e in events]
   assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
-  args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-  assert args == calls[0].arguments and events[-1].response.output[-1].name == "get_weather"
+  args = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+  assert "".join(args) == calls[0].arguments and events[-1].response.output[-1].name == "get_weather"
+  assert len(args) > 3 and kinds.index("response.output_item.added") < kinds.index("response.function_call_arguments.delta")
   text_events = list(client.responses.create(model=model, input="What is the weather in Paris?", instructions="Be brief.",
                                              max_output_tokens=6, temperature=0, stream=True))
   assert "".join(e.delta for e in text_events if e.type == "response.output_text.delta") == r.output_text

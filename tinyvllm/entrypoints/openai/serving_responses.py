@@ -69,7 +69,8 @@ class OpenAIServingResponses:
     stream = (await self.chat.add_requests(response_id, [prompt], params, "input"))[0]
     remember = lambda items: self._store(response_id, body, history + turn, items)
     if body.stream:
-      return StreamingResponse(self._stream(body, response_id, started, stream, fmt, remember), media_type="text/event-stream")
+      forced = fmt is not None and params.structured_outputs is not None and chat.constraint_field is None
+      return StreamingResponse(self._stream(body, response_id, started, stream, fmt, remember, forced), media_type="text/event-stream")
     finals = await self.chat.final_outputs(request, [stream])
     if finals is None:
       self.chat.log_request(response_id, "responses", started, [], "client disconnected")
@@ -102,12 +103,13 @@ class OpenAIServingResponses:
             "metadata": body.metadata or {}, "store": body.store is not False, "usage": usage}
 
   async def _stream(self, body: ResponsesRequest, response_id: str, started: float, stream, fmt: ToolFormat | None,
-                    remember) -> AsyncIterator[str]:
+                    remember, forced: bool = False) -> AsyncIterator[str]:
     """The Responses API's events: response.created and .in_progress; for the text, output_item.added,
     content_part.added, output_text.delta as it comes (held back where a call may begin), output_text.done,
     content_part.done, output_item.done; for each call at the end, output_item.added (arguments ""),
     function_call_arguments.delta and .done, output_item.done; then response.completed (response.incomplete when
-    max_output_tokens cut it) with the whole response."""
+    max_output_tokens cut it) with the whole response. A forced call (`forced`: the grammar makes the answer valid
+    calls) streams as it is written: its output_item.added once its name is complete, then its arguments' deltas."""
     seq = iter(range(1 << 62))
     def event(kind: str, **data) -> str:
       data = {"type": kind, "sequence_number": next(seq), **data}
@@ -115,6 +117,25 @@ class OpenAIServingResponses:
     yield event("response.created", response=self._response(body, response_id, started, None, [], "in_progress"))
     yield event("response.in_progress", response=self._response(body, response_id, started, None, [], "in_progress"))
     msg_id, sent, opened, final, status = f"msg_{uuid.uuid4().hex}", 0, False, None, "client disconnected"
+    live: list[list] = []   # forced calls so far: [item, argument characters sent, done]
+    def call_events(c) -> list[str]:
+      frames = []
+      for k, (name, args, complete) in enumerate(fmt.scan(c.text)[:1 if body.parallel_tool_calls is False else None]):
+        if k == len(live):
+          item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex[:24]}",
+                  "name": name, "arguments": "", "status": "in_progress"}
+          live.append([item, 0, False])
+          frames.append(event("response.output_item.added", output_index=k, item=dict(item)))
+        item, done_chars, closed = live[k]
+        if len(args) > done_chars:
+          frames.append(event("response.function_call_arguments.delta", item_id=item["id"], output_index=k, delta=args[done_chars:]))
+          live[k][1] = len(args)
+        if (complete or c.finish_reason is not None) and not closed:
+          item.update(arguments=args, status="completed")
+          frames += [event("response.function_call_arguments.done", item_id=item["id"], output_index=k, arguments=args),
+                     event("response.output_item.done", output_index=k, item=dict(item))]
+          live[k][2] = True
+      return frames
     def open_message() -> list[str]:
       item = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant", "content": []}
       return [event("response.output_item.added", output_index=0, item=item),
@@ -128,6 +149,9 @@ class OpenAIServingResponses:
           yield event("error", code="server_error", message=f"generation failed: {out.error}", param=None)
           return
         c = out.outputs[0]
+        if forced:
+          for frame in call_events(c): yield frame
+          continue
         visible = len(c.text) if fmt is None or c.finish_reason is not None else streamable(fmt, c.text)
         content, calls = (fmt.parse(c.text) if fmt is not None else (c.text, [])) if c.finish_reason is not None else (None, [])
         if c.finish_reason is not None and calls: visible = len(content or "")
@@ -139,7 +163,8 @@ class OpenAIServingResponses:
           sent = visible
       status = "ok"
       text = c.text[:sent]
-      items = []
+      items = [item for item, _, _ in live]
+      if forced: calls = []
       if opened:
         part = {"type": "output_text", "text": text, "annotations": []}
         item = {"type": "message", "id": msg_id, "status": "completed", "role": "assistant", "content": [part]}
