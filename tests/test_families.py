@@ -124,6 +124,12 @@ def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
   assert rel_err(our_prefill_logits(tmp_path, ids, "cpu"), ref) < TOL
 
 
+def test_gemma_in_float16_is_warned_about(family_model, capsys):
+  """Gemma's activations overflow float16: asked for explicitly, the engine says so (dtype auto runs float32 on GPUs)."""
+  LLMEngine.from_kwargs(str(family_model("gemma2")), dtype="float16", kernel_backend="portable", num_kv_blocks=16)
+  assert "overflow float16" in capsys.readouterr().err
+
+
 def test_the_window_matters(family_model):
   """The windowed model's logits beyond its window differ from the same weights attending to everything (so the
   test above checks the mask, not a window too wide to act)."""
@@ -274,6 +280,22 @@ def test_family_configs_and_their_errors():
     ModelConfig.from_hf({**phi, "rope_scaling": {"type": "su", "short_factor": [1.0] * 3, "long_factor": [1.0] * 4}})
   su = ModelConfig.from_hf({**phi, "rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}})
   assert su.rope_scaling["rope_type"] == "longrope" and su.rope_scaling["original_max_position_embeddings"] == 64
+  # Google's Gemma 3 4B config.json (written by transformers 4.50: only what differs from Gemma3TextConfig's defaults)
+  g3 = ModelConfig.from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": {
+    "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}, "vision_config": {}})
+  assert (g3.vocab_size, g3.num_attention_heads, g3.num_key_value_heads, g3.head_dim, g3.max_position_embeddings) == \
+    (262208, 8, 4, 256, 131072)
+  assert g3.rope_scaling == {"rope_type": "linear", "factor": 8.0} and g3.rope_theta == 1e6 and g3.rope_local_theta == 10000.0
+  assert g3.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",) and g3.tie_word_embeddings
+  assert ModelConfig.from_hf({**base, "architectures": ["MistralForCausalLM"]}).sliding_window == 4096   # MistralConfig's default
+  for bad, words in [({"architectures": ["Qwen2ForRewardModel"], "model_type": "qwen2"}, "unsupported architecture"),
+                     ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}, "encoder"),
+                     ({"architectures": ["Gemma2ForCausalLM"], "layer_types": 3}, "layer_types")]:
+    with pytest.raises(ConfigError, match=words): ModelConfig.from_hf({**base, **bad})
+  with pytest.raises(ConfigError, match="yarn"):   # a GGUF's YaRN scaling is refused, never dropped
+    ModelConfig.from_gguf({**{k.replace("gemma2", "qwen2"): v for k, v in meta.items() if "softcap" not in k},
+                           "general.architecture": "qwen2", "qwen2.rope.scaling.type": "yarn"}, "q.gguf")
   with pytest.raises(ConfigError, match="unsupported architecture.*GPTNeoXForCausalLM.*Qwen3ForCausalLM"):
     ModelConfig.from_hf({**base, "architectures": ["GPTNeoXForCausalLM"]})
   with pytest.raises(ConfigError, match="sliding_window"):

@@ -160,6 +160,9 @@ class ModelConfig:
       raise ConfigError(f"unsupported architecture {reprlib.repr(archs or d.get('model_type'))} in {source}; "
                         f"tinyvllm runs {', '.join(families.hf_names())}")
     d = family.hf_text_config(d)   # a multimodal checkpoint: its language model's config
+    d = dict(family.hf_defaults) | d   # the family's config-class defaults under what the file says
+    if d.get("use_bidirectional_attention"):
+      raise ConfigError(f"{source}: use_bidirectional_attention is set: an encoder (an embedding model), not a causal LM tinyvllm runs")
     def get(key: str, default: Any = KeyError, kind: str = "int") -> Any:
       if default is KeyError and key not in d: raise ConfigError(f"{source} lacks the required field {key!r}")
       value = d.get(key, default)
@@ -197,7 +200,7 @@ class ModelConfig:
       hidden_act=d.get("hidden_act") or "silu",
       quantization=dict(quant) if quant else None, source=source, model_type=family.model_type)
     fields.update(family.hf_fields(get, d))   # a family's own fields, and its defaults where config.json is silent
-    if fields.get("layer_types") is not None: fields["layer_types"] = tuple(fields["layer_types"])
+    if fields.get("layer_types") is not None: fields["layer_types"] = tuple(fields["layer_types"])   # checked by the family
     return ModelConfig(**fields)
 
   @staticmethod
@@ -234,9 +237,11 @@ class ModelConfig:
         raise ConfigError(f"{source} lacks the GGUF metadata key '{arch}.vocab_size' (and has no token list to count)")
       vocab = len(tokens)
       keys["vocab_size"] = "tokenizer.ggml.tokens"
-    scaling = None
-    if isinstance(meta.get(f"{arch}.rope.scaling.type"), str) and meta[f"{arch}.rope.scaling.type"] == "linear":
-      scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", kind="number"))}
+    scaling, kind = None, meta.get(f"{arch}.rope.scaling.type")
+    if kind == "linear": scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", kind="number"))}
+    elif kind not in (None, "none"):   # YaRN and others change every frequency: never run without them silently
+      raise ConfigError(f"unsupported RoPE scaling {kind!r} (GGUF metadata key {arch}.rope.scaling.type) in {source}; "
+                        f"tinyvllm runs linear scaling from GGUF")
     try:
       fields = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=get("feed_forward_length"),

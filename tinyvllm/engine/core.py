@@ -21,6 +21,7 @@ from tinyvllm.engine.spec_decode import SpeculativeDecoder
 from tinyvllm.kernels import default_dtype, make_kernels, prepare_device, resolve_backend
 from tinyvllm.kernels.kv_cache import KVCacheFormat
 from tinyvllm.kernels.threads import default_threads
+from tinyvllm.model import families
 from tinyvllm.model.llama import Llama
 from tinyvllm.model.tensor_parallel import parallel_backend, parallel_devices
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
@@ -39,6 +40,11 @@ class EngineCore:
     self.devices = parallel_devices(self.device, config.tensor_parallel_size)
     self.model_config = ckpt.config
     dtype = default_dtype(self.device) if config.dtype == "auto" else config.dtype
+    if dtype == "float16" and not families.for_model_type(ckpt.config.model_type).float16_safe:
+      if config.dtype == "auto": dtype = "float32"
+      print(f"tinyvllm: {ckpt.config.model_type} activations overflow float16 (as in transformers and vLLM): "
+            f"{'running in float32' if config.dtype == 'auto' else 'dtype=float16 was asked for; expect inf/NaN logits'}",
+            file=sys.stderr)
     model_max = ckpt.config.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > model_max:
       raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's context length {model_max}")

@@ -146,6 +146,10 @@ class OutputProcessor:
         entry = out.new_logprobs[i]
         c.logprobs.append(self._logprob_dict(entry))
         c.cumulative_logprob += next(lp for t, lp, _ in entry if t == token)
+      # the EOS or stop token that ended the completion is not part of its text (vLLM's rule): with special tokens
+      # kept (skip_special_tokens=False), "</s>" would end every answer; include_stop_str_in_output keeps it
+      if i == len(out.new_token_ids) - 1 and out.finish_reason == "stop" and not isinstance(out.stop_reason, str) \
+         and not p.include_stop_str_in_output: continue
       delta = c.detokenizer.add(token)
       c.text += delta
       # like stop tokens (banned until then), stop strings count only from min_tokens on

@@ -36,6 +36,12 @@ class Family:
   # saved names) renamed to the decoder's; vision weights are not read
   hf_text_config: Callable[[dict], dict] = lambda d: d
   hf_renames: tuple[tuple[str, str], ...] = ()
+  # transformers' config-class defaults for keys a config.json may leave out (files written by transformers 4 list only
+  # the fields that differ from them: Google's Gemma 3 configs give no vocab_size or head counts)
+  hf_defaults: tuple[tuple[str, Any], ...] = ()
+  # float16 activations overflow in these models (Gemma 2/3: transformers issue 36822; vLLM refuses float16 for them):
+  # dtype "auto" runs them in float32 on a GPU too
+  float16_safe: bool = True
 
 
 def sliding_layers(get: Getter, d: dict, num_layers: int) -> dict:
@@ -44,10 +50,19 @@ def sliding_layers(get: Getter, d: dict, num_layers: int) -> dict:
   has use_sliding_window false (full attention everywhere)."""
   if not d.get("use_sliding_window", False) or d.get("sliding_window") is None: return {}
   window = get("sliding_window")
-  if d.get("layer_types") is not None: return {"sliding_window": window, "layer_types": tuple(d["layer_types"])}
-  first = get("max_window_layers", num_layers)
+  if d.get("layer_types") is not None: return {"sliding_window": window, "layer_types": layer_types(d)}
+  first = get("max_window_layers", 28)   # transformers' default
   return {"sliding_window": window, "layer_types": tuple("sliding_attention" if i >= first else "full_attention"
                                                            for i in range(num_layers))}
+
+
+def layer_types(d: dict) -> tuple[str, ...]:
+  """config.json's `layer_types`, checked to be a list of strings (ModelConfig checks their values and count)."""
+  value = d["layer_types"]
+  if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    from tinyvllm.config import ConfigError
+    raise ConfigError(f"field 'layer_types' must be a list of 'full_attention' / 'sliding_attention', got {value!r:.100}")
+  return tuple(value)
 
 
 from tinyvllm.model.families import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3   # noqa: E402  (they import Family)
@@ -56,9 +71,9 @@ FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen
 
 
 def for_hf(architectures: list, model_type: Any) -> Family | None:
-  """The family of a config.json: by its architectures, else by its model_type."""
-  for f in FAMILIES:
-    if any(a in f.architectures for a in architectures): return f
+  """The family of a config.json: by its architectures, or by its model_type when it names none (a config naming
+  another head on the same model type, Qwen2ForRewardModel or Gemma3TextModel, is not a causal LM we run)."""
+  if architectures: return next((f for f in FAMILIES if any(a in f.architectures for a in architectures)), None)
   return next((f for f in FAMILIES if f.model_type == model_type), None)
 
 

@@ -3,7 +3,7 @@ MLP output normed again before its residual add (post_attention_layernorm, post_
 by pre_feedforward_layernorm), scores scaled by query_pre_attn_scalar^-1/2 and soft-capped (50), logits soft-capped
 (30), sliding-window (4096) and global layers alternating, the first one sliding. Defaults are those of transformers'
 Gemma2Config, for configs that leave them out."""
-from tinyvllm.model.families import Family
+from tinyvllm.model.families import Family, layer_types
 
 
 def gemma_fields(get, d: dict, default_head_dim: int) -> dict:
@@ -16,7 +16,7 @@ def gemma_fields(get, d: dict, default_head_dim: int) -> dict:
 
 def _hf_fields(get, d: dict) -> dict:
   n = get("num_hidden_layers")
-  types = d.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+  types = layer_types(d) if d.get("layer_types") else ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
   return gemma_fields(get, d, 256) | {"layer_types": types, "attn_logit_softcapping": d.get("attn_logit_softcapping", 50.0),
                                       "final_logit_softcapping": d.get("final_logit_softcapping", 30.0)}
 
@@ -45,5 +45,10 @@ def _gguf_fields(get, meta: dict) -> dict:
     "final_logit_softcapping": float(get("final_logit_softcapping", 30.0, "number"))}
 
 
+# Gemma2Config's defaults, for configs that leave them out
+HF_DEFAULTS = (("vocab_size", 256000), ("hidden_size", 2304), ("intermediate_size", 9216), ("num_hidden_layers", 26),
+               ("num_attention_heads", 8), ("num_key_value_heads", 4), ("max_position_embeddings", 8192), ("rms_norm_eps", 1e-6),
+               ("rope_theta", 10000.0))
+
 FAMILY = Family("gemma2", ("Gemma2ForCausalLM",), gguf_architecture="gemma2", hf_fields=_hf_fields, gguf_fields=_gguf_fields,
-                gguf_names=GGUF_NAMES)
+                gguf_names=GGUF_NAMES, hf_defaults=HF_DEFAULTS, float16_safe=False)

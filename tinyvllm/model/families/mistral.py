@@ -5,7 +5,8 @@ from tinyvllm.model.families import Family
 
 
 def _hf_fields(get, d: dict) -> dict:
-  return {"sliding_window": get("sliding_window")} if d.get("sliding_window") is not None else {}
+  if "sliding_window" not in d: return {"sliding_window": 4096}   # MistralConfig's default when the key is absent
+  return {"sliding_window": get("sliding_window")} if d["sliding_window"] is not None else {}
 
 
 FAMILY = Family("mistral", ("MistralForCausalLM",), hf_fields=_hf_fields)

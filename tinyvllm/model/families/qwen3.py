@@ -9,4 +9,4 @@ def _hf_fields(get, d: dict) -> dict:
 
 
 FAMILY = Family("qwen3", ("Qwen3ForCausalLM",), gguf_architecture="qwen3", hf_fields=_hf_fields,
-                gguf_fields=lambda get, meta: {"qk_norm": True})
+                gguf_fields=lambda get, meta: {"qk_norm": True}, hf_defaults=(("head_dim", 128),))   # Qwen3Config's head_dim
