@@ -66,6 +66,18 @@ def test_text_that_is_not_a_call_stays_content(fmt, text):
   assert FORMATS[fmt].parse(text) == (text, [])
 
 
+def test_hermes_calls_among_other_text():
+  """Calls after a reasoning model's thoughts that mention the tag, text after the calls (kept as content), and a
+  string argument holding the closing tag."""
+  call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+  content, calls = FORMATS["hermes"].parse("<think>\nI could use a <tool_call> block.\n</think>\n\n" + call)
+  assert [c.name for c in calls] == ["get_time"] and "I could use" in content
+  content, calls = FORMATS["hermes"].parse(call + "\n\nI will wait for the result.")
+  assert [c.name for c in calls] == ["get_time"] and content == "I will wait for the result."
+  tricky = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b", "days": 1}}\n</tool_call>'
+  assert json.loads(FORMATS["hermes"].parse(tricky)[1][0].arguments)["city"] == "a</tool_call>b"
+
+
 def test_mistral_args_spelling():
   """Mistral Small 3.x's spelling: [TOOL_CALLS]name[ARGS]{...} per call ([CALL_ID]id in history); its grammar."""
   from tinyvllm.tools import MISTRAL_ARGS
@@ -153,6 +165,8 @@ def test_grammars_accept_valid_calls_only(tiny_model, fmt):
   assert not accepts(both, written(call("get_weather", {"city": "Paris", "days": 12})))   # past the schema's maximum
   assert not accepts(both, written(call("get_weather", {"city": "Paris"})))
   assert not accepts(both, written(call("get_date", {})))
+  untyped = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "integer"}}}}}
+  assert not accepts(f.grammar([untyped], parallel=False), written(call("f", "hello")))   # parameters describe an object
   one = f.grammar([TIME], parallel=False)
   assert accepts(one, written(call("get_time", {}))) and not accepts(one, written(call("get_time", {}), call("get_time", {})))
 
@@ -168,6 +182,65 @@ def test_a_marker_that_is_one_token_is_asked_for_as_that_token(tiny_model):
   matcher = GrammarCompiler(tok, tok.vocab_size).compile(StructuredOutputsParams(grammar=grammar)).new_state().matcher
   ids = [2] + tok.encode('[{"name": "get_time", "arguments": {}}]', add_special_tokens=False)
   assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def test_generic_format_writes_tool_history_as_turns():
+  from tinyvllm.tools import prepare_chat
+  history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                                             "function": {"name": "get_time", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+  messages, extra = prepare_chat(history, [TIME], "{% for m in messages %}{{ m.content }}{% endfor %}", generic=True)
+  assert messages[0]["role"] == "system" and "get_time" in messages[0]["content"] and not extra
+  assert messages[-2] == {"role": "assistant", "content": '{"name": "get_time", "arguments": {}}'}
+  assert messages[-1] == {"role": "user", "content": "Result of call call_1: noon"}
+
+
+async def _collect(agen) -> list[dict]:
+  return [json.loads(f.split("data: ", 1)[1]) for f in [x async for x in agen] if "data: {" in f]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "responses"])
+def test_streamed_content_before_a_call_equals_the_answer(tiny_model, endpoint):
+  """Outputs merged by a lagging client (the last one carries text not sent yet), blanks before a call: the streamed
+  content is the answer's content exactly, and a call after blanks alone opens no message (review findings)."""
+  import asyncio
+  from tinyvllm.entrypoints.openai.serving import ServerSettings
+  from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
+  from tinyvllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponsesRequest, output_items
+  from tinyvllm.entrypoints.openai.protocol import ChatCompletionRequest
+  from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+  call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+  class FakeStream:
+    def __init__(self, texts): self.texts = texts
+    def __aiter__(self): return self._gen()
+    async def _gen(self):
+      for k, t in enumerate(self.texts):
+        done = k == len(self.texts) - 1
+        yield RequestOutput("r", None, [1, 2], [CompletionOutput(0, t, list(range(k + 1)), finish_reason="stop" if done else None)],
+                            done, RequestMetrics(arrival_time=0.0))
+    async def aclose(self): pass
+  class FakeEngine:
+    def get_tokenizer(self): return None
+  chat = OpenAIServingChat.__new__(OpenAIServingChat)
+  chat.settings, chat.tokenizer = ServerSettings("m", "p"), None
+  fmt = FORMATS["hermes"]
+  for texts in (["\nI'll", "\nI'll check." + call], ["\n", "\n" + call], ["Hello  ", "Hello  there\n\n<tool_", "Hello  there\n\n" + call]):
+    want, calls = fmt.parse(texts[-1])
+    if endpoint == "chat":
+      body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "stream": True, "tools": [TIME]})
+      frames = asyncio.run(_collect(chat._stream(body, "id", 0.0, FakeStream(texts), fmt)))
+      got = "".join(f["choices"][0]["delta"].get("content") or "" for f in frames if f.get("choices"))
+      names = [tc["function"]["name"] for f in frames if f.get("choices") for tc in f["choices"][0]["delta"].get("tool_calls") or []
+               if "name" in tc.get("function", {})]
+      assert got == (want or "") and names == ["get_time"]
+    else:
+      body = ResponsesRequest.model_validate({"input": "hi", "stream": True, "tools": [{"type": "function", "name": "get_time"}]})
+      responses = OpenAIServingResponses(chat)
+      frames = asyncio.run(_collect(responses._stream(body, "resp_x", 0.0, FakeStream(texts), fmt, lambda items: None)))
+      got = "".join(f["delta"] for f in frames if f["type"] == "response.output_text.delta")
+      final = frames[-1]["response"]["output"]
+      plain = output_items(texts[-1], fmt)
+      assert got == (want or "") and [i["type"] for i in final] == [i["type"] for i in plain]
 
 
 # **** the server ****
@@ -299,6 +372,10 @@ def test_llm_chat_with_tools(tiny_model_factory):
     content, calls = fmt.parse(out.outputs[0].text)
     assert content is None and [c.name for c in calls] == ["get_weather"] and valid_weather(json.loads(calls[0].arguments))
     with pytest.raises(ValueError, match="no tool support"): llm.chat(MESSAGES, tools=[WEATHER], use_tqdm=False)
+    # the EOS that ends an answer is not its text, even with special tokens kept (a parser must see only the call)
+    kept = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=120, skip_special_tokens=False, structured_outputs=params.structured_outputs),
+                    tools=[WEATHER], chat_template=HERMES_TEMPLATE, use_tqdm=False)[0].outputs[0]
+    assert kept.finish_reason == "stop" and kept.text == out.outputs[0].text and fmt.parse(kept.text)[1]
     with pytest.raises(ValueError, match=r"tools\[0\].type"): llm.chat(MESSAGES, tools=[{"type": "x"}], use_tqdm=False)
   finally:
     llm.shutdown()

@@ -62,12 +62,15 @@ def check_tools(tools) -> list[dict]:
 def tool_names(tools: list[dict]) -> list[str]: return [t["function"]["name"] for t in tools]
 
 
+def parameters_schema(tool: dict) -> dict:
+  """A tool's arguments schema, always of an object (a `parameters` without "type" still describes an object)."""
+  return {"type": "object", **(tool["function"].get("parameters") or {"properties": {}})}
+
+
 def call_schema(tools: list[dict], arguments_key: str = "arguments") -> dict:
   """The JSON schema of one call to any of `tools`: {"name": <its name>, <arguments_key>: <its parameters>}."""
   def one(tool: dict) -> dict:
-    fn = tool["function"]
-    return {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                             arguments_key: fn.get("parameters") or {"type": "object", "properties": {}}},
+    return {"type": "object", "properties": {"name": {"const": tool["function"]["name"]}, arguments_key: parameters_schema(tool)},
             "required": ["name", arguments_key], "additionalProperties": False}
   schemas = [one(t) for t in tools]
   return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
@@ -171,16 +174,20 @@ class ToolFormat:
     if decoded is None or text[decoded[1]:].strip(): return text, []
     return self._answer(text, at, decoded[0] if isinstance(decoded[0], list) else [decoded[0]])
 
-  def _answer(self, text: str, at: int, values: list) -> tuple[str | None, list[ToolCall]]:
-    """(the text before the calls at `at`, the calls) when every decoded value is a call, else (text, []). Where
-    the calls are laid out as a call grammar writes them, their arguments are the text the model wrote (as OpenAI
-    returns them, and as a stream sent them); else the decoded arguments written again."""
+  def _answer(self, text: str, at: int, values: list, after: str = "") -> tuple[str | None, list[ToolCall]]:
+    """(content, the calls) when every decoded value is a call, else (text, []). Content is the text before the
+    calls at `at` (trailing blanks dropped; a stream sends exactly that), with `after`, text the model wrote around
+    or after them, joined on: no text is lost. Where the calls are laid out as a call grammar writes them, their
+    arguments are the text the model wrote (as OpenAI returns them, and as a stream sent them); else the decoded
+    arguments written again."""
     calls = _calls(values, self.arguments_key)
     if not calls: return text, []
     raw = self.scan(text[at:])
     if len(raw) == len(calls) and all(done and name == c.name for (name, _, done), c in zip(raw, calls)):
       calls = [ToolCall(c.name, args, c.id) for c, (_, args, _) in zip(calls, raw)]
-    return text[:at].strip() or None, calls
+    content = text[:at].rstrip()
+    if after.strip(): content = f"{content}\n{after.strip()}" if content.strip() else after.strip()
+    return (content if content.strip() else None), calls
 
   def grammar(self, tools: list[dict], parallel: bool, token_of=lambda text: None) -> str:
     """A Lark grammar of calls to `tools` (one, or with `parallel` one or more). `token_of(marker)`: the token id a
@@ -195,20 +202,30 @@ class HermesFormat(ToolFormat):
   name, markers = "hermes", ("<tool_call>",)
   OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-  def start(self, text: str) -> int: return text.find(self.OPEN)
-
   def may_start(self, tail: str) -> bool: return self.OPEN.startswith(tail)
 
+  def start(self, text: str) -> int:
+    # a reasoning model may mention the tag while thinking: calls come after its </think>
+    think = text.find("</think>")
+    return text.find(self.OPEN, think + len("</think>") if think >= 0 else 0)
+
   def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    """Every <tool_call> block after the first (each one JSON object, then the closing tag; a string in it may hold
+    the tag), the text between and after them kept as content. One malformed block: no calls, the text as content."""
     at = self.start(text)
     if at < 0: return text, []
-    values, rest = [], text[at:]
-    for m in re.finditer(r"<tool_call>(.*?)</tool_call>", rest, re.S):
-      decoded = _object_at(m.group(1), 0)
-      if decoded is None or m.group(1)[decoded[1]:].strip(): return text, []
+    values, others, pos = [], [], at
+    while (k := text.find(self.OPEN, pos)) >= 0:
+      others.append(text[pos:k])
+      decoded = _object_at(text, k + len(self.OPEN))
+      if decoded is None: return text, []
+      end = decoded[1]
+      while end < len(text) and text[end].isspace(): end += 1
+      if not text.startswith(self.CLOSE, end): return text, []
       values.append(decoded[0])
-    if not values or re.sub(r"<tool_call>.*?</tool_call>", "", rest, flags=re.S).strip(): return text, []
-    return self._answer(text, at, values)
+      pos = end + len(self.CLOSE)
+    others.append(text[pos:])
+    return self._answer(text, at, values, after=" ".join(o.strip() for o in others if o.strip()))
 
   def grammar(self, tools: list[dict], parallel: bool, token_of=lambda text: None) -> str:
     block = f'block: {_marker(self.OPEN, token_of)} "\\n" call "\\n" {_marker(self.CLOSE, token_of)}\ncall: %json {_json(call_schema(tools))}\n'
@@ -295,7 +312,7 @@ class MistralArgsFormat(MistralFormat):
 
   def grammar(self, tools: list[dict], parallel: bool, token_of=lambda text: None) -> str:
     rules = [f'c{i}: {_marker(self.TAG, token_of)} {json.dumps(t["function"]["name"])} {_marker(self.ARGS, token_of)} '
-             f'%json {_json(t["function"].get("parameters") or {"type": "object", "properties": {}})}' for i, t in enumerate(tools)]
+             f'%json {_json(parameters_schema(t))}' for i, t in enumerate(tools)]
     return (f"start: call{'+' if parallel else ''}\ncall: " + " | ".join(f"c{i}" for i in range(len(tools))) + "\n" +
             "\n".join(rules) + "\n")
 
@@ -336,11 +353,13 @@ def prepare_chat(messages: list[dict], tools: list[dict] | None, template: str, 
   `tool_calls`, tools one that reads `tools` (or `generic`: a system message describing them in the JSON format)."""
   extra: dict = {}
   if isinstance(messages, list) and any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages):
-    if "tool_calls" not in template:
+    if "tool_calls" in template:
+      # Mistral's templates refuse call ids that are not 9 letters or digits; OpenAI's (call_...) are longer
+      messages = template_messages(messages, short_ids=detect_format(template).name == "mistral")
+    elif generic: messages = generic_history(messages)
+    else:
       raise ToolTemplateError("the messages hold tool calls or tool results, and this model's chat template does not write them "
                               "(it never reads 'tool_calls'); use a chat template that does", "messages")
-    # Mistral's templates refuse call ids that are not 9 letters or digits; OpenAI's (call_...) are longer
-    messages = template_messages(messages, short_ids=detect_format(template).name == "mistral")
   if tools:
     if re.search(r"\btools\b", template): extra["tools"] = tools
     elif generic: messages = [{"role": "system", "content": generic_instructions(tools)}, *messages]
@@ -357,6 +376,27 @@ def short_id(call_id) -> str:
   digest = int.from_bytes(hashlib.sha256(str(call_id).encode()).digest()[:8], "big")
   alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
   return "".join(alphabet[(digest // 62 ** i) % 62] for i in range(9))
+
+
+def generic_history(messages: list[dict]) -> list[dict]:
+  """Tool calls and results written as plain turns, for a template without tool support in the generic format: an
+  assistant's calls as the JSON it would answer with, a result as a user turn naming its call."""
+  out = []
+  for m in messages:
+    if isinstance(m, dict) and m.get("tool_calls"):
+      calls = []
+      for c in m["tool_calls"]:
+        fn = (c or {}).get("function") or {}
+        try: args = json.loads(fn.get("arguments") or "{}") if isinstance(fn.get("arguments"), str) else fn.get("arguments")
+        except ValueError: args = fn.get("arguments")
+        calls.append({"name": fn.get("name"), "arguments": args})
+      written = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+      out.append({"role": "assistant", "content": f"{m['content'].strip()}\n{written}" if isinstance(m.get("content"), str) and m["content"].strip()
+                  else written})
+    elif isinstance(m, dict) and m.get("role") == "tool":
+      out.append({"role": "user", "content": f"Result of call {m.get('tool_call_id', '')}: {m.get('content', '')}"})
+    else: out.append(m)
+  return out
 
 
 def template_messages(messages: list[dict], short_ids: bool = False) -> list[dict]:

@@ -69,6 +69,7 @@ class OpenAIServingChat(OpenAIServing):
   async def _stream_forced(self, body: ChatCompletionRequest, request_id: str, started: float, stream: RequestStream,
                            fmt: ToolFormat) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
       data = {"id": request_id, "object": "chat.completion.chunk", "created": int(started),
               "model": self.settings.served_model_name, "choices": choices}
@@ -76,6 +77,7 @@ class OpenAIServingChat(OpenAIServing):
       return sse(data)
     n, final, status = body.n, None, "client disconnected"
     ids, sent, done = [[] for _ in range(n)], [[] for _ in range(n)], [False] * n   # per choice: call ids, argument chars sent
+    sent_tokens = [0] * n
     try:
       for i in range(n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": None}, "logprobs": None, "finish_reason": None}])
@@ -90,21 +92,28 @@ class OpenAIServingChat(OpenAIServing):
           if done[i]: continue
           calls = fmt.scan(c.text)
           if body.parallel_tool_calls is False: calls = calls[:1]
+          choices = []   # this step's chunks for choice i
           for k, (name, args, _) in enumerate(calls):
             if k == len(ids[i]):   # a new call: its id and name, arguments to come
               ids[i].append(f"call_{uuid.uuid4().hex[:24]}")
               sent[i].append(0)
-              yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, "id": ids[i][k], "type": "function",
-                                                                  "function": {"name": name, "arguments": ""}}]},
-                            "logprobs": None, "finish_reason": None}])
+              choices.append({"index": i, "delta": {"tool_calls": [{"index": k, "id": ids[i][k], "type": "function",
+                                                                    "function": {"name": name, "arguments": ""}}]},
+                              "logprobs": None, "finish_reason": None})
             if len(args) > sent[i][k]:
-              yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, "function": {"arguments": args[sent[i][k]:]}}]},
-                            "logprobs": None, "finish_reason": None}])
+              choices.append({"index": i, "delta": {"tool_calls": [{"index": k, "function": {"arguments": args[sent[i][k]:]}}]},
+                              "logprobs": None, "finish_reason": None})
               sent[i][k] = len(args)
           if c.finish_reason is not None:
             done[i] = True
             finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-            yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason}])
+            choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason})
+          new_tokens = c.token_ids[sent_tokens[i]:]
+          if body.logprobs and new_tokens:   # this step's tokens' logprobs ride on its first chunk
+            if not choices: choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": None})
+            choices[0]["logprobs"] = {"content": self.chat_logprobs(new_tokens, c.logprobs[sent_tokens[i]:], body.top_logprobs or 0)}
+          sent_tokens[i] = len(c.token_ids)
+          for choice in choices: yield chunk([choice], self.usage([out]) if continuous else None)
       else:
         status = "ok"
         if include_usage and final is not None: yield chunk([], self.usage([final]))
@@ -172,15 +181,16 @@ class OpenAIServingChat(OpenAIServing):
           i = c.index
           if done[i]: continue
           finish = c.finish_reason
-          visible = len(c.text) if fmt is None or finish is not None else streamable(fmt, c.text)
+          # with tools, blanks are held too (a call may follow them; the answer's content ends before them)
+          visible = len(c.text) if fmt is None or finish is not None else len(c.text[:streamable(fmt, c.text)].rstrip())
           delta, new_tokens = c.text[sent_text[i]:visible], c.token_ids[sent_tokens[i]:]
           if not delta and not new_tokens and finish is None: continue
           calls = []
           if fmt is not None and finish is not None:
             content, calls = fmt.parse(c.text)
             if body.parallel_tool_calls is False: calls = calls[:1]
-            if calls:   # the held text was calls: whatever content came before them, then the calls
-              delta = (content or "")[sent_text[i]:] if content and len(content) > sent_text[i] else ""
+            if calls:   # the held text was calls: the rest of the content (it begins with what was sent), then the calls
+              delta = (content or "")[sent_text[i]:]
               if finish == "stop": finish = "tool_calls"
           choice = {"index": i, "delta": {"content": delta} if delta else {},
                     "logprobs": {"content": self.chat_logprobs(new_tokens, c.logprobs[sent_tokens[i]:], body.top_logprobs or 0)}

@@ -7,7 +7,7 @@ output items: a message with its text, and a function_call per call. `previous_r
 response: the server keeps the conversation of its last MAX_STORED responses in memory (nothing on disk; a restart
 forgets them). Streaming sends the Responses API's typed events."""
 from __future__ import annotations
-import json, time, uuid
+import json, re, time, uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
@@ -64,7 +64,12 @@ class OpenAIServingResponses:
     chat = ChatCompletionRequest.model_validate({
       "model": body.model, "messages": messages, "max_tokens": body.max_output_tokens, "temperature": body.temperature,
       "top_p": body.top_p, **tool_fields(body), **text_format(body.text)})
-    prompt, params, fmt = await self.chat.prepare(chat)
+    try: prompt, params, fmt = await self.chat.prepare(chat)
+    except APIError as e:   # the chat path names chat's fields: name the ones this request sent
+      names = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+      e.message = re.sub(r"\b(max_tokens|messages|response_format)\b", lambda m: names[m.group(1)], e.message)
+      e.param = names.get(e.param, e.param)
+      raise
     response_id, started = f"resp_{uuid.uuid4().hex}", time.time()
     stream = (await self.chat.add_requests(response_id, [prompt], params, "input"))[0]
     remember = lambda items: self._store(response_id, body, history + turn, items)
@@ -78,7 +83,7 @@ class OpenAIServingResponses:
     out = finals[0]
     self.chat.log_request(response_id, "responses", started, [out], f"error: {out.error}" if out.error else "ok")
     if out.error: raise APIError(500, f"generation failed: {out.error}")
-    items = output_items(out.outputs[0].text, fmt)
+    items = output_items(out.outputs[0].text, fmt, parallel=body.parallel_tool_calls is not False)
     remember(items)
     return JSONResponse(self._response(body, response_id, started, out, items))
 
@@ -117,6 +122,7 @@ class OpenAIServingResponses:
     yield event("response.created", response=self._response(body, response_id, started, None, [], "in_progress"))
     yield event("response.in_progress", response=self._response(body, response_id, started, None, [], "in_progress"))
     msg_id, sent, opened, final, status = f"msg_{uuid.uuid4().hex}", 0, False, None, "client disconnected"
+    text, calls = "", []
     live: list[list] = []   # forced calls so far: [item, argument characters sent, done]
     def call_events(c) -> list[str]:
       frames = []
@@ -130,8 +136,8 @@ class OpenAIServingResponses:
         if len(args) > done_chars:
           frames.append(event("response.function_call_arguments.delta", item_id=item["id"], output_index=k, delta=args[done_chars:]))
           live[k][1] = len(args)
-        if (complete or c.finish_reason is not None) and not closed:
-          item.update(arguments=args, status="completed")
+        if (complete or c.finish_reason is not None) and not closed:   # cut by max_output_tokens: incomplete
+          item.update(arguments=args, status="completed" if complete else "incomplete")
           frames += [event("response.function_call_arguments.done", item_id=item["id"], output_index=k, arguments=args),
                      event("response.output_item.done", output_index=k, item=dict(item))]
           live[k][2] = True
@@ -147,22 +153,26 @@ class OpenAIServingResponses:
         if out.error:
           status = f"error: {out.error}"
           yield event("error", code="server_error", message=f"generation failed: {out.error}", param=None)
+          failed = self._response(body, response_id, started, None, [], "failed")
+          yield event("response.failed", response=failed | {"error": {"code": "server_error", "message": f"generation failed: {out.error}"}})
           return
         c = out.outputs[0]
         if forced:
           for frame in call_events(c): yield frame
           continue
-        visible = len(c.text) if fmt is None or c.finish_reason is not None else streamable(fmt, c.text)
-        content, calls = (fmt.parse(c.text) if fmt is not None else (c.text, [])) if c.finish_reason is not None else (None, [])
-        if c.finish_reason is not None and calls: visible = len(content or "")
-        if visible > sent:
+        # the text so far: with tools, less what may start a call and the blanks before it; at the end, the content
+        if c.finish_reason is None: text = c.text if fmt is None else c.text[:streamable(fmt, c.text)].rstrip()
+        else:
+          content, calls = fmt.parse(c.text) if fmt is not None else (c.text, [])
+          if body.parallel_tool_calls is False: calls = calls[:1]
+          text = (content or "") if calls else c.text
+        if len(text) > sent:
           if not opened:
             for e in open_message(): yield e
             opened = True
-          yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0, delta=c.text[sent:visible])
-          sent = visible
+          yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0, delta=text[sent:])
+          sent = len(text)
       status = "ok"
-      text = c.text[:sent]
       items = [item for item, _, _ in live]
       if forced: calls = []
       if opened:
@@ -193,9 +203,11 @@ def call_item(call: ToolCall) -> dict:
           "arguments": call.arguments, "status": "completed"}
 
 
-def output_items(text: str, fmt: ToolFormat | None) -> list[dict]:
-  """A finished answer as output items: its text (before any calls) as a message, then a function_call per call."""
+def output_items(text: str, fmt: ToolFormat | None, parallel: bool = True) -> list[dict]:
+  """A finished answer as output items: its text (before any calls) as a message, then a function_call per call
+  (the first only, without `parallel`)."""
   content, calls = fmt.parse(text) if fmt is not None else (text, [])
+  if not parallel: calls = calls[:1]
   items = []
   if content or not calls:
     items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
@@ -212,7 +224,7 @@ def _text(content, where: str) -> str:
       kind = part.get("type") if isinstance(part, dict) else type(part).__name__
       raise APIError(400, f"{where}[{j}]: only text parts are supported, got type {kind!r}", param="input")
     parts.append(part["text"])
-  return "".join(parts)
+  return "\n".join(parts)   # as chat joins text parts (engine/input_processor.py)
 
 
 def input_messages(items) -> list[dict]:
@@ -231,12 +243,14 @@ def input_messages(items) -> list[dict]:
       if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
         raise APIError(400, f"input[{i}]: a function_call needs call_id, name and arguments (strings)", param="input")
       call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
-      if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]: messages[-1]["tool_calls"].append(call)
+      # the calls of one answer belong to its assistant message (text and calls are one turn, as the model wrote them)
+      if messages and messages[-1]["role"] == "assistant": messages[-1].setdefault("tool_calls", []).append(call)
       else: messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
     elif kind == "function_call_output":
       if not isinstance(item.get("call_id"), str): raise APIError(400, f"input[{i}]: a function_call_output needs its call_id", param="input")
       output = item.get("output")
-      messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output if isinstance(output, str) else json.dumps(output)})
+      text = _text(output, f"input[{i}].output") if isinstance(output, (str, list)) else json.dumps(output)
+      messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
     else:
       raise APIError(400, f"input[{i}].type {kind!r} is not supported (message, function_call, function_call_output)", param="input")
   return messages
@@ -261,6 +275,8 @@ def tool_fields(body: ResponsesRequest) -> dict:
 def text_format(text: dict | None) -> dict:
   """`text.format` (text, json_object, json_schema with name/schema/strict) as chat's response_format."""
   fmt = (text or {}).get("format")
+  if fmt is not None and not isinstance(fmt, dict):
+    raise APIError(400, f"text.format must be an object such as {{\"type\": \"json_schema\", ...}}, got {fmt!r:.100}", param="text")
   if not fmt or fmt.get("type") == "text": return {}
   if fmt.get("type") == "json_object": return {"response_format": {"type": "json_object"}}
   if fmt.get("type") == "json_schema":
