@@ -193,7 +193,8 @@ def test_a_fused_tensor_of_the_wrong_size_is_named(family_model, tmp_path):
 
 @pytest.mark.parametrize("name,engine_args", [("qwen3", {"tensor_parallel_size": 2}), ("gemma3", {"tensor_parallel_size": 2}),
                                               ("phi3_window", {"tensor_parallel_size": 2}),
-                                              ("gemma3", {"draft_model": "self:2", "speculation": "always"})])
+                                              ("gemma3", {"draft_model": "self:2", "speculation": "always"}),
+                                              ("mistral", {"draft_model": "self:1", "speculation": "always"})])   # draft blocks slide too
 def test_tensor_parallel_and_speculation(family_model, name, engine_args):
   """Two CPU devices, heads and FFN split (q/k norms head by head where each head lives), and speculative decoding
   with the model's first layers as its draft (their layer types cut to match): HF's greedy tokens."""

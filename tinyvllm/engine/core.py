@@ -79,7 +79,7 @@ class EngineCore:
       self.spec = SpeculativeDecoder(ModelRunner(draft, num_blocks, config.block_size, max_model_len, self.devices, config.max_num_seqs,
                                                  self.kv_format),
                                      BlockManager(num_blocks, config.block_size, 0.0, config.enable_prefix_caching), config.num_speculative_tokens,
-                                     always=config.speculation == "always")
+                                     always=config.speculation == "always", window=draft.cfg.freeable_window)
     self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
                                frozenset(tokenizer.eos_token_ids),
                                lookahead_tokens=config.num_speculative_tokens if self.spec else 0,

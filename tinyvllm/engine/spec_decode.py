@@ -23,8 +23,11 @@ class Proposal:
 
 
 class SpeculativeDecoder:
-  def __init__(self, runner: ModelRunner, block_manager: BlockManager, num_tokens: int, always: bool = False):
-    self.runner, self.blocks, self.k = runner, block_manager, num_tokens
+  def __init__(self, runner: ModelRunner, block_manager: BlockManager, num_tokens: int, always: bool = False,
+               window: int | None = None):
+    """`window`: every layer of the draft slides (its ModelConfig.freeable_window): draft blocks its window has
+    passed go back to the draft pool, as the scheduler does for the target, so a long chat keeps speculating."""
+    self.runner, self.blocks, self.k, self.window = runner, block_manager, num_tokens, window
     self.policy = SpecPolicy(num_tokens, always=always)
 
   def release(self, seq: Sequence) -> None:
@@ -59,6 +62,9 @@ class SpeculativeDecoder:
     Returns None when the draft cache has no room (the step then decodes without speculation)."""
     k = self.k
     for seq in seqs: self._start_from_cache(seq)
+    if self.window is not None:   # the draft's next query reads from draft_num_computed on: keys above it - window
+      for seq in seqs:
+        self.blocks.release_front(seq.draft_block_table, max(0, seq.draft_num_computed - self.window + 1) // self.blocks.block_size)
     for seq in seqs:
       if not self.blocks.can_grow(seq.draft_block_table, seq.num_tokens + k - 1): return None
     for seq in seqs: self.blocks.grow(seq.draft_block_table, seq.num_tokens + k - 1)
