@@ -66,61 +66,36 @@ class OpenAIServingChat(OpenAIServing):
     ids = self.tokenizer.encode(text, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None
 
-  async def _stream_forced(self, body: ChatCompletionRequest, request_id: str, started: float, stream: RequestStream,
-                           fmt: ToolFormat) -> AsyncIterator[str]:
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
-      data = {"id": request_id, "object": "chat.completion.chunk", "created": int(started),
-              "model": self.settings.served_model_name, "choices": choices}
-      if include_usage: data["usage"] = usage
-      return sse(data)
-    n, final, status = body.n, None, "client disconnected"
-    ids, sent, done = [[] for _ in range(n)], [[] for _ in range(n)], [False] * n   # per choice: call ids, argument chars sent
-    sent_tokens = [0] * n
-    try:
-      for i in range(n):
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": None}, "logprobs": None, "finish_reason": None}])
-      async for out in stream:
-        final = out
-        if out.error:
-          status = f"error: {out.error}"
-          yield sse(APIError(500, f"generation failed: {out.error}").body())
-          break
-        for c in out.outputs:
-          i = c.index
-          if done[i]: continue
-          calls = fmt.scan(c.text)
-          if body.parallel_tool_calls is False: calls = calls[:1]
-          choices = []   # this step's chunks for choice i
-          for k, (name, args, _) in enumerate(calls):
-            if k == len(ids[i]):   # a new call: its id and name, arguments to come
-              ids[i].append(f"call_{uuid.uuid4().hex[:24]}")
-              sent[i].append(0)
-              choices.append({"index": i, "delta": {"tool_calls": [{"index": k, "id": ids[i][k], "type": "function",
-                                                                    "function": {"name": name, "arguments": ""}}]},
-                              "logprobs": None, "finish_reason": None})
-            if len(args) > sent[i][k]:
-              choices.append({"index": i, "delta": {"tool_calls": [{"index": k, "function": {"arguments": args[sent[i][k]:]}}]},
-                              "logprobs": None, "finish_reason": None})
-              sent[i][k] = len(args)
-          if c.finish_reason is not None:
-            done[i] = True
-            finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-            choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason})
-          new_tokens = c.token_ids[sent_tokens[i]:]
-          if body.logprobs and new_tokens:   # this step's tokens' logprobs ride on its first chunk
-            if not choices: choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": None})
-            choices[0]["logprobs"] = {"content": self.chat_logprobs(new_tokens, c.logprobs[sent_tokens[i]:], body.top_logprobs or 0)}
-          sent_tokens[i] = len(c.token_ids)
-          for choice in choices: yield chunk([choice], self.usage([out]) if continuous else None)
-      else:
-        status = "ok"
-        if include_usage and final is not None: yield chunk([], self.usage([final]))
-      yield sse("[DONE]")
-    finally:
-      await stream.aclose()
-      self.log_request(request_id, "chat stream", started, [final], status)
+  def _forced_deltas(self, body: ChatCompletionRequest, fmt: ToolFormat):
+    """Per output, the chunks' choices of a forced call's stream (see _stream): a new call's id and name, its new
+    argument text, the finish; this step's tokens' logprobs ride on its first chunk."""
+    n = body.n
+    ids, sent, sent_tokens = [[] for _ in range(n)], [[] for _ in range(n)], [0] * n   # per choice: call ids, characters sent
+    def deltas(c) -> list[dict]:
+      i, choices = c.index, []
+      calls = fmt.scan(c.text)
+      if body.parallel_tool_calls is False: calls = calls[:1]
+      for k, (name, args, _) in enumerate(calls):
+        if k == len(ids[i]):   # a new call: its id and name, arguments to come
+          ids[i].append(f"call_{uuid.uuid4().hex[:24]}")
+          sent[i].append(0)
+          choices.append({"index": i, "delta": {"tool_calls": [{"index": k, "id": ids[i][k], "type": "function",
+                                                                "function": {"name": name, "arguments": ""}}]},
+                          "logprobs": None, "finish_reason": None})
+        if len(args) > sent[i][k]:
+          choices.append({"index": i, "delta": {"tool_calls": [{"index": k, "function": {"arguments": args[sent[i][k]:]}}]},
+                          "logprobs": None, "finish_reason": None})
+          sent[i][k] = len(args)
+      if c.finish_reason is not None:
+        finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason})
+      new_tokens = c.token_ids[sent_tokens[i]:]
+      if body.logprobs and new_tokens:
+        if not choices: choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": None})
+        choices[0]["logprobs"] = {"content": self.chat_logprobs(new_tokens, c.logprobs[sent_tokens[i]:], body.top_logprobs or 0)}
+      sent_tokens[i] = len(c.token_ids)
+      return choices
+    return deltas
 
   def tool_format(self) -> ToolFormat:
     """The call format: --tool-call-parser, else the one the chat template writes (tools.detect_format)."""
@@ -149,16 +124,13 @@ class OpenAIServingChat(OpenAIServing):
 
   async def _stream(self, body: ChatCompletionRequest, request_id: str, started: float,
                     stream: RequestStream, fmt: ToolFormat | None = None, forced: bool = False) -> AsyncIterator[str]:
-    """SSE frames: each choice's role first, then text deltas, a last chunk with its finish_reason, the usage
-    chunk when asked for, and [DONE]. Cancelled (client gone): the finally clause closes the stream (abort).
+    """SSE frames: each choice's role first, then its deltas, a last chunk with its finish_reason, the usage chunk
+    when asked for, and [DONE]. Cancelled (client gone): the finally clause closes the stream (abort).
     With tools, text that is or may become a call is held back; when the completion ends its calls are sent as
     OpenAI streams them (each call's id and name with empty arguments, then its arguments), or the held text as
     content when it holds no valid call. A forced call (`forced`: the grammar makes every completion valid calls)
     streams as it is written: each call's id and name once its name is complete, then its arguments fragment by
     fragment."""
-    if forced:
-      async for frame in self._stream_forced(body, request_id, started, stream, fmt): yield frame
-      return
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -166,11 +138,12 @@ class OpenAIServingChat(OpenAIServing):
               "model": self.settings.served_model_name, "choices": choices}
       if include_usage: data["usage"] = usage
       return sse(data)
-    n, final, status = body.n, None, "client disconnected"
-    sent_text, sent_tokens, done = [0] * n, [0] * n, [False] * n
+    deltas = self._forced_deltas(body, fmt) if forced else self._text_deltas(body, fmt)
+    n, final, status, done = body.n, None, "client disconnected", [False] * body.n
     try:
       for i in range(n):
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": None if forced else ""}, "logprobs": None,
+                      "finish_reason": None}])
       async for out in stream:
         final = out
         if out.error:
@@ -178,35 +151,9 @@ class OpenAIServingChat(OpenAIServing):
           yield sse(APIError(500, f"generation failed: {out.error}").body())
           break
         for c in out.outputs:
-          i = c.index
-          if done[i]: continue
-          finish = c.finish_reason
-          # with tools, blanks are held too (a call may follow them; the answer's content ends before them)
-          visible = len(c.text) if fmt is None or finish is not None else len(c.text[:streamable(fmt, c.text)].rstrip())
-          delta, new_tokens = c.text[sent_text[i]:visible], c.token_ids[sent_tokens[i]:]
-          if not delta and not new_tokens and finish is None: continue
-          calls = []
-          if fmt is not None and finish is not None:
-            content, calls = fmt.parse(c.text)
-            if body.parallel_tool_calls is False: calls = calls[:1]
-            if calls:   # the held text was calls: the rest of the content (it begins with what was sent), then the calls
-              delta = (content or "")[sent_text[i]:]
-              if finish == "stop": finish = "tool_calls"
-          choice = {"index": i, "delta": {"content": delta} if delta else {},
-                    "logprobs": {"content": self.chat_logprobs(new_tokens, c.logprobs[sent_tokens[i]:], body.top_logprobs or 0)}
-                    if body.logprobs else None, "finish_reason": None if calls else finish}
-          if finish is not None and not calls: choice["stop_reason"] = c.stop_reason
-          sent_text[i], sent_tokens[i], done[i] = max(visible, sent_text[i]), len(c.token_ids), finish is not None
-          if delta or new_tokens or not calls: yield chunk([choice], self.usage([out]) if continuous else None)
-          for k, call in enumerate(calls):
-            yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, "id": call.id, "type": "function",
-                                                                "function": {"name": call.name, "arguments": ""}}]},
-                          "logprobs": None, "finish_reason": None}])
-            yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]},
-                          "logprobs": None, "finish_reason": None}])
-          if calls:
-            yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason}],
-                        self.usage([out]) if continuous else None)
+          if done[c.index]: continue
+          done[c.index] = c.finish_reason is not None
+          for choice in deltas(c): yield chunk([choice], self.usage([out]) if continuous else None)
       else:
         status = "ok"
         if include_usage and final is not None: yield chunk([], self.usage([final]))
@@ -214,4 +161,38 @@ class OpenAIServingChat(OpenAIServing):
     finally:
       await stream.aclose()
       self.log_request(request_id, "chat stream", started, [final], status)
+
+  def _text_deltas(self, body: ChatCompletionRequest, fmt: ToolFormat | None):
+    """Per output, the chunks' choices of a text answer (see _stream): its new text and tokens' logprobs, and when
+    it ends, its finish, or with tools the rest of its content, then its calls and a finish "tool_calls"."""
+    n = body.n
+    sent_text, sent_tokens = [0] * n, [0] * n
+    def deltas(c) -> list[dict]:
+      i, finish = c.index, c.finish_reason
+      # with tools, blanks are held too (a call may follow them; the answer's content ends before them)
+      visible = len(c.text) if fmt is None or finish is not None else len(c.text[:streamable(fmt, c.text)].rstrip())
+      delta, new_tokens = c.text[sent_text[i]:visible], c.token_ids[sent_tokens[i]:]
+      if not delta and not new_tokens and finish is None: return []
+      calls = []
+      if fmt is not None and finish is not None:
+        content, calls = fmt.parse(c.text)
+        if body.parallel_tool_calls is False: calls = calls[:1]
+        if calls:   # the held text was calls: the rest of the content (it begins with what was sent), then the calls
+          delta = (content or "")[sent_text[i]:]
+          if finish == "stop": finish = "tool_calls"
+      choice = {"index": i, "delta": {"content": delta} if delta else {},
+                "logprobs": {"content": self.chat_logprobs(new_tokens, c.logprobs[sent_tokens[i]:], body.top_logprobs or 0)}
+                if body.logprobs else None, "finish_reason": None if calls else finish}
+      if finish is not None and not calls: choice["stop_reason"] = c.stop_reason
+      sent_text[i], sent_tokens[i] = max(visible, sent_text[i]), len(c.token_ids)
+      choices = [choice] if delta or new_tokens or not calls else []
+      for k, call in enumerate(calls):
+        choices += [{"index": i, "delta": {"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                                                           "function": {"name": call.name, "arguments": ""}}]},
+                     "logprobs": None, "finish_reason": None},
+                    {"index": i, "delta": {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]},
+                     "logprobs": None, "finish_reason": None}]
+      if calls: choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason})
+      return choices
+    return deltas
 
