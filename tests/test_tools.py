@@ -516,3 +516,22 @@ def test_real_templates_render_as_transformers_does(real_templates, tiny_model, 
   ours = load_tokenizer(tiny_model).apply_chat_template(chat, add_generation_prompt=True, chat_template=source)
   theirs = AutoTokenizer.from_pretrained(tiny_model).apply_chat_template(chat, add_generation_prompt=True, chat_template=source, tokenize=False)
   assert ours == theirs
+
+
+def test_pydantic_ai_default_output_type(tool_server):
+  """pydantic-ai's default structured output (an output_type: a forced call of its `final_result` tool) validates
+  into the type whatever the weights."""
+  pai = pytest.importorskip("pydantic_ai", reason="pydantic-ai is not installed")
+  from pydantic import BaseModel
+  from pydantic_ai.models.openai import OpenAIChatModel
+  from pydantic_ai.providers.openai import OpenAIProvider
+  url, client = tool_server
+
+  class Weather(BaseModel):
+    city: Literal["Paris", "Oslo"]
+    days: Literal[1, 2, 3]
+
+  model = OpenAIChatModel(client.models.list().data[0].id, provider=OpenAIProvider(base_url=url + "/v1", api_key="unused"))
+  result = pai.Agent(model, output_type=Weather).run_sync("What is the weather in Paris?",
+                                                          model_settings={"temperature": 0, "max_tokens": 120})
+  assert isinstance(result.output, Weather) and result.output.city in ("Paris", "Oslo")
