@@ -174,6 +174,11 @@ class ToolFormat:
     if decoded is None or text[decoded[1]:].strip(): return text, []
     return self._answer(text, at, decoded[0] if isinstance(decoded[0], list) else [decoded[0]])
 
+  def read(self, text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+    """parse(), keeping only the first call when the request asked for no parallel calls (as OpenAI promises)."""
+    content, calls = self.parse(text)
+    return content, calls if parallel else calls[:1]
+
   def _answer(self, text: str, at: int, values: list, after: str = "") -> tuple[str | None, list[ToolCall]]:
     """(content, the calls) when every decoded value is a call, else (text, []). Content is the text before the
     calls at `at` (trailing blanks dropped; a stream sends exactly that), with `after`, text the model wrote around

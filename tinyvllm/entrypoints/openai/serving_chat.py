@@ -109,8 +109,7 @@ class OpenAIServingChat(OpenAIServing):
     for c in out.outputs:
       message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
       if fmt is not None:
-        content, calls = fmt.parse(c.text)
-        if body.parallel_tool_calls is False: calls = calls[:1]   # at most one call, as OpenAI promises
+        content, calls = fmt.read(c.text, parallel=body.parallel_tool_calls is not False)
         if calls:
           message = {"role": "assistant", "content": content, "tool_calls": [call.openai() for call in calls]}
           if finish == "stop": finish = "tool_calls"
@@ -175,8 +174,7 @@ class OpenAIServingChat(OpenAIServing):
       if not delta and not new_tokens and finish is None: return []
       calls = []
       if fmt is not None and finish is not None:
-        content, calls = fmt.parse(c.text)
-        if body.parallel_tool_calls is False: calls = calls[:1]
+        content, calls = fmt.read(c.text, parallel=body.parallel_tool_calls is not False)
         if calls:   # the held text was calls: the rest of the content (it begins with what was sent), then the calls
           delta = (content or "")[sent_text[i]:]
           if finish == "stop": finish = "tool_calls"

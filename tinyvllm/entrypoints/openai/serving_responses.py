@@ -163,8 +163,7 @@ class OpenAIServingResponses:
         # the text so far: with tools, less what may start a call and the blanks before it; at the end, the content
         if c.finish_reason is None: text = c.text if fmt is None else c.text[:streamable(fmt, c.text)].rstrip()
         else:
-          content, calls = fmt.parse(c.text) if fmt is not None else (c.text, [])
-          if body.parallel_tool_calls is False: calls = calls[:1]
+          content, calls = fmt.read(c.text, body.parallel_tool_calls is not False) if fmt is not None else (c.text, [])
           text = (content or "") if calls else c.text
         if len(text) > sent:
           if not opened:
@@ -206,8 +205,7 @@ def call_item(call: ToolCall) -> dict:
 def output_items(text: str, fmt: ToolFormat | None, parallel: bool = True) -> list[dict]:
   """A finished answer as output items: its text (before any calls) as a message, then a function_call per call
   (the first only, without `parallel`)."""
-  content, calls = fmt.parse(text) if fmt is not None else (text, [])
-  if not parallel: calls = calls[:1]
+  content, calls = fmt.read(text, parallel) if fmt is not None else (text, [])
   items = []
   if content or not calls:
     items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
