@@ -92,9 +92,14 @@ def _marker(text: str, token_of) -> str:
   return f"<[{token}]>" if token is not None else json.dumps(text)
 
 
+def _past_blanks(text: str, pos: int) -> int:
+  while pos < len(text) and text[pos].isspace(): pos += 1
+  return pos
+
+
 def _object_at(text: str, start: int) -> tuple[object, int] | None:
   """The JSON value starting at text[start] (after whitespace) and where it ends, or None."""
-  while start < len(text) and text[start].isspace(): start += 1
+  start = _past_blanks(text, start)
   try: return json.JSONDecoder().raw_decode(text, start)
   except ValueError: return None
 
@@ -224,8 +229,7 @@ class HermesFormat(ToolFormat):
       others.append(text[pos:k])
       decoded = _object_at(text, k + len(self.OPEN))
       if decoded is None: return text, []
-      end = decoded[1]
-      while end < len(text) and text[end].isspace(): end += 1
+      end = _past_blanks(text, decoded[1])
       if not text.startswith(self.CLOSE, end): return text, []
       values.append(decoded[0])
       pos = end + len(self.CLOSE)
@@ -297,15 +301,14 @@ class MistralArgsFormat(MistralFormat):
     at = self.start(text)
     if at < 0: return text, []
     if not self._CALL.match(text, at): return super().parse(text)   # the JSON-list spelling
-    calls, pos = [], at
+    values, pos = [], at
     while pos < len(text) and (m := self._CALL.match(text, pos)):
       decoded = _object_at(text, m.end())
-      if decoded is None or not isinstance(decoded[0], dict): return text, []
-      calls.append(ToolCall(m.group(1), text[m.end():decoded[1]].strip()))
-      pos = decoded[1]
-      while pos < len(text) and text[pos].isspace(): pos += 1
+      if decoded is None: return text, []
+      values.append({"name": m.group(1), "arguments": decoded[0]})
+      pos = _past_blanks(text, decoded[1])
     if pos < len(text): return text, []
-    return text[:at].strip() or None, calls
+    return self._answer(text, at, values)   # content and the arguments as written, as every format gives them
 
   def scan(self, text: str) -> list[tuple[str, str, bool]]:
     out = []
@@ -383,6 +386,13 @@ def short_id(call_id) -> str:
   return "".join(alphabet[(digest // 62 ** i) % 62] for i in range(9))
 
 
+def _decoded(arguments):
+  """A call's `arguments` as an object when they are JSON text (OpenAI sends text), else as given."""
+  if not isinstance(arguments, str): return arguments
+  try: return json.loads(arguments)
+  except ValueError: return arguments   # left as text: written as the client sent it
+
+
 def generic_history(messages: list[dict]) -> list[dict]:
   """Tool calls and results written as plain turns, for a template without tool support in the generic format: an
   assistant's calls as the JSON it would answer with, a result as a user turn naming its call."""
@@ -392,9 +402,7 @@ def generic_history(messages: list[dict]) -> list[dict]:
       calls = []
       for c in m["tool_calls"]:
         fn = (c or {}).get("function") or {}
-        try: args = json.loads(fn.get("arguments") or "{}") if isinstance(fn.get("arguments"), str) else fn.get("arguments")
-        except ValueError: args = fn.get("arguments")
-        calls.append({"name": fn.get("name"), "arguments": args})
+        calls.append({"name": fn.get("name"), "arguments": _decoded(fn.get("arguments") or "{}")})
       written = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
       out.append({"role": "assistant", "content": f"{m['content'].strip()}\n{written}" if isinstance(m.get("content"), str) and m["content"].strip()
                   else written})
@@ -415,10 +423,7 @@ def template_messages(messages: list[dict], short_ids: bool = False) -> list[dic
       fixed = []
       for call in calls:
         fn = call.get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-          try: fn = {**fn, "arguments": json.loads(fn["arguments"])}
-          except ValueError: pass   # left as text: the template writes what the client sent
-          call = {**call, "function": fn}
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str): call = {**call, "function": {**fn, "arguments": _decoded(fn["arguments"])}}
         if short_ids and isinstance(call, dict) and "id" in call: call = {**call, "id": short_id(call["id"])}
         fixed.append(call)
       m = {**m, "tool_calls": fixed}
