@@ -132,6 +132,12 @@ class BlockManager:
         table[i], released = FREED, released + 1
     return released
 
+  def release_passed(self, table: list[int], next_position: int, window: int) -> int:
+    """Release the blocks wholly below the window of a query at `next_position`: it sees keys above
+    next_position - window, so a block whose last slot is at most that is never read again. Returns how many went
+    back now."""
+    return self.release_front(table, max(0, next_position - window + 1) // self.block_size)
+
   def _release(self, block_id: int) -> None:
     if block_id == FREED: return
     block = self.blocks[block_id]

@@ -103,11 +103,8 @@ class Scheduler:
     return out
 
   def _slide(self, seq: Sequence) -> None:
-    """Release the blocks wholly below seq's window: the next query, at position p = num_computed_tokens, sees keys
-    above p - window, so a block whose last slot is at most p - window is never read again."""
-    bs = self.blocks.block_size
-    passed = max(0, seq.num_computed_tokens - self.window + 1) // bs
-    self.num_window_freed += self.blocks.release_front(seq.block_table, passed)
+    """Release the blocks wholly below seq's window: its next query is at position num_computed_tokens."""
+    self.num_window_freed += self.blocks.release_passed(seq.block_table, seq.num_computed_tokens, self.window)
 
   def _cached_prefix(self, seq: Sequence) -> list[int]:
     """The cached blocks a waiting sequence can start from: its longest cached run of full blocks, leaving at

@@ -64,7 +64,7 @@ class SpeculativeDecoder:
     for seq in seqs: self._start_from_cache(seq)
     if self.window is not None:   # the draft's next query reads from draft_num_computed on: keys above it - window
       for seq in seqs:
-        self.blocks.release_front(seq.draft_block_table, max(0, seq.draft_num_computed - self.window + 1) // self.blocks.block_size)
+        self.blocks.release_passed(seq.draft_block_table, seq.draft_num_computed, self.window)
     for seq in seqs:
       if not self.blocks.can_grow(seq.draft_block_table, seq.num_tokens + k - 1): return None
     for seq in seqs: self.blocks.grow(seq.draft_block_table, seq.num_tokens + k - 1)
