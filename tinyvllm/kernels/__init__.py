@@ -136,8 +136,8 @@ class Kernels:
                     positions: Tensor, slot_mapping: Tensor, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None,
                     window: int | None = None) -> Tensor | None:
     """A whole decoder layer as one kernel, written into `out` if given, where the backend has one; None means:
-    compose it from the operations below. `norms`: the layer's two RMSNorm weights, then the q and k head norms'
-    when the model has them."""
+    compose it from the operations below. `norms`: the RMSNorm weights of the layer's input and of the MLP's input,
+    then the q and k head norms' (cfg.qk_norm), then the attention and MLP output norms' (cfg.sandwich_norms)."""
     return None
 
   def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:

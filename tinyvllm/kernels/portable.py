@@ -112,8 +112,9 @@ def paged_attention(q: Tensor, cache: PagedKVCache, block_tables: Tensor, q_pos:
 
   block_tables `[P, MB]` int32, q_pos `[P, C]` int32: query slot (p, c) sees the key positions 0..q_pos[p, c]
   of sequence p, which is causal within a chunk and full attention to the cached prefix; with a `window`, only
-  positions above q_pos[p, c] - window. `softcap`: scores become softcap * tanh(scores / softcap) (Gemma 2). Every query sees its own position (padding slots: position 0), so padding
-  rows stay finite; their output is ignored by the caller.
+  positions above q_pos[p, c] - window. `softcap`: scores become softcap * tanh(scores / softcap) (Gemma 2).
+  Every query sees its own position (padding slots: position 0), so padding rows stay finite; their output is
+  ignored by the caller.
   """
   P, C, H, D = q.shape
   _, BS, KVH, _ = cache.k.shape

@@ -53,6 +53,12 @@ class LlamaLayer:
       self.linears = {n: LinearWeights.of(weights, n, lw.format, lw.spec) for n, lw in linears.items()}
 
   @property
+  def mlp_norm(self) -> str:
+    """The MLP input's norm: Llama's post_attention_layernorm; with Gemma's post-norms that name norms the attention's
+    output, and pre_feedforward_layernorm the MLP's input."""
+    return "pre_feedforward_layernorm.weight" if self.cfg.sandwich_norms else "post_attention_layernorm.weight"
+
+  @property
   def signature(self) -> tuple:
     """What a captured layer fixes: the weights' names, its window, and each projection's format, layout and shapes."""
     return tuple(self.weights) + (("window", self.window),) + tuple((n, lw.format, lw.spec, tuple(tuple(t.shape) for t in lw.tensors())) for n, lw in self.linears.items())
@@ -71,7 +77,7 @@ class LlamaLayer:
   def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None) -> Tensor:
     """h `[T, hidden]` -> the layer's output, written into `out` when given (a realized buffer)."""
     cfg, kn, w = self.cfg, self.kernels, self.weights
-    norms = (w["input_layernorm.weight"], w["pre_feedforward_layernorm.weight" if cfg.sandwich_norms else "post_attention_layernorm.weight"])
+    norms = (w["input_layernorm.weight"], w[self.mlp_norm])
     if cfg.qk_norm: norms += (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"])
     if cfg.sandwich_norms: norms += (w["post_attention_layernorm.weight"], w["post_feedforward_layernorm.weight"])
     if len(inp.groups) == 1 and kn.fuses(self) and (fused := kn.decoder_layer(h, self.linears, norms, cfg, inp.groups[0], inp.positions,
@@ -93,8 +99,7 @@ class LlamaLayer:
     attn = self.linear("self_attn.o_proj", (outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])).reshape(T, H * D))
     if cfg.sandwich_norms: attn = kn.rms_norm(attn, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
     h = h + attn
-    pre_mlp = w["pre_feedforward_layernorm.weight" if cfg.sandwich_norms else "post_attention_layernorm.weight"]
-    gate_up = self.linear("mlp.gate_up_proj", kn.rms_norm(h, pre_mlp, cfg.rms_norm_eps))
+    gate_up = self.linear("mlp.gate_up_proj", kn.rms_norm(h, w[self.mlp_norm], cfg.rms_norm_eps))
     # materialise the activation: fused into the down projection it is recomputed for every output row
     mlp = self.linear("mlp.down_proj", kn.glu(gate_up, cfg.intermediate_size, cfg.hidden_act).contiguous())
     if cfg.sandwich_norms: mlp = kn.rms_norm(mlp, w["post_feedforward_layernorm.weight"], cfg.rms_norm_eps)
