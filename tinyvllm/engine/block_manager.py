@@ -3,7 +3,7 @@
 A block table is a plain list of block ids; slot `p` of a sequence lives in block `table[p // block_size]` at
 offset `p % block_size`. Tables grow on demand, shrink when speculative tokens are rolled back, and a block is
 returned to the pool when the last table holding it lets it go. With sliding-window attention on every layer, the
-blocks a sequence's window has passed go back early (`release_front`): their entries become `FREED`, which the
+blocks a sequence's window has passed go back early (`release_passed`): their entries become `FREED`, which the
 model runner reads as any block, its keys masked out by the window.
 
 Prefix caching (vLLM v1's design): once a block is full and its K/V are computed, it is registered under a hash
