@@ -473,6 +473,14 @@ _DPWSSD = """#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define TV_DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
 #else
 #define TV_DPWSSD(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TV_AVX512 1
+#if defined(__AVX512VNNI__)
+#define TV_DPWSSD512(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define TV_DPWSSD512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
 #endif"""
 _AVX2_DECLS = f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -646,7 +654,7 @@ def _packed_scales8(spec, K: int) -> str:
         __m256 Bv = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(h2f(sd[d_ + 1])), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm_, 8)))));"""
 
 
-def _packed_gemv_body(N: int, K: int, spec) -> str:
+def _packed_gemv_body(N: int, K: int, spec, wide: bool = False) -> str:
   """M == 1. x is rounded to 16 bits per unit of max(G, 32) inputs (as the INT4 GEMV's, per group; a run of 32 for
   16-wide groups) and each run of 32 codes multiplies it in exact int32 (vpmaddwd), centred on c = 2^(bits-1):
   sum S (q - c) x per group, then for affine layouts + sum (B + c S) x. A run's codes unpack from 16 bytes of nibbles
@@ -655,7 +663,13 @@ def _packed_gemv_body(N: int, K: int, spec) -> str:
   2t's in its low byte and 2t + 1's in its high byte: shifted left and right by 4 and masked they add (high << 4) to
   the even and odd codes, no shuffles. With 16-wide groups a run holds two: its int32 lanes 0-3 come from the first
   16 inputs, 4-7 from the last 16, and the scale vector carries each group's scale in its lanes. Per weight row, the
-  groups' scale times x's (gs) and the bias term are computed 8 groups at a time."""
+  groups' scale times x's (gs) and the bias term are computed 8 groups at a time.
+
+  `wide` (AVX-512, an even number of runs): two runs per step in 512-bit registers, the same integer products with
+  half the instructions (the AVX2 loop is compute-bound on this machine's cores, at about the bandwidth one core
+  draws). A step's 32 bytes of nibbles widen to 32 words, run c's then run c + 1's, so int32 lanes 0-7 hold run
+  c's sums (lane j: inputs 4j .. 4j + 3, as in the AVX2 loop) and 8-15 run c + 1's; the two runs' high bits come
+  from one block, broadcast to both halves and shifted by each run's own amount."""
   NC, NG, G, HB = K // 32, K // spec.group, spec.group, spec.bits - 4
   RW, R, high_mask = _row_words(K, spec)
   XU = max(G, 32)        # inputs per x scale
@@ -669,6 +683,49 @@ def _packed_gemv_body(N: int, K: int, spec) -> str:
            "_mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)&gs[r][2 * c]))), pair)")
   bias8 = "" if spec.symmetric else f"bacc = _mm256_fmadd_ps(_mm256_fmadd_ps(Sv, _mm256_set1_ps({c}.0f), Bv), _mm256_loadu_ps(xg + g), bacc);"
   bias1 = "" if spec.symmetric else f"bs += (B[0] + {c}.0f * S[0]) * xg[g];"
+  gidx = ", ".join(str(((j // 8) * 32 + 4 * (j % 8)) // G) for j in range(16))
+  wide_lanes = (f"_mm512_set1_ps(gs[r][c * 32 / {G}])" if G >= 64 else
+                f"_mm512_permutexvar_ps(gidx, _mm512_castps128_ps512(_mm_loadu_ps(&gs[r][c * 32 / {G}])))")
+  wide_high = f"""
+          {{ __m512i hb = _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(whr[r] + (c / {R}) * 32))), hsv);
+            qe = _mm512_ternarylogic_epi32(qe, _mm512_slli_epi16(hb, 4), hmask512, 0xF8);   /* qe | (hb << 4 & hmask) */
+            qo = _mm512_ternarylogic_epi32(qo, _mm512_srli_epi16(hb, 4), hmask512, 0xF8); }}""" if HB else ""
+  wide_loop = f"""
+    const __m512i nib512 = _mm512_set1_epi16(15), hmask512 = _mm512_set1_epi16({high_mask << 4});
+    const __m512i gidx = _mm512_setr_epi32({gidx});   /* int32 lane -> its group among the 4 loaded */
+    const __m512i hbase = _mm512_setr_epi32({", ".join(["0"] * 8 + [str(HB * 0x10001)] * 8)});   /* run c + 1: one more run's shift */
+    (void)gidx; (void)hbase; (void)hmask512;
+    __m512 tot[4] = {{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}};
+    for (int c = 0; c < {NC}; c += 2) {{
+      __m512i xe = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(xq + c * 32))), _mm256_load_si256((const __m256i *)(xq + c * 32 + 32)), 1);
+      __m512i xo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(xq + c * 32 + 16))), _mm256_load_si256((const __m256i *)(xq + c * 32 + 48)), 1);
+      __m512i x0 = _mm512_loadu_si512((const void *)&xc[c]);   /* xc[c], xc[c + 1] */
+      {f"const __m512i hsv = _mm512_add_epi16(hbase, _mm512_set1_epi16({HB} * (c % {R})));" if HB else ""}
+      for (int r = 0; r < 4; r++) {{
+        _mm_prefetch((const char *)(wr[r] + {4 * RW * 4}) + c * 16, _MM_HINT_T0);   /* the same row of the next tile */
+        {f"if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {4 * RW * 4}) + (c / {R}) * 32, _MM_HINT_T0);" if HB else ""}
+        __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wr[r] + c * 16)));
+        __m512i qe = _mm512_and_si512(v, nib512), qo = _mm512_srli_epi16(v, 4);{wide_high}
+        __m512i a = TV_DPWSSD512(TV_DPWSSD512(x0, qe, xe), qo, xo);
+        tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), {wide_lanes}, tot[r]);
+      }}
+    }}
+"""
+  narrow_loop = f"""
+    __m256 tot[4] = {{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}};
+    for (int c = 0; c < {NC}; c++) {{
+      __m256i xe = _mm256_load_si256((const __m256i *)(xq + c * 32)), xo = _mm256_load_si256((const __m256i *)(xq + c * 32 + 16));
+      {f"const __m128i hsh = _mm_cvtsi32_si128({HB} * (c % {R}));   /* run c's bits in its block's bytes */" if HB else ""}
+      for (int r = 0; r < 4; r++) {{
+        _mm_prefetch((const char *)(wr[r] + {4 * RW * 4}) + c * 16, _MM_HINT_T0);   /* the same row of the next tile */
+        {f"if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {4 * RW * 4}) + (c / {R}) * 32, _MM_HINT_T0);" if HB else ""}
+        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr[r] + c * 16)));
+        __m256i qe = _mm256_and_si256(v, nib), qo = _mm256_srli_epi16(v, 4);{high}
+        __m256i a = TV_DPWSSD(TV_DPWSSD(xc[c], qe, xe), qo, xo);   /* xc holds -c * sum x */
+        tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), {lanes}, tot[r]);
+      }}
+    }}
+"""
   return f"""
   const __m256i nib = _mm256_set1_epi16(15), ones = _mm256_set1_epi16(1), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const __m256i hmask = _mm256_set1_epi16({high_mask << 4});   /* a run's high bits, moved to bits 4.. of a 16-bit code */
@@ -701,7 +758,7 @@ def _packed_gemv_body(N: int, K: int, spec) -> str:
     dxg[g] = dx[g * {G} / {XU}];
   }}
   for (int n0 = nb; n0 < ne; n0 += 4) {{
-    float gs[4][{NG}] __attribute__((aligned(32))), bsum[4];   /* group scale times x's scale */
+    float gs[4][{NG + 4}] __attribute__((aligned(32))), bsum[4];   /* group scale times x's scale (+4: wide's loads) */
     const unsigned char *wr[4];
     {"const unsigned char *whr[4];" if HB else ""}
     for (int r = 0; r < 4; r++) {{
@@ -724,20 +781,7 @@ def _packed_gemv_body(N: int, K: int, spec) -> str:
       }}
       bsum[r] = bs;
     }}
-    __m256 tot[4] = {{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}};
-    for (int c = 0; c < {NC}; c++) {{
-      __m256i xe = _mm256_load_si256((const __m256i *)(xq + c * 32)), xo = _mm256_load_si256((const __m256i *)(xq + c * 32 + 16));
-      {f"const __m128i hsh = _mm_cvtsi32_si128({HB} * (c % {R}));   /* run c's bits in its block's bytes */" if HB else ""}
-      for (int r = 0; r < 4; r++) {{
-        _mm_prefetch((const char *)(wr[r] + {4 * RW * 4}) + c * 16, _MM_HINT_T0);   /* the same row of the next tile */
-        {f"if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {4 * RW * 4}) + (c / {R}) * 32, _MM_HINT_T0);" if HB else ""}
-        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr[r] + c * 16)));
-        __m256i qe = _mm256_and_si256(v, nib), qo = _mm256_srli_epi16(v, 4);{high}
-        __m256i a = TV_DPWSSD(TV_DPWSSD(xc[c], qe, xe), qo, xo);   /* xc holds -c * sum x */
-        tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), {lanes}, tot[r]);
-      }}
-    }}
-    for (int r = 0; r < 4 && n0 + r < {N}; r++) y[n0 + r] = hsum8(tot[r]) + bsum[r];
+{wide_loop if wide else narrow_loop}    for (int r = 0; r < 4 && n0 + r < {N}; r++) y[n0 + r] = {'_mm512_reduce_add_ps' if wide else 'hsum8'}(tot[r]) + bsum[r];
   }}"""
 
 
@@ -801,7 +845,9 @@ def _packed_fallback_body(M: int, N: int, K: int, spec, ys: int | None = None) -
 
 def packed_body(M: int, N: int, K: int, spec, ys: int | None = None) -> str:
   """The packed linear's body for M rows, AVX2 and plain C branches; output rows of stride `ys` (default N)."""
-  avx2 = _packed_gemv_body(N, K, spec) if M == 1 else _packed_gemm_body(M, N, K, spec, ys or N)
+  if M == 1 and (K // 32) % 2 == 0:
+    avx2 = f"#ifdef TV_AVX512\n{_packed_gemv_body(N, K, spec, wide=True)}\n#else\n{_packed_gemv_body(N, K, spec)}\n#endif"
+  else: avx2 = _packed_gemv_body(N, K, spec) if M == 1 else _packed_gemm_body(M, N, K, spec, ys or N)
   return f"#ifdef TV_AVX2\n{avx2}\n#else\n{_packed_fallback_body(M, N, K, spec, ys)}\n#endif"
 
 
