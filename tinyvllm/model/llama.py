@@ -83,10 +83,9 @@ class LlamaLayer:
     if len(inp.groups) == 1 and kn.fuses(self) and (fused := kn.decoder_layer(h, self.linears, norms, cfg, inp.groups[0], inp.positions,
                                                                               inp.slot_mapping, cos_sin, cache, out, self.window)) is not None:
       return fused
-    result = self._compose(h, inp, cos_sin, cache)
-    return result if out is None else out.assign(result)
+    return self._compose(h, inp, cos_sin, cache, out)
 
-  def _compose(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache) -> Tensor:
+  def _compose(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None) -> Tensor:
     cfg, kn, w = self.cfg, self.kernels, self.weights
     T, H, KVH, D = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qkv = self.linear("self_attn.qkv_proj", kn.rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps))
@@ -103,7 +102,8 @@ class LlamaLayer:
     # materialise the activation: fused into the down projection it is recomputed for every output row
     mlp = self.linear("mlp.down_proj", kn.glu(gate_up, cfg.intermediate_size, cfg.hidden_act).contiguous())
     if cfg.sandwich_norms: mlp = kn.rms_norm(mlp, w["post_feedforward_layernorm.weight"], cfg.rms_norm_eps)
-    return (h + mlp).contiguous()
+    # into `out` straight from the sum: the last kernel writes the layer's output buffer (no copy after it)
+    return (h + mlp).contiguous() if out is None else out.assign(h + mlp)
 
 
 class Llama:
