@@ -3,27 +3,26 @@
 // rope_cache_write_<x>_<c>: x = dtype of q/k/v (f32 | f16), c = dtype of the caches (f32 | f16).
 //   grid: one threadgroup per token t (num_tokens threadgroups); threads: any count (the host uses 64).
 //   buffers:
-//     0 q            [T, n_heads, D]     x      query, read
-//     1 k            [T, n_kv_heads, D]  x      key, read
-//     2 v            [T, n_kv_heads, D]  x      value, read
-//     3 positions    [T]                 int32  absolute position of each token
-//     4 cos_sin      [max_pos, D]        float  row p = cos of the D/2 frequencies, then their sin
-//     5 slot_mapping [T]                 int32  cache slot (block * block_size + offset); -1 = padding, no write
-//     6 q_out        [T, n_heads, D]     x      rotated query, written
-//     7 k_cache      [num_blocks, block_size, n_kv_heads, D]  c  rotated key written at the token's slot
-//     8 v_cache      [num_blocks, block_size, n_kv_heads, D]  c  value written at the token's slot
-//     9 params       RopeParams
+//     0 qkv          [T, (n_heads + 2 n_kv_heads) D]  x  the fused projection's output, read: each token's row holds
+//                    its query heads, then its key heads, then its value heads (read in place: no copies to split it)
+//     1 positions    [T]                 int32  absolute position of each token
+//     2 cos_sin      [max_pos, D]        float  row p = cos of the D/2 frequencies, then their sin
+//     3 slot_mapping [T]                 int32  cache slot (block * block_size + offset); -1 = padding, no write
+//     4 q_out        [T, n_heads, D]     x      rotated query, written
+//     5 k_cache      [num_blocks, block_size, n_kv_heads, D]  c  rotated key written at the token's slot
+//     6 v_cache      [num_blocks, block_size, n_kv_heads, D]  c  value written at the token's slot
+//     7 params       RopeParams
 //   Rotation (HF Llama rotate-half), per head vector x: out[i] = x[i]*cos[i] - x[i+D/2]*sin[i],
 //   out[i+D/2] = x[i+D/2]*cos[i] + x[i]*sin[i], for i < D/2; maths in float. D must be a multiple of 8.
 //
 // rope_cache_write_<x>_i8: the same for an int8 cache (kv_cache_dtype="int8", tinyvllm/kernels/kv_cache.py).
 //   grid: one threadgroup per token; threads: a multiple of 32 (the host uses 64: 2 SIMD-groups).
-//   buffers: 0-6 as above, then
-//     7 k_cache  [num_blocks, block_size, n_kv_heads, D]  char  int8 codes of the rotated key
-//     8 v_cache  [num_blocks, block_size, n_kv_heads, D]  char  int8 codes of the value
-//     9 k_scale  [num_blocks, block_size, n_kv_heads]     half  one scale per (slot, KV head)
-//    10 v_scale  [num_blocks, block_size, n_kv_heads]     half
-//    11 params   RopeParams
+//   buffers: 0-4 as above, then
+//     5 k_cache  [num_blocks, block_size, n_kv_heads, D]  char  int8 codes of the rotated key
+//     6 v_cache  [num_blocks, block_size, n_kv_heads, D]  char  int8 codes of the value
+//     7 k_scale  [num_blocks, block_size, n_kv_heads]     half  one scale per (slot, KV head)
+//     8 v_scale  [num_blocks, block_size, n_kv_heads]     half
+//     9 params   RopeParams
 //   Each head vector x (rotated k, or v) is quantized as the format defines it: amax = max|x_i|,
 //   s = half(amax / 127), code_i = clamp(rint(x_i / s), -127, 127), all codes 0 when s == 0 (x_i ~ s * code_i).
 //   q is rotated by all threads as in the float kernel. Then SIMD-group sg takes the head vectors sg, sg + NSG, ...
@@ -48,16 +47,14 @@ template <> METAL_FUNC half4 to_vec4<half>(float4 v) { return half4(v); }
 
 template <typename T, typename C>
 [[kernel]] void rope_cache_write(
-    device const T* q [[buffer(0)]],
-    device const T* k [[buffer(1)]],
-    device const T* v [[buffer(2)]],
-    device const int* positions [[buffer(3)]],
-    device const float* cos_sin [[buffer(4)]],
-    device const int* slot_mapping [[buffer(5)]],
-    device T* q_out [[buffer(6)]],
-    device C* k_cache [[buffer(7)]],
-    device C* v_cache [[buffer(8)]],
-    constant RopeParams& p [[buffer(9)]],
+    device const T* qkv [[buffer(0)]],
+    device const int* positions [[buffer(1)]],
+    device const float* cos_sin [[buffer(2)]],
+    device const int* slot_mapping [[buffer(3)]],
+    device T* q_out [[buffer(4)]],
+    device C* k_cache [[buffer(5)]],
+    device C* v_cache [[buffer(6)]],
+    constant RopeParams& p [[buffer(7)]],
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint3 tgsize [[threads_per_threadgroup]]) {   // uint3 like tgid: Metal wants the geometry built-ins of one width
@@ -66,13 +63,14 @@ template <typename T, typename C>
   const int hq = p.n_heads, hk = p.n_kv_heads;
   const int slot = slot_mapping[t];
   device const float* cs = cos_sin + (long)positions[t] * D;
+  device const T* token_qkv = qkv + (long)t * (hq + 2 * hk) * D;   // q heads, then k heads, then v heads
 
   // Rotate q and k: one work item per (head, float4 chunk of the first half)
   for (int i = tid; i < (hq + hk) * chunks; i += nthreads) {
     const int h = i / chunks, c = 4 * (i % chunks);
     const bool is_q = h < hq;
     if (!is_q && slot < 0) continue;
-    device const T* src = is_q ? q + ((long)t * hq + h) * D : k + ((long)t * hk + (h - hq)) * D;
+    device const T* src = token_qkv + (long)h * D;   // q head h, or (h >= hq) k head h - hq
     const float4 co = *(device const float4*)(cs + c);
     const float4 si = *(device const float4*)(cs + half_d + c);
     const float4 x1 = float4(*(device const vec<T, 4>*)(src + c));
@@ -93,7 +91,7 @@ template <typename T, typename C>
   // Copy v into its slot
   if (slot < 0) return;
   for (int i = tid; i < hk * D / 4; i += nthreads) {
-    const float4 x = float4(*(device const vec<T, 4>*)(v + (long)t * hk * D + 4 * i));
+    const float4 x = float4(*(device const vec<T, 4>*)(token_qkv + (long)(hq + hk) * D + 4 * i));
     *(device vec<C, 4>*)(v_cache + (long)slot * hk * D + 4 * i) = to_vec4<C>(x);
   }
 }
@@ -115,18 +113,16 @@ METAL_FUNC char4 quantize4(float4 x, float inv_scale) {
 
 template <typename T>
 [[kernel]] void rope_cache_write_i8(
-    device const T* q [[buffer(0)]],
-    device const T* k [[buffer(1)]],
-    device const T* v [[buffer(2)]],
-    device const int* positions [[buffer(3)]],
-    device const float* cos_sin [[buffer(4)]],
-    device const int* slot_mapping [[buffer(5)]],
-    device T* q_out [[buffer(6)]],
-    device char* k_cache [[buffer(7)]],
-    device char* v_cache [[buffer(8)]],
-    device half* k_scale [[buffer(9)]],
-    device half* v_scale [[buffer(10)]],
-    constant RopeParams& p [[buffer(11)]],
+    device const T* qkv [[buffer(0)]],
+    device const int* positions [[buffer(1)]],
+    device const float* cos_sin [[buffer(2)]],
+    device const int* slot_mapping [[buffer(3)]],
+    device T* q_out [[buffer(4)]],
+    device char* k_cache [[buffer(5)]],
+    device char* v_cache [[buffer(6)]],
+    device half* k_scale [[buffer(7)]],
+    device half* v_scale [[buffer(8)]],
+    constant RopeParams& p [[buffer(9)]],
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint3 tgsize [[threads_per_threadgroup]],
@@ -137,12 +133,13 @@ template <typename T>
   const int hq = p.n_heads, hk = p.n_kv_heads;
   const int slot = slot_mapping[t];
   device const float* cs = cos_sin + (long)positions[t] * D;
+  device const T* token_qkv = qkv + (long)t * (hq + 2 * hk) * D;   // q heads, then k heads, then v heads
 
   // Rotate q: one work item per (head, float4 chunk of the first half)
   for (int i = tid; i < hq * chunks; i += nthreads) {
     const int h = i / chunks, c = 4 * (i % chunks);
     float4 r1, r2;
-    rotate_chunk(q + ((long)t * hq + h) * D, cs, c, half_d, r1, r2);
+    rotate_chunk(token_qkv + (long)h * D, cs, c, half_d, r1, r2);
     device T* dst = q_out + ((long)t * hq + h) * D;
     *(device vec<T, 4>*)(dst + c) = to_vec4<T>(r1);
     *(device vec<T, 4>*)(dst + half_d + c) = to_vec4<T>(r2);
@@ -158,9 +155,9 @@ template <typename T>
     float4 a = float4(0.0f), b = float4(0.0f);   // elements [c, c + 4) and [D/2 + c, D/2 + c + 4)
     if (active) {
       if (is_k) {
-        rotate_chunk(k + ((long)t * hk + h) * D, cs, c, half_d, a, b);
+        rotate_chunk(token_qkv + (long)(hq + h) * D, cs, c, half_d, a, b);
       } else {
-        device const T* src = v + ((long)t * hk + h) * D;
+        device const T* src = token_qkv + (long)(hq + hk + h) * D;
         a = float4(*(device const vec<T, 4>*)(src + c));
         b = float4(*(device const vec<T, 4>*)(src + half_d + c));
       }

@@ -204,16 +204,18 @@ def run_prefill(runner, q, cache, tables, token_seq, token_pos, scale, order="fo
 
 
 def run_rope(runner, q, k, v, pos, cos_sin, cache, slots, order="forward"):
-  """Returns (q_out, the cache after the write) as numpy arrays."""
+  """Returns (q_out, the cache after the write) as numpy arrays. The kernel reads q, k and v as one fused projection's
+  rows (each token's q heads, then k, then v)."""
+  (T, H, D), KVH = q.shape, k.shape[1]
+  qkv = np.concatenate([a.reshape(T, -1) for a in (q, k, v)], axis=1)
   if runner == "direct":
-    T, H, D = q.shape
-    launch = M.rope_launch(T, H, k.shape[1], D, TG[q.dtype], TG[cache[0].dtype])
+    launch = M.rope_launch(T, H, KVH, D, TG[q.dtype], TG[cache[0].dtype])
     q_out, written = np.zeros_like(q), tuple(a.copy() for a in cache)
-    direct_run(launch, [q, k, v, pos, cos_sin, slots, q_out, *written], order)
+    direct_run(launch, [qkv, pos, cos_sin, slots, q_out, *written], order)
     return q_out, written
   dev = "METAL" if runner == "metal" else "CPU"
-  t = [Tensor(a, device=dev).realize() for a in (q, k, v, pos, cos_sin, slots)]
-  q_out, written = M.rope_and_cache_write(*t[:5], tensor_cache(cache, dev), t[5], backend=runner)
+  t = [Tensor(a, device=dev).realize() for a in (qkv, pos, cos_sin, slots)]
+  q_out, written = M.rope_and_cache_write(t[0], H, KVH, t[1], t[2], tensor_cache(cache, dev), t[3], backend=runner)
   assert isinstance(written, PagedKVCache) and written.quantized == (len(cache) == 4)
   return q_out.numpy(), tuple(x.numpy() for x in written.tensors())
 
@@ -495,7 +497,8 @@ def test_tinyjit_decode_step(cache_dt):
 
   @TinyJit
   def step(q, k, v, pos, slots, lens, x):
-    q_rot, written = M.rope_and_cache_write(q, k, v, pos, cs, cache, slots, backend="emulator")
+    qkv = Tensor.cat(*(a.reshape(2, -1) for a in (q, k, v)), dim=1)
+    q_rot, written = M.rope_and_cache_write(qkv, H, KVH, pos, cs, cache, slots, backend="emulator")
     o = M.paged_attention_decode(q_rot, written, bt, lens, D ** -0.5, backend="emulator")
     seq = Tensor([0, 1], dtype=dtypes.int32)
     p = M.paged_attention_prefill(q_rot, written, bt, seq, pos, D ** -0.5, backend="emulator")

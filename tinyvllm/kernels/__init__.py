@@ -259,8 +259,10 @@ class ShaderKernels(Kernels):
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders)
 
   def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, qk_norms=None):
-    q, k, v = self.head_norms(*split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)
-    return metal.rope_and_cache_write(q, k, v, positions, cos_sin, cache, slot_mapping, backend=self.shaders)
+    if qk_norms is not None:   # q and k normed head by head first (Qwen3): the shader reads the row rebuilt from them
+      q, k, v = self.head_norms(*split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)
+      qkv = Tensor.cat(*(x.reshape(x.shape[0], -1) for x in (q, k, v)), dim=1)
+    return metal.rope_and_cache_write(qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, backend=self.shaders)
 
   def attention(self, q, cache, group, scale, window=None, softcap=None):
     if group.query_len == 1:

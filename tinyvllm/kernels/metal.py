@@ -87,7 +87,7 @@ def rope_launch(num_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, x
   if cache_dtype == dtypes.int8 and head_dim > 256: raise ValueError(f"head_dim {head_dim}: an int8 cache needs D / 8 <= 32 lanes")
   # 64 threads: the int8 kernel quantizes one head vector per SIMD-group, so the count stays a multiple of 32
   return Launch("rope.metal", f"rope_cache_write_{_dt(x_dtype)}_{_cache_dt(cache_dtype)}",
-                ("q", "k", "v", "positions", "cos_sin", "slot_mapping", "q_out") + _cache_buffers(cache_dtype),
+                ("qkv", "positions", "cos_sin", "slot_mapping", "q_out") + _cache_buffers(cache_dtype),
                 (num_tokens, n_heads, n_kv_heads, head_dim), (num_tokens, 1, 1), (64, 1, 1))
 
 
@@ -338,24 +338,28 @@ def paged_attention_prefill(q: Tensor, cache: PagedKVCache, block_tables: Tensor
   return b.run(launch, *ins, out)[len(ins)]
 
 
-def rope_and_cache_write(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
+def rope_and_cache_write(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
                          slot_mapping: Tensor, *, backend: str | _Backend) -> tuple[Tensor, PagedKVCache]:
-  """Rotary embedding on q and k, and k/v written into the cache at slot_mapping (-1 = skip), in one kernel.
+  """Rotary embedding on q and k, and k/v written into the cache at slot_mapping (-1 = skip), in one kernel that reads
+  the fused q/k/v projection's output in place (slicing it into three inputs would cost three copy kernels).
 
   Args:
-    q: [T, n_heads, D]; k, v: [T, n_kv_heads, D]; positions: int32 [T]; cos_sin: float32 [max_positions, D];
-    cache: the layer's PagedKVCache of realized buffers, written in place. For an int8 cache each rotated k head
-      and each v head is quantized (codes and one float16 scale per slot and KV head, tinyvllm/kernels/kv_cache.py).
-  Returns: (q_rot, the cache ordered after the write): keep reading the cache through the returned one.
+    qkv: [T, (n_heads + 2 n_kv_heads) D]: each token's query heads, then its key heads, then its value heads;
+      positions: int32 [T]; cos_sin: float32 [max_positions, D]; cache: the layer's PagedKVCache of realized buffers,
+      written in place (D is its head_dim). For an int8 cache each rotated k head and each v head is quantized (codes
+      and one float16 scale per slot and KV head, tinyvllm/kernels/kv_cache.py).
+  Returns: (q_rot [T, n_heads, D], the cache ordered after the write): keep reading the cache through the returned one.
   """
   b = _prepare(backend)
   cache_dtype = _check_cache(cache)
-  T, H, D = q.shape
-  launch = rope_launch(T, H, k.shape[1], D, q.dtype, cache_dtype)
-  q_out = Tensor.empty(T, H, D, dtype=q.dtype, device=q.device)
-  res = b.run(launch, q.contiguous(), k.cast(q.dtype).contiguous(), v.cast(q.dtype).contiguous(), _int32(positions),
-              cos_sin.cast(dtypes.float32).contiguous(), _int32(slot_mapping), q_out, *cache.tensors())
-  return res[6], cache.written(*res[7:])
+  T, D = qkv.shape[0], cache.head_dim
+  if qkv.ndim != 2 or qkv.shape[1] != (n_heads + 2 * n_kv_heads) * D:
+    raise ValueError(f"qkv {qkv.shape} is not [T, (n_heads + 2 n_kv_heads) * head_dim] for {n_heads}, {n_kv_heads} heads of {D}")
+  launch = rope_launch(T, n_heads, n_kv_heads, D, qkv.dtype, cache_dtype)
+  q_out = Tensor.empty(T, n_heads, D, dtype=qkv.dtype, device=qkv.device)
+  res = b.run(launch, qkv.contiguous(), _int32(positions), cos_sin.cast(dtypes.float32).contiguous(), _int32(slot_mapping), q_out,
+              *cache.tensors())
+  return res[4], cache.written(*res[5:])
 
 
 def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, *, backend: str | _Backend) -> Tensor:
