@@ -67,10 +67,17 @@ def cpu_tokens(model, dtype: str, quant: str, backend: str, prompts=PROMPTS, max
     llm.shutdown()
 
 
+LAYERS = 4
+OUTSIDE_LAYERS = 15   # launches of a step's input replay and LM head (12; 15 with INT4's head)
+# launches per layer (docs/kernels.md, "Kernels per decode step"): two norm reductions, the qkv projection, RoPE + cache
+# write, attention, o, gate/up, SwiGLU, down; INT4's shaders read a normed x that tinygrad first materialises (+2)
+PER_LAYER = {"none": 9, "int4": 11}
+
+
 @pytest.fixture(scope="module")
 def metal_model(tmp_path_factory):
   # the Metal kernels' shapes (head_dim 64, GQA 2) and four layers, so per-layer costs would show in a step's counts
-  return make_tiny_llama(tmp_path_factory.mktemp("tiny-metal-path"), 0, "float32", **{**TINY_CONFIGS["metal"], "num_hidden_layers": 4})
+  return make_tiny_llama(tmp_path_factory.mktemp("tiny-metal-path"), 0, "float32", **{**TINY_CONFIGS["metal"], "num_hidden_layers": LAYERS})
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +86,12 @@ def tokenizer(metal_model):
   return AutoTokenizer.from_pretrained(metal_model)
 
 
-def check_decode_step(steps: list[dict]):
+def check_decode_step(steps: list[dict], quant: str):
   """The last step is a replayed decode step of one sequence (prefill and the capturing step come first)."""
   assert len(steps) >= 4, steps
   step = steps[-1]
   assert step["launches"] > 0 and step["command_buffers"] > 0
+  assert step["launches"] <= LAYERS * PER_LAYER[quant] + OUTSIDE_LAYERS, f"more launches per decode step than before: {step}"
   assert step["copies_in"] <= 1, f"host->device copies inside a replayed decode step: {step}"
   assert step["synchronizes"] <= 2, f"GPU waits beyond the input upload and the logits readback: {step}"
   # layers alternate between two captured graphs: re-running one waits only for the layer before last, while the
@@ -96,7 +104,7 @@ def test_float32_tokens_equal_cpu(metal_model, quant):
   res = run_metal(metal_model, "float32", quant)
   assert res["backend"] == "metal" and res["dtype"] == "float"
   assert res["tokens"] == cpu_tokens(metal_model, "float32", quant, "cpu")
-  check_decode_step(res["steps"])
+  check_decode_step(res["steps"], quant)
 
 
 def test_int8_kv_cache_tokens_equal_cpu(metal_model):
@@ -105,7 +113,7 @@ def test_int8_kv_cache_tokens_equal_cpu(metal_model):
   res = run_metal(metal_model, "float32", "none", "int8")
   assert res["backend"] == "metal"
   assert res["tokens"] == cpu_tokens(metal_model, "float32", "none", "cpu", kv_cache_dtype="int8")
-  check_decode_step(res["steps"])
+  check_decode_step(res["steps"], "none")
 
 
 @pytest.mark.parametrize("quant", ["none", "int4"])
@@ -125,7 +133,7 @@ def test_float16_tokens_match_reference(metal_model, tokenizer, quant):
     # identical until the first near-tie of the float32 reference along the shared prefix
     first_tie = next((i for i, g in enumerate(gaps["metal"]) if g <= NEAR_TIE), len(metal_toks))
     assert metal_toks[:first_tie] == cpu_toks[:first_tie], (prompt, first_tie)
-  check_decode_step(res["steps"])
+  check_decode_step(res["steps"], quant)
 
 
 OLD_MAC_CHILD = r"""

@@ -193,12 +193,13 @@ class Kernels:
 
   def attention(self, q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: float, window: int | None = None,
                 softcap: float | None = None) -> Tensor:
-    """q `[P*C, H, D]` of one group -> attention output `[P*C, H, D]`; with a `window`, each query sees only the latest
-    `window` keys up to its own position; with `softcap`, scores become softcap * tanh(scores / softcap)."""
+    """q `[P*C, H, D]` of one group -> attention output `[P*C, H * D]` (each token's heads side by side, as the o
+    projection reads them); with a `window`, each query sees only the latest `window` keys up to its own position;
+    with `softcap`, scores become softcap * tanh(scores / softcap)."""
     P, C = group.num_seqs, group.query_len
     tables = group.block_tables[:, :group.used_blocks]   # portable attention's cost follows the columns it reads
     out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), cache, tables, group.q_pos, scale, window, softcap)
-    return out.reshape(P * C, *q.shape[1:])
+    return out.reshape(P * C, q.shape[1] * q.shape[2])
 
 
 def split_qkv(qkv: Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -267,9 +268,9 @@ class ShaderKernels(Kernels):
   def attention(self, q, cache, group, scale, window=None, softcap=None):
     if group.query_len == 1:
       return metal.paged_attention_decode(q, cache, group.block_tables, group.context_lens, scale, backend=self.shaders,
-                                          window=window, softcap=softcap)
+                                          window=window, softcap=softcap, flat=True)
     return metal.paged_attention_prefill(q, cache, group.block_tables, group.token_seq, group.q_pos.reshape(group.num_tokens),
-                                         scale, backend=self.shaders, window=window, softcap=softcap)
+                                         scale, backend=self.shaders, window=window, softcap=softcap, flat=True)
 
 
 def make_kernels(backend: str = "portable", device: str | tuple[str, ...] = "CPU", batch_invariant: bool = False,

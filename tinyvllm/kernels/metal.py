@@ -292,7 +292,7 @@ def _check_cache(cache: PagedKVCache) -> DType:
 
 def paged_attention_decode(q: Tensor, cache: PagedKVCache, block_tables: Tensor, context_lens: Tensor, scale: float,
                            *, backend: str | _Backend, partition_size: int | None = None, window: int | None = None,
-                           softcap: float | None = None) -> Tensor:
+                           softcap: float | None = None, flat: bool = False) -> Tensor:
   """Decode attention: one query token per sequence against its paged K/V.
 
   Args:
@@ -301,7 +301,9 @@ def paged_attention_decode(q: Tensor, cache: PagedKVCache, block_tables: Tensor,
       codes with k_scale, v_scale float16 [num_blocks, block_size, n_kv_heads] (dequantized inside the kernel).
     block_tables: int32 [num_seqs, max_blocks]; context_lens: int32 [num_seqs] (0 -> zeros).
     scale: softmax scale. partition_size, window, softcap: see `decode_launches`.
-  Returns: [num_seqs, n_heads, head_dim] in q's dtype.
+    flat: return the output as the kernel wrote it, [num_seqs, n_heads * head_dim] (what an o projection reads;
+      reshaped back by the caller, tinygrad would copy it before another shader could read it).
+  Returns: [num_seqs, n_heads, head_dim] in q's dtype (flat: [num_seqs, n_heads * head_dim]).
   """
   b = _prepare(backend)
   cache_dtype = _check_cache(cache)
@@ -309,33 +311,35 @@ def paged_attention_decode(q: Tensor, cache: PagedKVCache, block_tables: Tensor,
   launches = decode_launches(B, H, KVH, D, bs, block_tables.shape[1], q.dtype, cache_dtype, scale, partition_size, window, softcap)
   q, bt, cl = q.contiguous(), _int32(block_tables), _int32(context_lens)
   ins = [q, *cache.tensors(), bt, cl]
-  out = Tensor.empty(B, H, D, dtype=q.dtype, device=q.device)
-  if len(launches) == 1: return b.run(launches[0], *ins, out)[len(ins)]
+  out = Tensor.empty(B, H * D, dtype=q.dtype, device=q.device)
+  shaped = lambda o: o if flat else o.reshape(B, H, D)
+  if len(launches) == 1: return shaped(b.run(launches[0], *ins, out)[len(ins)])
   nparts = launches[0].grid[0]
   tmp = Tensor.empty(B, H, nparts, D, dtype=dtypes.float32, device=q.device)
   sums, maxes = (Tensor.empty(B, H, nparts, dtype=dtypes.float32, device=q.device) for _ in range(2))
   tmp, sums, maxes = b.run(launches[0], *ins, tmp, sums, maxes)[len(ins):]
-  return b.run(launches[1], tmp, sums, maxes, cl, out)[4]
+  return shaped(b.run(launches[1], tmp, sums, maxes, cl, out)[4])
 
 
 def paged_attention_prefill(q: Tensor, cache: PagedKVCache, block_tables: Tensor, token_seq: Tensor, token_pos: Tensor,
-                            scale: float, *, backend: str | _Backend, window: int | None = None, softcap: float | None = None) -> Tensor:
+                            scale: float, *, backend: str | _Backend, window: int | None = None, softcap: float | None = None,
+                            flat: bool = False) -> Tensor:
   """Prefill attention for a chunk of tokens whose K/V are already in the cache.
 
   Args:
     q: [T, n_heads, head_dim]; cache: the layer's PagedKVCache (float or int8, as in `paged_attention_decode`);
     token_seq: int32 [T] (row of block_tables, -1 = padding -> zeros);
     token_pos: int32 [T] absolute positions: token t attends to keys 0..token_pos[t] of its sequence (with a `window`,
-      those above token_pos[t] - window); softcap: scores soft-capped (Gemma 2).
-  Returns: [T, n_heads, head_dim] in q's dtype.
+      those above token_pos[t] - window); softcap: scores soft-capped (Gemma 2); flat: as in `paged_attention_decode`.
+  Returns: [T, n_heads, head_dim] in q's dtype (flat: [T, n_heads * head_dim]).
   """
   b = _prepare(backend)
   cache_dtype = _check_cache(cache)
   (T, H, D), (_, bs, KVH, _) = q.shape, cache.k.shape
   launch = prefill_launch(T, H, KVH, D, bs, block_tables.shape[1], q.dtype, cache_dtype, scale, window, softcap)
   ins = [q.contiguous(), *cache.tensors(), _int32(block_tables), _int32(token_seq), _int32(token_pos)]
-  out = Tensor.empty(T, H, D, dtype=q.dtype, device=q.device)
-  return b.run(launch, *ins, out)[len(ins)]
+  out = b.run(launch, *ins, Tensor.empty(T, H * D, dtype=q.dtype, device=q.device))[len(ins)]
+  return out if flat else out.reshape(T, H, D)
 
 
 def rope_and_cache_write(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,

@@ -87,7 +87,7 @@ class LlamaLayer:
 
   def _compose(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None) -> Tensor:
     cfg, kn, w = self.cfg, self.kernels, self.weights
-    T, H, KVH, D = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    H, KVH = cfg.num_attention_heads, cfg.num_key_value_heads
     qkv = self.linear("self_attn.qkv_proj", kn.rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps))
     qk_norms = (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"], cfg.rms_norm_eps) if cfg.qk_norm else None
     q, cache = kn.rope_and_cache_write(qkv, H, KVH, inp.positions, cos_sin, cache, inp.slot_mapping, qk_norms)
@@ -95,7 +95,7 @@ class LlamaLayer:
     for g in inp.groups:
       outs.append(kn.attention(q[start:start + g.num_tokens], cache, g, cfg.attention_scale, self.window, cfg.attn_logit_softcapping))
       start += g.num_tokens
-    attn = self.linear("self_attn.o_proj", (outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])).reshape(T, H * D))
+    attn = self.linear("self_attn.o_proj", outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:]))   # [T, H * D]
     if cfg.sandwich_norms: attn = kn.rms_norm(attn, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
     h = h + attn
     gate_up = self.linear("mlp.gate_up_proj", kn.rms_norm(h, w[self.mlp_norm], cfg.rms_norm_eps))
