@@ -66,3 +66,18 @@ def test_metal_needs_apple7_and_macos13(monkeypatch, capsys, arch, macos, proble
   assert note.count("\n") == 1 and problem in note and "portable" in note
   with pytest.raises(ValueError, match=f"kernel_backend='metal': .*{re.escape(problem)}.*use kernel_backend='portable'"):
     resolve_backend("metal", "METAL")
+
+
+@pytest.mark.parametrize("kv_cache_dtype,per_layer", [("auto", 23), ("int8", 28)])
+def test_portable_decode_layer_kernels(tiny_model_factory, kv_cache_dtype, per_layer):
+  """Kernels of one replayed portable decode layer on the CPU device (docs/kernels.md, "Kernels per decode step"): a
+  fusion lost (a copy back between two kernels, the cache written by one kernel per cache) shows here as more."""
+  from tinyvllm.engine.llm_engine import LLMEngine
+  engine = LLMEngine.from_kwargs(str(tiny_model_factory("metal")), kernel_backend="portable", block_size=8, num_kv_blocks=32,
+                                 kv_cache_dtype=kv_cache_dtype)
+  engine.add_request("0", {"prompt_token_ids": list(range(4, 20))}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+  while engine.has_unfinished_requests(): engine.step()
+  runner = engine.core.runner
+  (decode,) = [bound for shape, bound in runner.bound_passes.items() if shape.query_len == 1]
+  layer, _ = decode[1]   # after the input replay: the first layer's
+  assert sum(rt is not None for rt, *_ in layer.steps) == per_layer
