@@ -21,6 +21,13 @@
 //   simd_sum (L = 32) or a simd_shuffle_xor butterfly inside the team.
 //   buffers: 0 x [M, K] x, 1 w_packed, 2 scales, 3 biases, 4 y [M, N] x, 5 params
 //
+// int4_gemv_rms_<x> (decode, M <= 8): the same GEMV of RMSNorm(x) * norm_weight, the norm computed in the kernel (as
+//   tinyvllm's portable rms_norm does: x * rsqrt(mean(x^2) + eps) in float, rounded to x's dtype, times the weight in
+//   x's dtype), so the layer launches no norm kernels before its projection. Every SIMD-group sums the squares of
+//   each x row itself (K floats, one simd_sum: less than the weights it reads), then normalizes each chunk of x as
+//   it loads it. eps travels in params.
+//   buffers: 0 x [M, K] x (not normed), 1 norm_weight [K] x, 2 w_packed, 3 scales, 4 biases, 5 y [M, N] x, 6 params
+//
 // int4_gemm_<x> (prefill, M > 8)
 //   grid: (ceil(N / 32), ceil(M / 32)) threadgroups of 128 threads (4 SIMD-groups), one 32x32 tile of y each.
 //   Per step of 32 k: x tile and dequantised W tile staged in threadgroup memory as float; each SIMD-group
@@ -35,6 +42,7 @@ struct Int4Params {
   int K;
   int group_size;
   int team_lanes;  // int4_gemv: lanes per row team (32, 16 or 8); unused by int4_gemm
+  float eps;       // int4_gemv_rms: the norm's epsilon; unused by the others
 };
 
 // sum_j x[j] * q_j over the 16 codes of one uint2 (four uint16s, the lowest k in the lowest nibble), with xs[i] =
@@ -46,17 +54,14 @@ METAL_FUNC float qdot16(uint2 wq, thread const float4* xs) {
   return d;
 }
 
-template <typename T>
-[[kernel]] void int4_gemv(
-    device const T* x [[buffer(0)]],
-    device const uint* w [[buffer(1)]],
-    device const half* scales [[buffer(2)]],
-    device const half* biases [[buffer(3)]],
-    device T* y [[buffer(4)]],
-    constant Int4Params& p [[buffer(5)]],
-    uint3 tgid [[threadgroup_position_in_grid]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]]) {
+template <typename T> METAL_FUNC vec<T, 4> to_vec4(float4 v);
+template <> METAL_FUNC float4 to_vec4<float>(float4 v) { return v; }
+template <> METAL_FUNC half4 to_vec4<half>(float4 v) { return half4(v); }
+
+// The GEMV; with NORM, of RMSNorm(x) * nw (int4_gemv_rms)
+template <typename T, bool NORM>
+METAL_FUNC void gemv(device const T* x, device const T* nw, device const uint* w, device const half* scales,
+                     device const half* biases, device T* y, constant Int4Params& p, uint3 tgid, uint lane, uint sg) {
   constexpr int NSG = 2, R = 4, MMAX = 8;
   const int L = p.team_lanes, teams = 32 / L, team = lane / L, tl = lane % L;
   const int n0 = ((tgid.x * NSG + sg) * teams + team) * R;
@@ -67,6 +72,17 @@ template <typename T>
   float acc[MMAX][R];
   for (int m = 0; m < MMAX; m++)
     for (int r = 0; r < R; r++) acc[m][r] = 0.0f;
+  float inv_rms[MMAX];   // NORM: 1 / RMS of each x row, the same in every lane (every lane of the SIMD-group sums)
+  for (int m = 0; m < MMAX; m++) {
+    inv_rms[m] = 1.0f;
+    if (!NORM || m >= p.M) continue;
+    float ss = 0.0f;
+    for (int k = 4 * (int)lane; k < p.K; k += 128) {
+      const float4 xv = float4(*(device const vec<T, 4>*)(x + (long)m * p.K + k));
+      ss += dot(xv, xv);
+    }
+    inv_rms[m] = rsqrt(simd_sum(ss) / float(p.K) + p.eps);
+  }
 
   for (int v = tl; v < nc; v += L) {
     const int g = v >> gshift;
@@ -85,7 +101,8 @@ template <typename T>
       float4 xs[4];
       float sx = 0.0f;
       for (int i = 0; i < 4; i++) {
-        const float4 xv = float4(xr[i]);
+        float4 xv = float4(xr[i]);
+        if (NORM) xv = float4(to_vec4<T>(xv * inv_rms[m]) * ((device const vec<T, 4>*)(nw + 16 * v))[i]);   // in T, as rms_norm
         sx += (xv.x + xv.y) + (xv.z + xv.w);
         xs[i] = xv * pre;
       }
@@ -105,6 +122,35 @@ template <typename T>
       if (tl == 0 && n0 + r < p.N) y[(long)m * p.N + n0 + r] = T(s);
     }
   }
+}
+
+template <typename T>
+[[kernel]] void int4_gemv(
+    device const T* x [[buffer(0)]],
+    device const uint* w [[buffer(1)]],
+    device const half* scales [[buffer(2)]],
+    device const half* biases [[buffer(3)]],
+    device T* y [[buffer(4)]],
+    constant Int4Params& p [[buffer(5)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  gemv<T, false>(x, x, w, scales, biases, y, p, tgid, lane, sg);
+}
+
+template <typename T>
+[[kernel]] void int4_gemv_rms(
+    device const T* x [[buffer(0)]],
+    device const T* norm_weight [[buffer(1)]],
+    device const uint* w [[buffer(2)]],
+    device const half* scales [[buffer(3)]],
+    device const half* biases [[buffer(4)]],
+    device T* y [[buffer(5)]],
+    constant Int4Params& p [[buffer(6)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  gemv<T, true>(x, norm_weight, w, scales, biases, y, p, tgid, lane, sg);
 }
 
 template <typename T>
@@ -166,5 +212,7 @@ template <typename T>
 
 template [[host_name("int4_gemv_f32")]] [[kernel]] decltype(int4_gemv<float>) int4_gemv<float>;
 template [[host_name("int4_gemv_f16")]] [[kernel]] decltype(int4_gemv<half>) int4_gemv<half>;
+template [[host_name("int4_gemv_rms_f32")]] [[kernel]] decltype(int4_gemv_rms<float>) int4_gemv_rms<float>;
+template [[host_name("int4_gemv_rms_f16")]] [[kernel]] decltype(int4_gemv_rms<half>) int4_gemv_rms<half>;
 template [[host_name("int4_gemm_f32")]] [[kernel]] decltype(int4_gemm<float>) int4_gemm<float>;
 template [[host_name("int4_gemm_f16")]] [[kernel]] decltype(int4_gemm<half>) int4_gemm<half>;

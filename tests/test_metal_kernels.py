@@ -220,15 +220,17 @@ def run_rope(runner, q, k, v, pos, cos_sin, cache, slots, order="forward"):
   return q_out.numpy(), tuple(x.numpy() for x in written.tensors())
 
 
-def run_int4(runner, x, packed, scales, biases, g, order="forward"):
+def run_int4(runner, x, packed, scales, biases, g, order="forward", norm=None):
+  """norm: (weight, eps) for RMSNorm(x) * weight before the matmul (int4_gemv_rms for M <= 8)."""
   if runner == "direct":
-    launch = M.int4_launch(x.shape[0], packed.shape[0], x.shape[1], g, dtypes.float16 if x.dtype == np.float16 else dtypes.float32)
+    launch = M.int4_launch(x.shape[0], packed.shape[0], x.shape[1], g, dtypes.float16 if x.dtype == np.float16 else dtypes.float32,
+                           None if norm is None else norm[1])
     y = np.zeros((x.shape[0], packed.shape[0]), x.dtype)
-    direct_run(launch, [x, packed, scales, biases, y], order)
+    direct_run(launch, [x, *([] if norm is None else [norm[0]]), packed, scales, biases, y], order)
     return y
   dev = "METAL" if runner == "metal" else "CPU"
   t = [Tensor(a, device=dev).realize() for a in (x, packed, scales, biases)]
-  return M.int4_matmul(*t, g, backend=runner).numpy()
+  return M.int4_matmul(*t, g, backend=runner, norm=None if norm is None else (Tensor(norm[0], device=dev).realize(), norm[1])).numpy()
 
 
 # **** cases: build inputs, run, compare ****
@@ -346,6 +348,22 @@ def int4_case(runner, m, n, k, g, xdt, seed=0, order="forward"):
 
 INT4_SHAPES = [(1, 72, 256), (3, 64, 512), (8, 40, 384), (9, 40, 256), (40, 72, 256), (65, 33, 128)]
 
+
+def int4_rms_case(runner, m, n, k, g, xdt, seed=0, order="forward"):
+  """RMSNorm(x) * weight @ W^T against float64 numpy: rows of x scaled far from unit RMS (0.05 .. 20), so a norm
+  left out or applied twice is off by orders of magnitude."""
+  rng = np.random.default_rng(seed)
+  packed, scales, biases, w = quantize_int4(rng, n, k, g)
+  x = (rng.standard_normal((m, k)) * np.geomspace(0.05, 20, m)[:, None]).astype(NP[xdt])
+  nw, eps = (1 + 0.5 * rng.standard_normal(k)).astype(NP[xdt]), 1e-5
+  x64 = x.astype(np.float64)
+  xn = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * nw.astype(np.float64)
+  y = run_int4(runner, x, packed, scales, biases, g, order, norm=(nw, eps))
+  assert y.dtype == x.dtype and y.shape == (m, n)
+  err = rel_err(y, xn @ w.T)
+  assert err < tol(xdt), err
+  return err
+
 # **** tests ****
 
 
@@ -397,6 +415,14 @@ def test_int4_matmul(shape, g, xdt):
   m, n, k = shape
   if k % g: pytest.skip("K must be a multiple of the group size")
   int4_case("direct", m, n, k, g, xdt)
+
+
+@pytest.mark.parametrize("xdt", [dtypes.float32, dtypes.float16], ids=lambda d: d.name)
+@pytest.mark.parametrize("shape", [(1, 72, 256), (3, 64, 512), (8, 40, 384), (9, 40, 256)], ids=lambda s: "x".join(map(str, s)))
+def test_int4_matmul_of_rms_normed_x(shape, xdt):
+  """int4_gemv_rms (the norm inside the GEMV, M <= 8) through the emulator, and M = 9 through tinygrad's norm + GEMM."""
+  m, n, k = shape
+  int4_rms_case("direct" if m <= M.GEMV_MAX_M else "emulator", m, n, k, 64, xdt)
 
 
 def test_decode_long_context_partitions_automatically():
@@ -560,7 +586,7 @@ def test_int4_gemv_lane_layouts(k, n, lanes, g, xdt):
   """The GEMV's team width is chosen for K and every M of 1..8 matches the reference, including the N tail."""
   if k % g: pytest.skip("K must be a multiple of the group size")
   launch = M.int4_launch(1, n, k, g, xdt)
-  assert launch.kernel.startswith("int4_gemv_") and launch.params[-1] == lanes
+  assert launch.kernel.startswith("int4_gemv_") and launch.params[4] == lanes   # (M, N, K, group_size, team_lanes, eps)
   assert launch.grid[0] == -(-n // (256 // lanes)) and launch.grid[0] * (256 // lanes) > n
   for m in range(1, M.GEMV_MAX_M + 1): int4_case("direct", m, n, k, g, xdt, seed=m)
 

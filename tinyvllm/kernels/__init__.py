@@ -146,6 +146,11 @@ class Kernels:
     if self.cpu and x.dtype == dtypes.float32 and x.shape[-1] % 8 == 0: return cpu.rms_norm(x, weight, eps)
     return portable.rms_norm(x, weight, eps)
 
+  def norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights) -> Tensor:
+    """RMSNorm(x) * norm_weight @ W^T (+ bias): where a backend's matmul can norm x itself, one kernel instead of three
+    (the norm's reduction, its application, the matmul)."""
+    return self.linear(self.rms_norm(x, norm_weight, eps), w)
+
   def linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     """x `[T, in]` @ W^T (+ bias), W in any stored format (quant/formats.py)."""
     if w.format == INT8: y = self.q8_linear(x, w)
@@ -258,6 +263,11 @@ class ShaderKernels(Kernels):
 
   def int4_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders)
+
+  def norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights) -> Tensor:
+    if w.format != INT4 or x.shape[0] > metal.GEMV_MAX_M: return super().norm_linear(x, norm_weight, eps, w)
+    y = metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, norm=(norm_weight, eps))
+    return y if w.bias is None else y + w.bias
 
   def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, qk_norms=None):
     if qk_norms is not None:   # q and k normed head by head first (Qwen3): the shader reads the row rebuilt from them

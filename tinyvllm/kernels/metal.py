@@ -34,6 +34,7 @@ from tinygrad.dtype import DType
 from tinygrad.uop.ops import KernelInfo, Ops
 
 from tinyvllm.kernels.kv_cache import PagedKVCache
+from tinyvllm.kernels.portable import rms_norm
 
 DTYPE_NAMES = {dtypes.float32: "f32", dtypes.float16: "f16", dtypes.int8: "i8"}   # int8: KV caches only
 ACTIVATION_DTYPES = (dtypes.float32, dtypes.float16)
@@ -141,18 +142,21 @@ def prefill_launch(num_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int
                 (math.ceil(num_tokens / tq), n_kv_heads, 1), (128, 1, 1))
 
 
-def int4_launch(m: int, n: int, k: int, group_size: int, x_dtype: DType) -> Launch:
+def int4_launch(m: int, n: int, k: int, group_size: int, x_dtype: DType, norm_eps: float | None = None) -> Launch:
+  """`norm_eps`: the GEMV of RMSNorm(x) * norm_weight with this epsilon (int4_gemv_rms, M <= GEMV_MAX_M only)."""
   if group_size not in GROUP_SIZES or k % group_size: raise ValueError(f"group_size {group_size} must be in {GROUP_SIZES} and divide K={k}")
   bufs = ("x", "w_packed", "scales", "biases", "y")
-  if m <= GEMV_MAX_M:
-    # a lane takes 16 codes of 4 rows per step; teams of `lanes` lanes share 4 rows: the width that leaves the fewest
-    # lane-steps idle for K/16 chunks per row wins, ties to the widest (K=576: 8 lanes, 90% busy; 2048: 32, 100%)
-    lanes = min((32, 16, 8), key=lambda t: t * math.ceil(k // 16 / t))
-    rows = 2 * (32 // lanes) * 4  # per threadgroup: 2 SIMD-groups of 32/lanes teams of 4 rows
-    return Launch("int4_matmul.metal", f"int4_gemv_{_dt(x_dtype)}", bufs, (m, n, k, group_size, lanes),
-                  (math.ceil(n / rows), 1, 1), (64, 1, 1))
-  return Launch("int4_matmul.metal", f"int4_gemm_{_dt(x_dtype)}", bufs, (m, n, k, group_size, 32),
-                (math.ceil(n / 32), math.ceil(m / 32), 1), (128, 1, 1))
+  if m > GEMV_MAX_M:
+    if norm_eps is not None: raise ValueError(f"the normed GEMV takes at most {GEMV_MAX_M} rows, got {m}")
+    return Launch("int4_matmul.metal", f"int4_gemm_{_dt(x_dtype)}", bufs, (m, n, k, group_size, 32, 0),
+                  (math.ceil(n / 32), math.ceil(m / 32), 1), (128, 1, 1))
+  # a lane takes 16 codes of 4 rows per step; teams of `lanes` lanes share 4 rows: the width that leaves the fewest
+  # lane-steps idle for K/16 chunks per row wins, ties to the widest (K=576: 8 lanes, 90% busy; 2048: 32, 100%)
+  lanes = min((32, 16, 8), key=lambda t: t * math.ceil(k // 16 / t))
+  grid = (math.ceil(n / (2 * (32 // lanes) * 4)), 1, 1)   # per threadgroup: 2 SIMD-groups of 32/lanes teams of 4 rows
+  if norm_eps is None: return Launch("int4_matmul.metal", f"int4_gemv_{_dt(x_dtype)}", bufs, (m, n, k, group_size, lanes, 0), grid, (64, 1, 1))
+  return Launch("int4_matmul.metal", f"int4_gemv_rms_{_dt(x_dtype)}", ("x", "norm_weight") + bufs[1:],
+                (m, n, k, group_size, lanes, _f32_bits(norm_eps)), grid, (64, 1, 1))
 
 
 # ---------------------------------------------------------------------------------------------- backends
@@ -366,19 +370,24 @@ def rope_and_cache_write(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: 
   return res[4], cache.written(*res[5:])
 
 
-def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, *, backend: str | _Backend) -> Tensor:
+def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, *, backend: str | _Backend,
+                norm: tuple[Tensor, float] | None = None) -> Tensor:
   """y = x @ W^T with W [N, K] stored as 4-bit affine groups (see docs/kernels.md).
 
   Args:
     x: [M, K] float32/float16; w_packed: uint32 [N, K/8] (lowest k in the lowest nibble);
     scales, biases: float16 [N, K/group_size]; w = scale * q + bias.
+    norm: (weight [K], eps): y = RMSNorm(x) * weight @ W^T, the norm computed inside the GEMV (M <= 8; a larger M is
+      normed first by tinygrad, as portable.rms_norm does).
   Returns: [M, N] in x's dtype. M <= 8 uses the GEMV kernel, larger M the tiled GEMM.
   """
   b = _prepare(backend)
   M, K = x.shape
   N = w_packed.shape[0]
   if w_packed.shape[1] * 8 != K: raise ValueError(f"w_packed {w_packed.shape} does not match K={K}")
-  launch = int4_launch(M, N, K, group_size, x.dtype)
+  if norm is not None and M > GEMV_MAX_M: x, norm = rms_norm(x, norm[0], norm[1]), None
+  launch = int4_launch(M, N, K, group_size, x.dtype, None if norm is None else norm[1])
+  weights = [w_packed.contiguous(), scales.cast(dtypes.float16).contiguous(), biases.cast(dtypes.float16).contiguous()]
+  if norm is not None: weights.insert(0, norm[0].cast(x.dtype).contiguous())
   y = Tensor.empty(M, N, dtype=x.dtype, device=x.device)
-  return b.run(launch, x.contiguous(), w_packed.contiguous(), scales.cast(dtypes.float16).contiguous(),
-               biases.cast(dtypes.float16).contiguous(), y)[4]
+  return b.run(launch, x.contiguous(), *weights, y)[-1]

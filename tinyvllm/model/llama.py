@@ -74,6 +74,12 @@ class LlamaLayer:
     if len(parts) == 1: return self.kernels.linear(x, parts[0])
     return Tensor.cat(*(self.kernels.linear(x, part) for part in parts), dim=1)
 
+  def normed_linear(self, name: str, h: Tensor, norm: str) -> Tensor:
+    """Projection `name` of RMSNorm(h) * weights[norm]: one kernel where the backend norms x inside its matmul."""
+    parts, eps = projection_parts(self.linears, name), self.cfg.rms_norm_eps
+    if len(parts) == 1: return self.kernels.norm_linear(h, self.weights[norm], eps, parts[0])
+    return self.linear(name, self.kernels.rms_norm(h, self.weights[norm], eps))
+
   def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None) -> Tensor:
     """h `[T, hidden]` -> the layer's output, written into `out` when given (a realized buffer)."""
     cfg, kn, w = self.cfg, self.kernels, self.weights
@@ -88,7 +94,7 @@ class LlamaLayer:
   def _compose(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None) -> Tensor:
     cfg, kn, w = self.cfg, self.kernels, self.weights
     H, KVH = cfg.num_attention_heads, cfg.num_key_value_heads
-    qkv = self.linear("self_attn.qkv_proj", kn.rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps))
+    qkv = self.normed_linear("self_attn.qkv_proj", h, "input_layernorm.weight")
     qk_norms = (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"], cfg.rms_norm_eps) if cfg.qk_norm else None
     q, cache = kn.rope_and_cache_write(qkv, H, KVH, inp.positions, cos_sin, cache, inp.slot_mapping, qk_norms)
     outs, start = [], 0
@@ -98,7 +104,7 @@ class LlamaLayer:
     attn = self.linear("self_attn.o_proj", outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:]))   # [T, H * D]
     if cfg.sandwich_norms: attn = kn.rms_norm(attn, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
     h = h + attn
-    gate_up = self.linear("mlp.gate_up_proj", kn.rms_norm(h, w[self.mlp_norm], cfg.rms_norm_eps))
+    gate_up = self.normed_linear("mlp.gate_up_proj", h, self.mlp_norm)
     # materialise the activation: fused into the down projection it is recomputed for every output row
     mlp = self.linear("mlp.down_proj", kn.glu(gate_up, cfg.intermediate_size, cfg.hidden_act).contiguous())
     if cfg.sandwich_norms: mlp = kn.rms_norm(mlp, w["post_feedforward_layernorm.weight"], cfg.rms_norm_eps)
@@ -253,8 +259,7 @@ class Llama:
     return rows * Tensor(self.cfg.hidden_size ** 0.5, dtype=self.dtype, device=rows.device)
 
   def logits(self, h: Tensor, rows: Tensor) -> Tensor:
-    h = self.kernels.rms_norm(h[rows], self.norm, self.cfg.rms_norm_eps)            # (R, hidden)
-    logits = self.kernels.linear(h, self.lm_head).float()
+    logits = self.kernels.norm_linear(h[rows], self.norm, self.cfg.rms_norm_eps, self.lm_head).float()   # (R, vocab)
     if (cap := self.cfg.final_logit_softcapping) is not None: logits = (logits / cap).tanh() * cap
     # tensor parallel: each device's share of the vocabulary (or a whole copy), gathered on the first device
     return logits if isinstance(logits.device, str) else logits.to(logits.device[0])
