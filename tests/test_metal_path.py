@@ -43,6 +43,15 @@ while engine.has_unfinished_requests():
   counters.reset()
   engine.step()
   steps.append(counters.snapshot())
+# the benchmark's count of the kernels a step launched (runner.launch_times), beside the device's, on a replayed step
+times = engine.runner.launch_times
+times.enabled = True
+engine.add_request("timed", prompts[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+while engine.has_unfinished_requests():
+  counters.reset()
+  before = times.kernels
+  engine.step()
+  steps[-1]["timed_step"] = {"runner_kernels": times.kernels - before, "launches": counters.snapshot()["launches"]}
 print("RESULT " + json.dumps({"backend": engine.kernel_backend, "dtype": str(engine.runner.model.dtype.name),
                               "tokens": [tokens[i] for i in range(len(prompts))], "steps": steps}))
 """
@@ -93,6 +102,8 @@ def check_decode_step(steps: list[dict], quant: str):
   step = steps[-1]
   assert step["launches"] > 0 and step["command_buffers"] > 0
   assert step["launches"] <= LAYERS * PER_LAYER[quant] + OUTSIDE_LAYERS, f"more launches per decode step than before: {step}"
+  timed = step["timed_step"]   # a replayed step of another request, the same shape
+  assert timed["runner_kernels"] == timed["launches"] == step["launches"], f"the benchmark's kernels per step miscount the device's: {step}"
   assert step["copies_in"] <= 1, f"host->device copies inside a replayed decode step: {step}"
   assert step["synchronizes"] <= 2, f"GPU waits beyond the input upload and the logits readback: {step}"
   # layers alternate between two captured graphs: re-running one waits only for the layer before last, while the

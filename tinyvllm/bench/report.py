@@ -89,13 +89,14 @@ def print_table(records: list[dict], file=None) -> None:
   for r in cpu:
     t = r["time_per_token"]
     print(f"  {r['kind']} B={r['batch_size']} ctx={r['context_len']}: compute {t['compute_ms']:.2f}, sync {t['sync_ms']:.2f} "
-          f"(pool {t['thread_pool_wait_ms']:.2f}, copies {t['device_copies_ms']:.2f}), host {t['host_ms']:.2f}", file=file)
+          f"(pool {t['thread_pool_wait_ms']:.2f}, copies {t['device_copies_ms']:.2f}), host {t['host_ms']:.2f}; "
+          f"{t['kernels_per_step']:.0f} kernels per step", file=file)
   if gpu: print("time per token (ms): host (Python: scheduling, inputs, launches, sampling; the GPU runs meanwhile), of it "
                 "launches, waiting for the GPU, and the GPU's busy time (profiled steps, timed by the GPU)", file=file)
   for r in gpu:
     t = r["time_per_token"]
     print(f"  {r['kind']} B={r['batch_size']} ctx={r['context_len']}: host {t['host_ms']:.3f} (launches {t['launch_ms']:.3f}), "
-          f"waiting {t['gpu_wait_ms']:.3f}, GPU {_fmt(t['gpu_ms'], '.3f')}", file=file)
+          f"waiting {t['gpu_wait_ms']:.3f}, GPU {_fmt(t['gpu_ms'], '.3f')}; {t['kernels_per_step']:.0f} kernels per step", file=file)
   serving = [r for r in records if r["kind"] == "serving"]
   for r in serving:
     print(f"serving: {r['num_requests']} requests at {r['request_rate']:g}/s, prompts {r['prompt_lens'][0]}-{r['prompt_lens'][1]}, "

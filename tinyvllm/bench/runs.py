@@ -60,6 +60,7 @@ class StepLog:
   seconds: float = 0.0
   steps: int = 0
   traffic: Traffic = field(default_factory=Traffic)
+  kernels: int = 0
   kernel_seconds: float = 0.0
   copy_seconds: float = 0.0
   pool_wait_seconds: float = 0.0
@@ -72,10 +73,11 @@ class StepLog:
     between devices) and host (Python: scheduling, inputs, sampling, output; launches). GPU: host (everything but the
     wait for the GPU; launches included), of it launches, the wait for the GPU, and the GPU's busy time (profiled)."""
     ms = lambda sec, n=tokens: 1e3 * sec / max(n, 1)
+    per_step = {"kernels_per_step": self.kernels / max(self.steps, 1)}
     if gpu:
-      return {"host_ms": ms(self.seconds - self.wait_seconds), "launch_ms": ms(self.kernel_seconds), "gpu_wait_ms": ms(self.wait_seconds),
+      return per_step | {"host_ms": ms(self.seconds - self.wait_seconds), "launch_ms": ms(self.kernel_seconds), "gpu_wait_ms": ms(self.wait_seconds),
               "gpu_ms": ms(self.device_seconds, self.profiled_tokens) if self.profiled_tokens else None}
-    return {"compute_ms": ms(self.kernel_seconds - self.pool_wait_seconds), "sync_ms": ms(self.pool_wait_seconds + self.copy_seconds),
+    return per_step | {"compute_ms": ms(self.kernel_seconds - self.pool_wait_seconds), "sync_ms": ms(self.pool_wait_seconds + self.copy_seconds),
             "thread_pool_wait_ms": ms(self.pool_wait_seconds), "device_copies_ms": ms(self.copy_seconds),
             "host_ms": ms(self.seconds - self.kernel_seconds - self.copy_seconds)}
 
@@ -121,7 +123,7 @@ class Driver:
 
   def run_step(self, log: StepLog | None = None) -> list:
     before = {id(s): (s, s.num_computed_tokens) for s in self.live()}
-    kernels, copies, wait, gpu_wait = self.times.kernel_seconds, self.times.copy_seconds, self.pool_wait(), self.times.wait_seconds
+    launched, kernels, copies, wait, gpu_wait = self.times.kernels, self.times.kernel_seconds, self.times.copy_seconds, self.pool_wait(), self.times.wait_seconds
     t = time.perf_counter()
     outs = self.engine.step()
     dt = time.perf_counter() - t
@@ -130,6 +132,7 @@ class Driver:
       work = [(c, s.num_computed_tokens - c) for s, c in before.values() if s.num_computed_tokens > c]
       log.seconds += dt
       log.steps += 1
+      log.kernels += self.times.kernels - launched
       log.kernel_seconds += self.times.kernel_seconds - kernels
       log.copy_seconds += self.times.copy_seconds - copies
       log.pool_wait_seconds += self.pool_wait() - wait

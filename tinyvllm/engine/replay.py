@@ -170,6 +170,13 @@ class Replay:
     return plan
 
 
+def _programs(u: UOp) -> int:
+  """Kernels in a capture's calls (`CapturedJit.linear`): a PROGRAM is one, a GPU graph (CUSTOM_FUNCTION) holds its own
+  linear of them."""
+  if u.op is Ops.PROGRAM: return 1
+  return sum(_programs(x) for x in u.src)
+
+
 @dataclass
 class LaunchTimes:
   """Seconds spent in kernels and in copies between devices (tensor parallelism's all-reduces) by the runner's
@@ -179,8 +186,10 @@ class LaunchTimes:
   On a GPU a launch only queues work, so `kernel_seconds` is the host's time to launch; `wait_seconds` is the time the
   host then waited for the GPU (the runner times its synchronize before reading the logits), and with `profile` set
   every call waits for the GPU and adds the GPU's own time for it (tinygrad's event timing) to `device_seconds`:
-  that serializes host and GPU, so only a separate, profiled step sets it."""
+  that serializes host and GPU, so only a separate, profiled step sets it. `kernels` counts the kernels launched
+  (inside a GPU graph too: each is a launch the device pays for)."""
   enabled: bool = False
+  kernels: int = 0
   kernel_seconds: float = 0.0
   copy_seconds: float = 0.0
   wait_seconds: float = 0.0
@@ -207,6 +216,7 @@ class BoundReplay:
                     for rt, specs, info, device_vars in replay.plan]
     self.launches: dict[tuple, list[Callable[[], None]]] = {}   # variable values -> each step's launch
     self.ret = captured.ret
+    self.kernel_count = sum(rt is not None for rt, *_ in self.steps) if self.steps is not None else _programs(captured.linear)
 
   def __call__(self, var_vals: dict[str, int]) -> Tensor | tuple[Tensor, ...]:
     """Run with `var_vals` (variable name -> value)."""
@@ -227,6 +237,7 @@ class BoundReplay:
     """__call__ with each launch timed into self.times (kernels and copies apart); TinyJit's path counts as kernels.
     Profiling, each call waits for the device and its device time is added to device_seconds."""
     times = self.times
+    times.kernels += self.kernel_count
     if self.steps is None:
       t = time.perf_counter()
       if times.profile: times.device_seconds += self._run_waiting(var_vals)
