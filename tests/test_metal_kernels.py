@@ -425,6 +425,15 @@ def test_int4_matmul_of_rms_normed_x(shape, xdt):
   int4_rms_case("direct" if m <= M.GEMV_MAX_M else "emulator", m, n, k, 64, xdt)
 
 
+def test_int4_matmul_refuses_a_norm_weight_of_another_length():
+  rng = np.random.default_rng(3)
+  packed, scales, biases, _ = quantize_int4(rng, 8, 128, 64)
+  t = lambda a: Tensor(a).realize()
+  with pytest.raises(ValueError, match="norm weight"):
+    M.int4_matmul(t(rng.standard_normal((1, 128)).astype(np.float32)), t(packed), t(scales), t(biases), 64, backend="emulator",
+                  norm=(t(np.ones(64, np.float32)), 1e-5))
+
+
 def test_decode_long_context_partitions_automatically():
   ls = M.decode_launches(2, 8, 2, 64, 16, 100, dtypes.float16, dtypes.float16, 0.125)
   assert [l.kernel for l in ls] == ["paged_attention_decode_partitioned_f16_f16_64_g4", "paged_attention_reduce_f16"]

@@ -385,6 +385,7 @@ def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, gro
   M, K = x.shape
   N = w_packed.shape[0]
   if w_packed.shape[1] * 8 != K: raise ValueError(f"w_packed {w_packed.shape} does not match K={K}")
+  if norm is not None and tuple(norm[0].shape) != (K,): raise ValueError(f"norm weight {norm[0].shape} does not match K={K}")
   if norm is not None and M > GEMV_MAX_M: x, norm = rms_norm(x, norm[0], norm[1]), None
   launch = int4_launch(M, N, K, group_size, x.dtype, None if norm is None else norm[1])
   weights = [w_packed.contiguous(), scales.cast(dtypes.float16).contiguous(), biases.cast(dtypes.float16).contiguous()]
