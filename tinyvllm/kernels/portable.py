@@ -35,35 +35,36 @@ def rope(x: Tensor, cos_sin: Tensor) -> Tensor:
   return (x1 * cos - x2 * sin).cat(x2 * cos + x1 * sin, dim=-1)
 
 
-def _cache_write_kernel(columns: tuple[tuple[int, int], ...], *bufs: UOp) -> UOp:
-  """caches[i][slot] = its row of token t, for every t with a slot in range and every cache, in one kernel (bufs: the
-  caches, the row tensors, the slots; cache i's row is `prod(cache.shape[2:])` values from column columns[i][1] of row
-  tensor columns[i][0], each tensor's rows flattened). Padding tokens carry slot -1 and write nothing. A slot's row
-  is everything after a cache's first two axes (block, offset): `[KVH, D]` of K or V, `[KVH]` of scales."""
-  n = len(columns)
+def _cache_write_kernel(n: int, *bufs: UOp) -> UOp:
+  """caches[i][slot] = its row of token t, for every t with a slot in range and each of the n caches, in one kernel
+  (bufs: the caches, their row tensors, the slots). A cache's row is everything after its first two axes (block,
+  offset): `[KVH, D]` of K or V, `[KVH]` of scales. The rows are one tensor `[T, ...]` per cache, or one `[T, n, ...]`
+  holding every cache's row side by side (offsets follow from the shapes, so a sharded device's smaller rows work
+  alike). Padding tokens carry slot -1 and write nothing."""
   caches, rows, slots = bufs[:n], bufs[n:-1], bufs[-1]
   stores = []
-  for i, (cache, (src, col)) in enumerate(zip(caches, columns)):
-    row_size, width, T = math.prod(cache.shape[2:]), math.prod(rows[src].shape[1:]), rows[src].shape[0]
+  for i, cache in enumerate(caches):
+    src = rows[i] if len(rows) == n else rows[0]
+    row_size, width, T = math.prod(cache.shape[2:]), math.prod(src.shape[1:]), src.shape[0]
+    first = 0 if len(rows) == n else i * row_size
     t, e = UOp.range(T, 2 * i), UOp.range(row_size, 2 * i + 1)
     slot = slots[t]
     # guard the index itself: 0.14 rejects gated stores on an INDEX built from a multi-dim subscript
     dst = cache.flatten()[(slot * row_size + e).valid((slot >= 0) & (slot < cache.shape[0] * cache.shape[1]))]
-    stores.append(dst.store(rows[src].flatten()[t * width + col + e].cast(cache.dtype)).end(t, e))
+    stores.append(dst.store(src.flatten()[t * width + first + e].cast(cache.dtype)).end(t, e))
   name = "_".join(f"{math.prod(c.shape[2:])}{c.dtype.name}" for c in caches)
   return UOp.sink(*stores, arg=KernelInfo(name=f"kv_cache_write_{rows[0].shape[0]}_{name}", opts_to_apply=()))
 
 
-def write_kv(caches: list[Tensor], rows: list[Tensor], slot_mapping: Tensor, columns: list[tuple[int, int]] | None = None) -> list[Tensor]:
+def write_kv(caches: list[Tensor], rows: list[Tensor], slot_mapping: Tensor) -> list[Tensor]:
   """Scatter each token's rows into caches `[NB, BS, ...]` at slot_mapping `[T]`, in place, every cache in one kernel
-  (K and V and their scales: one launch per layer, not two or four). Cache i's row comes from rows[i] `[T, ...]`, or
-  with `columns`, from column columns[i][1] of rows[columns[i][0]] (several caches' rows side by side in one tensor).
+  (K and V and their scales: one launch per layer, not two or four). `rows`: rows[i] `[T, ...]` for cache i, or a
+  single `[T, len(caches), ...]` with every cache's row side by side.
 
   Returns the caches ordered after the write; read them through the returned tensors. Writing with
   `cache[...].assign(...)` instead rewrites the whole cache each step (cost grows with the cache)."""
-  columns = tuple(columns or ((i, 0) for i in range(len(caches))))
   return Tensor.custom_kernel(*caches, *(r.contiguous() for r in rows), slot_mapping,
-                              fxn=functools.partial(_cache_write_kernel, columns))[:len(caches)]
+                              fxn=functools.partial(_cache_write_kernel, len(caches)))[:len(caches)]
 
 
 def quantize(rows: Tensor, levels: int) -> tuple[Tensor, Tensor]:
@@ -95,12 +96,8 @@ def rotate(x: Tensor, head_dim: int) -> Tensor:
 
 def write_cache(cache: PagedKVCache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> PagedKVCache:
   """Write K and V rows `[T, KVH, D]` into their slots, quantized (and rotated) when the cache is."""
-  if not cache.quantized:
-    if isinstance(k.device, tuple): return cache.written(*write_kv([cache.k, cache.v], [k, v], slot_mapping))   # heads sharded
-    # rotated k and v side by side: one kernel makes the rows (not one copy each), one writes both caches
-    T = k.shape[0]
-    rows = k.reshape(T, -1).cat(v.reshape(T, -1), dim=1)
-    return cache.written(*write_kv([cache.k, cache.v], [rows], slot_mapping, [(0, 0), (0, math.prod(k.shape[1:]))]))
+  if not cache.quantized:   # rotated k and v side by side: one kernel makes the rows (not one copy each), one writes both
+    return cache.written(*write_kv([cache.k, cache.v], [k.stack(v, dim=1)], slot_mapping))
   (kq, ks), (vq, vs) = (_quantized(x, int4, rotated, cache.head_dim)
                         for x, int4, rotated in ((k, cache.k_int4, cache.k_rotated), (v, cache.v_int4, cache.v_rotated)))
   return cache.written(*write_kv([cache.k, cache.v, cache.k_scale, cache.v_scale], [kq, vq, ks, vs], slot_mapping))
