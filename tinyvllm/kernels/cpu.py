@@ -683,6 +683,9 @@ def _packed_gemv_body(N: int, K: int, spec, wide: bool = False) -> str:
            "_mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)&gs[r][2 * c]))), pair)")
   bias8 = "" if spec.symmetric else f"bacc = _mm256_fmadd_ps(_mm256_fmadd_ps(Sv, _mm256_set1_ps({c}.0f), Bv), _mm256_loadu_ps(xg + g), bacc);"
   bias1 = "" if spec.symmetric else f"bs += (B[0] + {c}.0f * S[0]) * xg[g];"
+  # each loop's step, per weight row: the same position of the row in the next tile (run c's nibbles, its high bits)
+  prefetch = (f"_mm_prefetch((const char *)(wr[r] + {4 * RW * 4}) + c * 16, _MM_HINT_T0);" +
+              (f" if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {4 * RW * 4}) + (c / {R}) * 32, _MM_HINT_T0);" if HB else ""))
   gidx = ", ".join(str(((j // 8) * 32 + 4 * (j % 8)) // G) for j in range(16))
   wide_lanes = (f"_mm512_set1_ps(gs[r][c * 32 / {G}])" if G >= 64 else
                 f"_mm512_permutexvar_ps(gidx, _mm512_castps128_ps512(_mm_loadu_ps(&gs[r][c * 32 / {G}])))")
@@ -702,8 +705,7 @@ def _packed_gemv_body(N: int, K: int, spec, wide: bool = False) -> str:
       __m512i x0 = _mm512_loadu_si512((const void *)&xc[c]);   /* xc[c], xc[c + 1] */
       {f"const __m512i hsv = _mm512_add_epi16(hbase, _mm512_set1_epi16({HB} * (c % {R})));" if HB else ""}
       for (int r = 0; r < 4; r++) {{
-        _mm_prefetch((const char *)(wr[r] + {4 * RW * 4}) + c * 16, _MM_HINT_T0);   /* the same row of the next tile */
-        {f"if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {4 * RW * 4}) + (c / {R}) * 32, _MM_HINT_T0);" if HB else ""}
+        {prefetch}
         __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wr[r] + c * 16)));
         __m512i qe = _mm512_and_si512(v, nib512), qo = _mm512_srli_epi16(v, 4);{wide_high}
         __m512i a = TV_DPWSSD512(TV_DPWSSD512(x0, qe, xe), qo, xo);
@@ -717,8 +719,7 @@ def _packed_gemv_body(N: int, K: int, spec, wide: bool = False) -> str:
       __m256i xe = _mm256_load_si256((const __m256i *)(xq + c * 32)), xo = _mm256_load_si256((const __m256i *)(xq + c * 32 + 16));
       {f"const __m128i hsh = _mm_cvtsi32_si128({HB} * (c % {R}));   /* run c's bits in its block's bytes */" if HB else ""}
       for (int r = 0; r < 4; r++) {{
-        _mm_prefetch((const char *)(wr[r] + {4 * RW * 4}) + c * 16, _MM_HINT_T0);   /* the same row of the next tile */
-        {f"if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {4 * RW * 4}) + (c / {R}) * 32, _MM_HINT_T0);" if HB else ""}
+        {prefetch}
         __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr[r] + c * 16)));
         __m256i qe = _mm256_and_si256(v, nib), qo = _mm256_srli_epi16(v, 4);{high}
         __m256i a = TV_DPWSSD(TV_DPWSSD(xc[c], qe, xe), qo, xo);   /* xc holds -c * sum x */
