@@ -1,8 +1,10 @@
 """The packed linear's kernels (GGUF k-quants, Q5_0/Q5_1, MLX 5/6/8-bit: quant/blocks.py) against float64 numpy on the
 exactly dequantized weights: the CPU C kernel (AVX2 GEMV and GEMM, and its plain-C branch), the portable kernel.
 
-Bound: float32 summation, 4 K 2^-24 (|x| . (|S| q + |B|)) per output; the GEMV rounds x to 16 bits per max(G, 32)
-inputs, adding half a 16-bit step of each input times |S (q - c)| (c = 2^(bits-1), the centre the codes are taken from).
+Bound: float32 summation, 4 K 2^-24 (|x| . (|S| q + |B|)) per output; the AVX2 kernels (GEMV and GEMM alike) round x
+to 16 bits per max(G, 32) inputs, adding half a 16-bit step of each input times |S (q - c)| (c = 2^(bits-1), the
+centre the codes are taken from). Every branch computes a row the same way for any number of rows: the GEMM's rows
+equal the GEMV's bit for bit (batch invariance).
 Rows of 416 and 160 inputs end in a partly filled block of high bits (13 and 5 runs of 32), and 13 groups exercise the
 GEMV's 8-groups-at-a-time scales and its one-at-a-time tail together."""
 from __future__ import annotations
@@ -67,7 +69,21 @@ def tensors(parts: dict, spec) -> LinearWeights:
 def test_cpu_kernel(name, parts, spec, M):
   from tinyvllm.kernels import cpu
   x = np.random.default_rng(M).standard_normal((M, inputs(parts, spec))).astype(np.float32)
-  check(cpu.packed_linear(Tensor(x), tensors(parts, spec)).numpy(), x, parts, spec, x16=M == 1)
+  check(cpu.packed_linear(Tensor(x), tensors(parts, spec)).numpy(), x, parts, spec, x16=True)
+
+
+@pytest.mark.parametrize("name,parts,spec", CASES, ids=IDS)
+@pytest.mark.parametrize("M", [2, 5, 70])
+def test_cpu_rows_as_alone(name, parts, spec, M):
+  """Batch invariance: each row of the GEMM equals the GEMV of that row alone, bit for bit (x's rounding, the integer
+  products, the float sums in the same order)."""
+  from tinyvllm.kernels import cpu
+  x = np.random.default_rng(M + 10).standard_normal((M, inputs(parts, spec))).astype(np.float32)
+  x *= np.exp(np.random.default_rng(1).standard_normal(x.shape[1])).astype(np.float32)   # inputs of different sizes
+  lw = tensors(parts, spec)
+  together = cpu.packed_linear(Tensor(x), lw).numpy()
+  alone = np.concatenate([cpu.packed_linear(Tensor(x[m:m + 1]), lw).numpy() for m in range(M)])
+  assert np.array_equal(together, alone), f"rows differ from the GEMV's by up to {np.abs(together - alone).max():.3g}"
 
 
 @pytest.mark.parametrize("name,parts,spec", CASES, ids=IDS)
@@ -87,21 +103,28 @@ COMPILED = ("Q4_K", "Q6_K", "Q5_1", "Q5_0-K416", "affine6g32-K416", "affine8g32-
 
 @pytest.mark.parametrize("name,parts,spec", [CASES[IDS.index(n)] for n in COMPILED], ids=COMPILED)
 @pytest.mark.parametrize("flags,M", [(("-mno-avx2", "-mno-f16c"), 3), (("-march=x86-64-v3",), 1), (("-march=x86-64-v3",), 3),
-                                     (("-march=x86-64-v4",), 1)],
-                         ids=["plain-C", "AVX2-noVNNI-GEMV", "AVX2-noVNNI-GEMM", "AVX512-noVNNI-GEMV"])
+                                     (("-march=x86-64-v4",), 1), (("-march=x86-64-v4",), 3)],
+                         ids=["plain-C", "AVX2-noVNNI-GEMV", "AVX2-noVNNI-GEMM", "AVX512-noVNNI-GEMV", "AVX512-noVNNI-GEMM"])
 def test_compiled_for_other_cpus(name, parts, spec, flags, M):
   """The kernel as other CPUs compile it: the non-AVX2 branch (what arm64 compiles) with AVX2 off, the AVX2 one
-  without VNNI (vpmaddwd + vpaddd where this machine uses vpdpwssd), and the AVX-512 GEMV without VNNI (its rows of
-  an even number of runs; odd ones take the AVX2 loop)."""
+  without VNNI (vpmaddwd + vpaddd where this machine uses vpdpwssd), and the AVX-512 one without VNNI (rows of an even
+  number of runs; odd ones take the AVX2 loop). With several rows, each also equals that CPU's GEMV of the row alone."""
   from tinyvllm.kernels import cpu
   if shutil.which("clang") is None: pytest.skip("clang not found")
   N, K = 37, inputs(parts, spec)
   x = np.random.default_rng(0).standard_normal((M, K)).astype(np.float32)
-  with tempfile.TemporaryDirectory() as d:
-    src, so = Path(d) / "k.c", Path(d) / "k.so"
-    src.write_text(cpu.packed_linear_kernel(M, N, K, spec)[1].replace(cpu.packed_linear_kernel(M, N, K, spec)[0], "k"))
+  arrays = [np.ascontiguousarray(parts[p]) for p in ("weight", "scales", "scale_d", "biases") if p in parts]
+
+  def run(x: np.ndarray, d: str) -> np.ndarray:
+    src, so = Path(d) / f"k{len(x)}.c", Path(d) / f"k{len(x)}.so"
+    name, code = cpu.packed_linear_kernel(len(x), N, K, spec)
+    src.write_text(code.replace(name, "k"))
     subprocess.run(["clang", "-O2", *flags, "-ffreestanding", "-nostdlib", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
-    y = np.zeros((M, N), np.float32)
-    arrays = [np.ascontiguousarray(parts[p]) for p in ("weight", "scales", "scale_d", "biases") if p in parts]
-    ctypes.CDLL(str(so)).k(*[a.ctypes.data_as(ctypes.c_void_p) for a in (y, x, *arrays, np.zeros(2, np.uint64))])
-  check(y, x, parts, spec, x16=M == 1 and "-mno-avx2" not in flags)
+    y = np.zeros((len(x), N), np.float32)
+    ctypes.CDLL(str(so)).k(*[a.ctypes.data_as(ctypes.c_void_p) for a in (y, np.ascontiguousarray(x), *arrays, np.zeros(2, np.uint64))])
+    return y
+
+  with tempfile.TemporaryDirectory() as d:
+    y = run(x, d)
+    check(y, x, parts, spec, x16="-mno-avx2" not in flags)
+    if M > 1: assert np.array_equal(y, np.concatenate([run(x[m:m + 1], d) for m in range(M)]))
