@@ -81,7 +81,8 @@ def main():
         r["fp32_jit_s"] = time_jit(lambda x: cpu.linear_f32(x, tw), [tx], args.reps)
         r["int4_jit_s"] = time_jit(lambda x: cpu.int4_linear(x, tp, ts, tb, G), [tx], args.reps)
         r["fp32_kernel_s"] = time_kernel(cpu._linear_f32_source("f", M, N, K, False), "f", [y, x, w, one_thread], args.reps, tmp, cold=(2,))
-        r["int4_kernel_s"] = time_kernel(cpu._int4_linear_source("q", M, N, K, G), "q", [y, x, p, s.view(np.uint16), b.view(np.uint16), one_thread], args.reps, tmp,
+        name, src = cpu.int4_linear_kernel(M, N, K, G)
+        r["int4_kernel_s"] = time_kernel(src, name, [y, x, p, s.view(np.uint16), b.view(np.uint16), one_thread], args.reps, tmp,
                                        cold=(2, 3, 4))
         if not args.no_portable:
           r["portable_jit_s"] = time_jit(lambda x: portable.int4_linear(x, tp, ts, tb, G), [tx], max(3, args.reps // 5))

@@ -1,6 +1,7 @@
-"""`batch_invariant=True`: a sequence's logits are bitwise the same alone and in any batch, on the CPU device with
-the `cpu` and `portable` backends, for float and 4-bit weights, an int8 KV cache and a GGUF of k-quants, Q5_0/Q5_1 and
-Q8_0 (whose packed GEMM repeats the GEMV's arithmetic on every row), with chunked prefill, packed prefill and preemption.
+"""Batch invariance: a sequence's logits are bitwise the same alone and in any batch, on the CPU device with the `cpu`
+and `portable` backends, for float and 4-bit weights, an int8 KV cache and a GGUF of k-quants, Q5_0/Q5_1 and Q8_0
+(the quantized GEMMs repeat their GEMV's arithmetic on every row), with chunked prefill, packed prefill and preemption.
+It holds without asking (`batch_invariant=True` only makes the engine refuse what cannot promise it).
 Compared: the top-5 logprobs of every generated token (float64 from the float32 logits), greedy and seeded."""
 from __future__ import annotations
 import numpy as np
@@ -33,7 +34,7 @@ def test_logits_bitwise_alone_and_in_any_batch(request, backend, model, quantiza
   path = request.getfixturevalue("tiny_model" if model == "tiny" else "kquant_gguf")
   rng = np.random.default_rng(0)
   prompts = [rng.integers(4, 300, n).tolist() for n in LENGTHS]   # the k-quant model's vocabulary is 300
-  kw = dict(kernel_backend=backend, quantization=quantization, kv_cache_dtype=kv_cache_dtype, batch_invariant=True, enable_prefix_caching=False,
+  kw = dict(kernel_backend=backend, quantization=quantization, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False,
             block_size=8, max_num_batched_tokens=32)                  # prompts read in chunks, several per step
   engine = LLMEngine.from_kwargs(str(path), num_kv_blocks=256, **kw)
   for params in (SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=5),
@@ -45,3 +46,12 @@ def test_logits_bitwise_alone_and_in_any_batch(request, backend, model, quantiza
   small = LLMEngine.from_kwargs(str(path), num_kv_blocks=24, **kw)
   squeezed = [fingerprint(c) for c in generate(small, prompts, params, "small")[:3]]
   assert small.scheduler.num_preemptions > 0 and squeezed == alone
+
+
+def test_batch_invariant_is_refused_where_it_does_not_hold(tiny_model):
+  """Accepted on the cpu and portable kernels of the CPU device; the Metal shaders (here their emulator, on the CPU
+  device) have a GEMV and a GEMM that round differently, so asking for it there is an error naming the option."""
+  from tinyvllm.config import ConfigError
+  LLMEngine.from_kwargs(str(tiny_model), kernel_backend="cpu", batch_invariant=True, num_kv_blocks=16)
+  with pytest.raises(ConfigError, match="batch_invariant=True.*kernel_backend='emulator'"):
+    LLMEngine.from_kwargs(str(tiny_model), kernel_backend="emulator", batch_invariant=True, num_kv_blocks=16)

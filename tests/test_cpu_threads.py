@@ -3,9 +3,9 @@ and end to end, and an idle pool sleeps.
 
 Each row of a linear and each (token, KV head) of attention is computed by one thread the same way whatever its part,
 so the comparisons are exact; the kernels themselves are checked against numpy (relative error, float32 tolerance
-1e-5: float accumulation in a different order than numpy's float64 over K <= 256 terms gives ~1e-7). The 4-bit GEMV
-and the invariant GEMM round x to 16 bits per group of 64 first (kernels/cpu.py), ~3e-5 relative on these Gaussian
-inputs, so they get 1e-4 (x rounded to 8 bits would be ~100x over it)."""
+1e-5: float accumulation in a different order than numpy's float64 over K <= 256 terms gives ~1e-7). The 4-bit and
+packed kernels round x to 16 bits per group first (kernels/cpu.py), ~3e-5 relative on these Gaussian inputs, so they
+get 1e-4 (x rounded to 8 bits would be ~100x over it)."""
 from __future__ import annotations
 import time
 import numpy as np
@@ -15,7 +15,9 @@ from tinyvllm import LLM, SamplingParams
 from tinyvllm.config import ConfigError
 from tinyvllm.kernels import cpu
 from tinyvllm.kernels.threads import ThreadPool
-from tinyvllm.quant import int4
+from tinyvllm.quant import blocks, int4
+from tinyvllm.quant.formats import PACKED, LinearWeights
+from test_blocks import random_ggml
 
 TOL = 1e-5
 TOL_X16 = 1e-4
@@ -38,17 +40,19 @@ def test_linears_split_over_threads(pools, M):
   x, w = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32)
   p, s, b = int4.quantize(w, G)
   codes, sc = rng.integers(-127, 128, (N, K)).astype(np.int8), (rng.random((N, K // 32)) * 0.1 + 0.01).astype(np.float16)
+  k_parts, k_spec = blocks.from_ggml(random_ggml("Q6_K", N, K, rng), "Q6_K", (N, K))
+  q6k = LinearWeights(PACKED, **{k: Tensor(v) for k, v in k_parts.items() if k != "qspec"}, spec=k_spec)
   refs = {"f32": x.astype(np.float64) @ w.T.astype(np.float64),
           "int4": x.astype(np.float64) @ int4.dequantize(p, s, b, G, dtype=np.float64).T,
-          "q8": x.astype(np.float64) @ (codes.astype(np.float64) * np.repeat(sc.astype(np.float64), 32, 1)).T}
+          "q8": x.astype(np.float64) @ (codes.astype(np.float64) * np.repeat(sc.astype(np.float64), 32, 1)).T,
+          "q6_k": x.astype(np.float64) @ blocks.dequantize(k_parts, k_spec).T.astype(np.float64)}
   runs = {"f32": lambda pool: cpu.linear_f32(Tensor(x), Tensor(w), pool=pool),
           "int4": lambda pool: cpu.int4_linear(Tensor(x), Tensor(p), Tensor(s), Tensor(b), G, pool=pool),
-          "int4_invariant": lambda pool: cpu.int4_linear(Tensor(x), Tensor(p), Tensor(s), Tensor(b), G, invariant=True, pool=pool),
-          "q8": lambda pool: cpu.q8_linear(Tensor(x), Tensor(codes), Tensor(sc), pool=pool)}
+          "q8": lambda pool: cpu.q8_linear(Tensor(x), Tensor(codes), Tensor(sc), pool=pool),
+          "q6_k": lambda pool: cpu.packed_linear(Tensor(x), q6k, pool=pool)}
   for name, run in runs.items():
     one = run(None).numpy()
-    x16 = name == "int4_invariant" or name == "int4" and M == 1
-    assert rel_err(one, refs[name.split("_")[0]]) < (TOL_X16 if x16 else TOL), name
+    assert rel_err(one, refs[name]) < (TOL_X16 if name in ("int4", "q6_k") else TOL), name
     for n, pool in pools.items(): assert np.array_equal(run(pool.buffer).numpy(), one), (name, n)
 
 

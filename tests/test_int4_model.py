@@ -21,8 +21,11 @@ def hf_on_dequantized(path, ids) -> np.ndarray:
 
 @pytest.mark.parametrize("backend", ["portable", "emulator"])
 def test_int4_logits_match_dequantized_reference(tiny_model_factory, backend):
-  """Packed weights, exact float maths in the kernels (scale*sum(x*q) + bias*sum(x) per group): only summation
-  order differs from float32 matmuls on the dequantized weights, so the float32 tolerance 1e-4 holds."""
+  """Packed weights through each backend's 4-bit kernels. The Metal shaders (emulated) do exact float maths
+  (scale*sum(x*q) + bias*sum(x) per group): only summation order differs from float32 matmuls on the dequantized
+  weights, so the float32 tolerance 1e-4 holds. On the CPU device the portable backend's linears are our C kernels,
+  which round x to 16 bits per group for their integer products (tests/test_quant.py bounds it per output): 1.9e-4
+  measured on these logits, so 5e-4."""
   path = tiny_model_factory("metal")          # hidden 128: q/k/v/o/gate/up quantized; down_proj (K=96) stays float
   ckpt = load_checkpoint(path, "int4")
   assert ckpt.tensors["model.layers.0.self_attn.q_proj.weight"].dtype == np.uint32
@@ -30,7 +33,7 @@ def test_int4_logits_match_dequantized_reference(tiny_model_factory, backend):
   ids = np.random.default_rng(0).integers(4, 380, 40).tolist()     # 40 rows: the GEMM path; decode below: GEMV
   ours = our_prefill_logits(path, ids, kernel_backend=backend, block_size=8, quantization="int4")
   ref = hf_on_dequantized(path, ids)
-  assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-4
+  assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < (1e-4 if backend == "emulator" else 5e-4)
 
 
 def test_int4_generation_same_on_every_backend(tiny_model_factory):

@@ -67,7 +67,11 @@ class EngineCore:
     self.max_model_len = max_model_len
     prepare_device(self.device)
     self.kernel_backend = parallel_backend(config) or resolve_backend(config.kernel_backend, self.device)
-    self.kernels = make_kernels(self.kernel_backend, self.devices, config.batch_invariant, config.num_threads)
+    if config.batch_invariant and (self.device.split(":")[0] != "CPU" or self.kernel_backend not in ("cpu", "portable")):
+      raise ConfigError(f"batch_invariant=True is built and tested on the CPU device's cpu and portable kernels, which compute "
+                        f"each row as alone; {self.device} with kernel_backend={self.kernel_backend!r} has kernels for one row "
+                        f"and for many that round differently: use batch_invariant=False")
+    self.kernels = make_kernels(self.kernel_backend, self.devices, config.num_threads)
     model = self._build_model(ckpt.config, ckpt.tensors, dtype)
     self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.devices, config.max_num_seqs, self.kv_format)
     self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark, config.enable_prefix_caching)

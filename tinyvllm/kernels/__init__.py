@@ -104,8 +104,8 @@ class Kernels:
   shards = 1              # devices a layer is split over (tensor parallelism: kernels/sharded.py)
   keeps = frozenset({INT4, INT8, PACKED})   # quantized formats these kernels run as stored (others load as floats)
 
-  def __init__(self, device: str = "CPU", batch_invariant: bool = False, num_threads: int | None = None):
-    self.device, self.batch_invariant = device, batch_invariant
+  def __init__(self, device: str = "CPU", num_threads: int | None = None):
+    self.device = device
     self.cpu = device.split(":")[0] == "CPU"
     self.threads = ThreadPool(num_threads or default_threads(), device) if self.cpu else None
     self.pool = self.threads.buffer if self.threads else None
@@ -172,7 +172,7 @@ class Kernels:
 
   def int4_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     if self.cpu and x.dtype == dtypes.float32:
-      return cpu.int4_linear(x, w.weight, w.scales, w.biases, w.group_size, self.batch_invariant, self.pool)
+      return cpu.int4_linear(x, w.weight, w.scales, w.biases, w.group_size, self.pool)
     return portable.int4_linear(x, w.weight, w.scales, w.biases, w.group_size)
 
   def rope_and_cache_write(self, qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor,
@@ -239,14 +239,14 @@ class CpuKernels(Kernels):
 
   def decoder_layer(self, h, linears, norms, cfg, group, positions, slot_mapping, cos_sin, cache, out, window=None):
     return cpu_layer.decoder_layer(h, linears, norms, cfg, positions, slot_mapping, group.block_tables, group.token_seq,
-                                   group.q_pos.reshape(group.num_tokens), cos_sin, cache, out, self.batch_invariant, self.pool, window)
+                                   group.q_pos.reshape(group.num_tokens), cos_sin, cache, out, self.pool, window)
 
 
 class ShaderKernels(Kernels):
   """`metal` (DEV=METAL) and `emulator` (the same .metal shaders run on the CPU device by our MSL emulator; slow, for
   tests and debugging): RoPE + cache write, attention and 4-bit linears are our shaders (kernels/metal.py)."""
-  def __init__(self, name: str, device: str = "CPU", batch_invariant: bool = False, num_threads: int | None = None):
-    super().__init__(device, batch_invariant, num_threads)
+  def __init__(self, name: str, device: str = "CPU", num_threads: int | None = None):
+    super().__init__(device, num_threads)
     self.name = name
     self.shaders = metal.MetalBackend() if name == "metal" else metal.EmulatorBackend()
 
@@ -283,17 +283,16 @@ class ShaderKernels(Kernels):
                                          scale, backend=self.shaders, window=window, softcap=softcap, flat=True)
 
 
-def make_kernels(backend: str = "portable", device: str | tuple[str, ...] = "CPU", batch_invariant: bool = False,
-                 num_threads: int | None = None) -> Kernels:
+def make_kernels(backend: str = "portable", device: str | tuple[str, ...] = "CPU", num_threads: int | None = None) -> Kernels:
   """The kernels of a resolved backend name (`resolve_backend`); on a tuple of devices (tensor parallelism), the
   portable kernels over multi-device tensors (kernels/sharded.py)."""
   if isinstance(device, tuple):
     if backend != "portable": raise ValueError(f"kernel_backend={backend!r} runs on one device; tensor parallelism runs 'portable'")
     from tinyvllm.kernels.sharded import ShardedKernels
-    return ShardedKernels(device, batch_invariant, num_threads)
-  if backend in ("metal", "emulator"): return ShaderKernels(backend, device, batch_invariant, num_threads)
+    return ShardedKernels(device, num_threads)
+  if backend in ("metal", "emulator"): return ShaderKernels(backend, device, num_threads)
   if backend not in BACKENDS: raise ValueError(f"unknown kernel_backend {backend!r}; choose {', '.join(BACKENDS)}")
-  return (CpuKernels if backend == "cpu" else Kernels)(device, batch_invariant, num_threads)
+  return (CpuKernels if backend == "cpu" else Kernels)(device, num_threads)
 
 
 def default_dtype(device: str) -> str:

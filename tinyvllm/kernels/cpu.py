@@ -11,7 +11,8 @@ import numpy as np
 from tinygrad import Context, Tensor, Device, UOp, dtypes
 from tinygrad.uop.ops import Ops, KernelInfo
 from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
-from tinyvllm.quant.blocks import high_blocks
+from tinyvllm.quant.blocks import QuantSpec, high_blocks
+from tinyvllm.quant.int4 import GROUP_SIZES
 
 # clang vector extensions compile to AVX2/AVX-512 on x86 and NEON on arm64 alike
 _VEC = r"""
@@ -193,12 +194,8 @@ void {name}(float *restrict y, const float *restrict x, const float *restrict w)
   return Tensor.custom_kernel(out, x.contiguous(), weight.cast(dtypes.float32).contiguous(), fxn=lambda *p: _program(name, src, *p))[0]
 
 
-# **** int4 linear ****
+# **** what the quantized linears share ****
 
-_INT4_PARAMS = ["float *restrict y", "const float *restrict x", "const unsigned *restrict w", "const unsigned short *restrict s",
-                "const unsigned short *restrict b"]
-
-# fp16 -> float: F16C when present, else bit arithmetic (normal, subnormal, zero, inf/nan)
 _HALF = r"""
 static inline float h2f(unsigned short h) {
 #if defined(__F16C__)
@@ -223,245 +220,23 @@ static inline float hsum8(__m256 v) {
 }
 """
 
-# unpack one word of 8 codes to 8 float lanes in k order: broadcast, shift lane i right by 4i, mask
-_UNPACK = "_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)({word})), sh), mask))"
-_CONSTS = "const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);"
-
-
-# The GEMV's integer dot product. Each row of x is quantized to 16 bits per group of G inputs (scale = the group's
-# largest |x| / 32767, round to nearest), so a group's dot product with the 4-bit codes is a sum of integer products,
-# exact in int32: two vpmaddwd per 32 codes instead of converting every code to float (a third of the instructions,
-# and the float GEMV was compute-bound on two cores). The codes enter centred, q - 8 (w = s*(q - 8) + (b + 8s)), so
-# the rounding of x is weighted by |q - 8| <= 8 rather than by q <= 15: the only rounding added is x's, at most half
-# a step per input, |x| max / 65534 of the group (llama.cpp's Q4_1 x Q8_1 dot rounds x to 8 bits, 256x coarser).
-# The group sums of x that multiply the biases stay float. Within each 32-input chunk the codes go even inputs
-# first, then odd: the order a 16-byte load of packed nibbles unpacks in (low nibbles are the even inputs).
-_X16_CONSTS = ("const __m256i nib = _mm256_set1_epi16(15), ones = _mm256_set1_epi16(1);"
-               "const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), eight = _mm256_set1_ps(8.0f);")
-
-
+# The quantized linears' integer dot product (_PackedInt below). Each row of x is quantized to 16 bits per unit of
+# max(G, 32) inputs (scale = the unit's largest |x| / 32767, round to nearest), so a group's dot product with the codes
+# is a sum of integer products, exact in int32: two vpmaddwd per 32 codes instead of converting every code to float
+# (a third of the instructions: the float GEMV was compute-bound on two cores). The codes enter centred on
+# c = 2^(bits-1) (w = S (q - c) + (B + c S)), so the rounding of x is weighted by |q - c| rather than by q: the only
+# rounding added is x's, at most half a step per input, max|x| / 65534 of its unit (llama.cpp's dot products round x
+# to 8 bits, 256x coarser). The group sums of x that multiply the biases stay float. Within each 32-input run the
+# codes go even inputs first, then odd: the order a 16-byte load of packed nibbles unpacks in.
 def _x16_run(src: str, at: str) -> str:
   """C statements rounding the 32 floats at `src` times `inv` to 16-bit codes xq[at .. at + 32), in the chunk order
   (even inputs, then odd), and setting `run_lanes` to their sums per int32 lane of the dot product (vpmaddwd with
-  ones). Shared by every GEMV that rounds x to 16 bits, so they round alike."""
+  ones)."""
   return f"""int qi[32] __attribute__((aligned(32)));
       for (int j = 0; j < 4; j++) _mm256_store_si256((__m256i *)(qi + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps({src} + 8 * j), inv)));
       for (int t = 0; t < 16; t++) {{ xq[{at} + t] = (short)qi[2 * t]; xq[{at} + 16 + t] = (short)qi[2 * t + 1]; }}
       __m256i run_lanes = _mm256_add_epi32(_mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + {at})), ones),
                                            _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(xq + {at} + 16)), ones));"""
-
-
-def _x16_row(xr: str, K: int, G: int) -> str:
-  """C statements filling xq[K] (16-bit codes, chunk order above), dx[K/G] (their scales), xs[K/G] (float sums of
-  x per group) and xc[K/G] (8 times the codes' sums in each int32 lane of the dot product: subtracted, they turn
-  sum(q * x) into sum((q - 8) * x)) from the float row `xr`. Shared by the GEMV and the invariant GEMM, so both
-  round x identically."""
-  return f"""
-  for (int g = 0; g < {K // G}; g++) {{
-    const float *xg_ = {xr} + g * {G};
-    __m256 sum = _mm256_loadu_ps(xg_), amax = _mm256_and_ps(sum, absmask);
-    for (int k = 8; k < {G}; k += 8) {{
-      __m256 v = _mm256_loadu_ps(xg_ + k);
-      sum = _mm256_add_ps(sum, v);
-      amax = _mm256_max_ps(amax, _mm256_and_ps(v, absmask));
-    }}
-    xs[g] = hsum8(sum);
-    __m128 mh = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    mh = _mm_max_ps(mh, _mm_movehl_ps(mh, mh));
-    float xmax = _mm_cvtss_f32(_mm_max_ss(mh, _mm_shuffle_ps(mh, mh, 1)));
-    dx[g] = xmax * (1.0f / 32767.0f);
-    __m256 inv = _mm256_set1_ps(xmax > 0 ? 32767.0f / xmax : 0.0f);
-    __m256i lanes = _mm256_setzero_si256();
-    for (int c = g * {G}; c < (g + 1) * {G}; c += 32) {{
-      {_x16_run(f"{xr} + c", "c")}
-      lanes = _mm256_add_epi32(lanes, run_lanes);
-    }}
-    xc[g] = _mm256_slli_epi32(lanes, 3);
-  }}"""
-
-
-def _x16_row_setup(N: int, NG: int, r: str, xs: str, dx: str) -> str:
-  """C statements for weight row tile slot `r` (n0 + r, or the last row past the end): sd[r][g] = scale * dx[g] and
-  bsum[r] = sum of (bias + 8 scale) * xs[g], 8 groups at a time, then the rest one by one."""
-  return f"""{{
-      long n = n0 + {r} < {N} ? n0 + {r} : {N} - 1;   /* past the last row: recompute it, store nothing */
-      const unsigned short *sr = s + n * {NG}, *br = b + n * {NG};
-      __m256 bacc = _mm256_setzero_ps();
-      int g = 0;
-      for (; g + 8 <= {NG}; g += 8) {{
-        _mm256_storeu_ps(&sd[{r}][g], _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + g))), _mm256_loadu_ps({dx} + g)));
-        __m256 bc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + g))), eight, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(br + g))));
-        bacc = _mm256_fmadd_ps(bc, _mm256_loadu_ps({xs} + g), bacc);
-      }}
-      float bs = hsum8(bacc);
-      for (; g < {NG}; g++) {{ sd[{r}][g] = h2f(sr[g]) * {dx}[g]; bs += __builtin_fmaf(h2f(sr[g]), 8.0f, h2f(br[g])) * {xs}[g]; }}
-      bsum[{r}] = bs;
-    }}"""
-
-
-def _int4_gemv_body(N: int, K: int, G: int) -> str:
-  """M == 1, four weight rows at a time, x in 16 bits (above). Per row and group: int32 lane sums of codes times
-  x codes, converted to float and multiplied by scale * dx[g] into 8 float lanes; then one horizontal sum and the
-  bias term (a short dot product of biases with the group sums). Prefetching past the last row is harmless."""
-  NG, WPR = K // G, K // 8
-  return f"""
-  {_X16_CONSTS}
-  short xq[{K}] __attribute__((aligned(32)));
-  float dx[{NG}], xs[{NG}];
-  __m256i xc[{NG}];
-  {_x16_row("x", K, G)}
-  for (int n0 = nb; n0 < ne; n0 += 4) {{
-    const unsigned char *wr[4];
-    float sd[4][{NG}], bsum[4];
-    for (int r = 0; r < 4; r++) wr[r] = (const unsigned char *)(w + (long)(n0 + r < {N} ? n0 + r : {N} - 1) * {WPR});
-    for (int r = 0; r < 4; r++) {_x16_row_setup(N, NG, "r", "xs", "dx")}
-    __m256 tot[4] = {{_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}};
-    for (int g = 0; g < {NG}; g++) {{
-      /* the next tile's rows, group by group: without it rows longer than a few cache lines (K=1536) stall */
-      for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(wr[r] + {4 * K // 2} + g * {G // 2}), _MM_HINT_T0);
-      __m256i a[4] = {{_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()}};
-      for (int c = g * {G}; c < (g + 1) * {G}; c += 32) {{
-        __m256i xe = _mm256_load_si256((const __m256i *)(xq + c)), xo = _mm256_load_si256((const __m256i *)(xq + c + 16));
-        for (int r = 0; r < 4; r++) {{
-          __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr[r] + c / 2)));
-          a[r] = TV_DPWSSD(TV_DPWSSD(a[r], _mm256_and_si256(v, nib), xe), _mm256_srli_epi16(v, 4), xo);
-        }}
-      }}
-      for (int r = 0; r < 4; r++) tot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[r], xc[g])), _mm256_broadcast_ss(&sd[r][g]), tot[r]);
-    }}
-    for (int r = 0; r < 4 && n0 + r < {N}; r++) y[n0 + r] = hsum8(tot[r]) + bsum[r];
-  }}"""
-
-
-def _int4_gemm_invariant_body(M: int, N: int, K: int, G: int, ys: int) -> str:
-  """M > 1, with exactly the arithmetic of `_int4_gemv_body` on each row, so a row's result does not depend on how
-  many rows share the call: a sequence decodes the same tokens alone or in any batch (batch invariance).
-  What the rows share is the unpacking: a tile of 4 weight rows is unpacked once to 16-bit codes in the GEMV's
-  chunk order and stays in L1 while every row of x (in chunks whose 16-bit codes, scales and group sums are
-  computed once, at most 32 KiB of codes) passes over it, two rows at a time."""
-  NG, WPR = K // G, K // 8
-  R = max(1, min(64, 16384 // K))   # x rows per chunk
-  return f"""
-  {_X16_CONSTS}
-  short qw[4][{K}] __attribute__((aligned(32)));
-  short xqs[{R}][{K}] __attribute__((aligned(32)));
-  float dxs[{R}][{NG}], xss[{R}][{NG}];
-  __m256i xcs[{R}][{NG}];
-  for (int c0 = 0; c0 < {M}; c0 += {R}) {{
-    int mend = c0 + {R} < {M} ? c0 + {R} : {M};
-    for (int m = c0; m < mend; m++) {{   /* as the GEMV's x */
-      short *xq = xqs[m - c0]; float *dx = dxs[m - c0], *xs = xss[m - c0]; __m256i *xc = xcs[m - c0];
-      {_x16_row(f"(x + (long)m * {K})", K, G)}
-    }}
-    for (int n0 = nb; n0 < ne; n0 += 4) {{
-      for (int r = 0; r < 4; r++) {{
-        const unsigned char *wr = (const unsigned char *)(w + (long)(n0 + r < {N} ? n0 + r : {N} - 1) * {WPR});
-        for (int c = 0; c < {K}; c += 32) {{
-          __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr + c / 2)));
-          _mm256_store_si256((__m256i *)&qw[r][c], _mm256_and_si256(v, nib));
-          _mm256_store_si256((__m256i *)&qw[r][c + 16], _mm256_srli_epi16(v, 4));
-        }}
-      }}
-      for (int m = c0; m < mend; m += 2) {{   /* two rows at a time share each load of the codes */
-        const int m1 = m + 1 < mend ? m + 1 : m;   /* an odd last row: computed twice, stored once */
-        const short *xq[2] = {{xqs[m - c0], xqs[m1 - c0]}};
-        float sdm[2][4][{NG}], bsm[2][4];
-        for (int i = 0; i < 2; i++) {{
-          const float *dx = dxs[(i ? m1 : m) - c0], *xs = xss[(i ? m1 : m) - c0];
-          float (*sd)[{NG}] = sdm[i], *bsum = bsm[i];
-          for (int r = 0; r < 4; r++) {_x16_row_setup(N, NG, "r", "xs", "dx")}
-        }}
-        __m256 tot[2][4];
-        for (int i = 0; i < 2; i++) for (int r = 0; r < 4; r++) tot[i][r] = _mm256_setzero_ps();
-        for (int g = 0; g < {NG}; g++) {{
-          __m256i a[2][4];
-          for (int i = 0; i < 2; i++) for (int r = 0; r < 4; r++) a[i][r] = _mm256_setzero_si256();
-          for (int c = g * {G}; c < (g + 1) * {G}; c += 32) {{
-            __m256i x0e = _mm256_load_si256((const __m256i *)(xq[0] + c)), x0o = _mm256_load_si256((const __m256i *)(xq[0] + c + 16));
-            __m256i x1e = _mm256_load_si256((const __m256i *)(xq[1] + c)), x1o = _mm256_load_si256((const __m256i *)(xq[1] + c + 16));
-            for (int r = 0; r < 4; r++) {{
-              __m256i qe = _mm256_load_si256((const __m256i *)&qw[r][c]), qo = _mm256_load_si256((const __m256i *)&qw[r][c + 16]);
-              a[0][r] = _mm256_add_epi32(a[0][r], _mm256_add_epi32(_mm256_madd_epi16(qe, x0e), _mm256_madd_epi16(qo, x0o)));
-              a[1][r] = _mm256_add_epi32(a[1][r], _mm256_add_epi32(_mm256_madd_epi16(qe, x1e), _mm256_madd_epi16(qo, x1o)));
-            }}
-          }}
-          for (int i = 0; i < 2; i++) for (int r = 0; r < 4; r++)
-            tot[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[i][r], xcs[(i ? m1 : m) - c0][g])), _mm256_broadcast_ss(&sdm[i][r][g]), tot[i][r]);
-        }}
-        for (int r = 0; r < 4 && n0 + r < {N}; r++) {{
-          y[(long)m * {ys} + n0 + r] = hsum8(tot[0][r]) + bsm[0][r];
-          if (m + 1 < mend) y[(long)(m + 1) * {ys} + n0 + r] = hsum8(tot[1][r]) + bsm[1][r];
-        }}
-      }}
-    }}
-  }}"""
-
-
-def _dequant_gemm_body(M: int, N: int, K: int, ys: int, setup: str, dequant_row: str) -> str:
-  """M > 1: a tile of 4 weight rows is dequantized once into a float buffer that stays in L1 (`dequant_row`: C
-  statements filling float wrow[K] from weight row `n`), then pairs of x rows pass over it as in the float32 kernel:
-  2 x 4 accumulators, each x and w vector load feeding 4 and 2 FMAs. Rows of x go in chunks of 64 (L2-resident) so
-  the dequantization is shared by up to 64 rows; for M <= 64 every weight byte comes from memory once per call.
-  Output rows have stride `ys` (a projection's parts write their columns of one output)."""
-  return f"""
-  {setup}
-  float wf[4][{K}] __attribute__((aligned(32)));
-  for (int c0 = 0; c0 < {M}; c0 += 64) {{
-    int mend = c0 + 64 < {M} ? c0 + 64 : {M};
-    for (int n0 = nb; n0 < ne; n0 += 4) {{
-      for (int r = 0; r < 4; r++) {{
-        long n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: a copy, never stored */
-        float *wrow = wf[r];
-        {dequant_row}
-      }}
-      for (int m = c0; m < mend; m += 2) {{
-        const float *x0 = x + (long)m * {K}, *x1 = x + (long)(m + 1 < mend ? m + 1 : m) * {K};
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-        for (int k = 0; k < {K}; k += 8) {{
-          __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
-          __m256 w0 = _mm256_load_ps(&wf[0][k]), w1 = _mm256_load_ps(&wf[1][k]), w2 = _mm256_load_ps(&wf[2][k]), w3 = _mm256_load_ps(&wf[3][k]);
-          a00 = _mm256_fmadd_ps(u, w0, a00); a01 = _mm256_fmadd_ps(u, w1, a01); a02 = _mm256_fmadd_ps(u, w2, a02); a03 = _mm256_fmadd_ps(u, w3, a03);
-          a10 = _mm256_fmadd_ps(v, w0, a10); a11 = _mm256_fmadd_ps(v, w1, a11); a12 = _mm256_fmadd_ps(v, w2, a12); a13 = _mm256_fmadd_ps(v, w3, a13);
-        }}
-        float r0[4] = {{hsum8(a00), hsum8(a01), hsum8(a02), hsum8(a03)}}, r1[4] = {{hsum8(a10), hsum8(a11), hsum8(a12), hsum8(a13)}};
-        for (int r = 0; r < 4 && n0 + r < {N}; r++) {{
-          y[(long)m * {ys} + n0 + r] = r0[r];
-          if (m + 1 < mend) y[(long)(m + 1) * {ys} + n0 + r] = r1[r];
-        }}
-      }}
-    }}
-  }}"""
-
-
-def _int4_gemm_body(M: int, N: int, K: int, G: int, ys: int) -> str:
-  """The dequantize-once GEMM for INT4: w = s*q + b, one FMA per 8 codes."""
-  NG, WPR, WPG = K // G, K // 8, G // 8
-  dequant = f"""const unsigned *wr = w + n * {WPR};
-        for (int g = 0; g < {NG}; g++) {{
-          __m256 sv = _mm256_set1_ps(h2f(s[n * {NG} + g])), bv = _mm256_set1_ps(h2f(b[n * {NG} + g]));
-          for (int j = 0; j < {WPG}; j++)
-            _mm256_store_ps(wrow + g * {G} + j * 8, _mm256_fmadd_ps({_UNPACK.format(word=f"wr[g * {WPG} + j]")}, sv, bv));
-        }}"""
-  return _dequant_gemm_body(M, N, K, ys, _CONSTS, dequant)
-
-
-def _int4_fallback_body(M: int, N: int, K: int, G: int, ys: int | None = None) -> str:
-  ys = ys or N
-  NG, WPR = K // G, K // 8
-  return f"""
-  for (int m = 0; m < {M}; m++) for (int n = nb; n < ne; n++) {{
-    float t = 0;
-    for (int g = 0; g < {NG}; g++) {{
-      float sq = 0, sx = 0;
-      for (int k = g * {G}; k < (g + 1) * {G}; k++) {{
-        float xv = x[(long)m * {K} + k];
-        sq += xv * (float)((w[(long)n * {WPR} + k / 8] >> (4 * (k % 8))) & 15u);
-        sx += xv;
-      }}
-      t += h2f(s[(long)n * {NG} + g]) * sq + h2f(b[(long)n * {NG} + g]) * sx;
-    }}
-    y[(long)m * {ys} + n] = t;
-  }}"""
 
 
 # what the 4-bit and 8-bit linear kernels share around their bodies: AVX2 when the CPU has it (TV_AVX2), fp16
@@ -493,51 +268,6 @@ static inline float hsum8(__m256 v);
 #endif
 {C_PARALLEL_DECLS}"""
 _AVX2_DEFS = f"{_HALF}\n#ifdef TV_AVX2\n{_HSUM8}\n#endif\n{C_PARALLEL}"
-
-
-def int4_body(M: int, N: int, K: int, G: int, invariant: bool = False, ys: int | None = None) -> str:
-  """The AVX2 body for M rows: the GEMV for one row; for more, the dequantize-once GEMM, or with `invariant` the
-  GEMM that repeats the GEMV's arithmetic on every row (bitwise batch invariance, measured 13-24% slower on
-  batched decode and prefill; docs/architecture.md). Output rows have stride `ys` (default N)."""
-  if M == 1: return _int4_gemv_body(N, K, G)
-  return _int4_gemm_invariant_body(M, N, K, G, ys or N) if invariant else _int4_gemm_body(M, N, K, G, ys or N)
-
-
-def _int4_linear_source(name: str, M: int, N: int, K: int, G: int, invariant: bool = False) -> str:
-  """y[M,N] = x[M,K] @ W^T with W [N,K] in 4-bit affine groups of G: packed uint32 [N,K/8], fp16 scales and
-  biases [N,K/G] (docs/kernels.md, "INT4 weight layout"). Exact float arithmetic on the stored values (x is
-  never rounded). The AVX2 path needs AVX2+FMA+F16C; other CPUs (arm64 included) compile the plain C loop.
-  Unpacking keeps k in order, so x is read as it is. M > 1 needs 16*K bytes of stack for a dequantized tile."""
-  body = f"""#ifdef TV_AVX2
-{int4_body(M, N, K, G, invariant)}
-#else
-{_int4_fallback_body(M, N, K, G)}
-#endif"""
-  return row_parallel_kernel(name, _INT4_PARAMS, N, body, _AVX2_DECLS, _AVX2_DEFS)
-
-
-def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, invariant: bool = False,
-                pool: Tensor | None = None) -> Tensor:
-  """x `[M, K]` float32 @ W^T on the CPU device, W `[N, K]` stored as packed uint32 `[N, K/8]` with float16
-  scales and biases `[N, K/group_size]` (w = scale * q + bias). Returns float32 `[M, N]`. `invariant`: each row
-  computed exactly as alone (batch invariance), at some cost in speed when M > 1.
-
-  One kernel per call, compiled per (M, N, K, group_size). Under TinyJit keep M in a few buckets."""
-  (M, K), N = x.shape, packed.shape[0]
-  if packed.shape[1] * 8 != K: raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} (K/8 words per row)")
-  if group_size % 8 or K % group_size or tuple(scales.shape) != (N, K // group_size) or tuple(biases.shape) != (N, K // group_size):
-    raise ValueError(f"scales {scales.shape} / biases {biases.shape} do not match W [{N}, {K}] with group_size {group_size}")
-  out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
-  packed = packed if packed.dtype == dtypes.uint32 else packed.bitcast(dtypes.uint32)
-  args = [out, x.cast(dtypes.float32).contiguous(), packed.contiguous(), scales.cast(dtypes.float16).contiguous(),
-          biases.cast(dtypes.float16).contiguous(), pool_arg(pool, x.device)]
-  return run_kernel(int4_linear_kernel(M, N, K, group_size, invariant), *args)
-
-
-def int4_linear_kernel(M: int, N: int, K: int, G: int, invariant: bool = False) -> tuple[str, str]:
-  """(name, source) of the 4-bit linear for these sizes: args y, x, packed, scales, biases, pool."""
-  name = f"int4_linear_{M}_{N}_{K}_{G}{'_inv' if invariant and M > 1 else ''}"
-  return name, _int4_linear_source(name, M, N, K, G, invariant)
 
 
 # **** 8-bit linear (GGUF Q8_0 blocks: int8 codes, one float16 scale per 32) ****
@@ -985,3 +715,29 @@ def packed_linear(x: Tensor, w, pool: Tensor | None = None) -> Tensor:
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
   parts = [t.contiguous() for t in (w.weight, w.scales, w.scale_d, w.biases) if t is not None]
   return run_kernel(packed_linear_kernel(M, N, K, w.spec), out, x.cast(dtypes.float32).contiguous(), *parts, pool_arg(pool, x.device))
+
+
+# **** INT4 linear (quant/int4.py: MLX 4-bit, GGUF Q4_0/Q4_1, quantization="int4") ****
+
+def int4_linear_kernel(M: int, N: int, K: int, G: int) -> tuple[str, str]:
+  """(name, source) of the 4-bit linear: INT4's arrays (packed uint32 `[N, K/8]`, float16 scales and biases
+  `[N, K/G]`, w = scale * q + bias) are the packed layout of 4-bit affine codes in groups of G, so the packed
+  kernels run them as they are (args y, x, packed, scales, biases, pool)."""
+  return packed_linear_kernel(M, N, K, QuantSpec(4, G))
+
+
+def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, pool: Tensor | None = None) -> Tensor:
+  """x `[M, K]` float32 @ W^T on the CPU device, W `[N, K]` stored as packed uint32 `[N, K/8]` with float16 scales
+  and biases `[N, K/group_size]` (w = scale * q + bias). Returns float32 `[M, N]`, each row computed as alone (the
+  packed kernels' GEMV and GEMM). One kernel per call, compiled per (M, N, K, group_size): under TinyJit keep M in a
+  few buckets."""
+  (M, K), N = x.shape, packed.shape[0]
+  if packed.shape[1] * 8 != K: raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} (K/8 words per row)")
+  if group_size not in GROUP_SIZES or tuple(scales.shape) != (N, K // group_size) or tuple(biases.shape) != (N, K // group_size):
+    raise ValueError(f"scales {scales.shape} / biases {biases.shape} do not match W [{N}, {K}] with group_size {group_size} "
+                     f"(one of {GROUP_SIZES})")
+  out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
+  packed = packed if packed.dtype == dtypes.uint32 else packed.bitcast(dtypes.uint32)
+  args = [out, x.cast(dtypes.float32).contiguous(), packed.contiguous(), scales.cast(dtypes.float16).contiguous(),
+          biases.cast(dtypes.float16).contiguous(), pool_arg(pool, x.device)]
+  return run_kernel(int4_linear_kernel(M, N, K, group_size), *args)

@@ -18,8 +18,8 @@ from tinygrad import Tensor, dtypes
 from tinyvllm.kernels.kv_cache import PagedKVCache, hadamard_block
 from tinyvllm.quant.formats import FLOAT, INT4, INT8, LinearWeights, QuantSpec, projection_parts
 from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
-from tinyvllm.kernels.cpu import (SQRT, _DPWSSD, _HALF, _HSUM8, _MM_F32, _VEC, _int4_fallback_body, _packed_params, _program, c_param_name, c_struct_fields,
-                                  int4_body, packed_body, pool_arg, q8_body, rms_norm_source)
+from tinyvllm.kernels.cpu import (SQRT, _DPWSSD, _HALF, _HSUM8, _MM_F32, _VEC, _packed_params, _program, c_param_name, c_struct_fields,
+                                  packed_body, pool_arg, q8_body, rms_norm_source)
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")   # in the kernel's argument order
 TILE = 32   # keys scored at once in attention: one max and one rescale per tile instead of per key
@@ -84,7 +84,7 @@ class LinearSpec:
   def args(self, name: str) -> list[str]: return [a for p, pn in zip(self.parts, self.part_names(name)) for a in p.args(pn)]
 
 
-def _part_fn(name: str, part: Part, M: int, ys: int, invariant: bool) -> str:
+def _part_fn(name: str, part: Part, M: int, ys: int) -> str:
   """`static void name_rows(y, x, weights..., nb, ne)`: y[M, nb:ne] = x @ W[nb:ne]^T (+ bias) for one part, y already
   at the part's first column, rows of `ys` floats."""
   N, K = part.n, part.k
@@ -93,7 +93,7 @@ def _part_fn(name: str, part: Part, M: int, ys: int, invariant: bool) -> str:
   if part.fmt == FLOAT: return f"{head}\n  mm_f32(y, x, {name}_w, {M}, {ys}, {K}, nb, ne);\n  {bias}\n}}\n"
   if part.fmt == INT4:
     alias = f"const unsigned *restrict w = {name}_w; const unsigned short *restrict s = {name}_s, *restrict b = {name}_b;"
-    body = f"#ifdef TV_AVX2\n{int4_body(M, N, K, part.group, invariant, ys)}\n#else\n{_int4_fallback_body(M, N, K, part.group, ys)}\n#endif"
+    body = packed_body(M, N, K, QuantSpec(4, part.group), ys)   # INT4's arrays are the 4-bit packed layout
   elif part.fmt == INT8:
     alias = f"const signed char *restrict w = {name}_w; const unsigned short *restrict s = {name}_s;"
     body = q8_body(M, N, K, ys)
@@ -103,13 +103,13 @@ def _part_fn(name: str, part: Part, M: int, ys: int, invariant: bool) -> str:
   return f"{head}\n  {alias}\n{body}\n  {bias}\n}}\n"
 
 
-def _linear_fn(name: str, spec: LinearSpec, M: int, invariant: bool) -> str:
+def _linear_fn(name: str, spec: LinearSpec, M: int) -> str:
   """`static void name(y, x, weights..., nb, ne)`: y[M, nb:ne] = x[M, K] @ W[nb:ne]^T (+ bias), nb a multiple of 4. A
   projection of several parts runs each part on the rows of [nb, ne) that fall in it (parts start at multiples of 4)."""
   names, parts = spec.part_names(name), spec.parts
   out, calls, start = [], [], 0
   for part, pn in zip(parts, names):
-    out.append(_part_fn(pn, part, M, spec.n, invariant))
+    out.append(_part_fn(pn, part, M, spec.n))
     args = ", ".join(c_param_name(a) for a in part.args(pn))
     calls.append(f"  {{ int b_ = nb > {start} ? nb : {start}, e_ = ne < {start + part.n} ? ne : {start + part.n};\n"
                  f"    if (b_ < e_) {pn}_rows(y + {start}, x, {args}, b_ - {start}, e_ - {start}); }}")
@@ -134,7 +134,6 @@ class LayerShape:
   o: LinearSpec
   gate_up: LinearSpec
   down: LinearSpec
-  invariant: bool = False   # 4-bit projections computed row by row as alone (batch invariance)
   k_storage: str = "float"  # float | int8 | int4: K codes with a float16 scale per (slot, KV head), kernels/kv_cache.py
   v_storage: str = "float"  # the same for V (k8v4: int8 keys, int4 values)
   k_rotated: bool = False   # int4: stored rotated by the Hadamard matrix R along head_dim
@@ -236,10 +235,10 @@ static inline float h2f(unsigned short h);
 static inline float hsum8(__m256 v);
 #endif
 {_MM_F32}
-{_linear_fn("qkv", s.qkv, T, s.invariant)}
-{_linear_fn("o", s.o, T, s.invariant)}
-{_linear_fn("gate_up", s.gate_up, T, s.invariant)}
-{_linear_fn("down", s.down, T, s.invariant)}
+{_linear_fn("qkv", s.qkv, T)}
+{_linear_fn("o", s.o, T)}
+{_linear_fn("gate_up", s.gate_up, T)}
+{_linear_fn("down", s.down, T)}
 
 {rms_norm_source("rms_norm", T, E, s.eps)}
 {rms_norm_source("head_norm", 1, D, s.eps) if s.qk_norm else ""}
@@ -510,7 +509,7 @@ def _spec(ws: list[LinearWeights]) -> LinearSpec:
 def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Tensor, ...], cfg, positions: Tensor, slots: Tensor,
                   tables: Tensor, token_seq: Tensor,
                   token_pos: Tensor, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None,
-                  invariant: bool = False, pool: Tensor | None = None, window: int | None = None) -> Tensor:
+                  pool: Tensor | None = None, window: int | None = None) -> Tensor:
   """One decoder layer: h `[T, hidden]` float32 -> `[T, hidden]`, written into `out` when given (a realized buffer,
   so the caller can alternate two); k/v written into the cache in place; `pool`: a ThreadPool's buffer
   (kernels/threads.py) to split the work over, or None for one thread. `linears`: the layer's projections under HF
@@ -521,7 +520,7 @@ def decoder_layer(h: Tensor, linears: dict[str, LinearWeights], norms: tuple[Ten
   D, I = cfg.head_dim, cfg.intermediate_size
   shape = LayerShape(T, E, cfg.num_attention_heads, cfg.num_key_value_heads, D, I, cache.k.shape[1],
                      tables.shape[1], cos_sin.shape[0], float(cfg.rms_norm_eps),
-                     *(_spec(projection_parts(linears, n)) for n in LINEARS), invariant,
+                     *(_spec(projection_parts(linears, n)) for n in LINEARS),
                      *(("int4" if int4 else "int8" if cache.quantized else "float") for int4 in (cache.k_int4, cache.v_int4)),
                      cache.k_rotated, cache.v_rotated, cfg.qk_norm, window or 0, cfg.sandwich_norms, cfg.hidden_act != "silu",
                      cfg.attn_logit_softcapping or 0.0)

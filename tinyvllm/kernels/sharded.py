@@ -26,8 +26,8 @@ from tinyvllm.quant.formats import INT4, INT8, LinearWeights
 class ShardedKernels(Kernels):
   name = "portable"
 
-  def __init__(self, devices: tuple[str, ...], batch_invariant: bool = False, num_threads: int | None = None):
-    self.device, self.devices, self.batch_invariant = devices, devices, batch_invariant
+  def __init__(self, devices: tuple[str, ...], num_threads: int | None = None):
+    self.device, self.devices = devices, devices
     self.shards = len(devices)
     self.cpu = devices[0].split(":")[0] == "CPU"
     self.threads, self.pool = None, None
@@ -70,7 +70,7 @@ class ShardedKernels(Kernels):
     else: return None
     m, nl, kl = local
     if w.format == INT4:
-      kernel = cpu.int4_linear_kernel(m, nl, kl, w.group_size, self.batch_invariant)
+      kernel = cpu.int4_linear_kernel(m, nl, kl, w.group_size)
       args = [w.weight.contiguous(), w.scales.cast(dtypes.float16).contiguous(), w.biases.cast(dtypes.float16).contiguous()]
     else:
       kernel, args = cpu.linear_f32_kernel(m, nl, kl, False), [w.weight]
