@@ -49,9 +49,12 @@ def test_logits_bitwise_alone_and_in_any_batch(request, backend, model, quantiza
 
 
 def test_batch_invariant_is_refused_where_it_does_not_hold(tiny_model):
-  """Accepted on the cpu and portable kernels of the CPU device; the Metal shaders (here their emulator, on the CPU
-  device) have a GEMV and a GEMM that round differently, so asking for it there is an error naming the option."""
+  """Accepted on the cpu and portable kernels of the CPU device in float32; the Metal shaders (here their emulator, on
+  the CPU device) have a GEMV and a GEMM that round differently, and in float16 the portable backend runs tinygrad's
+  own matmuls: asking for it there is an error naming the option and the cause."""
   from tinyvllm.config import ConfigError
   LLMEngine.from_kwargs(str(tiny_model), kernel_backend="cpu", batch_invariant=True, num_kv_blocks=16)
   with pytest.raises(ConfigError, match="batch_invariant=True.*kernel_backend='emulator'"):
     LLMEngine.from_kwargs(str(tiny_model), kernel_backend="emulator", batch_invariant=True, num_kv_blocks=16)
+  with pytest.raises(ConfigError, match="batch_invariant=True.*dtype='float16'"):   # tinygrad's own matmuls and norms
+    LLMEngine.from_kwargs(str(tiny_model), kernel_backend="portable", dtype="float16", batch_invariant=True, num_kv_blocks=16)

@@ -4,7 +4,10 @@ prefix caching) against HF's generate, the same weights as GGUF files written th
 each architecture, and sliding-window attention over prompts several windows long.
 
 Tolerance: relative error 1e-4 in float32, as tests/test_model_parity.py argues for Llama (same maths in the same
-precision; the families add biases, a per-head RMSNorm and masks, none of which changes the error's size)."""
+precision; the families add biases, a per-head RMSNorm and masks, none of which changes the error's size). Quantized
+checkpoints (GGUF, MLX) against HF on their dequantized weights: 5e-4, since our CPU kernels round x to 16 bits per
+group for their integer products (tests/test_quant.py and tests/test_packed_kernels.py bound it per output; 1.1e-4
+to 1.4e-4 measured on these logits)."""
 from __future__ import annotations
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from tinyvllm.model.weights import load_checkpoint, load_config
 from tinyvllm.quant.formats import FUSED_PROJECTIONS
 
 TOL = 1e-4
+TOL_QUANTIZED = 5e-4
 
 # name -> (HF model_type, config overrides): each family with what sets it apart
 FAMILY_CONFIGS = {
@@ -250,7 +254,7 @@ def test_gguf_of_each_architecture(family_model, tmp_path, name, arch):
       expected[f"{p}{fused}.weight"] = np.concatenate([expected.pop(f"{p}{part}.weight") for part in parts])
   ids = list(range(5, 40))
   ours, ref = our_prefill_logits(tmp_path / "m.gguf", ids, "cpu"), hf_logits(hf_model(path, expected), ids)
-  assert rel_err(ours, ref) < TOL
+  assert rel_err(ours, ref) < TOL_QUANTIZED
 
 
 def test_family_configs_and_their_errors():
@@ -311,7 +315,7 @@ def test_family_configs_and_their_errors():
 def test_mlx_checkpoint_of_each_family(family_model, tmp_path, name, bits):
   """mlx-lm's own `convert -q` (4 bits for each family, 8 and 6 for two; groups of 32; the embeddings quantized too,
   Phi-3's fused projections as they are): logits equal HF's on the same weights dequantized with our float16
-  scales (exact float maths: 1e-4), and mlx-lm's own within float16's rounding of the scales (1e-2, see
+  scales (TOL_QUANTIZED), and mlx-lm's own within float16's rounding of the scales (1e-2, see
   tests/test_mlx_interop.py)."""
   mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'mlx[cpu]' mlx-lm)")
   mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
@@ -328,7 +332,7 @@ def test_mlx_checkpoint_of_each_family(family_model, tmp_path, name, bits):
       if f"{p}{parts[0]}.weight" in state and name.startswith("phi3"):
         state[f"{p}{fused}.weight"] = np.concatenate([state.pop(f"{p}{part}.weight") for part in parts])
   exact = hf_logits(hf_model(family_model(name), state), tokens)
-  assert rel_err(ours, exact) < 1e-4
+  assert rel_err(ours, exact) < TOL_QUANTIZED
   # mlx-lm reads RoPE from transformers 4's top-level keys (rope_theta, rope_scaling, Gemma 3's rope_local_base_freq),
   # with its own defaults where they are missing; transformers 5 wrote them into rope_parameters: spell them out
   import json

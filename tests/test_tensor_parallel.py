@@ -9,7 +9,7 @@ Tolerance: greedy tokens must be identical; top-k logprobs within 1e-4 absolute.
 the sharded run adds the two devices' partial sums of the o and down projections in a different order from one
 device's single sum: a few 1e-7 relative per op, measured at most ~4e-6 on these checkpoints, so 1e-4 leaves
 headroom while any misplaced head, wrong shard or missing all-reduce moves logprobs by far more than 1e-2.
-4-bit weights allow 1e-3 (TOL_INT4): the one-row 4-bit kernel rounds x to 16 bits per quantization group
+4-bit weights allow 1e-3 (TOL_INT4): the 4-bit kernels round x to 16 bits per quantization group
 (kernels/cpu.py), and the sharded run splits o's and down's groups to fit each device's half of the inputs
 (model/tensor_parallel.py `_split_groups`: the same weights, narrower groups), so x is rounded with other scales.
 Each run is then within the 16-bit rounding of the float result, which moves these logprobs by at most 3.7e-4

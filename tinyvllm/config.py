@@ -295,8 +295,8 @@ class EngineConfig:
   speculation: str = _flag("auto", "auto: speculate when measured to pay (docs/speculative.md); always",
                            choices=("auto", "always"))
   batch_invariant: bool = _flag(False, "require every sequence's logits to be bitwise identical alone and in any batch "
-                                      "(the CPU device's kernels always are, at no cost; other devices and tensor parallelism "
-                                      "are refused)")
+                                      "(the CPU device's cpu and portable kernels in float32 always are, at no cost; other "
+                                      "setups are refused)")
   num_threads: int | None = _flag(None, "CPU threads for the C kernels on tinygrad's CPU device (default: every core "
                                        "this process may use; results are the same for any count)", int)
   tensor_parallel_size: int = _flag(1, "tinygrad devices each layer is sharded over (DEV's type, numbered 0..N-1: CPU:0, CPU:1, "

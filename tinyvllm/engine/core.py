@@ -67,10 +67,7 @@ class EngineCore:
     self.max_model_len = max_model_len
     prepare_device(self.device)
     self.kernel_backend = parallel_backend(config) or resolve_backend(config.kernel_backend, self.device)
-    if config.batch_invariant and (self.device.split(":")[0] != "CPU" or self.kernel_backend not in ("cpu", "portable")):
-      raise ConfigError(f"batch_invariant=True is built and tested on the CPU device's cpu and portable kernels, which compute "
-                        f"each row as alone; {self.device} with kernel_backend={self.kernel_backend!r} has kernels for one row "
-                        f"and for many that round differently: use batch_invariant=False")
+    if config.batch_invariant: self._check_batch_invariant(dtype, cfg.hidden_size)
     self.kernels = make_kernels(self.kernel_backend, self.devices, config.num_threads)
     model = self._build_model(ckpt.config, ckpt.tensors, dtype)
     self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.devices, config.max_num_seqs, self.kv_format)
@@ -117,6 +114,16 @@ class EngineCore:
                         f"({draft.config.vocab_size} vs {target.config.vocab_size} tokens or different token strings); "
                         f"speculative decoding needs the same tokenizer")
     return self._build_model(draft.config, draft.tensors, dtype)
+
+  def _check_batch_invariant(self, dtype: str, hidden: int) -> None:
+    """batch_invariant=True is a promise only the CPU device's cpu and portable kernels keep, in float32 (our C
+    kernels compute each row as alone; tinygrad's own matmuls and reductions, used for other dtypes and on other
+    devices, pick their summation order by shape, and the Metal shaders' GEMV and GEMM round differently)."""
+    why = (f"{self.device} with kernel_backend={self.kernel_backend!r}" if self.device.split(":")[0] != "CPU" or self.kernel_backend not in ("cpu", "portable")
+           else f"dtype={dtype!r}" if dtype != "float32" else f"hidden_size={hidden} (not a multiple of 8)" if hidden % 8 else None)
+    if why: raise ConfigError(f"batch_invariant=True is built and tested on the CPU device's cpu and portable kernels in float32, which "
+                              f"compute each row as alone; {why} has kernels for one row and for many that round differently: "
+                              f"use batch_invariant=False")
 
   def _blocks_from_memory(self, block_bytes: int, weight_bytes: int, max_model_len: int) -> int:
     """A share of the memory left after the weights, but no more than max_num_seqs full-length sequences."""

@@ -386,7 +386,7 @@ def _packed_scales8(spec, K: int) -> str:
 
 class _PackedInt:
   """C fragments of the packed layouts' integer products (the GEMV and the GEMM built on it): x rounded to 16 bits
-  per unit of max(G, 32) inputs (as the INT4 GEMV's, per group; a run of 32 for 16-wide groups) and each run of 32
+  per unit of max(G, 32) inputs (per group; a run of 32 for 16-wide groups) and each run of 32
   codes multiplying it in exact int32 (vpmaddwd), centred on c = 2^(bits-1): sum S (q - c) x per group, then for
   affine layouts + sum (B + c S) x. A run's codes unpack from 16 bytes of nibbles (even inputs in the low nibbles,
   odd in the high) plus, for b > 4 bits, the run's h = b - 4 high bits: one shift of its 32-byte block leaves byte i
@@ -733,7 +733,7 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, biases: Tensor, group
   few buckets."""
   (M, K), N = x.shape, packed.shape[0]
   if packed.shape[1] * 8 != K: raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} (K/8 words per row)")
-  if group_size not in GROUP_SIZES or tuple(scales.shape) != (N, K // group_size) or tuple(biases.shape) != (N, K // group_size):
+  if group_size not in GROUP_SIZES or K % group_size or tuple(scales.shape) != (N, K // group_size) or tuple(biases.shape) != (N, K // group_size):
     raise ValueError(f"scales {scales.shape} / biases {biases.shape} do not match W [{N}, {K}] with group_size {group_size} "
                      f"(one of {GROUP_SIZES})")
   out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)
