@@ -28,6 +28,11 @@
 //   it loads it. eps travels in params.
 //   buffers: 0 x [M, K] x (not normed), 1 norm_weight [K] x, 2 w_packed, 3 scales, 4 biases, 5 y [M, N] x, 6 params
 //
+// int4_gemv_res_<x> (decode, M <= 8): y = residual + x @ W^T, the residual stream's sum done as y is written (the
+//   product rounded to x's dtype first, then added in float and rounded again: what a separate add of the two
+//   rounded tensors gives), so the layer launches no add after its attention output projection.
+//   buffers: 0 x [M, K] x, 1 w_packed, 2 scales, 3 biases, 4 residual [M, N] x, 5 y [M, N] x, 6 params
+//
 // int4_gemm_<x> (prefill, M > 8)
 //   grid: (ceil(N / 32), ceil(M / 32)) threadgroups of 128 threads (4 SIMD-groups), one 32x32 tile of y each.
 //   Per step of 32 k: x tile and dequantised W tile staged in threadgroup memory as float; each SIMD-group
@@ -58,10 +63,11 @@ template <typename T> METAL_FUNC vec<T, 4> to_vec4(float4 v);
 template <> METAL_FUNC float4 to_vec4<float>(float4 v) { return v; }
 template <> METAL_FUNC half4 to_vec4<half>(float4 v) { return half4(v); }
 
-// The GEMV; with NORM, of RMSNorm(x) * nw (int4_gemv_rms)
-template <typename T, bool NORM>
+// The GEMV; with NORM, of RMSNorm(x) * nw (int4_gemv_rms); with RES, plus res (int4_gemv_res)
+template <typename T, bool NORM, bool RES>
 METAL_FUNC void gemv(device const T* x, device const T* nw, device const uint* w, device const half* scales,
-                     device const half* biases, device T* y, constant Int4Params& p, uint3 tgid, uint lane, uint sg) {
+                     device const half* biases, device const T* res, device T* y, constant Int4Params& p, uint3 tgid,
+                     uint lane, uint sg) {
   constexpr int NSG = 2, R = 4, MMAX = 8;
   const int L = p.team_lanes, teams = 32 / L, team = lane / L, tl = lane % L;
   const int n0 = ((tgid.x * NSG + sg) * teams + team) * R;
@@ -119,7 +125,10 @@ METAL_FUNC void gemv(device const T* x, device const T* nw, device const uint* w
       } else {
         for (ushort off = L / 2; off > 0; off /= 2) s += simd_shuffle_xor(s, off);
       }
-      if (tl == 0 && n0 + r < p.N) y[(long)m * p.N + n0 + r] = T(s);
+      if (tl == 0 && n0 + r < p.N) {
+        const long at = (long)m * p.N + n0 + r;
+        y[at] = RES ? T(float(T(s)) + float(res[at])) : T(s);
+      }
     }
   }
 }
@@ -135,7 +144,7 @@ template <typename T>
     uint3 tgid [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
-  gemv<T, false>(x, x, w, scales, biases, y, p, tgid, lane, sg);
+  gemv<T, false, false>(x, x, w, scales, biases, y, y, p, tgid, lane, sg);
 }
 
 template <typename T>
@@ -150,7 +159,22 @@ template <typename T>
     uint3 tgid [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
-  gemv<T, true>(x, norm_weight, w, scales, biases, y, p, tgid, lane, sg);
+  gemv<T, true, false>(x, norm_weight, w, scales, biases, y, y, p, tgid, lane, sg);
+}
+
+template <typename T>
+[[kernel]] void int4_gemv_res(
+    device const T* x [[buffer(0)]],
+    device const uint* w [[buffer(1)]],
+    device const half* scales [[buffer(2)]],
+    device const half* biases [[buffer(3)]],
+    device const T* residual [[buffer(4)]],
+    device T* y [[buffer(5)]],
+    constant Int4Params& p [[buffer(6)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  gemv<T, false, true>(x, x, w, scales, biases, residual, y, p, tgid, lane, sg);
 }
 
 template <typename T>
@@ -214,5 +238,7 @@ template [[host_name("int4_gemv_f32")]] [[kernel]] decltype(int4_gemv<float>) in
 template [[host_name("int4_gemv_f16")]] [[kernel]] decltype(int4_gemv<half>) int4_gemv<half>;
 template [[host_name("int4_gemv_rms_f32")]] [[kernel]] decltype(int4_gemv_rms<float>) int4_gemv_rms<float>;
 template [[host_name("int4_gemv_rms_f16")]] [[kernel]] decltype(int4_gemv_rms<half>) int4_gemv_rms<half>;
+template [[host_name("int4_gemv_res_f32")]] [[kernel]] decltype(int4_gemv_res<float>) int4_gemv_res<float>;
+template [[host_name("int4_gemv_res_f16")]] [[kernel]] decltype(int4_gemv_res<half>) int4_gemv_res<half>;
 template [[host_name("int4_gemm_f32")]] [[kernel]] decltype(int4_gemm<float>) int4_gemm<float>;
 template [[host_name("int4_gemm_f16")]] [[kernel]] decltype(int4_gemm<half>) int4_gemm<half>;

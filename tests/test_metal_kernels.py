@@ -220,17 +220,19 @@ def run_rope(runner, q, k, v, pos, cos_sin, cache, slots, order="forward"):
   return q_out.numpy(), tuple(x.numpy() for x in written.tensors())
 
 
-def run_int4(runner, x, packed, scales, biases, g, order="forward", norm=None):
-  """norm: (weight, eps) for RMSNorm(x) * weight before the matmul (int4_gemv_rms for M <= 8)."""
+def run_int4(runner, x, packed, scales, biases, g, order="forward", norm=None, residual=None):
+  """norm: (weight, eps) for RMSNorm(x) * weight before the matmul (int4_gemv_rms for M <= 8); residual: [M, N] added
+  to the product (int4_gemv_res for M <= 8)."""
   if runner == "direct":
     launch = M.int4_launch(x.shape[0], packed.shape[0], x.shape[1], g, dtypes.float16 if x.dtype == np.float16 else dtypes.float32,
-                           None if norm is None else norm[1])
+                           None if norm is None else norm[1], residual is not None)
     y = np.zeros((x.shape[0], packed.shape[0]), x.dtype)
-    direct_run(launch, [x, *([] if norm is None else [norm[0]]), packed, scales, biases, y], order)
+    direct_run(launch, [x, *([] if norm is None else [norm[0]]), packed, scales, biases, *([] if residual is None else [residual]), y], order)
     return y
   dev = "METAL" if runner == "metal" else "CPU"
   t = [Tensor(a, device=dev).realize() for a in (x, packed, scales, biases)]
-  return M.int4_matmul(*t, g, backend=runner, norm=None if norm is None else (Tensor(norm[0], device=dev).realize(), norm[1])).numpy()
+  return M.int4_matmul(*t, g, backend=runner, norm=None if norm is None else (Tensor(norm[0], device=dev).realize(), norm[1]),
+                       residual=None if residual is None else Tensor(residual, device=dev).realize()).numpy()
 
 
 # **** cases: build inputs, run, compare ****
@@ -364,6 +366,20 @@ def int4_rms_case(runner, m, n, k, g, xdt, seed=0, order="forward"):
   assert err < tol(xdt), err
   return err
 
+def int4_residual_case(runner, m, n, k, g, xdt, seed=0):
+  """residual + x @ W^T against float64 numpy, the residual of the product's size: an add left out, or a product
+  dropped, is off by about 1 (the tolerance is 1e-2 at most)."""
+  rng = np.random.default_rng(seed)
+  packed, scales, biases, w = quantize_int4(rng, n, k, g)
+  x = rng.standard_normal((m, k)).astype(NP[xdt])
+  prod = x.astype(np.float64) @ w.T
+  res = (prod.std() * rng.standard_normal((m, n))).astype(NP[xdt])
+  y = run_int4(runner, x, packed, scales, biases, g, residual=res)
+  assert y.dtype == x.dtype and y.shape == (m, n)
+  err = rel_err(y, res.astype(np.float64) + prod)
+  assert err < tol(xdt), err
+  return err
+
 # **** tests ****
 
 
@@ -423,6 +439,19 @@ def test_int4_matmul_of_rms_normed_x(shape, xdt):
   """int4_gemv_rms (the norm inside the GEMV, M <= 8) through the emulator, and M = 9 through tinygrad's norm + GEMM."""
   m, n, k = shape
   int4_rms_case("direct" if m <= M.GEMV_MAX_M else "emulator", m, n, k, 64, xdt)
+
+
+@pytest.mark.parametrize("xdt", [dtypes.float32, dtypes.float16], ids=lambda d: d.name)
+@pytest.mark.parametrize("shape", [(1, 72, 256), (3, 64, 512), (8, 40, 384), (9, 40, 256)], ids=lambda s: "x".join(map(str, s)))
+def test_int4_matmul_plus_residual(shape, xdt):
+  """int4_gemv_res (the residual added as the GEMV writes y, M <= 8) through the emulator's direct launch, and M = 9
+  through the GEMM and tinygrad's add."""
+  m, n, k = shape
+  int4_residual_case("direct" if m <= M.GEMV_MAX_M else "emulator", m, n, k, 64, xdt)
+  with pytest.raises(ValueError, match="residual"):
+    rng = np.random.default_rng(0)
+    packed, scales, biases, _ = quantize_int4(rng, n, k, 64)
+    run_int4("emulator", rng.standard_normal((m, k)).astype(NP[xdt]), packed, scales, biases, 64, residual=np.zeros((m, n + 1), NP[xdt]))
 
 
 def test_int4_matmul_refuses_a_norm_weight_of_another_length():

@@ -142,18 +142,23 @@ def prefill_launch(num_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int
                 (math.ceil(num_tokens / tq), n_kv_heads, 1), (128, 1, 1))
 
 
-def int4_launch(m: int, n: int, k: int, group_size: int, x_dtype: DType, norm_eps: float | None = None) -> Launch:
-  """`norm_eps`: the GEMV of RMSNorm(x) * norm_weight with this epsilon (int4_gemv_rms, M <= GEMV_MAX_M only)."""
+def int4_launch(m: int, n: int, k: int, group_size: int, x_dtype: DType, norm_eps: float | None = None,
+                residual: bool = False) -> Launch:
+  """`norm_eps`: the GEMV of RMSNorm(x) * norm_weight with this epsilon (int4_gemv_rms); `residual`: the GEMV plus a
+  residual [M, N] (int4_gemv_res). Both M <= GEMV_MAX_M only, and not together."""
   if group_size not in GROUP_SIZES or k % group_size: raise ValueError(f"group_size {group_size} must be in {GROUP_SIZES} and divide K={k}")
+  if norm_eps is not None and residual: raise ValueError("the GEMV norms x or adds a residual, not both")
   bufs = ("x", "w_packed", "scales", "biases", "y")
   if m > GEMV_MAX_M:
-    if norm_eps is not None: raise ValueError(f"the normed GEMV takes at most {GEMV_MAX_M} rows, got {m}")
+    if norm_eps is not None or residual: raise ValueError(f"the normed and residual GEMVs take at most {GEMV_MAX_M} rows, got {m}")
     return Launch("int4_matmul.metal", f"int4_gemm_{_dt(x_dtype)}", bufs, (m, n, k, group_size, 32, 0),
                   (math.ceil(n / 32), math.ceil(m / 32), 1), (128, 1, 1))
   # a lane takes 16 codes of 4 rows per step; teams of `lanes` lanes share 4 rows: the width that leaves the fewest
   # lane-steps idle for K/16 chunks per row wins, ties to the widest (K=576: 8 lanes, 90% busy; 2048: 32, 100%)
   lanes = min((32, 16, 8), key=lambda t: t * math.ceil(k // 16 / t))
   grid = (math.ceil(n / (2 * (32 // lanes) * 4)), 1, 1)   # per threadgroup: 2 SIMD-groups of 32/lanes teams of 4 rows
+  if residual:
+    return Launch("int4_matmul.metal", f"int4_gemv_res_{_dt(x_dtype)}", bufs[:4] + ("residual", "y"), (m, n, k, group_size, lanes, 0), grid, (64, 1, 1))
   if norm_eps is None: return Launch("int4_matmul.metal", f"int4_gemv_{_dt(x_dtype)}", bufs, (m, n, k, group_size, lanes, 0), grid, (64, 1, 1))
   return Launch("int4_matmul.metal", f"int4_gemv_rms_{_dt(x_dtype)}", ("x", "norm_weight") + bufs[1:],
                 (m, n, k, group_size, lanes, _f32_bits(norm_eps)), grid, (64, 1, 1))
@@ -371,7 +376,7 @@ def rope_and_cache_write(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: 
 
 
 def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, *, backend: str | _Backend,
-                norm: tuple[Tensor, float] | None = None) -> Tensor:
+                norm: tuple[Tensor, float] | None = None, residual: Tensor | None = None) -> Tensor:
   """y = x @ W^T with W [N, K] stored as 4-bit affine groups (see docs/kernels.md).
 
   Args:
@@ -379,6 +384,8 @@ def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, gro
     scales, biases: float16 [N, K/group_size]; w = scale * q + bias.
     norm: (weight [K], eps): y = RMSNorm(x) * weight @ W^T, the norm computed inside the GEMV (M <= 8; a larger M is
       normed first by tinygrad, as portable.rms_norm does).
+    residual: [M, N] in x's dtype: y = residual + x @ W^T, added as the GEMV writes y (M <= 8; a larger M adds it
+      after the GEMM, in tinygrad). Not with norm.
   Returns: [M, N] in x's dtype. M <= 8 uses the GEMV kernel, larger M the tiled GEMM.
   """
   b = _prepare(backend)
@@ -386,9 +393,14 @@ def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, gro
   N = w_packed.shape[0]
   if w_packed.shape[1] * 8 != K: raise ValueError(f"w_packed {w_packed.shape} does not match K={K}")
   if norm is not None and tuple(norm[0].shape) != (K,): raise ValueError(f"norm weight {norm[0].shape} does not match K={K}")
+  if residual is not None:
+    if norm is not None: raise ValueError("int4_matmul takes norm or residual, not both")
+    if tuple(residual.shape) != (M, N): raise ValueError(f"residual {residual.shape} does not match y [{M}, {N}]")
+    if M > GEMV_MAX_M: return residual + int4_matmul(x, w_packed, scales, biases, group_size, backend=b)
   if norm is not None and M > GEMV_MAX_M: x, norm = rms_norm(x, norm[0], norm[1]), None
-  launch = int4_launch(M, N, K, group_size, x.dtype, None if norm is None else norm[1])
+  launch = int4_launch(M, N, K, group_size, x.dtype, None if norm is None else norm[1], residual is not None)
   weights = [w_packed.contiguous(), scales.cast(dtypes.float16).contiguous(), biases.cast(dtypes.float16).contiguous()]
   if norm is not None: weights.insert(0, norm[0].cast(x.dtype).contiguous())
+  if residual is not None: weights.append(residual.cast(x.dtype).contiguous())
   y = Tensor.empty(M, N, dtype=x.dtype, device=x.device)
   return b.run(launch, x.contiguous(), *weights, y)[-1]

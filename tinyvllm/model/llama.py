@@ -74,6 +74,12 @@ class LlamaLayer:
     if len(parts) == 1: return self.kernels.linear(x, parts[0])
     return Tensor.cat(*(self.kernels.linear(x, part) for part in parts), dim=1)
 
+  def residual_linear(self, name: str, x: Tensor, residual: Tensor) -> Tensor:
+    """residual + projection `name` of x: one kernel where the backend adds the residual inside its matmul."""
+    parts = projection_parts(self.linears, name)
+    if len(parts) == 1: return self.kernels.residual_linear(x, parts[0], residual)
+    return residual + self.linear(name, x)
+
   def normed_linear(self, name: str, h: Tensor, norm: str) -> Tensor:
     """Projection `name` of RMSNorm(h) * weights[norm]: one kernel where the backend norms x inside its matmul."""
     parts, eps = projection_parts(self.linears, name), self.cfg.rms_norm_eps
@@ -101,9 +107,9 @@ class LlamaLayer:
     for g in inp.groups:
       outs.append(kn.attention(q[start:start + g.num_tokens], cache, g, cfg.attention_scale, self.window, cfg.attn_logit_softcapping))
       start += g.num_tokens
-    attn = self.linear("self_attn.o_proj", outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:]))   # [T, H * D]
-    if cfg.sandwich_norms: attn = kn.rms_norm(attn, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    h = h + attn
+    att = outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])   # [T, H * D]
+    if cfg.sandwich_norms: h = h + kn.rms_norm(self.linear("self_attn.o_proj", att), w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    else: h = self.residual_linear("self_attn.o_proj", att, h)
     gate_up = self.normed_linear("mlp.gate_up_proj", h, self.mlp_norm)
     # materialise the activation: fused into the down projection it is recomputed for every output row
     mlp = self.linear("mlp.down_proj", kn.glu(gate_up, cfg.intermediate_size, cfg.hidden_act).contiguous())
