@@ -448,6 +448,13 @@ def test_int4_matmul_plus_residual(shape, xdt):
   through the GEMM and tinygrad's add."""
   m, n, k = shape
   int4_residual_case("direct" if m <= M.GEMV_MAX_M else "emulator", m, n, k, 64, xdt)
+  rng = np.random.default_rng(1)   # written into a given buffer (the layer's output), no copy after the kernel
+  packed, scales, biases, w = quantize_int4(rng, n, k, 64)
+  x, res = rng.standard_normal((m, k)).astype(NP[xdt]), rng.standard_normal((m, n)).astype(NP[xdt])
+  out = Tensor.empty(m, n, dtype=xdt).realize()
+  t = lambda a: Tensor(a).realize()
+  M.int4_matmul(t(x), t(packed), t(scales), t(biases), 64, backend="emulator", residual=t(res), out=out).realize()
+  assert rel_err(out.numpy(), res.astype(np.float64) + x.astype(np.float64) @ w.T) < tol(xdt)
   with pytest.raises(ValueError, match="residual"):
     rng = np.random.default_rng(0)
     packed, scales, biases, _ = quantize_int4(rng, n, k, 64)

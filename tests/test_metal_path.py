@@ -80,14 +80,16 @@ LAYERS = 4
 OUTSIDE_LAYERS = 14   # launches of a step's input replay and LM head (12; 14 with INT4's head)
 # launches per layer (docs/kernels.md, "Kernels per decode step"): two norm reductions, the qkv projection, RoPE + cache
 # write, attention, o, gate/up, SwiGLU, down; with INT4 the GEMV norms x itself (no reductions before qkv and gate/up)
-# and the o projection's GEMV adds the residual h + attention as it writes (7)
+# and the o and down projections' GEMVs add the residual stream as they write, down into the layer's output (7)
 PER_LAYER = {"none": 9, "int4": 7}
 
 
 @pytest.fixture(scope="module")
 def metal_model(tmp_path_factory):
   # the Metal kernels' shapes (head_dim 64, GQA 2) and four layers, so per-layer costs would show in a step's counts
-  return make_tiny_llama(tmp_path_factory.mktemp("tiny-metal-path"), 0, "float32", **{**TINY_CONFIGS["metal"], "num_hidden_layers": LAYERS})
+  # intermediate 128 (a multiple of the INT4 group): with quantization="int4" every projection is INT4, down included
+  return make_tiny_llama(tmp_path_factory.mktemp("tiny-metal-path"), 0, "float32",
+                         **{**TINY_CONFIGS["metal"], "num_hidden_layers": LAYERS, "intermediate_size": 128})
 
 
 @pytest.fixture(scope="module")

@@ -151,10 +151,11 @@ class Kernels:
     (the norm's reduction, its application, the matmul)."""
     return self.linear(self.rms_norm(x, norm_weight, eps), w)
 
-  def residual_linear(self, x: Tensor, w: LinearWeights, residual: Tensor) -> Tensor:
-    """residual + x @ W^T (+ bias): where a backend's matmul can add the residual stream as it writes its output, one
-    kernel instead of two."""
-    return residual + self.linear(x, w)
+  def residual_linear(self, x: Tensor, w: LinearWeights, residual: Tensor, out: Tensor | None = None) -> Tensor:
+    """residual + x @ W^T (+ bias), written into `out` when given (a realized buffer): where a backend's matmul can
+    add the residual stream as it writes its output, one kernel instead of two."""
+    y = residual + self.linear(x, w)
+    return y if out is None else out.assign(y)
 
   def linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     """x `[T, in]` @ W^T (+ bias), W in any stored format (quant/formats.py)."""
@@ -274,9 +275,9 @@ class ShaderKernels(Kernels):
     y = metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, norm=(norm_weight, eps))
     return y if w.bias is None else y + w.bias
 
-  def residual_linear(self, x: Tensor, w: LinearWeights, residual: Tensor) -> Tensor:
-    if w.format != INT4 or x.shape[0] > metal.GEMV_MAX_M or w.bias is not None: return super().residual_linear(x, w, residual)
-    return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, residual=residual)
+  def residual_linear(self, x: Tensor, w: LinearWeights, residual: Tensor, out: Tensor | None = None) -> Tensor:
+    if w.format != INT4 or x.shape[0] > metal.GEMV_MAX_M or w.bias is not None: return super().residual_linear(x, w, residual, out)
+    return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, residual=residual, out=out)
 
   def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, qk_norms=None):
     if qk_norms is not None:   # q and k normed head by head first (Qwen3): the shader reads the row rebuilt from them

@@ -376,7 +376,7 @@ def rope_and_cache_write(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: 
 
 
 def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, *, backend: str | _Backend,
-                norm: tuple[Tensor, float] | None = None, residual: Tensor | None = None) -> Tensor:
+                norm: tuple[Tensor, float] | None = None, residual: Tensor | None = None, out: Tensor | None = None) -> Tensor:
   """y = x @ W^T with W [N, K] stored as 4-bit affine groups (see docs/kernels.md).
 
   Args:
@@ -386,6 +386,7 @@ def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, gro
       normed first by tinygrad, as portable.rms_norm does).
     residual: [M, N] in x's dtype: y = residual + x @ W^T, added as the GEMV writes y (M <= 8; a larger M adds it
       after the GEMM, in tinygrad). Not with norm.
+    out: a realized [M, N] tensor in x's dtype for the kernel to write y into (no copy after it).
   Returns: [M, N] in x's dtype. M <= 8 uses the GEMV kernel, larger M the tiled GEMM.
   """
   b = _prepare(backend)
@@ -393,14 +394,18 @@ def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, gro
   N = w_packed.shape[0]
   if w_packed.shape[1] * 8 != K: raise ValueError(f"w_packed {w_packed.shape} does not match K={K}")
   if norm is not None and tuple(norm[0].shape) != (K,): raise ValueError(f"norm weight {norm[0].shape} does not match K={K}")
+  if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x.dtype):
+    raise ValueError(f"out {out.shape} {out.dtype} does not match y [{M}, {N}] {x.dtype}")
   if residual is not None:
     if norm is not None: raise ValueError("int4_matmul takes norm or residual, not both")
     if tuple(residual.shape) != (M, N): raise ValueError(f"residual {residual.shape} does not match y [{M}, {N}]")
-    if M > GEMV_MAX_M: return residual + int4_matmul(x, w_packed, scales, biases, group_size, backend=b)
+    if M > GEMV_MAX_M:
+      y = residual + int4_matmul(x, w_packed, scales, biases, group_size, backend=b)
+      return y if out is None else out.assign(y)
   if norm is not None and M > GEMV_MAX_M: x, norm = rms_norm(x, norm[0], norm[1]), None
   launch = int4_launch(M, N, K, group_size, x.dtype, None if norm is None else norm[1], residual is not None)
   weights = [w_packed.contiguous(), scales.cast(dtypes.float16).contiguous(), biases.cast(dtypes.float16).contiguous()]
   if norm is not None: weights.insert(0, norm[0].cast(x.dtype).contiguous())
   if residual is not None: weights.append(residual.cast(x.dtype).contiguous())
-  y = Tensor.empty(M, N, dtype=x.dtype, device=x.device)
+  y = Tensor.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
   return b.run(launch, x.contiguous(), *weights, y)[-1]

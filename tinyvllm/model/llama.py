@@ -74,11 +74,13 @@ class LlamaLayer:
     if len(parts) == 1: return self.kernels.linear(x, parts[0])
     return Tensor.cat(*(self.kernels.linear(x, part) for part in parts), dim=1)
 
-  def residual_linear(self, name: str, x: Tensor, residual: Tensor) -> Tensor:
-    """residual + projection `name` of x: one kernel where the backend adds the residual inside its matmul."""
+  def residual_linear(self, name: str, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
+    """residual + projection `name` of x, written into `out` when given: one kernel where the backend adds the
+    residual inside its matmul."""
     parts = projection_parts(self.linears, name)
-    if len(parts) == 1: return self.kernels.residual_linear(x, parts[0], residual)
-    return residual + self.linear(name, x)
+    if len(parts) == 1: return self.kernels.residual_linear(x, parts[0], residual, out)
+    y = residual + self.linear(name, x)
+    return y if out is None else out.assign(y)
 
   def normed_linear(self, name: str, h: Tensor, norm: str) -> Tensor:
     """Projection `name` of RMSNorm(h) * weights[norm]: one kernel where the backend norms x inside its matmul."""
@@ -112,10 +114,13 @@ class LlamaLayer:
     else: h = self.residual_linear("self_attn.o_proj", att, h)
     gate_up = self.normed_linear("mlp.gate_up_proj", h, self.mlp_norm)
     # materialise the activation: fused into the down projection it is recomputed for every output row
-    mlp = self.linear("mlp.down_proj", kn.glu(gate_up, cfg.intermediate_size, cfg.hidden_act).contiguous())
-    if cfg.sandwich_norms: mlp = kn.rms_norm(mlp, w["post_feedforward_layernorm.weight"], cfg.rms_norm_eps)
+    act = kn.glu(gate_up, cfg.intermediate_size, cfg.hidden_act).contiguous()
     # into `out` straight from the sum: the last kernel writes the layer's output buffer (no copy after it)
-    return (h + mlp).contiguous() if out is None else out.assign(h + mlp)
+    if cfg.sandwich_norms:
+      mlp = kn.rms_norm(self.linear("mlp.down_proj", act), w["post_feedforward_layernorm.weight"], cfg.rms_norm_eps)
+      return (h + mlp).contiguous() if out is None else out.assign(h + mlp)
+    y = self.residual_linear("mlp.down_proj", act, h, out)
+    return y.contiguous() if out is None else y
 
 
 class Llama:
