@@ -119,11 +119,14 @@ class EngineCore:
     """batch_invariant=True is a promise only the CPU device's cpu and portable kernels keep, in float32 (our C
     kernels compute each row as alone; tinygrad's own matmuls and reductions, used for other dtypes and on other
     devices, pick their summation order by shape, and the Metal shaders' GEMV and GEMM round differently)."""
-    why = (f"{self.device} with kernel_backend={self.kernel_backend!r}" if self.device.split(":")[0] != "CPU" or self.kernel_backend not in ("cpu", "portable")
-           else f"dtype={dtype!r}" if dtype != "float32" else f"hidden_size={hidden} (not a multiple of 8)" if hidden % 8 else None)
-    if why: raise ConfigError(f"batch_invariant=True is built and tested on the CPU device's cpu and portable kernels in float32, which "
-                              f"compute each row as alone; {why} has kernels for one row and for many that round differently: "
-                              f"use batch_invariant=False")
+    if self.device.split(":")[0] != "CPU" or self.kernel_backend not in ("cpu", "portable"):
+      why = f"{self.device} with kernel_backend={self.kernel_backend!r}"
+    elif dtype != "float32": why = f"dtype={dtype!r}"
+    elif hidden % 8: why = f"hidden_size={hidden} (not a multiple of 8)"
+    else: return
+    raise ConfigError(f"batch_invariant=True is built and tested on the CPU device's cpu and portable kernels in float32, which "
+                      f"compute each row as alone; {why} has kernels for one row and for many that round differently: "
+                      f"use batch_invariant=False")
 
   def _blocks_from_memory(self, block_bytes: int, weight_bytes: int, max_model_len: int) -> int:
     """A share of the memory left after the weights, but no more than max_num_seqs full-length sequences."""

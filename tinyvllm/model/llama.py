@@ -118,8 +118,8 @@ class LlamaLayer:
     # into `out` straight from the sum: the last kernel writes the layer's output buffer (no copy after it)
     if cfg.sandwich_norms:
       mlp = kn.rms_norm(self.linear("mlp.down_proj", act), w["post_feedforward_layernorm.weight"], cfg.rms_norm_eps)
-      return (h + mlp).contiguous() if out is None else out.assign(h + mlp)
-    y = self.residual_linear("mlp.down_proj", act, h, out)
+      y = h + mlp if out is None else out.assign(h + mlp)
+    else: y = self.residual_linear("mlp.down_proj", act, h, out)
     return y.contiguous() if out is None else y
 
 
