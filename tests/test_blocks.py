@@ -4,6 +4,7 @@ gguf.GGUFWriter and read back by our reader) and `mlx.core.dequantize` for MLX's
 from __future__ import annotations
 import numpy as np
 import pytest
+from tinyvllm import host_memory
 from tinyvllm.quant import blocks, int4
 from tinyvllm.quant.formats import QuantSpec, spec_of
 
@@ -90,8 +91,9 @@ def test_bit_planes_round_trip(bits, K):
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0"])
 def test_big_tables_convert_in_slices(qtype, monkeypatch):
-  """A table of more than ROWS_AT_ONCE weights converts a slice of rows at a time into preallocated arrays: the same
-  arrays as converting it whole (which the tests above compare with gguf's dequantizer)."""
+  """A table of more than ROWS_AT_ONCE weights converts a slice of rows at a time, on a few threads, into
+  preallocated arrays: the same arrays as converting it whole (which the tests above compare with gguf's
+  dequantizer), over pages a CPU tensor takes as they are (host_memory.py)."""
   rng = np.random.default_rng(7)
   raw = random_ggml(qtype, 40, 512, rng)
   whole, spec = blocks.from_ggml(raw, qtype, (40, 512))
@@ -101,6 +103,7 @@ def test_big_tables_convert_in_slices(qtype, monkeypatch):
   for p in whole:
     assert sliced[p].dtype == whole[p].dtype
     np.testing.assert_array_equal(sliced[p], whole[p], err_msg=p)
+    if p != "qspec": assert host_memory.pages_of(sliced[p]) is not None, p
 
 
 def test_byte_counts_include_a_padded_block():

@@ -18,6 +18,8 @@ def cuda_copy_in_rule(monkeypatch):
   the bytes of each view checked."""
   from tinygrad.helpers import mv_address
   from tinygrad.runtime.ops_npy import NpyAllocator
+  from tinyvllm.model.llama import Uploader
+  monkeypatch.setattr(Uploader, "lends_host_memory", staticmethod(lambda device: False))   # copy in as a GPU does
   checked, as_buffer = [], NpyAllocator._as_buffer
   def writable_only(self, src):
     view = as_buffer(self, src)
@@ -101,3 +103,14 @@ def test_loading_holds_one_copy_of_the_weights(tmp_path_factory, dtype, stored):
   assert got["peak"] <= got["device"] + 2 * layer + (64 << 20), got
   size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.glob("*.safetensors")))
   assert got["file_pages"] < size / 10, (got, size)   # the pages read were handed back (shared libraries are few)
+
+
+def test_cpu_weights_are_lent_host_memory(tmp_path):
+  """On the CPU device every weight's buffer is memory of our own (host_memory.py), not tinygrad's allocator's:
+  loading schedules nothing and copies an array at most once. (Their values are checked by the tests above.)"""
+  from tinyvllm.host_memory import HostPages
+  from test_quant import write_tiny_q4_gguf
+  for path in (make_tiny_llama(tmp_path / "m"), write_tiny_q4_gguf(tmp_path / "tiny.gguf", np.random.default_rng(4))):
+    model, _ = _load(path, "float32")
+    tensors = [t for layer in model.layers for t in layer.tensors()] + [model.norm]
+    assert tensors and all(isinstance(getattr(t.uop.buffer, "host_memory", None), HostPages) for t in tensors)

@@ -6,11 +6,12 @@ attention sees one AttentionGroup. Shapes are rounded up to buckets; each shape 
 replayed after that (engine/replay.py).
 """
 from __future__ import annotations
-import ctypes, functools, math, mmap, time
+import functools, math, time
 from collections import OrderedDict
 from dataclasses import dataclass
 import numpy as np
 from tinygrad import Device, Tensor, dtypes
+from tinyvllm.host_memory import fresh_pages, lend, lend_buffer
 from tinyvllm.engine.replay import BoundReplay, CountVariable, LaunchTimes, Replay
 from tinyvllm.kernels import AttentionGroup
 from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
@@ -58,13 +59,6 @@ class PassShape:
   def sizes(self, max_blocks: int) -> tuple[int, ...]:
     T, P = self.num_tokens, self.num_seqs
     return (T, T, T, T, T, self.num_rows, P, P * max_blocks)   # in FIELDS order
-
-
-def _zero_pages(nbytes: int) -> mmap.mmap:
-  """Fresh anonymous memory: zeroed by the OS and mapped page by page as it is first written. Private, so pages read
-  before they are written map the shared zero page instead of committing memory."""
-  flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
-  return mmap.mmap(-1, nbytes, **({"flags": flags} if flags is not None else {}))
 
 
 class ModelRunner:
@@ -119,19 +113,14 @@ class ModelRunner:
     With tensor parallelism the tensor is split by KV head, one such buffer per device."""
     if len(self.devices) > 1: return self._sharded_zeroed(shape, dtype)
     if self.kind != "CPU": return self._buffer(shape, dtype)
-    mem = _zero_pages(math.prod(shape) * dtype.itemsize)
-    t = Tensor.from_blob(ctypes.addressof(ctypes.c_char.from_buffer(mem)), shape, dtype=dtype, device=self.device)
-    t.uop.buffer.host_memory = mem   # the buffer borrows this memory: keep it alive exactly as long as the buffer
-    return t
+    return lend(fresh_pages(math.prod(shape) * dtype.itemsize), shape, dtype, self.device)
 
   def _sharded_zeroed(self, shape: tuple[int, ...], dtype) -> Tensor:
     if self.kind != "CPU":
       return Tensor.zeros(*shape, dtype=dtype).shard(self.devices, KV_HEAD_AXIS).contiguous().realize()
     t = sharded_empty(shape, dtype, self.devices, KV_HEAD_AXIS)
     for buf in t.uop.buffer.bufs:
-      mem = _zero_pages(buf.nbytes)
-      buf.allocate(external_ptr=ctypes.addressof(ctypes.c_char.from_buffer(mem)))
-      buf.host_memory = mem
+      lend_buffer(buf, fresh_pages(buf.nbytes))
     return t
 
   def _buffer(self, shape: tuple[int, ...], dtype, device: str | tuple[str, ...] | None = None) -> Tensor:

@@ -11,6 +11,7 @@ import numpy as np
 from tinygrad import Device, Tensor, dtypes
 from tqdm import tqdm
 from tinyvllm.config import ModelConfig
+from tinyvllm import host_memory
 from tinyvllm.kernels import AttentionGroup, Kernels, portable
 from tinyvllm.kernels.kv_cache import PagedKVCache
 from tinyvllm.quant import blocks
@@ -285,28 +286,37 @@ def _fuse(out: dict[str, np.ndarray], prefix: str, np_dtype) -> None:
     stored = [LinearWeights.of(out, n) for n in names]
     if len({(p.format, p.spec, p.group_size) for p in stored}) > 1: continue
     for part in PARTS:
-      if f"{names[0]}.{part}" in out: out[prefix + fused + "." + part] = np.concatenate([out.pop(f"{n}.{part}") for n in names], axis=0)
+      if f"{names[0]}.{part}" not in out: continue
+      arrays = [out.pop(f"{n}.{part}") for n in names]
+      into = host_memory.empty((sum(len(a) for a in arrays), *arrays[0].shape[1:]), np.result_type(*arrays))   # host_tensor's
+      out[prefix + fused + "." + part] = np.concatenate(arrays, axis=0, out=into)
     if f"{names[0]}.qspec" in out:   # one layout: one spec
       out[prefix + fused + ".qspec"] = out[f"{names[0]}.qspec"]
       for n in names: out.pop(f"{n}.qspec")
 
 
 class Uploader:
-  """Copies host arrays to a device. On a GPU each copy-in is staged through host memory the driver frees only when the
-  device synchronizes (tinygrad's CUDA allocator pins a buffer per copy): without a synchronize every so often,
-  loading an 8B model would pin all 16 GB of it on the host at once. `finish` synchronizes and drops the staging
-  buffers tinygrad's allocator keeps for reuse."""
+  """Copies host arrays to a device. On the CPU device an array becomes a tensor in memory of our own, as it is when
+  the loader built it there (host_memory.py: no tinygrad scheduling, no second copy). On a GPU each copy-in is
+  staged through host memory the driver frees only when the device synchronizes (tinygrad's CUDA allocator pins a
+  buffer per copy): without a synchronize every so often, loading an 8B model would pin all 16 GB of it on the host
+  at once. `finish` synchronizes and drops the staging buffers tinygrad's allocator keeps for reuse."""
   SYNC_BYTES = 256 << 20
 
   def __init__(self, device: str):
     self.device, self.pending = device, 0
-    self.host = device.split(":")[0] == "CPU"   # copies into host memory directly: nothing staged
+    self.host = self.lends_host_memory(device)
+
+  @staticmethod
+  def lends_host_memory(device: str) -> bool:
+    """The CPU device's buffers are host memory: ours, filled once and lent (nothing staged, nothing scheduled)."""
+    return device.split(":")[0] == "CPU"
 
   def __call__(self, arr: np.ndarray) -> Tensor:
+    if self.host: return host_memory.host_tensor(arr, self.device)
     t = Tensor(arr, device=self.device).realize()
-    if not self.host:
-      self.pending += arr.nbytes
-      if self.pending >= self.SYNC_BYTES: self.finish(free=False)
+    self.pending += arr.nbytes
+    if self.pending >= self.SYNC_BYTES: self.finish(free=False)
     return t
 
   def finish(self, free: bool = True) -> None:

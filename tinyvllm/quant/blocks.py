@@ -26,12 +26,16 @@ each here), Q5_K 5.625 (5.5), Q6_K 6.5625 (6.5625), Q3_K 4.5625 (3.4375: 3-bit c
 Q5_1 6 (6); MLX b-bit with group G: b + 32/G (3-bit: as INT4, 4 + 32/G).
 """
 from __future__ import annotations
+import os
+from concurrent.futures import ThreadPoolExecutor
 import numpy as np
+from tinyvllm import host_memory
 from tinyvllm.quant import int4
 from tinyvllm.quant.formats import INT4, INT8, WEIGHT_PARTS, QuantSpec, spec_of
 
 QK = 256   # a k-quant super-block
-ROWS_AT_ONCE = 1 << 24   # weights converted at a time (bounds the temporaries of a big table)
+ROWS_AT_ONCE = 1 << 21   # weights converted at a time: the temporaries stay in cache (4x faster than whole 8B-sized tables)
+CONVERT_THREADS = min(4, os.cpu_count() or 1)
 
 
 def high_blocks(K: int, bits: int) -> tuple[int, int]:
@@ -162,22 +166,33 @@ def _f16(b: np.ndarray) -> np.ndarray:
 def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins for 8 sub-blocks -> (scales, mins) uint8 `[..., 8]`. Bytes 0-3 hold
   scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; sub-blocks 4-7 take their low 4 bits from bytes 8-11 (scale
-  in the low nibble, min in the high) and their top 2 bits from the top bits of bytes 0-3 (scales) and 4-7 (mins)."""
-  a, m, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-  scales = np.concatenate([a & 0x3F, (hi & 0x0F) | ((a >> 6) << 4)], axis=-1)
-  mins = np.concatenate([m & 0x3F, (hi >> 4) | ((m >> 6) << 4)], axis=-1)
+  in the low nibble, min in the high) and their top 2 bits from the top bits of bytes 0-3 (scales) and 4-7 (mins).
+  Computed four bytes at a time: each mask is one byte's, repeated in a 32-bit word."""
+  a, m, hi = (np.ascontiguousarray(packed).view("<u4")[..., i] for i in range(3))
+  low6, low4, top2 = np.uint32(0x3F3F3F3F), np.uint32(0x0F0F0F0F), np.uint32(0x30303030)
+  scales = np.stack([a & low6, (hi & low4) | ((a >> 2) & top2)], axis=-1).view(np.uint8)
+  mins = np.stack([m & low6, ((hi >> 4) & low4) | ((m >> 2) & top2)], axis=-1).view(np.uint8)
   return scales, mins
 
 
 def _nibble_runs(qs: np.ndarray, run: int) -> np.ndarray:
   """ggml's nibble layout -> INT4's words `[N, K/8]`. ggml: for each `run`-byte chunk, the low nibbles are elements
   0..run-1 and the high nibbles elements run..2run-1 of a 2*run stretch; INT4: byte i holds elements 2i (low nibble)
-  and 2i + 1. Moved a byte pair at a time, never a code at a time: the first half of a chunk's INT4 bytes pairs low
-  nibbles of neighbouring bytes, the second half their high nibbles."""
-  c = qs.reshape(*qs.shape[:-1], -1, run)
-  even, odd = c[..., 0::2], c[..., 1::2]
-  out = np.concatenate([(even & 0xF) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)   # [..., chunks, run]
+  and 2i + 1. Moved a byte pair at a time, read as one 16-bit word v = even | odd << 8: the first half of a chunk's
+  INT4 bytes pairs the two bytes' low nibbles, the second half their high nibbles."""
+  v = qs.reshape(*qs.shape[:-1], -1, run).view(np.uint16)
+  t = v >> 4
+  out = np.empty((*v.shape[:-1], run), np.uint8)
+  np.bitwise_or(v & 0x0F, t & 0xF0, out=out[..., :run // 2], casting="unsafe")          # even & 15 | odd << 4
+  np.bitwise_or(t & 0x0F, (v >> 8) & 0xF0, out=out[..., run // 2:], casting="unsafe")   # even >> 4 | odd & 0xF0
   return out.reshape(qs.shape[0], -1).view("<u4")
+
+
+def _with_high_blocks(nibbles: np.ndarray, qh: np.ndarray) -> np.ndarray:
+  """The `weight` array of Q5_K and Q6_K: ggml's high bits are already our blocks of them (join_codes), byte for
+  byte. Q5_K's 32 bytes per super-block hold element 32j + t's fifth bit in bit j of byte t, Q6_K's 32 bytes per
+  half-block of 128 hold element 32i + t's top two bits in bits 2i, 2i + 1: run j's (i's) bits of input t, as ours."""
+  return np.concatenate([nibbles, np.ascontiguousarray(qh).reshape(len(nibbles), -1).view("<u4")], axis=1)
 
 
 def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[dict[str, np.ndarray], QuantSpec]:
@@ -188,30 +203,26 @@ def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[dict
   if K % block: raise ValueError(f"{qtype} needs rows that are a multiple of {block} (K={K})")
   if raw.size != N * (K // block) * nbytes: raise ValueError(f"{qtype} data of {raw.size} bytes does not match [{N}, {K}]")
   rows = max(1, ROWS_AT_ONCE // K)
-  if N > rows:   # a big table (a 128k-token embedding) in slices: the temporaries stay small
-    raw, out = raw.reshape(N, -1), {}
-    for i in range(0, N, rows):   # each slice written into place: no second copy of the table
-      piece = from_ggml(raw[i:i + rows], qtype, (min(rows, N - i), K))[0]
-      for p, a in piece.items():
-        if p == "qspec": out[p] = a
-        else:
-          if p not in out: out[p] = np.empty((N, *a.shape[1:]), a.dtype)
-          out[p][i:i + len(a)] = a
+  if N > rows:   # in slices of rows, on a few threads (numpy lets go of the GIL): the temporaries stay in cache
+    raw = raw.reshape(N, -1)
+    first = from_ggml(raw[:rows], qtype, (rows, K))[0]
+    out = {p: a if p == "qspec" else host_memory.empty((N, *a.shape[1:]), a.dtype) for p, a in first.items()}
+    def convert(i: int) -> None:   # each slice written into place (fresh pages: a CPU tensor's buffer as they are)
+      for p, a in (first if i == 0 else from_ggml(raw[i:i + rows], qtype, (min(rows, N - i), K))[0]).items():
+        if p != "qspec": out[p][i:i + len(a)] = a
+    with ThreadPoolExecutor(CONVERT_THREADS) as pool: list(pool.map(convert, range(0, N, rows)))
     return out, GGML_SPECS[qtype]
   b = np.ascontiguousarray(raw, np.uint8).reshape(N, K // block, nbytes)
   if qtype in ("Q4_K", "Q5_K"):
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _k_scales_mins(b[..., 4:16])
     if qtype == "Q4_K": q = _nibble_runs(b[..., 16:144], 32)
-    else:
-      qh = b[..., 16:48]                                                      # bit j of byte t: element 32j + t
-      high = ((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(N, K)
-      q = join_codes(_nibble_runs(b[..., 48:176], 32), high, 5)
+    else: q = _with_high_blocks(_nibble_runs(b[..., 48:176], 32), b[..., 16:48])   # bit j of byte t: element 32j + t
     scales, scale_d, biases = np.stack([sc, mn], axis=-1).reshape(N, -1, 2), np.stack([d, dmin], axis=-1), None
   elif qtype == "Q6_K":
     ql, qh, sc, d = b[..., 0:128], b[..., 128:192], b[..., 192:208], _f16(b[..., 208:210])
-    high = ((qh.reshape(N, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(N, K)
-    q = join_codes(_nibble_runs(ql, 64), high, 6)                          # 2 halves of 128: nibbles of 64 bytes
+    q = _with_high_blocks(_nibble_runs(ql, 64), qh)   # 2 halves of 128: nibbles of 64 bytes; bits 2i, 2i + 1 of a
+                                                      # half's byte t: its element 32i + t
     scales, scale_d, biases = sc.view(np.int8).reshape(N, -1), d, None
   elif qtype == "Q3_K":
     hmask, qs, packed, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])

@@ -1,0 +1,90 @@
+"""host_memory.py: memory of our own lent to tinygrad's CPU device, and the tinygrad detail it leans on (a Buffer
+carries the memory's owner). References are numpy; a tinygrad upgrade that changes from_blob or Buffer fails here."""
+from __future__ import annotations
+import ctypes, gc, mmap
+import numpy as np
+import pytest
+from tinygrad import Tensor
+from tinyvllm import host_memory
+
+
+def _address(t: Tensor) -> int:
+  return t.uop.buffer._buf.va_addr
+
+
+def test_an_array_over_host_pages_becomes_the_tensor_itself():
+  """No copy: the tensor reads the array's memory (a write after the hand-over shows), and the memory outlives
+  every Python reference to the array and its pages (held by the buffer)."""
+  rng = np.random.default_rng(0)
+  want = rng.standard_normal((37, 64)).astype(np.float32)
+  arr = host_memory.empty(want.shape, np.float32)
+  arr[...] = want
+  t = host_memory.host_tensor(arr, "CPU")
+  assert isinstance(t.uop.buffer.host_memory, host_memory.HostPages)   # the owner rides on tinygrad's Buffer
+  arr[3, 5] = 1234.5
+  want[3, 5] = 1234.5
+  del arr
+  gc.collect()
+  np.testing.assert_array_equal(t.numpy(), want)
+  np.testing.assert_allclose((t * 2 + 1).numpy(), want * 2 + 1, rtol=1e-6)   # a kernel reads it too
+
+
+@pytest.mark.parametrize("case", ["numpy", "offset", "transposed", "read_only_file"])
+def test_other_arrays_are_copied_once_into_aligned_pages(case, tmp_path):
+  """Arrays not over our pages from their first byte (numpy's own, a slice that starts inside our pages, a
+  transposed view, a read-only mapping of a file, as a checkpoint's tensors are) are copied: later writes to the
+  source do not show, the copy is page-aligned (tinygrad's C assumes vector alignment), and it equals the source."""
+  rng = np.random.default_rng(1)
+  src = rng.standard_normal((16, 48)).astype(np.float16)
+  if case == "offset":
+    whole = host_memory.empty((17, 48), np.float16)
+    whole[1:] = src
+    src = whole[1:]
+  elif case == "transposed":
+    whole = host_memory.empty((48, 16), np.float16)
+    whole[...] = src.T
+    src = whole.T
+  elif case == "read_only_file":
+    (tmp_path / "w.bin").write_bytes(src.tobytes())
+    with open(tmp_path / "w.bin", "rb") as f: mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    src = np.frombuffer(mapped, np.float16).reshape(16, 48)
+  want = np.array(src)
+  assert host_memory.pages_of(src) is None
+  t = host_memory.host_tensor(src, "CPU")
+  assert _address(t) % mmap.PAGESIZE == 0
+  if src.flags.writeable: src[0, 0] += 1
+  np.testing.assert_array_equal(t.numpy(), want)
+
+
+def test_pages_of_finds_ours_only():
+  arr = host_memory.empty((8, 8), np.int32)
+  assert host_memory.pages_of(arr) is not None
+  assert host_memory.pages_of(arr.reshape(64)) is not None and host_memory.pages_of(arr.view(np.uint8)) is not None
+  assert host_memory.pages_of(arr[1:]) is None and host_memory.pages_of(arr[:, :4]) is None
+  assert host_memory.pages_of(np.empty((8, 8), np.int32)) is None
+  plain = mmap.mmap(-1, 4096)   # anonymous memory that is not HostPages: not known as ours
+  assert host_memory.pages_of(np.frombuffer(plain, np.uint8)) is None
+
+
+def test_lent_memory_counts_as_device_bytes_while_it_lives():
+  """GlobalCounters.mem_used (benchmarks' and tests' device bytes) counts lent buffers as tinygrad counts its own,
+  and lets go of them when the buffer goes."""
+  from tinygrad.helpers import GlobalCounters
+  before = GlobalCounters.mem_used
+  t = host_memory.host_tensor(np.ones((1000, 3), np.float32), "CPU")
+  assert GlobalCounters.mem_used - before == 12000
+  del t
+  gc.collect()
+  assert GlobalCounters.mem_used == before
+
+
+def test_empty_arrays_and_zero_sizes():
+  arr = host_memory.empty((0, 4), np.float32)
+  assert arr.shape == (0, 4)
+  assert host_memory.host_tensor(np.zeros((0, 4), np.float32), "CPU").shape == (0, 4)
+
+
+def test_fresh_pages_are_zero_and_page_aligned():
+  pages = host_memory.fresh_pages(3 * mmap.PAGESIZE + 5)
+  assert ctypes.addressof(ctypes.c_char.from_buffer(pages)) % mmap.PAGESIZE == 0
+  assert not np.frombuffer(pages, np.uint8).any()

@@ -1,0 +1,80 @@
+"""Memory we allocate ourselves, lent to tinygrad's CPU device as the buffers of tensors.
+
+tinygrad's CPU allocator maps every buffer as shared anonymous memory, which gets 4 KiB pages only (shmem has no
+transparent huge pages unless the host's admin enabled them), and a copy into a fresh buffer faults page by page:
+loading an 8B Q4_K_M model spent 7.5 s of its 20 s in those copies, and 3 s more in tinygrad scheduling one copy per
+tensor. Memory of our own costs less: private anonymous pages, written once by numpy and handed to tinygrad with
+`Tensor.from_blob` (asking for huge pages too, MADV_HUGEPAGE, made loading no faster here: the kernel's compaction
+then slowed numpy's own allocations).
+
+The tinygrad details relied on (tests/test_host_memory.py fails if they change): `Buffer.allocate(external_ptr=)`
+(what `Tensor.from_blob` does); a Buffer takes attributes, so the memory's owner rides on the buffer (`host_memory`)
+and lives exactly as long as the buffer does, however the tensor is reshaped, captured or dropped; and
+`GlobalCounters.mem_used`, which skips lent memory unless we count it.
+"""
+from __future__ import annotations
+import ctypes, math, mmap, weakref
+import numpy as np
+from tinygrad import Tensor
+from tinygrad.device import Buffer
+from tinygrad.dtype import DType, _from_np_dtype
+from tinygrad.helpers import GlobalCounters
+
+
+class HostPages(mmap.mmap):
+  """Fresh anonymous memory, page-aligned: zeroed by the OS and mapped page by page as it is first written. Private,
+  so pages read before they are written map the shared zero page instead of committing memory. Its own class, so
+  arrays over it are known as ours (never a checkpoint's mapping, whose pages the loader hands back to the OS)."""
+
+
+def fresh_pages(nbytes: int) -> HostPages:
+  flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
+  return HostPages(-1, max(nbytes, 1), **({"flags": flags} if flags is not None else {}))
+
+
+def empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+  """An uninitialized array over fresh pages: filled by numpy, it becomes a tensor's buffer without a copy
+  (host_tensor), and anywhere else it is as good as np.empty's."""
+  dtype = np.dtype(dtype)
+  nbytes = math.prod(shape) * dtype.itemsize
+  return np.frombuffer(fresh_pages(nbytes), np.uint8, nbytes).view(dtype).reshape(shape)
+
+
+def pages_of(arr: np.ndarray) -> HostPages | None:
+  """The HostPages `arr` covers from its first byte, C-contiguous, if it is such a view (else None)."""
+  base = arr
+  while isinstance(base, np.ndarray): base = base.base
+  pages = base.obj if isinstance(base, memoryview) else base
+  if not isinstance(pages, HostPages) or not arr.flags.c_contiguous or not arr.flags.writeable: return None
+  return pages if arr.ctypes.data == ctypes.addressof(ctypes.c_char.from_buffer(pages)) else None
+
+
+def lend_buffer(buf: Buffer, mem: HostPages) -> None:
+  """Make `mem` the memory of the unallocated CPU-device Buffer `buf`, alive as long as the buffer. tinygrad counts
+  the memory it allocates (GlobalCounters.mem_used, the device bytes benchmarks and tests read), not memory it is
+  lent: ours is counted while the buffer lives."""
+  buf.allocate(external_ptr=ctypes.addressof(ctypes.c_char.from_buffer(mem)))
+  buf.host_memory = mem
+  GlobalCounters.mem_used += buf.nbytes
+  weakref.finalize(buf, _uncount, buf.nbytes)
+
+
+def _uncount(nbytes: int) -> None: GlobalCounters.mem_used -= nbytes
+
+
+def lend(mem: HostPages, shape: tuple[int, ...], dtype: DType, device: str) -> Tensor:
+  """A realized tensor on `device` (the CPU device) whose buffer is `mem` (lend_buffer)."""
+  t = Tensor.empty(*shape, dtype=dtype, device=device)
+  lend_buffer(t.uop.buffer, mem)
+  return t
+
+
+def host_tensor(arr: np.ndarray, device: str) -> Tensor:
+  """`arr`'s contents as a tensor on the CPU device `device`, with no tinygrad scheduling: an array over HostPages
+  (`empty`) becomes its buffer as it is; any other is copied once into fresh pages (page-aligned: tinygrad's
+  generated C assumes its vector types' alignment, up to 64 bytes)."""
+  if arr.size == 0: return Tensor.empty(*arr.shape, dtype=_from_np_dtype(arr.dtype), device=device)   # no buffer to lend
+  if (pages := pages_of(arr)) is None:
+    pages = fresh_pages(arr.nbytes)
+    np.copyto(np.frombuffer(pages, np.uint8, arr.nbytes).view(arr.dtype).reshape(arr.shape), arr, casting="no")
+  return lend(pages, arr.shape, _from_np_dtype(arr.dtype), device)
