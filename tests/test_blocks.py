@@ -57,7 +57,7 @@ def test_ggml_sizes_are_checked():
   with pytest.raises(ValueError, match="does not match"): blocks.from_ggml(random_ggml("Q6_K", 2, 256, rng)[:, :-1], "Q6_K", (2, 256))
 
 
-@pytest.mark.parametrize("bits", [3, 5, 6, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("G", [32, 64, 128])
 def test_mlx_bit_widths_repack_exactly(bits, G):
   """MLX's b-bit affine weights (codes as one bit stream per row): equal to mlx.core.dequantize of the same codes
@@ -99,6 +99,23 @@ def test_big_tables_convert_in_slices(qtype, monkeypatch):
   whole, spec = blocks.from_ggml(raw, qtype, (40, 512))
   monkeypatch.setattr(blocks, "ROWS_AT_ONCE", 512 * 7)   # 7 rows a slice: 6 slices, the last one partial
   sliced, spec2 = blocks.from_ggml(raw, qtype, (40, 512))
+  assert spec2 == spec and sliced.keys() == whole.keys()
+  for p in whole:
+    assert sliced[p].dtype == whole[p].dtype
+    np.testing.assert_array_equal(sliced[p], whole[p], err_msg=p)
+    if p != "qspec": assert host_memory.pages_of(sliced[p]) is not None, p
+
+
+@pytest.mark.parametrize("bits", [3, 6, 8])
+def test_big_mlx_tables_convert_in_slices(bits, monkeypatch):
+  """As for GGUF blocks: an MLX table converted a slice of rows at a time equals converting it whole (which the test
+  above compares with mlx.core.dequantize), and lands in pages a CPU tensor takes as they are."""
+  mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
+  rng = np.random.default_rng(bits)
+  q, s, b = (np.array(a) for a in mx.quantize(mx.array(rng.standard_normal((40, 256)).astype(np.float16)), group_size=64, bits=bits))
+  whole, spec = blocks.from_mlx(q, s, b, bits)
+  monkeypatch.setattr(blocks, "ROWS_AT_ONCE", 256 * 7)   # 7 rows a slice: 6 slices, the last one partial
+  sliced, spec2 = blocks.from_mlx(q, s, b, bits)
   assert spec2 == spec and sliced.keys() == whole.keys()
   for p in whole:
     assert sliced[p].dtype == whole[p].dtype

@@ -27,6 +27,7 @@ Q5_1 6 (6); MLX b-bit with group G: b + 32/G (3-bit: as INT4, 4 + 32/G).
 """
 from __future__ import annotations
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from tinyvllm import host_memory
@@ -188,6 +189,19 @@ def _nibble_runs(qs: np.ndarray, run: int) -> np.ndarray:
   return out.reshape(qs.shape[0], -1).view("<u4")
 
 
+def _in_slices(N: int, rows: int, convert: Callable[[int, int], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+  """The arrays of an `N`-row weight from convert(i, j), which converts rows i..j-1: a slice of `rows` at a time, on a
+  few threads (numpy lets go of the GIL), so the temporaries stay small and in cache. Each slice is written into
+  place in fresh pages, which become a CPU tensor's buffer as they are (host_memory.py)."""
+  first = convert(0, rows)
+  out = {p: a if p == "qspec" else host_memory.empty((N, *a.shape[1:]), a.dtype) for p, a in first.items()}
+  def place(i: int) -> None:
+    for p, a in (first if i == 0 else convert(i, min(i + rows, N))).items():
+      if p != "qspec": out[p][i:i + len(a)] = a
+  with ThreadPoolExecutor(CONVERT_THREADS) as pool: list(pool.map(place, range(0, N, rows)))
+  return out
+
+
 def _with_high_blocks(nibbles: np.ndarray, qh: np.ndarray) -> np.ndarray:
   """The `weight` array of Q5_K and Q6_K: ggml's high bits are already our blocks of them (join_codes), byte for
   byte. Q5_K's 32 bytes per super-block hold element 32j + t's fifth bit in bit j of byte t, Q6_K's 32 bytes per
@@ -202,16 +216,9 @@ def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[dict
   block, nbytes = GGML_TYPES[qtype]
   if K % block: raise ValueError(f"{qtype} needs rows that are a multiple of {block} (K={K})")
   if raw.size != N * (K // block) * nbytes: raise ValueError(f"{qtype} data of {raw.size} bytes does not match [{N}, {K}]")
-  rows = max(1, ROWS_AT_ONCE // K)
-  if N > rows:   # in slices of rows, on a few threads (numpy lets go of the GIL): the temporaries stay in cache
+  if N > (rows := max(1, ROWS_AT_ONCE // K)):
     raw = raw.reshape(N, -1)
-    first = from_ggml(raw[:rows], qtype, (rows, K))[0]
-    out = {p: a if p == "qspec" else host_memory.empty((N, *a.shape[1:]), a.dtype) for p, a in first.items()}
-    def convert(i: int) -> None:   # each slice written into place (fresh pages: a CPU tensor's buffer as they are)
-      for p, a in (first if i == 0 else from_ggml(raw[i:i + rows], qtype, (min(rows, N - i), K))[0]).items():
-        if p != "qspec": out[p][i:i + len(a)] = a
-    with ThreadPoolExecutor(CONVERT_THREADS) as pool: list(pool.map(convert, range(0, N, rows)))
-    return out, GGML_SPECS[qtype]
+    return _in_slices(N, rows, lambda i, j: from_ggml(raw[i:j], qtype, (j - i, K))[0]), GGML_SPECS[qtype]
   b = np.ascontiguousarray(raw, np.uint8).reshape(N, K // block, nbytes)
   if qtype in ("Q4_K", "Q5_K"):
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
@@ -250,13 +257,25 @@ def from_mlx(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: i
   """An MLX affine b-bit linear (uint32 words holding the codes as one little-endian bit stream per row; scales and
   biases per group) -> the packed layout (b = 5, 6, 8) or INT4's (b <= 4: the codes fit a nibble, and the arrays are
   INT4's: no spec). Scales and biases become float16, as for MLX's 4-bit checkpoints (int4.float16_params)."""
-  words = np.ascontiguousarray(packed).view(np.uint32)
-  N = words.shape[0]
-  K = words.shape[1] * 32 // bits
-  stream = np.unpackbits(words.view(np.uint8).reshape(N, -1), axis=-1, bitorder="little")
-  q = (stream.reshape(N, K, bits).astype(np.uint16) << np.arange(bits, dtype=np.uint16)).sum(-1).astype(np.uint8)
+  N, K = packed.shape[0], packed.shape[1] * 32 // bits
   G = K // scales.shape[-1]
+  spec = QuantSpec(max(bits, 4), G)
+  if N > (rows := max(1, ROWS_AT_ONCE // K)):
+    return _in_slices(N, rows, lambda i, j: from_mlx(packed[i:j], scales[i:j], biases[i:j], bits)[0]), spec
+  q = _mlx_codes(np.ascontiguousarray(packed).view(np.uint32), bits)
   s16, b16 = np.asarray(scales).astype(np.float16), np.asarray(biases).astype(np.float16)
-  if bits <= 4: return {"weight": int4.pack(q), "scales": s16, "biases": b16}, QuantSpec(4, G)   # INT4's layout
-  spec = QuantSpec(bits, G)
+  if bits <= 4: return {"weight": int4.pack(q), "scales": s16, "biases": b16}, spec   # INT4's layout
   return layout(q, spec, s16, None, b16), spec
+
+
+def _mlx_codes(words: np.ndarray, bits: int) -> np.ndarray:
+  """uint8 codes `[N, K]` of MLX's b-bit stream (little-endian: code i in bits b*i .. b*i + b - 1 of the row). Every 8
+  codes fill b whole bytes, read as one 64-bit integer and cut with 8 shifts."""
+  N, K = words.shape[0], words.shape[1] * 32 // bits
+  raw = words.view(np.uint8).reshape(N, K // 8, bits)
+  if bits == 8: return raw.reshape(N, K)
+  v = np.zeros((N, K // 8), np.uint64)
+  for i in range(bits): v |= raw[..., i].astype(np.uint64) << np.uint64(8 * i)
+  q = np.empty((N, K // 8, 8), np.uint8)
+  for j in range(8): q[..., j] = (v >> np.uint64(bits * j)) & np.uint64((1 << bits) - 1)
+  return q.reshape(N, K)
