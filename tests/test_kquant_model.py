@@ -144,3 +144,24 @@ def test_decode_steps_equal_the_dequantized_checkpoint(kquant_gguf, backend, mon
   assert err < 1e-3, err
   assert [int(np.argmax(r)) for r in ours] == tokens[1:]
   if backend == "cpu": assert 1 in fused   # a one-token pass went through the fused C layer
+
+
+def test_quantizing_at_load_keeps_the_converted_tables(kquant_gguf, monkeypatch):
+  """quantization="int4" reads the whole checkpoint into a plain dict first, its k-quant tables converted (a slice of
+  rows at a time, into pages a CPU tensor then takes as they are: host_memory.py). The loader hands each layer's
+  checkpoint pages back to the OS once it is on the device; that must leave those pages alone, or the device's
+  weights read as zeros (every greedy token of a 1B Q4_K_M came out as token 0)."""
+  from tinyvllm.kernels import make_kernels
+  from tinyvllm.model.llama import Llama
+  from tinyvllm.model.weights import load_checkpoint
+  monkeypatch.setattr(blocks, "ROWS_AT_ONCE", 8 * H)   # every table converts in slices
+  plain, int4 = (Llama(c.config, c.tensors, "float32", "CPU", make_kernels("portable", "CPU"), 128)
+                 for c in (load_checkpoint(kquant_gguf, q) for q in (None, "int4")))
+  pairs = [(lw, b.linears[name]) for a, b in zip(plain.layers, int4.layers) for name, lw in a.linears.items()
+           if lw.format == PACKED and b.linears[name].format == PACKED] + [(plain.embed_tokens, int4.embed_tokens)]
+  assert len(pairs) >= 5
+  for a, b in pairs:
+    for part in ("weight", "scales"):
+      want = getattr(a, part).numpy()
+      assert want.any()
+      np.testing.assert_array_equal(getattr(b, part).numpy(), want)

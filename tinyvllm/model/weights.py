@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 from tinyvllm.config import ModelConfig
+from tinyvllm.host_memory import HostPages
 from tinyvllm.model import families
 from tinyvllm.model.gguf_file import GGUFError, GGUFTensor, read_gguf
 from tinyvllm.quant import blocks, ggml, int4
@@ -139,7 +140,7 @@ def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = 
       base = name[:-len(".weight")]
       if w.ndim == 2 and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES) and stored_format(tensors, base) == FLOAT \
          and w.shape[1] % group == 0:
-        try: tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = int4.quantize(np.asarray(w, np.float32), group, "rtn")
+        try: tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = int4.quantize(w, group, "rtn")
         except ValueError as e: raise ModelLoadError(f"{ckpt.path}: tensor {name} cannot be quantized to 4 bits: {e}") from None
     ckpt = dataclasses.replace(ckpt, tensors=tensors, config=dataclasses.replace(ckpt.config, quantization={"group_size": group, "bits": 4}))
   return ckpt
@@ -330,11 +331,12 @@ def release(arr: np.ndarray) -> None:
   """Let the OS take back the pages of a checkpoint's memory map under `arr` once its data is on the device: without
   this, every page read while loading stays in the process (a second copy of the weights in RSS until the map
   closes). The map is private and never written, so a later read of the same bytes reads the file again. Arrays not
-  backed by a map (conversions, copies) are left alone."""
+  backed by a checkpoint's map (conversions, copies) are left alone: above all those over host_memory's pages, which
+  may be a CPU tensor's memory now (MADV_DONTNEED would zero them)."""
   base = arr
   while base is not None and not isinstance(base, mmap.mmap):   # through views, and np.frombuffer's memoryview
     base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
-  if base is None or not hasattr(base, "madvise") or arr.nbytes == 0: return
+  if base is None or isinstance(base, HostPages) or not hasattr(base, "madvise") or arr.nbytes == 0: return
   try: start = arr.__array_interface__["data"][0] - ctypes.addressof(ctypes.c_char.from_buffer(base))
   except TypeError: return   # a read-only map: not one of ours
   page = mmap.PAGESIZE
