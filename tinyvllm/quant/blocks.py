@@ -26,7 +26,6 @@ each here), Q5_K 5.625 (5.5), Q6_K 6.5625 (6.5625), Q3_K 4.5625 (3.4375: 3-bit c
 Q5_1 6 (6); MLX b-bit with group G: b + 32/G (3-bit: as INT4, 4 + 32/G).
 """
 from __future__ import annotations
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 import numpy as np
@@ -36,7 +35,6 @@ from tinyvllm.quant.formats import INT4, INT8, WEIGHT_PARTS, QuantSpec, spec_of
 
 QK = 256   # a k-quant super-block
 ROWS_AT_ONCE = 1 << 21   # weights converted at a time: the temporaries stay in cache (4x faster than whole 8B-sized tables)
-CONVERT_THREADS = min(4, os.cpu_count() or 1)
 
 
 def high_blocks(K: int, bits: int) -> tuple[int, int]:
@@ -198,7 +196,7 @@ def _in_slices(N: int, rows: int, convert: Callable[[int, int], dict[str, np.nda
   def place(i: int) -> None:
     for p, a in (first if i == 0 else convert(i, min(i + rows, N))).items():
       if p != "qspec": out[p][i:i + len(a)] = a
-  with ThreadPoolExecutor(CONVERT_THREADS) as pool: list(pool.map(place, range(0, N, rows)))
+  with ThreadPoolExecutor(int4.CONVERT_THREADS) as pool: list(pool.map(place, range(0, N, rows)))
   return out
 
 
