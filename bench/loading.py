@@ -6,7 +6,8 @@ Each checkpoint is written once into DIR (random float16 weights, one safetensor
 word-level tokenizer of the model's vocabulary; 2.5 and 16 GB), then loaded in a fresh process by the engine as a user
 would (`LLMEngine`, float16, the portable kernels, a small KV cache) on the device tinygrad picks (DEV). A thread samples
 the process's resident memory every millisecond while it loads. Columns:
-  device    tinygrad's count of the device memory it allocated (the weights, the KV cache and buffers)
+  device    tinygrad's count of the device memory: the weights and buffers (on the CPU device not the KV cache,
+            mapped by the engine and committed as it fills; lent weights counted: host_memory.py)
   peak RSS  the highest resident memory seen while loading, above the process's before it (on the CPU device the
             device's memory is host memory, so it is in here; on a GPU it is not)
   peak/dev  peak RSS over device bytes: 1.0 means no host copy beyond the device's own (target on the CPU: <= 1.1)

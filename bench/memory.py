@@ -8,8 +8,9 @@ Each configuration is loaded in a fresh subprocess (peak RSS is a process-lifeti
             model itself, not from the file
   of fp16   weights / (parameter count x 2 bytes), the parameter count being the dequantized model's
   KV cache  the paged cache as the engine sized it by default (a share of free memory, see EngineConfig)
-  device    tinygrad's own count of the device memory it allocated, after generating (weights and buffers; on the
-            CPU device the KV cache is memory the engine maps itself, so it is not in this count)
+  device    tinygrad's count of the device memory, after generating: weights and buffers (on the CPU device the
+            weights are host memory the loader lends tinygrad, counted too: host_memory.py; the KV cache is memory
+            the engine maps itself, committed as it fills, so it is not in this count)
   peak RSS  the process's high-water mark (ru_maxrss), which also holds Python, tinygrad, the tokenizer and, on
             load, the checkpoint as read from disk; `baseline` is the same before the model is loaded.
 """

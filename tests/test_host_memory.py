@@ -73,7 +73,15 @@ def test_lent_memory_counts_as_device_bytes_while_it_lives():
   before = GlobalCounters.mem_used
   t = host_memory.host_tensor(np.ones((1000, 3), np.float32), "CPU")
   assert GlobalCounters.mem_used - before == 12000
-  del t
+  shared = host_memory.empty((500, 2), np.float32)   # one array lent twice (a draft model sharing its target's table)
+  a, b = host_memory.host_tensor(shared, "CPU"), host_memory.host_tensor(shared, "CPU")
+  assert GlobalCounters.mem_used - before == 16000
+  del t, a
+  gc.collect()
+  assert GlobalCounters.mem_used - before == 4000
+  host_memory.lend(host_memory.fresh_pages(800), (200,), b.dtype, "CPU", counted=False)   # the KV cache's way
+  assert GlobalCounters.mem_used - before == 4000
+  del b
   gc.collect()
   assert GlobalCounters.mem_used == before
 

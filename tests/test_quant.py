@@ -80,6 +80,22 @@ def test_rtn_error_within_half_a_step(G):
   assert np.all(scales > 0)
 
 
+def test_codes_on_zero_scales_are_what_the_division_rounds_to():
+  """A zero scale (a refit can give one, of either sign) makes (w - b) / s infinite or NaN: the codes are its rounding
+  clipped to [0, 15], NaN (w == b) as 0, as the plain float64 division says (numpy as the reference)."""
+  rng = np.random.default_rng(5)
+  w = rng.standard_normal((6, 3, 16))
+  w[:, :, 0] = 0.25                                                         # w == b in every group
+  s = np.array([[0.0, -0.0, 0.1]] * 6, np.float16)
+  b = np.full((6, 3), 0.25, np.float16)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    want = np.rint((w - b.astype(np.float64)[..., None]) / s.astype(np.float64)[..., None])
+  want = np.clip(np.where(np.isnan(want), 0, want), 0, int4.QMAX).astype(np.uint8)
+  got = int4._codes(w, s, b)
+  np.testing.assert_array_equal(got, want)
+  assert got[:, 0].max() == int4.QMAX and got[:, 1].max() == int4.QMAX   # both signs reach the top code
+
+
 def test_rtn_constant_group_is_exact():
   w = np.full((2, 32), 0.375, np.float32)
   deq = int4.dequantize(*int4.quantize(w, 32, "rtn"), 32)

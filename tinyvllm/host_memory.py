@@ -3,14 +3,14 @@
 tinygrad's CPU allocator maps every buffer as shared anonymous memory, which gets 4 KiB pages only (shmem has no
 transparent huge pages unless the host's admin enabled them), and a copy into a fresh buffer faults page by page:
 loading an 8B Q4_K_M model spent 7.5 s of its 20 s in those copies, and 3 s more in tinygrad scheduling one copy per
-tensor. Memory of our own costs less: private anonymous pages, written once by numpy and handed to tinygrad with
-`Tensor.from_blob` (asking for huge pages too, MADV_HUGEPAGE, made loading no faster here: the kernel's compaction
+tensor. Memory of our own costs less: private anonymous pages, written once by numpy and handed to tinygrad as
+`Tensor.from_blob` does (asking for huge pages too, MADV_HUGEPAGE, made loading no faster here: the kernel's compaction
 then slowed numpy's own allocations).
 
 The tinygrad details relied on (tests/test_host_memory.py fails if they change): `Buffer.allocate(external_ptr=)`
-(what `Tensor.from_blob` does); a Buffer takes attributes, so the memory's owner rides on the buffer (`host_memory`)
-and lives exactly as long as the buffer does, however the tensor is reshaped, captured or dropped; and
-`GlobalCounters.mem_used`, which skips lent memory unless we count it.
+(what `Tensor.from_blob` does after `Tensor.empty`); a Buffer takes attributes, so the memory's owner rides on the
+buffer (`host_memory`) and lives exactly as long as the buffer does, however the tensor is reshaped, captured or
+dropped; and `GlobalCounters.mem_used` (and its per-device split), which skip lent memory unless we count it.
 """
 from __future__ import annotations
 import ctypes, math, mmap, weakref
@@ -49,23 +49,33 @@ def pages_of(arr: np.ndarray) -> HostPages | None:
   return pages if arr.ctypes.data == ctypes.addressof(ctypes.c_char.from_buffer(pages)) else None
 
 
-def lend_buffer(buf: Buffer, mem: HostPages) -> None:
+def lend_buffer(buf: Buffer, mem: HostPages, counted: bool = True) -> None:
   """Make `mem` the memory of the unallocated CPU-device Buffer `buf`, alive as long as the buffer. tinygrad counts
   the memory it allocates (GlobalCounters.mem_used, the device bytes benchmarks and tests read), not memory it is
-  lent: ours is counted while the buffer lives."""
+  lent: `counted` pages count while a buffer lends them, once however many do (a draft model may share its target's
+  tables)."""
   buf.allocate(external_ptr=ctypes.addressof(ctypes.c_char.from_buffer(mem)))
   buf.host_memory = mem
-  GlobalCounters.mem_used += buf.nbytes
-  weakref.finalize(buf, _uncount, buf.nbytes)
+  if not counted: return
+  mem.lenders = getattr(mem, "lenders", 0) + 1
+  if mem.lenders == 1: _count(buf.device, len(mem))
+  weakref.finalize(buf, _unlend, mem, buf.device)
 
 
-def _uncount(nbytes: int) -> None: GlobalCounters.mem_used -= nbytes
+def _count(device: str, nbytes: int) -> None:
+  GlobalCounters.mem_used += nbytes
+  GlobalCounters.mem_used_per_device[device] += nbytes
 
 
-def lend(mem: HostPages, shape: tuple[int, ...], dtype: DType, device: str) -> Tensor:
-  """A realized tensor on `device` (the CPU device) whose buffer is `mem` (lend_buffer)."""
+def _unlend(mem: HostPages, device: str) -> None:
+  mem.lenders -= 1
+  if mem.lenders == 0: _count(device, -len(mem))
+
+
+def lend(mem: HostPages, shape: tuple[int, ...], dtype: DType, device: str, counted: bool = True) -> Tensor:
+  """A realized tensor on `device` (the CPU device) whose buffer is `mem` (lend_buffer): what Tensor.from_blob does."""
   t = Tensor.empty(*shape, dtype=dtype, device=device)
-  lend_buffer(t.uop.buffer, mem)
+  lend_buffer(t.uop.buffer, mem, counted)
   return t
 
 

@@ -109,18 +109,19 @@ class ModelRunner:
   def _zeroed(self, shape: tuple[int, ...], dtype) -> Tensor:
     """A zero-filled cache tensor (attention multiplies masked-out entries by 0, and 0 * NaN garbage is NaN).
     On the CPU device it is fresh anonymous memory, which the OS hands out zeroed and maps page by page as
-    blocks are first written: writing zeros instead took 6.5 s for the default 2 GB cache on this machine.
-    With tensor parallelism the tensor is split by KV head, one such buffer per device."""
+    blocks are first written: writing zeros instead took 6.5 s for the default 2 GB cache on this machine. Not
+    counted as tinygrad's device memory (GlobalCounters.mem_used): most of it is never committed, and benchmarks
+    report the cache's size apart. With tensor parallelism the tensor is split by KV head, one such buffer per device."""
     if len(self.devices) > 1: return self._sharded_zeroed(shape, dtype)
     if self.kind != "CPU": return self._buffer(shape, dtype)
-    return lend(fresh_pages(math.prod(shape) * dtype.itemsize), shape, dtype, self.device)
+    return lend(fresh_pages(math.prod(shape) * dtype.itemsize), shape, dtype, self.device, counted=False)
 
   def _sharded_zeroed(self, shape: tuple[int, ...], dtype) -> Tensor:
     if self.kind != "CPU":
       return Tensor.zeros(*shape, dtype=dtype).shard(self.devices, KV_HEAD_AXIS).contiguous().realize()
     t = sharded_empty(shape, dtype, self.devices, KV_HEAD_AXIS)
     for buf in t.uop.buffer.bufs:
-      lend_buffer(buf, fresh_pages(buf.nbytes))
+      lend_buffer(buf, fresh_pages(buf.nbytes), counted=False)
     return t
 
   def _buffer(self, shape: tuple[int, ...], dtype, device: str | tuple[str, ...] | None = None) -> Tensor:

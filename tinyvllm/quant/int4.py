@@ -32,7 +32,8 @@ LINEAR_SUFFIXES = tuple(f"{m}.{p}.weight" for m, ps in (("self_attn", ("q_proj",
                                                          ("mlp", ("gate_proj", "up_proj", "down_proj"))) for p in ps)
 EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 _SHIFTS = np.arange(8, dtype=np.uint32) * 4
-CONVERT_THREADS = min(4, os.cpu_count() or 1)   # threads converting weights on the host (here and in blocks.py)
+# threads converting weights on the host (here and in blocks.py): numpy lets go of the GIL in its loops
+CONVERT_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 _CHUNK = 1 << 18   # elements quantized at a time: 2 MB of float64 temporaries, in cache (2x faster than 1 << 21)
 
 
@@ -76,12 +77,12 @@ def _covering_grid(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def _codes(w: np.ndarray, s: np.ndarray, b: np.ndarray) -> np.ndarray:
-  """Nearest codes of w `[R, NG, G]` on the grids (s, b) `[R, NG]` (float16); where a scale is zero, code 0 for
-  weights at or below the bias and QMAX above it (what (w - b) / 0 rounds to, clipped)."""
+  """Nearest codes of w `[R, NG, G]` on the grids (s, b) `[R, NG]` (float16); where a scale is zero, what (w - b) / s
+  rounds to, clipped: QMAX for +inf, 0 for -inf and NaN (w == b), the infinity's sign that of d times s's (-0.0)."""
   s64, b64 = s.astype(np.float64)[..., None], b.astype(np.float64)[..., None]
   d = w - b64
   q = np.divide(d, s64, out=np.zeros_like(d), where=s64 != 0)
-  if not s.all(): q[np.broadcast_to(s64 == 0, d.shape) & (d > 0)] = QMAX
+  if not s.all(): q[np.broadcast_to(s64 == 0, d.shape) & (d != 0) & ((d > 0) != np.signbit(s64))] = QMAX
   np.rint(q, out=q)
   np.clip(q, 0, QMAX, out=q)
   return q.astype(np.uint8)
