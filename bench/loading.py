@@ -1,11 +1,15 @@
-"""Loading at real size: load time and peak host memory of Llama-3.2-1B- and Llama-3.1-8B-shaped float16 checkpoints.
+"""Loading at real size: load time and peak host memory of Llama-3.2-1B- and Llama-3.1-8B-shaped checkpoints.
 
-  python bench/loading.py [--shapes 1b,8b] [--dir DIR] [--json out.json]
+  python bench/loading.py [--shapes 1b,8b] [--formats f16,int4,mlx8,mlx6,mlx4] [--dir DIR] [--json out.json]
 
 Each checkpoint is written once into DIR (random float16 weights, one safetensors file streamed tensor by tensor, with a
 word-level tokenizer of the model's vocabulary; 2.5 and 16 GB), then loaded in a fresh process by the engine as a user
-would (`LLMEngine`, float16, the portable kernels, a small KV cache) on the device tinygrad picks (DEV). A thread samples
-the process's resident memory every millisecond while it loads. Columns:
+would (`LLMEngine`, a small KV cache) on the device tinygrad picks (DEV). A thread samples the process's resident
+memory every millisecond while it loads. Formats:
+  f16       the float16 checkpoint as float16, on the portable kernels
+  int4      the same, quantized to 4 bits while loading (quantization="int4")
+  mlxN      mlx-lm's own `convert -q --q-bits N --q-group-size 64` of it (written once; needs the mlx-lm package)
+Columns:
   device    tinygrad's count of the device memory: the weights and buffers (on the CPU device not the KV cache,
             mapped by the engine and committed as it fills; lent weights counted: host_memory.py)
   peak RSS  the highest resident memory seen while loading, above the process's before it (on the CPU device the
@@ -14,7 +18,7 @@ the process's resident memory every millisecond while it loads. Columns:
 On a 24 GB machine the 8B row is the issue-23 check: its 16 GB must load without a second host copy.
 """
 from __future__ import annotations
-import argparse, json, os, struct, sys, time
+import argparse, json, os, shutil, struct, subprocess, sys, time
 from pathlib import Path
 import numpy as np
 from real_size import SHAPES, measure_load, write_word_tokenizer
@@ -60,12 +64,29 @@ def write_checkpoint(path: Path, shape: str) -> Path:
   return path
 
 
-def measure(path: Path) -> dict:
+FORMATS = {"f16": 'dtype="float16", kernel_backend="portable"', "int4": 'quantization="int4"',
+           **{f"mlx{bits}": "" for bits in (8, 6, 5, 4, 3)}}   # the engine's arguments besides a small KV cache
+
+
+def mlx_checkpoint(f16: Path, bits: int) -> Path:
+  """mlx-lm's own quantization of the float16 checkpoint (written once, beside it)."""
+  dest = f16.with_name(f16.name.replace("-f16", f"-mlx{bits}"))
+  if (dest / "config.json").exists(): return dest
+  part = dest.with_name(dest.name + ".part")
+  shutil.rmtree(part, ignore_errors=True)
+  r = subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(f16), "--mlx-path", str(part),
+                      "-q", "--q-bits", str(bits), "--q-group-size", "64"], capture_output=True, text=True)
+  if r.returncode != 0: sys.exit(f"bench/loading.py: mlx-lm's convert failed (pip install mlx-lm):\n{r.stderr[-2000:]}")
+  part.rename(dest)
+  return dest
+
+
+def measure(path: Path, fmt: str = "f16") -> dict:
   return measure_load(path, imports="""
 from tinygrad import Device
 from tinygrad.helpers import GlobalCounters
-from tinyvllm.engine.llm_engine import LLMEngine""", load="""
-engine = LLMEngine.from_kwargs(sys.argv[1], dtype="float16", kernel_backend="portable", num_kv_blocks=16, max_model_len=256)
+from tinyvllm.engine.llm_engine import LLMEngine""", load=f"""
+engine = LLMEngine.from_kwargs(sys.argv[1], num_kv_blocks=16, max_model_len=256, {FORMATS[fmt]})
 Device[engine.runner.device if isinstance(engine.runner.device, str) else engine.runner.device[0]].synchronize()""",
                       extras='{"device": Device.DEFAULT, "device_bytes": GlobalCounters.mem_used}')
 
@@ -73,21 +94,26 @@ Device[engine.runner.device if isinstance(engine.runner.device, str) else engine
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--shapes", default="1b,8b", help=f"comma-separated: {', '.join(SHAPES)}")
+  ap.add_argument("--formats", default="f16", help=f"comma-separated: {', '.join(FORMATS)}")
   ap.add_argument("--dir", type=Path, default=Path(os.environ.get("TINYVLLM_CACHE", Path.home() / ".cache" / "tinyvllm")) / "bench")
   ap.add_argument("--json", type=Path, default=None)
   args = ap.parse_args()
+  formats = args.formats.split(",")
+  if unknown := [f for f in formats if f not in FORMATS]: ap.error(f"--formats: unknown {', '.join(unknown)} (known: {', '.join(FORMATS)})")
   from tqdm import tqdm
   rows = []
-  for shape in tqdm(args.shapes.split(","), desc="shapes", file=sys.stderr):
+  for shape, fmt in tqdm([(s, f) for s in args.shapes.split(",") for f in formats], desc="loads", file=sys.stderr):
     t = time.perf_counter()
     path = write_checkpoint(args.dir / f"llama-{shape}-f16", shape)
+    if fmt.startswith("mlx"): path = mlx_checkpoint(path, int(fmt[3:]))
     written = time.perf_counter() - t
-    rows.append({"shape": shape, "file_bytes": (path / "model.safetensors").stat().st_size, "write_seconds": written} | measure(path))
+    file_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    rows.append({"shape": shape, "format": fmt, "file_bytes": file_bytes, "write_seconds": written} | measure(path, fmt))
   gb = lambda b: f"{b / 1e9:.2f} GB"
-  print(f"{'shape':<6}{'device':>8}{'file':>10}{'device':>10}{'peak RSS':>10}{'peak/dev':>9}{'load s':>8}")
+  print(f"{'shape':<6}{'format':>7}{'device':>8}{'file':>10}{'device':>10}{'peak RSS':>10}{'peak/dev':>9}{'load s':>8}")
   for r in rows:
-    print(f"{r['shape']:<6}{r['device']:>8}{gb(r['file_bytes']):>10}{gb(r['device_bytes']):>10}{gb(r['peak_rss_bytes']):>10}"
-          f"{r['peak_rss_bytes'] / r['device_bytes']:>9.3f}{r['load_seconds']:>8.1f}")
+    print(f"{r['shape']:<6}{r['format']:>7}{r['device']:>8}{gb(r['file_bytes']):>10}{gb(r['device_bytes']):>10}"
+          f"{gb(r['peak_rss_bytes']):>10}{r['peak_rss_bytes'] / r['device_bytes']:>9.3f}{r['load_seconds']:>8.1f}")
   if args.json: args.json.write_text(json.dumps(rows, indent=1))
 
 

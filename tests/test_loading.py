@@ -70,7 +70,7 @@ base, base_file, peak, done = rss(), rss_file(), [0], []
 def watch():
   while not done: peak[0] = max(peak[0], rss()); time.sleep(0.001)
 watcher = threading.Thread(target=watch); watcher.start()
-ckpt = load_checkpoint(sys.argv[1])
+ckpt = load_checkpoint(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else None)
 model = Llama(ckpt.config, ckpt.tensors, sys.argv[2], "CPU", make_kernels("portable", "CPU"), 128)
 done.append(1); watcher.join()
 # the checkpoint is still open: its map's pages still in the process are what the release missed
@@ -78,13 +78,16 @@ print(json.dumps({"peak": peak[0] - base, "device": GlobalCounters.mem_used, "fi
 """
 
 
-@pytest.mark.parametrize("dtype,stored", [("float32", "safetensors"), ("float16", "safetensors"), ("float32", "gguf")])
+@pytest.mark.parametrize("dtype,stored", [("float32", "safetensors"), ("float16", "safetensors"), ("float32", "gguf"),
+                                          ("float32", "safetensors-int4")])
 def test_loading_holds_one_copy_of_the_weights(tmp_path_factory, dtype, stored):
   """Peak host memory while loading (the CPU device's buffers are host memory) stays within the device's bytes plus a
   layer or two in flight: the tensors go to the device a layer at a time and the checkpoint's pages are released as
   they are. Loading everything first, then copying, peaked at 2.7x the device bytes on this model. A GGUF's Q8_0
   linears stay 8-bit, so its file is as big as what goes to the device: every page of it kept (numpy's views of the
-  map end in a memoryview, which the release missed) peaked at 1.8x on a 1B Q4_K_M."""
+  map end in a memoryview, which the release missed) peaked at 1.8x on a 1B Q4_K_M. Quantizing to INT4 while loading
+  reads every float weight once: its pages must go as it is quantized (the whole float checkpoint stayed resident
+  before, 5.7x the INT4 model's bytes on a 1B)."""
   path = tmp_path_factory.getbasetemp() / "loading-mid"
   if not (path / "model.safetensors").exists():
     make_tiny_llama(path, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
@@ -93,7 +96,8 @@ def test_loading_holds_one_copy_of_the_weights(tmp_path_factory, dtype, stored):
     if not (path.parent / "loading-mid.gguf").exists():
       write_gguf(path, path.parent / "loading-mid.gguf", {k: "Q8_0" for k in GGUF_TYPES})
     path = path.parent / "loading-mid.gguf"
-  r = subprocess.run([sys.executable, "-c", CHILD, str(path), dtype], capture_output=True, text=True, timeout=300,
+  args = [str(path), dtype] + (["int4"] if stored.endswith("-int4") else [])
+  r = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True, timeout=300,
                      env={**os.environ, "DEV": "CPU"})
   assert r.returncode == 0, r.stderr[-2000:]
   got = json.loads(r.stdout.splitlines()[-1])

@@ -384,3 +384,14 @@ def test_cpu_q8_linear_matches_numpy(M):
   w = codes.reshape(N, -1, 32).astype(np.float64) * scales.astype(np.float64)[..., None]
   ref = x.astype(np.float64) @ w.reshape(N, K).T
   assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_quantizing_a_checkpoint_in_slices_equals_one_call():
+  """The loader quantizes a float weight a slice of rows at a time (model/weights.py, its pages let go as it reads):
+  rows quantize independently, so the arrays equal one call's, and they sit in pages a CPU tensor takes as they are."""
+  from tinyvllm import host_memory
+  from tinyvllm.model.weights import _quantize_int4
+  w = random_weight(45, 256, np.random.default_rng(8)).astype(np.float16)
+  sliced = _quantize_int4(w, 64, slice_bytes=7 * 256 * 2)   # 7 rows a slice, the last one partial
+  for a, b in zip(sliced, int4.quantize(w, 64, "rtn")): np.testing.assert_array_equal(a, b)
+  assert all(host_memory.pages_of(a) is not None for a in sliced)
