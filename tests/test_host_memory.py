@@ -86,6 +86,22 @@ def test_lent_memory_counts_as_device_bytes_while_it_lives():
   assert GlobalCounters.mem_used == before
 
 
+def test_joined_rows_are_one_array_without_a_copy():
+  """Consecutive row ranges of one array over our pages, in order, join into a view of that memory; anything else
+  (out of order, a gap, other memory, another dtype) gets None, and the loader concatenates."""
+  buf = host_memory.empty((10, 4), np.float32)
+  buf[...] = np.random.default_rng(2).standard_normal((10, 4))
+  q, k, v = buf[0:6], buf[6:8], buf[8:10]
+  whole = host_memory.joined([q, k, v])
+  assert whole is not None and host_memory.pages_of(whole) is not None
+  whole[0, 0] = 7.0   # the same memory
+  np.testing.assert_array_equal(whole, buf)
+  assert host_memory.joined([k, q]) is None and host_memory.joined([q, v]) is None
+  assert host_memory.joined([np.array(q), k]) is None and host_memory.joined([q, host_memory.empty((2, 4), np.float32)]) is None
+  assert host_memory.joined([buf[2:4], buf[4:6]]) is not None   # rows from inside the pages join too
+  assert host_memory.joined([q, k.view(np.int32)]) is None
+
+
 def test_empty_arrays_and_zero_sizes():
   arr = host_memory.empty((0, 4), np.float32)
   assert arr.shape == (0, 4)

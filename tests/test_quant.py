@@ -395,3 +395,21 @@ def test_quantizing_a_checkpoint_in_slices_equals_one_call():
   sliced = _quantize_int4(w, 64, slice_bytes=7 * 256 * 2)   # 7 rows a slice, the last one partial
   for a, b in zip(sliced, int4.quantize(w, 64, "rtn")): np.testing.assert_array_equal(a, b)
   assert all(host_memory.pages_of(a) is not None for a in sliced)
+
+
+def test_quantizing_at_load_fuses_without_a_copy(tiny_model_factory):
+  """quantization="int4" quantizes q, k and v (gate and up) into one buffer each, so the model's fused projection is
+  that buffer, not a second copy; the result equals quantizing each part on its own."""
+  from tinyvllm import host_memory
+  from tinyvllm.kernels import make_kernels
+  from tinyvllm.model.llama import Llama
+  from tinyvllm.model.weights import load_checkpoint
+  path = tiny_model_factory()
+  ckpt, plain = load_checkpoint(path, "int4"), load_checkpoint(path)
+  model = Llama(ckpt.config, ckpt.tensors, "float32", "CPU", make_kernels("portable", "CPU"), 64)
+  for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+    prefix = "model.layers.1." + fused.split(".")[0] + "."
+    lw = model.layers[1].linears[fused]
+    assert lw.weight.uop.buffer.host_memory is host_memory.pages_of(ckpt.tensors[prefix + parts[0] + ".weight"])
+    want = [np.concatenate(a) for a in zip(*(int4.quantize(plain.tensors[prefix + p + ".weight"], 64) for p in parts))]
+    for got, ref in zip((lw.weight, lw.scales, lw.biases), want): np.testing.assert_array_equal(got.numpy(), ref)

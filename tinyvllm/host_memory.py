@@ -40,13 +40,34 @@ def empty(shape: tuple[int, ...], dtype) -> np.ndarray:
   return np.frombuffer(fresh_pages(nbytes), np.uint8, nbytes).view(dtype).reshape(shape)
 
 
-def pages_of(arr: np.ndarray) -> HostPages | None:
-  """The HostPages `arr` covers from its first byte, C-contiguous, if it is such a view (else None)."""
+def _root(arr: np.ndarray):
+  """What owns `arr`'s memory: the object at the end of its chain of bases (through np.frombuffer's memoryview)."""
   base = arr
   while isinstance(base, np.ndarray): base = base.base
-  pages = base.obj if isinstance(base, memoryview) else base
+  return base.obj if isinstance(base, memoryview) else base
+
+
+def _address(pages: HostPages) -> int: return ctypes.addressof(ctypes.c_char.from_buffer(pages))
+
+
+def pages_of(arr: np.ndarray) -> HostPages | None:
+  """The HostPages `arr` covers from its first byte, C-contiguous, if it is such a view (else None)."""
+  pages = _root(arr)
   if not isinstance(pages, HostPages) or not arr.flags.c_contiguous or not arr.flags.writeable: return None
-  return pages if arr.ctypes.data == ctypes.addressof(ctypes.c_char.from_buffer(pages)) else None
+  return pages if arr.ctypes.data == _address(pages) else None
+
+
+def joined(arrays: list[np.ndarray]) -> np.ndarray | None:
+  """`arrays` stacked along their first axis without a copy, when they are consecutive C-contiguous row ranges of one
+  HostPages, in order (the loader quantizes q, k and v into one buffer: their fusion is then free); else None."""
+  first, pages = arrays[0], _root(arrays[0])
+  if not isinstance(pages, HostPages) or not first.flags.c_contiguous: return None
+  for a, b in zip(arrays, arrays[1:]):
+    if _root(b) is not pages or not b.flags.c_contiguous or b.dtype != first.dtype or b.shape[1:] != first.shape[1:] \
+       or a.ctypes.data + a.nbytes != b.ctypes.data: return None
+  rows = sum(len(a) for a in arrays)
+  return np.frombuffer(pages, first.dtype, rows * math.prod(first.shape[1:]),
+                       first.ctypes.data - _address(pages)).reshape(rows, *first.shape[1:])
 
 
 def lend_buffer(buf: Buffer, mem: HostPages, counted: bool = True) -> None:
@@ -54,7 +75,7 @@ def lend_buffer(buf: Buffer, mem: HostPages, counted: bool = True) -> None:
   the memory it allocates (GlobalCounters.mem_used, the device bytes benchmarks and tests read), not memory it is
   lent: `counted` pages count while a buffer lends them, once however many do (a draft model may share its target's
   tables)."""
-  buf.allocate(external_ptr=ctypes.addressof(ctypes.c_char.from_buffer(mem)))
+  buf.allocate(external_ptr=_address(mem))
   buf.host_memory = mem
   if not counted: return
   mem.lenders = getattr(mem, "lenders", 0) + 1

@@ -288,8 +288,10 @@ def _fuse(out: dict[str, np.ndarray], prefix: str, np_dtype) -> None:
     for part in PARTS:
       if f"{names[0]}.{part}" not in out: continue
       arrays = [out.pop(f"{n}.{part}") for n in names]
-      into = host_memory.empty((sum(len(a) for a in arrays), *arrays[0].shape[1:]), np.result_type(*arrays))   # host_tensor's
-      out[prefix + fused + "." + part] = np.concatenate(arrays, axis=0, out=into)
+      if (whole := host_memory.joined(arrays)) is None:   # written apart: one copy, into pages host_tensor takes as they are
+        whole = np.concatenate(arrays, axis=0, out=host_memory.empty((sum(len(a) for a in arrays), *arrays[0].shape[1:]),
+                                                                     np.result_type(*arrays)))
+      out[prefix + fused + "." + part] = whole
     if f"{names[0]}.qspec" in out:   # one layout: one spec
       out[prefix + fused + ".qspec"] = out[f"{names[0]}.qspec"]
       for n in names: out.pop(f"{n}.qspec")

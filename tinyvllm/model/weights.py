@@ -137,11 +137,13 @@ def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = 
     tensors = {k: v for k, v in ckpt.tensors.items() if not any(k.startswith(b + ".") for b in eight_bit)}
     tensors.update({f"{b}.weight": int4.dequantize_8bit(ckpt.tensors[f"{b}.weight"], ckpt.tensors[f"{b}.scales"]) for b in eight_bit})
     group = (ckpt.config.quantization or {}).get("group_size", 64)
+    quantizable = lambda name: (w := tensors.get(name)) is not None and w.ndim == 2 and w.shape[1] % group == 0 and \
+      (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES) and stored_format(tensors, name[:-len(".weight")]) == FLOAT
+    into = _fused_int4_buffers(tensors, quantizable, group)
     for name, w in list(tensors.items()):
       base = name[:-len(".weight")]
-      if w.ndim == 2 and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES) and stored_format(tensors, base) == FLOAT \
-         and w.shape[1] % group == 0:
-        try: tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = _quantize_int4(w, group)
+      if quantizable(name):
+        try: tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = _quantize_int4(w, group, into.get(name))
         except ValueError as e: raise ModelLoadError(f"{ckpt.path}: tensor {name} cannot be quantized to 4 bits: {e}") from None
     ckpt = dataclasses.replace(ckpt, tensors=tensors, config=dataclasses.replace(ckpt.config, quantization={"group_size": group, "bits": 4}))
   return ckpt
@@ -259,13 +261,31 @@ def _mlx_bits(config: ModelConfig, tensors: dict[str, np.ndarray], origin: dict[
   return Checkpoint(config, store, path)
 
 
-def _quantize_int4(w: np.ndarray, group: int, slice_bytes: int = 64 << 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _fused_int4_buffers(tensors: Mapping[str, np.ndarray], quantizable, group: int) -> dict[str, tuple[np.ndarray, ...]]:
+  """For every q/k/v (gate/up) set that will be quantized to INT4 and then fused, one buffer per INT4 array with each
+  part's rows in it: part weight name -> its (packed, scales, biases) rows. The model's fusion of those parts is then
+  the buffer itself (host_memory.joined), where a concatenation would hold each weight twice until loading ends."""
+  into = {}
+  for name in tensors:
+    for parts in FUSED_PROJECTIONS.values():
+      if not name.endswith(f"{parts[0]}.weight"): continue
+      names = [name[:-len(f"{parts[0]}.weight")] + f"{p}.weight" for p in parts]
+      if not all(quantizable(n) for n in names) or len({tensors[n].shape[1] for n in names}) > 1: continue
+      rows, K = [tensors[n].shape[0] for n in names], tensors[name].shape[1]
+      bufs = (host_memory.empty((sum(rows), K // 8), np.uint32), host_memory.empty((sum(rows), K // group), np.float16),
+              host_memory.empty((sum(rows), K // group), np.float16))
+      for n, r0, r in zip(names, np.cumsum([0] + rows), rows): into[n] = tuple(b[r0:r0 + r] for b in bufs)
+  return into
+
+
+def _quantize_int4(w: np.ndarray, group: int, out: tuple[np.ndarray, ...] | None = None,
+                   slice_bytes: int = 64 << 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """int4.quantize (round to nearest) of a checkpoint's float weight, a slice of rows at a time, each slice's pages
   handed back once read (quantizing whole tables kept the float checkpoint resident: 4 GB peak for a 1B model whose
   INT4 weights are 0.7 GB), into pages a CPU tensor takes as they are (else the dict of them, alive until the model
-  is built, doubled the device's bytes). Rows quantize independently: the same arrays as one call."""
+  is built, doubled the device's bytes), or into `out` (_fused_int4_buffers). Rows quantize independently: the same
+  arrays as one call."""
   rows = max(1, slice_bytes // max(1, w.shape[1] * w.itemsize))
-  out = None
   for i in range(0, w.shape[0], rows):
     parts = int4.quantize(w[i:i + rows], group, "rtn")
     if out is None: out = tuple(host_memory.empty((w.shape[0], *p.shape[1:]), p.dtype) for p in parts)   # lent as they are
