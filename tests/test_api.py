@@ -194,3 +194,28 @@ def test_a_small_cache_lowers_max_model_len_and_says_so(tiny_model, capsys):
   assert llm.llm_engine.max_model_len == 16
   assert "max_model_len lowered from 256 to 16" in capsys.readouterr().err
   llm.shutdown()
+
+
+def test_kv_cache_is_sized_from_available_memory_not_free_pages(tmp_path, tiny_model, monkeypatch):
+  """Linux's MemAvailable counts the page cache the OS can reclaim (a model file just read sits there); free pages
+  alone refused a KV cache beside an 8B model on a 24 GB machine with 22 GB available. The cache takes
+  kv_cache_memory_fraction of what is available after the weights, capped by what max_num_seqs full sequences need."""
+  from tinyvllm.bench.runs import model_tensors
+  from tinyvllm.engine import core
+  from tinyvllm.engine.llm_engine import LLMEngine
+  meminfo = tmp_path / "meminfo"
+  meminfo.write_text("MemTotal:       24000000 kB\nMemFree:          100000 kB\nMemAvailable:   20000000 kB\n")
+  assert core.available_memory(str(meminfo)) == 20000000 * 1024
+  (tmp_path / "no-meminfo").write_text("MemTotal: 1 kB\n")
+  assert core.available_memory(str(tmp_path / "no-meminfo")) > 0   # falls back to the OS's free pages
+  assert core.available_memory(str(tmp_path / "missing")) > 0
+  available = 512 << 20
+  monkeypatch.setattr(core, "available_memory", lambda: available)
+  engine = LLMEngine.from_kwargs(str(tiny_model), max_model_len=64, max_num_seqs=100000, kv_cache_memory_fraction=0.5)
+  block_bytes = engine.runner.kv_bytes_per_block
+  weights = sum(t.nbytes for t in model_tensors(engine.runner.model))
+  want = int(0.5 * (available - weights)) // block_bytes   # the checkpoint's bytes stand for the weights: within 1 %
+  assert abs(engine.block_manager.num_blocks - want) <= want // 100 + 1, (engine.block_manager.num_blocks, want)
+  monkeypatch.setattr(core, "available_memory", lambda: 1 << 10)   # less than the weights: a clear error
+  with pytest.raises(ConfigError, match="not enough free memory"):
+    LLMEngine.from_kwargs(str(tiny_model), max_model_len=64)

@@ -29,6 +29,20 @@ from tinyvllm.model.weights import Checkpoint, load_checkpoint, select_tensors
 from tinyvllm.structured_output import MaskWorker, apply_bias
 
 
+def available_memory(meminfo: str = "/proc/meminfo") -> int:
+  """Bytes the OS can give the process now. On Linux its MemAvailable: free memory plus the page cache and whatever
+  else it can reclaim. A model file just downloaded or read sits in the page cache, so free memory alone can be a
+  fraction of it: beside an 8B model on a 24 GB machine with 22 GB available, 4.5 GB free left no room for a KV
+  cache at all. Elsewhere the free pages, and on macOS (neither) half the physical memory."""
+  try:
+    with open(meminfo) as f:
+      for line in f:
+        if line.startswith("MemAvailable:"): return int(line.split()[1]) * 1024   # in kB
+  except (OSError, ValueError, IndexError): pass
+  try: return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError): return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
 class EngineCore:
   def __init__(self, config: EngineConfig, ckpt: Checkpoint, tokenizer: Tokenizer, failures: FailureLog | None = None):
     """Build the model, its KV cache and (with `draft_model`) the draft from a loaded checkpoint. `tokenizer`
@@ -130,9 +144,7 @@ class EngineCore:
 
   def _blocks_from_memory(self, block_bytes: int, weight_bytes: int, max_model_len: int) -> int:
     """A share of the memory left after the weights, but no more than max_num_seqs full-length sequences."""
-    try: available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):  # macOS has no SC_AVPHYS_PAGES: take the physical memory minus the weights
-      available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    available = available_memory()
     by_memory = int(self.config.kv_cache_memory_fraction * max(0, available - weight_bytes)) // block_bytes
     by_need = self.config.max_num_seqs * -(-max_model_len // self.config.block_size)
     blocks = min(by_memory, by_need)
