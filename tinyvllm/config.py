@@ -272,7 +272,7 @@ class EngineConfig:
                      choices=("auto", "float32", "float16"))
   max_model_len: int | None = _flag(None, "context length (default: the model's own, capped by the KV cache)", int)
   block_size: int = _flag(16, "tokens per KV cache block: 8, 16 or 32")
-  num_kv_blocks: int | None = _flag(None, "KV cache blocks (default: sized from free memory)", int)
+  num_kv_blocks: int | None = _flag(None, "KV cache blocks (default: sized from available memory)", int)
   max_num_seqs: int = _flag(32, "sequences decoded together at most")
   max_num_batched_tokens: int = _flag(512, "tokens per step at most (the prefill chunk length)")
   kv_cache_dtype: str = _flag("auto", "KV cache storage: auto (the model dtype), int8 (8-bit codes with a float16 scale "
@@ -283,7 +283,7 @@ class EngineConfig:
                               choices=KV_CACHE_DTYPES)
   kernel_backend: str = _flag("auto", "attention/linear kernels (auto: metal on METAL, cpu on CPU)",
                               choices=("auto", "portable", "cpu", "metal", "emulator"))
-  kv_cache_memory_fraction: float = _flag(0.1, "share of free memory (after the weights) the KV cache takes when "
+  kv_cache_memory_fraction: float = _flag(0.1, "share of available memory (after the weights) the KV cache takes when "
                                                "num_kv_blocks is not given")
   watermark: float = _flag(0.01, "share of KV blocks kept free when admitting new sequences")
   seed: int = _flag(0, "seeds the random streams of requests that give no seed of their own")
