@@ -413,3 +413,25 @@ def test_quantizing_at_load_fuses_without_a_copy(tiny_model_factory):
     assert lw.weight.uop.buffer.host_memory is host_memory.pages_of(ckpt.tensors[prefix + parts[0] + ".weight"])
     want = [np.concatenate(a) for a in zip(*(int4.quantize(plain.tensors[prefix + p + ".weight"], 64) for p in parts))]
     for got, ref in zip((lw.weight, lw.scales, lw.biases), want): np.testing.assert_array_equal(got.numpy(), ref)
+
+
+def test_quantizing_8bit_tables_at_load_equals_quantizing_their_floats(tiny_model_factory, tmp_path, monkeypatch):
+  """A Q8_0 GGUF loaded with quantization="int4": each 8-bit table is dequantized a slice of rows at a time as it is
+  quantized (all at once first, a 1B Q8_0 file peaked at 8.5 GB); the INT4 arrays equal quantizing the gguf package's
+  own dequantization of the same tensors, at the file's group size (32, Q8_0's blocks)."""
+  from test_weights import GGUF_TYPES, write_gguf
+  from tinyvllm.model import weights
+  ref = write_gguf(tiny_model_factory(), tmp_path / "q8.gguf", {k: "Q8_0" for k in GGUF_TYPES})
+  sliced = weights._quantize_int4
+  monkeypatch.setattr(weights, "_quantize_int4", lambda *a: sliced(*a, slice_bytes=5 * 64 * 4))   # 5 rows a slice
+  ckpt = weights.load_checkpoint(tmp_path / "q8.gguf", "int4")
+  tensors = ckpt.tensors
+  assert ckpt.config.quantization["group_size"] == 32
+  checked = 0
+  for name, w in ref.items():
+    if not name.endswith("proj.weight") and name not in int4.EMBEDDING_NAMES: continue
+    base = name[:-len(".weight")]
+    for got, want in zip((tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"]), int4.quantize(w, 32, "rtn")):
+      np.testing.assert_array_equal(got, want, err_msg=name)
+    checked += 1
+  assert checked >= 8

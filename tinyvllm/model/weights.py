@@ -127,24 +127,30 @@ def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = 
     ckpt = load_gguf(path, keep_q4=quantization != "none")
   else:
     ckpt = load_hf_dir(path)
+  stored = ckpt.tensors   # (a lazy store hands back the file pages of what it converted: release_tensor)
   if quantization is not None:   # both rewrite the whole model anyway: convert everything now
     ckpt = dataclasses.replace(ckpt, tensors=dict(ckpt.tensors))
   if quantization == "none" and any(k.endswith(".scales") for k in ckpt.tensors):
     ckpt = dataclasses.replace(ckpt, tensors=int4.dequantize_state_dict(ckpt.tensors), config=dataclasses.replace(ckpt.config, quantization=None))
   if quantization == "int4":
-    # 8-bit tables (a GGUF's Q8_0 embedding) become 4-bit too: 4-bit everywhere is what "int4" asks for
-    eight_bit = {k[:-len(".scales")] for k in ckpt.tensors if k.endswith(".scales") and stored_format(ckpt.tensors, k[:-len(".scales")]) == INT8}
-    tensors = {k: v for k, v in ckpt.tensors.items() if not any(k.startswith(b + ".") for b in eight_bit)}
-    tensors.update({f"{b}.weight": int4.dequantize_8bit(ckpt.tensors[f"{b}.weight"], ckpt.tensors[f"{b}.scales"]) for b in eight_bit})
+    # 8-bit tables (a GGUF's Q8_0 linears and embedding) become 4-bit too: 4-bit everywhere is what "int4" asks for.
+    # They are dequantized a slice at a time as they are quantized (all at once, a 1B Q8_0 file peaked at 8.5 GB).
     group = (ckpt.config.quantization or {}).get("group_size", 64)
-    quantizable = lambda name: (w := tensors.get(name)) is not None and w.ndim == 2 and w.shape[1] % group == 0 and \
-      (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES) and stored_format(tensors, name[:-len(".weight")]) == FLOAT
+    takes = lambda name, w: w.ndim == 2 and w.shape[1] % group == 0 and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES)
+    eight_bit = {k[:-len(".scales")] for k in ckpt.tensors if k.endswith(".scales") and stored_format(ckpt.tensors, k[:-len(".scales")]) == INT8}
+    scales8 = {b: ckpt.tensors[f"{b}.scales"] for b in eight_bit if takes(f"{b}.weight", ckpt.tensors[f"{b}.weight"])}
+    tensors = {k: v for k, v in ckpt.tensors.items() if not any(k.startswith(b + ".") for b in eight_bit)}
+    tensors.update({f"{b}.weight": ckpt.tensors[f"{b}.weight"] if b in scales8 else   # codes: quantized below from them
+                    int4.dequantize_8bit(ckpt.tensors[f"{b}.weight"], ckpt.tensors[f"{b}.scales"]) for b in eight_bit})
+    quantizable = lambda name: (w := tensors.get(name)) is not None and takes(name, w) and \
+      stored_format(tensors, name[:-len(".weight")]) == FLOAT   # (8-bit codes without their scales read as float)
     into = _fused_int4_buffers(tensors, quantizable, group)
     for name, w in list(tensors.items()):
       base = name[:-len(".weight")]
       if quantizable(name):
-        try: tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = _quantize_int4(w, group, into.get(name))
+        try: tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = _quantize_int4(w, group, into.get(name), scales8.get(base))
         except ValueError as e: raise ModelLoadError(f"{ckpt.path}: tensor {name} cannot be quantized to 4 bits: {e}") from None
+        release_tensor(stored, name)   # the file pages its (8-bit) codes were converted from
     ckpt = dataclasses.replace(ckpt, tensors=tensors, config=dataclasses.replace(ckpt.config, quantization={"group_size": group, "bits": 4}))
   return ckpt
 
@@ -278,16 +284,17 @@ def _fused_int4_buffers(tensors: Mapping[str, np.ndarray], quantizable, group: i
   return into
 
 
-def _quantize_int4(w: np.ndarray, group: int, out: tuple[np.ndarray, ...] | None = None,
+def _quantize_int4(w: np.ndarray, group: int, out: tuple[np.ndarray, ...] | None = None, scales8: np.ndarray | None = None,
                    slice_bytes: int = 64 << 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """int4.quantize (round to nearest) of a checkpoint's float weight, a slice of rows at a time, each slice's pages
   handed back once read (quantizing whole tables kept the float checkpoint resident: 4 GB peak for a 1B model whose
   INT4 weights are 0.7 GB), into pages a CPU tensor takes as they are (else the dict of them, alive until the model
-  is built, doubled the device's bytes), or into `out` (_fused_int4_buffers). Rows quantize independently: the same
-  arrays as one call."""
-  rows = max(1, slice_bytes // max(1, w.shape[1] * w.itemsize))
+  is built, doubled the device's bytes), or into `out` (_fused_int4_buffers). With `scales8`, `w` holds 8-bit codes,
+  each slice dequantized first (int4.dequantize_8bit). Rows quantize independently: the same arrays as one call."""
+  rows = max(1, slice_bytes // max(1, w.shape[1] * (4 if scales8 is not None else w.itemsize)))
   for i in range(0, w.shape[0], rows):
-    parts = int4.quantize(w[i:i + rows], group, "rtn")
+    rows_w = w[i:i + rows] if scales8 is None else int4.dequantize_8bit(w[i:i + rows], scales8[i:i + rows])
+    parts = int4.quantize(rows_w, group, "rtn")
     if out is None: out = tuple(host_memory.empty((w.shape[0], *p.shape[1:]), p.dtype) for p in parts)   # lent as they are
     for o, p in zip(out, parts): o[i:i + len(p)] = p
     release(w[i:i + rows])
