@@ -583,7 +583,9 @@ def _gguf_arrays(name: str, t: GGUFTensor, compact: bool, config: ModelConfig, p
     data = unpermute_rope_rows(data, config.num_key_value_heads)
   if compact and qtype == "Q8_0":
     codes, d = ggml.q8_0_parts(data)
-    return {name: codes.reshape(shape), f"{base}.scales": d.astype(np.float16)}   # d is float16 in the file
+    out = host_memory.empty(shape, np.int8)   # the one copy out of the 34-byte blocks, into pages the CPU tensor takes
+    out.reshape(codes.shape)[...] = codes
+    return {name: out, f"{base}.scales": d.astype(np.float16)}   # d is float16 in the file
   if compact and qtype in ("Q4_0", "Q4_1"):
     return dict(zip((name, f"{base}.scales", f"{base}.biases"), int4.from_ggml_q4(data, qtype, shape)))
   if compact: return {f"{base}.{p}": a for p, a in blocks.from_ggml(data, qtype, shape)[0].items()}
