@@ -98,7 +98,10 @@ def test_big_tables_convert_in_slices(qtype, monkeypatch):
   raw = random_ggml(qtype, 40, 512, rng)
   whole, spec = blocks.from_ggml(raw, qtype, (40, 512))
   monkeypatch.setattr(blocks, "ROWS_AT_ONCE", 512 * 7)   # 7 rows a slice: 6 slices, the last one partial
-  sliced, spec2 = blocks.from_ggml(raw, qtype, (40, 512))
+  handed = []   # the loader releases each slice's source rows as they are converted
+  sliced, spec2 = blocks.from_ggml(raw, qtype, (40, 512), done=handed.append)
+  assert sorted(len(r) for r in handed) == [5] + [7] * 5
+  np.testing.assert_array_equal(np.concatenate(sorted(handed, key=lambda r: r.ctypes.data)), raw.reshape(40, -1))
   assert spec2 == spec and sliced.keys() == whole.keys()
   for p in whole:
     assert sliced[p].dtype == whole[p].dtype

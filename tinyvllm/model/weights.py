@@ -260,7 +260,7 @@ def _mlx_bits(config: ModelConfig, tensors: dict[str, np.ndarray], origin: dict[
     base = name[:-len(".weight")]
     if base in quantized and name.endswith(".weight"):
       w, s, b, spec = quantized[base]
-      make = lambda w=w, s=s, b=b, base=base: {f"{base}.{p}": a for p, a in blocks.from_mlx(w, s, b, bits)[0].items()}
+      make = lambda w=w, s=s, b=b, base=base: {f"{base}.{p}": a for p, a in blocks.from_mlx(w, s, b, bits, done=release)[0].items()}
       keys = blocks.stored_parts(spec) if bits > 4 else ("weight", "scales", "biases")   # 2 and 3 bits: INT4's layout
       store.add([f"{base}.{p}" for p in keys], make, [w, s, b], blocks.packed_nbytes(spec, w.shape[0], w.shape[1] * 32 // bits))
     else: store.add([name], lambda name=name: {name: tensors[name]}, [tensors[name]], tensors[name].nbytes)
@@ -588,7 +588,7 @@ def _gguf_arrays(name: str, t: GGUFTensor, compact: bool, config: ModelConfig, p
     return {name: out, f"{base}.scales": d.astype(np.float16)}   # d is float16 in the file
   if compact and qtype in ("Q4_0", "Q4_1"):
     return dict(zip((name, f"{base}.scales", f"{base}.biases"), int4.from_ggml_q4(data, qtype, shape)))
-  if compact: return {f"{base}.{p}": a for p, a in blocks.from_ggml(data, qtype, shape)[0].items()}
+  if compact: return {f"{base}.{p}": a for p, a in blocks.from_ggml(data, qtype, shape, done=release)[0].items()}
   if qtype in ggml.BLOCK_BYTES: return {name: ggml.dequantize(data, qtype, shape)}
   if qtype in blocks.GGML_TYPES: return {name: blocks.dequantize(*blocks.from_ggml(data, qtype, shape))}
   if qtype == "BF16": return {name: (data.astype(np.uint32) << 16).view(np.float32)}

@@ -187,15 +187,20 @@ def _nibble_runs(qs: np.ndarray, run: int) -> np.ndarray:
   return out.reshape(qs.shape[0], -1).view("<u4")
 
 
-def _in_slices(N: int, rows: int, convert: Callable[[int, int], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-  """The arrays of an `N`-row weight from convert(i, j), which converts rows i..j-1: a slice of `rows` at a time, on a
-  few threads (numpy lets go of the GIL), so the temporaries stay small and in cache. Each slice is written into
-  place in fresh pages, which become a CPU tensor's buffer as they are (host_memory.py)."""
+def _in_slices(N: int, rows: int, convert: Callable[[int, int], dict[str, np.ndarray]], sources: tuple[np.ndarray, ...],
+               done: Callable[[np.ndarray], None] | None) -> dict[str, np.ndarray]:
+  """The arrays of an `N`-row weight from convert(i, j), which converts rows i..j-1 of `sources`: a slice of `rows`
+  at a time, on a few threads (numpy lets go of the GIL), so the temporaries stay small and in cache. Each slice is
+  written into place in fresh pages, which become a CPU tensor's buffer as they are (host_memory.py); then `done`
+  gets each source's rows of it (the loader hands their file pages back: a whole table's stayed until its layer was
+  on the device)."""
   first = convert(0, rows)
   out = {p: a if p == "qspec" else host_memory.empty((N, *a.shape[1:]), a.dtype) for p, a in first.items()}
   def place(i: int) -> None:
     for p, a in (first if i == 0 else convert(i, min(i + rows, N))).items():
       if p != "qspec": out[p][i:i + len(a)] = a
+    if done is not None:
+      for src in sources: done(src[i:i + rows])
   with ThreadPoolExecutor(int4.CONVERT_THREADS) as pool: list(pool.map(place, range(0, N, rows)))
   return out
 
@@ -207,16 +212,17 @@ def _with_high_blocks(nibbles: np.ndarray, qh: np.ndarray) -> np.ndarray:
   return np.concatenate([nibbles, np.ascontiguousarray(qh).reshape(len(nibbles), -1).view("<u4")], axis=1)
 
 
-def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[dict[str, np.ndarray], QuantSpec]:
+def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int],
+              done: Callable[[np.ndarray], None] | None = None) -> tuple[dict[str, np.ndarray], QuantSpec]:
   """GGUF blocks of a `[N, K]` weight -> (the packed layout's arrays, its spec), exactly. Raises ValueError on data
-  whose size does not match."""
+  whose size does not match. `done`: called with the rows of `raw` a big table has converted (_in_slices)."""
   N, K = shape
   block, nbytes = GGML_TYPES[qtype]
   if K % block: raise ValueError(f"{qtype} needs rows that are a multiple of {block} (K={K})")
   if raw.size != N * (K // block) * nbytes: raise ValueError(f"{qtype} data of {raw.size} bytes does not match [{N}, {K}]")
   if N > (rows := max(1, ROWS_AT_ONCE // K)):
     raw = raw.reshape(N, -1)
-    return _in_slices(N, rows, lambda i, j: from_ggml(raw[i:j], qtype, (j - i, K))[0]), GGML_SPECS[qtype]
+    return _in_slices(N, rows, lambda i, j: from_ggml(raw[i:j], qtype, (j - i, K))[0], (raw,), done), GGML_SPECS[qtype]
   b = np.ascontiguousarray(raw, np.uint8).reshape(N, K // block, nbytes)
   if qtype in ("Q4_K", "Q5_K"):
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
@@ -251,15 +257,18 @@ def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[dict
 
 # **** from MLX ****
 
-def from_mlx(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> tuple[dict[str, np.ndarray], QuantSpec]:
+def from_mlx(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
+             done: Callable[[np.ndarray], None] | None = None) -> tuple[dict[str, np.ndarray], QuantSpec]:
   """An MLX affine b-bit linear (uint32 words holding the codes as one little-endian bit stream per row; scales and
   biases per group) -> the packed layout (b = 5, 6, 8) or INT4's (b <= 4: the codes fit a nibble, and the arrays are
-  INT4's: no spec). Scales and biases become float16, as for MLX's 4-bit checkpoints (int4.float16_params)."""
+  INT4's: no spec). Scales and biases become float16, as for MLX's 4-bit checkpoints (int4.float16_params). `done`:
+  as for from_ggml."""
   N, K = packed.shape[0], packed.shape[1] * 32 // bits
   G = K // scales.shape[-1]
   spec = QuantSpec(max(bits, 4), G)
   if N > (rows := max(1, ROWS_AT_ONCE // K)):
-    return _in_slices(N, rows, lambda i, j: from_mlx(packed[i:j], scales[i:j], biases[i:j], bits)[0]), spec
+    return _in_slices(N, rows, lambda i, j: from_mlx(packed[i:j], scales[i:j], biases[i:j], bits)[0], (packed, scales, biases),
+                      done), spec
   q = _mlx_codes(np.ascontiguousarray(packed).view(np.uint32), bits)
   s16, b16 = np.asarray(scales).astype(np.float16), np.asarray(biases).astype(np.float16)
   if bits <= 4: return {"weight": int4.pack(q), "scales": s16, "biases": b16}, spec   # INT4's layout
