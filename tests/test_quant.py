@@ -435,3 +435,22 @@ def test_quantizing_8bit_tables_at_load_equals_quantizing_their_floats(tiny_mode
       np.testing.assert_array_equal(got, want, err_msg=name)
     checked += 1
   assert checked >= 8
+
+
+def test_quantizing_8bit_linears_at_load_keeps_their_biases(tmp_path):
+  """Qwen2's q/k/v carry biases: quantizing its Q8_0 linears to INT4 at load replaces their codes and scales, never
+  the biases beside them (they were dropped, and the model refused to build: "lacks the tensor ...q_proj.bias")."""
+  from conftest import make_tiny_model
+  from test_weights import GGUF_TYPES, write_gguf
+  from tinyvllm import LLM, SamplingParams
+  from tinyvllm.model.weights import load_checkpoint
+  make_tiny_model(tmp_path / "qwen2", "qwen2", vector_noise=0.1)
+  ref = write_gguf(tmp_path / "qwen2", tmp_path / "q8.gguf", {k: "Q8_0" for k in GGUF_TYPES}, arch="qwen2")
+  tensors = load_checkpoint(tmp_path / "q8.gguf", "int4").tensors
+  for p in ("q_proj", "k_proj", "v_proj"):
+    name = f"model.layers.0.self_attn.{p}"
+    assert f"{name}.biases" in tensors   # quantized to INT4
+    np.testing.assert_array_equal(np.asarray(tensors[f"{name}.bias"], np.float32), ref[f"{name}.bias"])
+  out = LLM(str(tmp_path / "q8.gguf"), quantization="int4", max_model_len=64).generate(
+    [[3, 4, 5]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))[0].outputs[0]
+  assert len(out.token_ids) == 4 and all(np.isfinite(lp[t].logprob) for lp, t in zip(out.logprobs, out.token_ids))

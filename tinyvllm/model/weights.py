@@ -139,7 +139,8 @@ def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = 
     takes = lambda name, w: w.ndim == 2 and w.shape[1] % group == 0 and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES)
     eight_bit = {k[:-len(".scales")] for k in ckpt.tensors if k.endswith(".scales") and stored_format(ckpt.tensors, k[:-len(".scales")]) == INT8}
     scales8 = {b: ckpt.tensors[f"{b}.scales"] for b in eight_bit if takes(f"{b}.weight", ckpt.tensors[f"{b}.weight"])}
-    tensors = {k: v for k, v in ckpt.tensors.items() if not any(k.startswith(b + ".") for b in eight_bit)}
+    replaced = {f"{b}.{p}" for b in eight_bit for p in ("weight", "scales")}   # (an 8-bit linear's bias stays as it is)
+    tensors = {k: v for k, v in ckpt.tensors.items() if k not in replaced}
     tensors.update({f"{b}.weight": ckpt.tensors[f"{b}.weight"] if b in scales8 else   # codes: quantized below from them
                     int4.dequantize_8bit(ckpt.tensors[f"{b}.weight"], ckpt.tensors[f"{b}.scales"]) for b in eight_bit})
     quantizable = lambda name: (w := tensors.get(name)) is not None and takes(name, w) and \
