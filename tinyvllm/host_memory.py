@@ -40,8 +40,9 @@ def empty(shape: tuple[int, ...], dtype) -> np.ndarray:
   return np.frombuffer(fresh_pages(nbytes), np.uint8, nbytes).view(dtype).reshape(shape)
 
 
-def _root(arr: np.ndarray):
-  """What owns `arr`'s memory: the object at the end of its chain of bases (through np.frombuffer's memoryview)."""
+def owner(arr: np.ndarray):
+  """What owns `arr`'s memory: the object at the end of its chain of bases (through np.frombuffer's memoryview), e.g.
+  a checkpoint's mmap or our HostPages."""
   base = arr
   while isinstance(base, np.ndarray): base = base.base
   return base.obj if isinstance(base, memoryview) else base
@@ -52,7 +53,7 @@ def _address(pages: HostPages) -> int: return ctypes.addressof(ctypes.c_char.fro
 
 def pages_of(arr: np.ndarray) -> HostPages | None:
   """The HostPages `arr` covers from its first byte, C-contiguous, if it is such a view (else None)."""
-  pages = _root(arr)
+  pages = owner(arr)
   if not isinstance(pages, HostPages) or not arr.flags.c_contiguous or not arr.flags.writeable: return None
   return pages if arr.ctypes.data == _address(pages) else None
 
@@ -60,10 +61,10 @@ def pages_of(arr: np.ndarray) -> HostPages | None:
 def joined(arrays: list[np.ndarray]) -> np.ndarray | None:
   """`arrays` stacked along their first axis without a copy, when they are consecutive C-contiguous row ranges of one
   HostPages, in order (the loader quantizes q, k and v into one buffer: their fusion is then free); else None."""
-  first, pages = arrays[0], _root(arrays[0])
+  first, pages = arrays[0], owner(arrays[0])
   if not isinstance(pages, HostPages) or not first.flags.c_contiguous: return None
   for a, b in zip(arrays, arrays[1:]):
-    if _root(b) is not pages or not b.flags.c_contiguous or b.dtype != first.dtype or b.shape[1:] != first.shape[1:] \
+    if owner(b) is not pages or not b.flags.c_contiguous or b.dtype != first.dtype or b.shape[1:] != first.shape[1:] \
        or a.ctypes.data + a.nbytes != b.ctypes.data: return None
   rows = sum(len(a) for a in arrays)
   return np.frombuffer(pages, first.dtype, rows * math.prod(first.shape[1:]),
@@ -106,6 +107,6 @@ def host_tensor(arr: np.ndarray, device: str) -> Tensor:
   generated C assumes its vector types' alignment, up to 64 bytes)."""
   if arr.size == 0: return Tensor.empty(*arr.shape, dtype=_from_np_dtype(arr.dtype), device=device)   # no buffer to lend
   if (pages := pages_of(arr)) is None:
-    pages = fresh_pages(arr.nbytes)
-    np.copyto(np.frombuffer(pages, np.uint8, arr.nbytes).view(arr.dtype).reshape(arr.shape), arr, casting="no")
+    np.copyto(copy := empty(arr.shape, arr.dtype), arr, casting="no")
+    pages = pages_of(copy)
   return lend(pages, arr.shape, _from_np_dtype(arr.dtype), device)

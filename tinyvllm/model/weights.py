@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 from tinyvllm.config import ModelConfig
 from tinyvllm import host_memory
-from tinyvllm.host_memory import HostPages
 from tinyvllm.model import families
 from tinyvllm.model.gguf_file import GGUFError, GGUFTensor, read_gguf
 from tinyvllm.quant import blocks, ggml, int4
@@ -377,10 +376,9 @@ def release(arr: np.ndarray) -> None:
   closes). The map is private and never written, so a later read of the same bytes reads the file again. Arrays not
   backed by a checkpoint's map (conversions, copies) are left alone: above all those over host_memory's pages, which
   may be a CPU tensor's memory now (MADV_DONTNEED would zero them)."""
-  base = arr
-  while base is not None and not isinstance(base, mmap.mmap):   # through views, and np.frombuffer's memoryview
-    base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
-  if base is None or isinstance(base, HostPages) or not hasattr(base, "madvise") or arr.nbytes == 0: return
+  base = host_memory.owner(arr)   # through views, and np.frombuffer's memoryview
+  if not isinstance(base, mmap.mmap) or isinstance(base, host_memory.HostPages) or not hasattr(base, "madvise") or arr.nbytes == 0:
+    return
   try: start = arr.__array_interface__["data"][0] - ctypes.addressof(ctypes.c_char.from_buffer(base))
   except TypeError: return   # a read-only map: not one of ours
   page = mmap.PAGESIZE
