@@ -1,6 +1,6 @@
 """Loading at real size: load time and peak host memory of Llama-3.2-1B- and Llama-3.1-8B-shaped checkpoints.
 
-  python bench/loading.py [--shapes 1b,8b] [--formats f16,int4,mlx8,mlx6,mlx4] [--dir DIR] [--json out.json]
+  python bench/loading.py [--shapes 1b,8b] [--formats f16,int4,bf16,bf16-int4,mlx8,mlx6,mlx4] [--dir DIR] [--json out.json]
 
 Each checkpoint is written once into DIR (random float16 weights, one safetensors file streamed tensor by tensor, with a
 word-level tokenizer of the model's vocabulary; 2.5 and 16 GB), then loaded in a fresh process by the engine as a user
@@ -8,6 +8,8 @@ would (`LLMEngine`, a small KV cache) on the device tinygrad picks (DEV). A thre
 memory every millisecond while it loads. Formats:
   f16       the float16 checkpoint as float16, on the portable kernels
   int4      the same, quantized to 4 bits while loading (quantization="int4")
+  bf16      the same weights written as bfloat16 (the hub's usual dtype), loaded as float16 (a GPU's dtype)
+  bf16-int4 the bfloat16 checkpoint quantized to 4 bits while loading
   mlxN      mlx-lm's own `convert -q --q-bits N --q-group-size 64` of it (written once; needs the mlx-lm package)
 Columns:
   device    tinygrad's count of the device memory: the weights and buffers (on the CPU device not the KV cache,
@@ -23,8 +25,9 @@ from pathlib import Path
 import numpy as np
 from real_size import SHAPES, measure_load, write_word_tokenizer
 
-def write_checkpoint(path: Path, shape: str) -> Path:
-  """A random float16 Llama of `shape` in HF layout, written tensor by tensor (never the whole model in memory)."""
+def write_checkpoint(path: Path, shape: str, dtype: str = "F16") -> Path:
+  """A random Llama of `shape` in HF layout, float16 or bfloat16 (`dtype`: "F16" or "BF16"), written tensor by tensor
+  (never the whole model in memory)."""
   h, L, H, KVH, inter, V, tied = SHAPES[shape]
   if (path / "model.safetensors").exists(): return path
   path.mkdir(parents=True, exist_ok=True)
@@ -40,7 +43,7 @@ def write_checkpoint(path: Path, shape: str) -> Path:
   header, offset = {}, 0
   for name, s in shapes.items():
     n = int(np.prod(s)) * 2
-    header[name] = {"dtype": "F16", "shape": list(s), "data_offsets": [offset, offset + n]}
+    header[name] = {"dtype": dtype, "shape": list(s), "data_offsets": [offset, offset + n]}
     offset += n
   raw = json.dumps(header).encode()
   raw += b" " * (-len(raw) % 8)
@@ -49,22 +52,27 @@ def write_checkpoint(path: Path, shape: str) -> Path:
   with open(part, "wb") as f:
     f.write(struct.pack("<Q", len(raw)) + raw)
     for name, s in shapes.items():
-      if len(s) == 1:   # norms
-        f.write(np.ones(s, np.float16).tobytes())
-        continue
-      for start in range(0, s[0], 4096):   # 4096 rows at a time: a few tens of MB
-        f.write((rng.standard_normal((min(4096, s[0] - start), s[1]), np.float32) * 0.02).astype(np.float16).tobytes())
+      for start in range(0, s[0] if len(s) == 2 else 1, 4096):   # 4096 rows at a time: a few tens of MB
+        rows = np.ones(s, np.float32) if len(s) == 1 else rng.standard_normal((min(4096, s[0] - start), s[1]), np.float32) * 0.02
+        f.write((rows.astype(np.float16) if dtype == "F16" else bfloat16_bits(rows)).tobytes())
   part.rename(path / "model.safetensors")
   (path / "config.json").write_text(json.dumps({
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h, "num_hidden_layers": L,
     "num_attention_heads": H, "num_key_value_heads": KVH, "intermediate_size": inter, "vocab_size": V,
     "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": tied,
-    "torch_dtype": "float16", "bos_token_id": 0, "eos_token_id": 1}))
+    "torch_dtype": {"F16": "float16", "BF16": "bfloat16"}[dtype], "bos_token_id": 0, "eos_token_id": 1}))
   write_word_tokenizer(path, V)
   return path
 
 
+def bfloat16_bits(x: np.ndarray) -> np.ndarray:
+  """float32 -> bfloat16 bits (uint16), rounded to nearest even."""
+  bits = x.astype(np.float32).view(np.uint32)
+  return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 FORMATS = {"f16": 'dtype="float16", kernel_backend="portable"', "int4": 'quantization="int4"',
+           "bf16": 'dtype="float16", kernel_backend="portable"', "bf16-int4": 'quantization="int4"',
            **{f"mlx{bits}": "" for bits in (8, 6, 5, 4, 3)}}   # the engine's arguments besides a small KV cache
 
 
@@ -104,7 +112,8 @@ def main() -> None:
   rows = []
   for shape, fmt in tqdm([(s, f) for s in args.shapes.split(",") for f in formats], desc="loads", file=sys.stderr):
     t = time.perf_counter()
-    path = write_checkpoint(args.dir / f"llama-{shape}-f16", shape)
+    bf16 = fmt.startswith("bf16")
+    path = write_checkpoint(args.dir / f"llama-{shape}-{'bf16' if bf16 else 'f16'}", shape, "BF16" if bf16 else "F16")
     if fmt.startswith("mlx"): path = mlx_checkpoint(path, int(fmt[3:]))
     written = time.perf_counter() - t
     file_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))

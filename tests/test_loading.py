@@ -79,7 +79,8 @@ print(json.dumps({"peak": peak[0] - base, "device": GlobalCounters.mem_used, "fi
 
 
 @pytest.mark.parametrize("dtype,stored", [("float32", "safetensors"), ("float16", "safetensors"), ("float32", "gguf"),
-                                          ("float32", "safetensors-int4"), ("float32", "gguf-int4")])
+                                          ("float32", "safetensors-int4"), ("float32", "gguf-int4"),
+                                          ("float16", "bf16-safetensors"), ("float32", "bf16-safetensors-int4")])
 def test_loading_holds_one_copy_of_the_weights(tmp_path_factory, dtype, stored):
   """Peak host memory while loading (the CPU device's buffers are host memory) stays within the device's bytes plus a
   layer or two in flight: the tensors go to the device a layer at a time and the checkpoint's pages are released as
@@ -88,10 +89,13 @@ def test_loading_holds_one_copy_of_the_weights(tmp_path_factory, dtype, stored):
   map end in a memoryview, which the release missed) peaked at 1.8x on a 1B Q4_K_M. Quantizing to INT4 while loading
   reads every float weight once: its pages must go as it is quantized (the whole float checkpoint stayed resident
   before, 5.7x the INT4 model's bytes on a 1B), and 8-bit tables are dequantized a slice at a time (all at once,
-  a 1B Q8_0 file peaked at 8.5 GB)."""
-  path = tmp_path_factory.getbasetemp() / "loading-mid"
+  a 1B Q8_0 file peaked at 8.5 GB). A bf16 checkpoint (the hub's usual) is widened a slice at a time as it is read:
+  widened whole up front, it sat in memory as float32 (2x a float16 model's bytes, 6x its INT4 bytes)."""
+  name = "loading-mid-bf16" if stored.startswith("bf16") else "loading-mid"
+  path = tmp_path_factory.getbasetemp() / name
   if not (path / "model.safetensors").exists():
-    make_tiny_llama(path, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
+    make_tiny_llama(path, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                    dtype="bfloat16" if stored.startswith("bf16") else "float32")
   if stored.startswith("gguf"):
     from test_weights import GGUF_TYPES, write_gguf
     if not (path.parent / "loading-mid.gguf").exists():

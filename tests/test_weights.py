@@ -148,6 +148,61 @@ def test_sharded_bf16_safetensors(tiny_model_factory, tmp_path):
     np.testing.assert_array_equal(ckpt.tensors[name], param.float().numpy(), err_msg=name)
 
 
+def test_bf16_safetensors_are_widened_as_read(tiny_model_factory, tmp_path, monkeypatch):
+  """A bf16 checkpoint stays bf16 in its memory map until the model reads it: cast to float16 (a GPU's dtype) it
+  equals torch's own bf16 -> float16 cast, and quantized to INT4 at load (a slice of rows at a time: 3 rows a slice
+  here) each linear equals quantizing torch's bf16 -> float32 widening of it."""
+  from tinyvllm.kernels import make_kernels
+  from tinyvllm.model import weights
+  from tinyvllm.model.llama import Llama
+  from tinyvllm.quant import int4
+  src = tiny_model_factory("gqa")
+  model = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.bfloat16)
+  model.save_pretrained(tmp_path, max_shard_size="40KB")
+  params = model.state_dict()
+  ckpt = load_checkpoint(tmp_path)
+  assert not ckpt.tensors.made   # nothing widened before the model reads it
+  ours = Llama(ckpt.config, ckpt.tensors, "float16", "CPU", make_kernels("portable", "CPU"), 64)
+  for i, layer in enumerate(ours.layers):
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
+      np.testing.assert_array_equal(layer.weights[name].numpy(), params[f"model.layers.{i}.{name}"].half().numpy(), err_msg=name)
+  sliced = weights._quantize_int4
+  monkeypatch.setattr(weights, "_quantize_int4", lambda *a: sliced(*a, slice_bytes=3 * 64 * 4))
+  q = load_checkpoint(tmp_path, "int4").tensors
+  linears = [n for n in params if n.endswith("proj.weight")]
+  assert len(linears) == 14
+  for name in linears:
+    base = name[:-len(".weight")]
+    if name.endswith("down_proj.weight"):   # 96 inputs: no groups of 64, stays float
+      np.testing.assert_array_equal(q[name], params[name].float().numpy()); continue
+    for got, want in zip((q[name], q[f"{base}.scales"], q[f"{base}.biases"]), int4.quantize(params[name].float().numpy(), 64, "rtn")):
+      np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_gguf_float_and_8bit_tables_quantized_at_load(tiny_model_factory, tmp_path, monkeypatch):
+  """quantization="int4" on a GGUF of mixed types: its F16, BF16 and Q8_0 tables (Q/K rows in llama.cpp's order,
+  undone slice by slice) become INT4 groups of 32 equal to quantizing the gguf package's dequantization of them;
+  its Q4_0/Q4_1 tables stay as the file has them."""
+  from tinyvllm.model import weights
+  from tinyvllm.quant import int4
+  types = {**GGUF_TYPES, "attn_k": "F16", "attn_q": "BF16"}
+  ref = write_gguf(tiny_model_factory(), tmp_path / "mixed.gguf", types)
+  sliced = weights._quantize_int4
+  monkeypatch.setattr(weights, "_quantize_int4", lambda *a: sliced(*a, slice_bytes=5 * 64 * 4))   # 5 rows a slice
+  ckpt, plain = load_checkpoint(tmp_path / "mixed.gguf", "int4"), load_checkpoint(tmp_path / "mixed.gguf")
+  quantized = 0
+  for name, w in ref.items():
+    if name.endswith((".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight", ".down_proj.weight")) or \
+       name in int4.EMBEDDING_NAMES:
+      base = name[:-len(".weight")]
+      for got, want in zip((ckpt.tensors[name], ckpt.tensors[f"{base}.scales"], ckpt.tensors[f"{base}.biases"]), int4.quantize(w, 32, "rtn")):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+      quantized += 1
+    elif name.endswith((".gate_proj.weight", ".up_proj.weight")):   # Q4_1 / Q4_0: as loaded
+      np.testing.assert_array_equal(ckpt.tensors[name], plain.tensors[name], err_msg=name)
+  assert quantized == 2 + 5 * 2
+
+
 def test_config_layouts_both_read_rope():
   base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
               num_attention_heads=2)

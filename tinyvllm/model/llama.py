@@ -19,7 +19,7 @@ from tinyvllm.quant.formats import (FLOAT, FUSED_PROJECTIONS, INT4, INT8, PACKED
                                     projection_parts, spec_of, stored_format)
 from tinyvllm.model import tensor_parallel
 from tinyvllm.model.rope import attention_factor, cos_sin_table, head_dim_order, inverse_frequencies
-from tinyvllm.model.weights import ModelLoadError, expected_tensors, release_tensor
+from tinyvllm.model.weights import ModelLoadError, as_dtype, expected_tensors, release_tensor, shape_of
 
 
 @dataclass
@@ -226,7 +226,7 @@ class Llama:
         out.update({f"{name}.{part}": np.ascontiguousarray(tensors[f"{name}.{part}"], dtype=np.float16) for part in ("scales", "biases")})
       else:
         _check(tensors, f"{name}.weight", (n, k), cfg)
-        out[f"{name}.weight"] = np.ascontiguousarray(tensors[f"{name}.weight"], dtype=np_dtype)
+        out[f"{name}.weight"] = as_dtype(tensors, f"{name}.weight", np_dtype)
       if order is not None and name.endswith(("self_attn.q_proj", "self_attn.k_proj")):
         out = heads_reordered(out, cfg.num_attention_heads if name.endswith("q_proj") else cfg.num_key_value_heads)
       return out
@@ -330,5 +330,4 @@ class Uploader:
 
 def _check(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...], cfg: ModelConfig) -> None:
   if name not in tensors: raise ModelLoadError(f"checkpoint {cfg.source or ''} lacks the tensor {name}")
-  if tuple(tensors[name].shape) != shape:
-    raise ModelLoadError(f"tensor {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
+  if (got := shape_of(tensors, name)) != shape: raise ModelLoadError(f"tensor {name} has shape {got}, the config implies {shape}")

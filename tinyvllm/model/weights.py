@@ -6,7 +6,7 @@ turning them into device tensors (and choosing the dtype) is the model's job.
 """
 from __future__ import annotations
 import ctypes, dataclasses, json, math, mmap, os, re, struct, sys, types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
@@ -40,18 +40,21 @@ class LazyTensors(Mapping):
   repacked (quant/blocks.py), say. Loading reads a layer, uploads it and releases it (model/llama.py), so a model's
   worth of converted arrays is never in memory at once. Tensors are made in groups (a linear's codes and scales come
   from the same blocks): `add(keys, make, sources, nbytes)` registers the keys `make()` returns, the file arrays it
-  reads (released with it) and the bytes it will take."""
+  reads (released with it) and the bytes it will take; `rows`, for a float (or 8-bit) weight, how to read it a
+  slice of rows at a time instead (FloatRows)."""
   def __init__(self):
     self.group: dict[str, int] = {}                  # key -> its group
     self.makers: list = []                           # group -> () -> {key: array}
     self.sources: list[list[np.ndarray]] = []        # group -> the file's arrays it reads
     self.sizes: list[int] = []
     self.made: dict[int, dict[str, np.ndarray]] = {}
+    self.rows: dict[str, FloatRows] = {}
 
-  def add(self, keys, make, sources: list[np.ndarray], nbytes: int) -> None:
+  def add(self, keys, make, sources: list[np.ndarray], nbytes: int, rows: FloatRows | None = None) -> None:
     g = len(self.makers)
     self.makers.append(make); self.sources.append(sources); self.sizes.append(nbytes)
     for k in keys: self.group[k] = g
+    if rows is not None: self.rows[keys[0]] = rows
 
   def __getitem__(self, key: str) -> np.ndarray:
     g = self.group[key]
@@ -76,7 +79,56 @@ class LazyTensors(Mapping):
     out = LazyTensors()
     out.makers, out.sources, out.sizes = self.makers, self.sources, self.sizes
     out.group = {k: g for k, g in self.group.items() if keep(k)}
+    out.rows = {k: r for k, r in self.rows.items() if k in out.group}
     return out
+
+
+@dataclass(frozen=True)
+class FloatRows:
+  """A float weight, or an 8-bit one, read a slice of rows at a time as floats: what quantizing to INT4 at load and
+  casting to the model's dtype read, so no table is converted whole (an 8B bf16 checkpoint widened to float32 up
+  front took 32 GB; a Q8_0 file's codes all copied out, 8.5 GB for a 1B). `read(i, j)`: rows i..j as float16 or
+  float32. `stored`: the file's array, a row per weight row, whose pages are handed back as its rows are read."""
+  shape: tuple[int, ...]
+  read: Callable[[int, int], np.ndarray]
+  stored: np.ndarray
+
+  @staticmethod
+  def of(arr: np.ndarray, to_float=lambda rows: rows) -> FloatRows:
+    return FloatRows(arr.shape, lambda i, j: to_float(arr[i:j]), arr)
+
+
+def float_rows(tensors: Mapping[str, np.ndarray], name: str) -> FloatRows | None:
+  """Weight `name` as FloatRows, or None if it is stored neither as floats nor as 8-bit codes (or a lazy store
+  cannot read it by rows)."""
+  if isinstance(tensors, LazyTensors): return tensors.rows.get(name)
+  base = name.removesuffix(".weight")
+  if (fmt := stored_format(tensors, base)) == FLOAT: return FloatRows.of(tensors[name])
+  if fmt != INT8: return None
+  codes, scales = tensors[name], tensors[f"{base}.scales"]
+  return FloatRows(codes.shape, lambda i, j: int4.dequantize_8bit(codes[i:j], scales[i:j]), codes)
+
+
+def shape_of(tensors: Mapping[str, np.ndarray], name: str) -> tuple[int, ...]:
+  """Tensor `name`'s shape, without converting it where a lazy store can say without."""
+  rows = tensors.rows.get(name) if isinstance(tensors, LazyTensors) else None
+  return tuple(rows.shape if rows is not None else tensors[name].shape)
+
+
+def as_dtype(tensors: Mapping[str, np.ndarray], name: str, dtype, slice_bytes: int = 64 << 20) -> np.ndarray:
+  """Float tensor `name` as a contiguous `dtype` array. One a lazy store converts (a bf16 one) is converted a slice of
+  rows at a time, into pages a CPU tensor takes as they are: never a float32 copy of a whole table first."""
+  rows = tensors.rows.get(name) if isinstance(tensors, LazyTensors) else None
+  if rows is None or rows.stored.dtype == dtype: return np.ascontiguousarray(tensors[name], dtype=dtype)
+  out = host_memory.empty(rows.shape, dtype)
+  step = max(1, slice_bytes // max(1, 4 * math.prod(rows.shape[1:])))
+  for i in range(0, rows.shape[0], step): out[i:i + step] = rows.read(i, i + step)
+  return out
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+  """bfloat16 stored as uint16 -> float32 (exact: bf16 is float32's top half)."""
+  return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def release_tensor(tensors: Mapping[str, np.ndarray], name: str) -> None:
@@ -126,32 +178,9 @@ def load_checkpoint(model: str | os.PathLike | None, quantization: str | None = 
     ckpt = load_gguf(path, keep_q4=quantization != "none")
   else:
     ckpt = load_hf_dir(path)
-  stored = ckpt.tensors   # (a lazy store hands back the file pages of what it converted: release_tensor)
-  if quantization is not None:   # both rewrite the whole model anyway: convert everything now
-    ckpt = dataclasses.replace(ckpt, tensors=dict(ckpt.tensors))
   if quantization == "none" and any(k.endswith(".scales") for k in ckpt.tensors):
-    ckpt = dataclasses.replace(ckpt, tensors=int4.dequantize_state_dict(ckpt.tensors), config=dataclasses.replace(ckpt.config, quantization=None))
-  if quantization == "int4":
-    # 8-bit tables (a GGUF's Q8_0 linears and embedding) become 4-bit too: 4-bit everywhere is what "int4" asks for.
-    # They are dequantized a slice at a time as they are quantized (all at once, a 1B Q8_0 file peaked at 8.5 GB).
-    group = (ckpt.config.quantization or {}).get("group_size", 64)
-    takes = lambda name, w: w.ndim == 2 and w.shape[1] % group == 0 and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES)
-    eight_bit = {k[:-len(".scales")] for k in ckpt.tensors if k.endswith(".scales") and stored_format(ckpt.tensors, k[:-len(".scales")]) == INT8}
-    scales8 = {b: ckpt.tensors[f"{b}.scales"] for b in eight_bit if takes(f"{b}.weight", ckpt.tensors[f"{b}.weight"])}
-    replaced = {f"{b}.{p}" for b in eight_bit for p in ("weight", "scales")}   # (an 8-bit linear's bias stays as it is)
-    tensors = {k: v for k, v in ckpt.tensors.items() if k not in replaced}
-    tensors.update({f"{b}.weight": ckpt.tensors[f"{b}.weight"] if b in scales8 else   # codes: quantized below from them
-                    int4.dequantize_8bit(ckpt.tensors[f"{b}.weight"], ckpt.tensors[f"{b}.scales"]) for b in eight_bit})
-    quantizable = lambda name: (w := tensors.get(name)) is not None and takes(name, w) and \
-      stored_format(tensors, name[:-len(".weight")]) == FLOAT   # (8-bit codes without their scales read as float)
-    into = _fused_int4_buffers(tensors, quantizable, group)
-    for name, w in list(tensors.items()):
-      base = name[:-len(".weight")]
-      if quantizable(name):
-        try: tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = _quantize_int4(w, group, into.get(name), scales8.get(base))
-        except ValueError as e: raise ModelLoadError(f"{ckpt.path}: tensor {name} cannot be quantized to 4 bits: {e}") from None
-        release_tensor(stored, name)   # the file pages its (8-bit) codes were converted from
-    ckpt = dataclasses.replace(ckpt, tensors=tensors, config=dataclasses.replace(ckpt.config, quantization={"group_size": group, "bits": 4}))
+    ckpt = dataclasses.replace(ckpt, tensors=int4.dequantize_state_dict(dict(ckpt.tensors)), config=dataclasses.replace(ckpt.config, quantization=None))
+  if quantization == "int4": ckpt = _quantized_at_load(ckpt)
   return ckpt
 
 
@@ -194,33 +223,44 @@ def load_hf_dir(path: Path) -> Checkpoint:
   if not files: raise ModelLoadError(f"{path} has no *.safetensors weights")
   tensors: dict[str, np.ndarray] = {}
   origin: dict[str, str] = {}   # tensor -> the file it came from, for messages
+  bf16: set[str] = set()        # float checkpoints: bf16 tensors stay uint16 until read (the store below widens them)
   for name in files:
     if not (path / name).is_file(): raise ModelLoadError(f"{path / name} is listed in {index.name} but missing")
-    shard = read_safetensors(path / name)
-    tensors.update(shard)
+    shard = map_safetensors(path / name) if config.quantization is None else \
+      {k: (v, "F32") for k, v in read_safetensors(path / name).items()}   # MLX's bf16 scales and biases: float32 now
+    tensors.update({k: arr for k, (arr, _) in shard.items()})
+    bf16.update(k for k, (_, dtype) in shard.items() if dtype == "BF16")
     origin.update(dict.fromkeys(shard, name))
   family = families.for_model_type(config.model_type)
   for old_prefix, new_prefix in family.hf_renames:   # a multimodal checkpoint's language model
     for name in [n for n in tensors if n.startswith(old_prefix)]:
       new = new_prefix + name[len(old_prefix):]
       tensors[new], origin[new] = tensors.pop(name), origin.pop(name, name)
+      if name in bf16: bf16.add(new)
   if family.hf_fused:
-    split_fused(config, tensors, origin, str(path), show=lambda n: f"{n} (in {origin[n]})" if n in origin else n)
+    parts = split_fused(config, tensors, origin, str(path), show=lambda n: f"{n} (in {origin[n]})" if n in origin else n)
+    bf16.update(part for part, fused in parts.items() if fused in bf16)
   bits = (config.quantization or {}).get("bits", 4)
   if bits != 4: return _mlx_bits(config, tensors, origin, path, bits)
   keep = check_tensors(config, tensors, str(path), "num_hidden_layers in config.json",
                        lambda n: f"{n} (in {origin[n]})" if n in origin else n)
-  tensors = {k: tensors[k] for k in keep}
-  if config.quantization is not None: tensors = int4.float16_params(tensors)   # mlx-lm stores scales/biases in the source dtype
-  return Checkpoint(config, tensors, path)
+  if config.quantization is not None:   # mlx-lm stores scales/biases in the source dtype
+    return Checkpoint(config, int4.float16_params({k: tensors[k] for k in keep}), path)
+  store = LazyTensors()   # bf16 widened as the model reads each tensor: widened up front, an 8B took 32 GB
+  for name in keep:
+    arr, to_float = tensors[name], bf16_to_float32 if name in bf16 else (lambda a: a)
+    store.add([name], lambda name=name, arr=arr, to_float=to_float: {name: to_float(arr)}, [arr],
+              arr.size * (4 if name in bf16 else arr.itemsize), FloatRows.of(arr, to_float))
+  return Checkpoint(config, store, path)
 
 
 def split_fused(config: ModelConfig, tensors: dict, origin: dict[str, str], where: str,
-                cut=lambda arr, start, end: arr[start:end], show=lambda name: name) -> None:
+                cut=lambda arr, start, end: arr[start:end], show=lambda name: name) -> dict[str, str]:
   """In place: a checkpoint's fused q/k/v (`self_attn.qkv_proj`) and gate/up (`mlp.gate_up_proj`) tensors become
   their parts, rows split as views (no copy; `cut` takes rows start..end of one): weights, the scales and biases of
   quantized ones and a GGUF's raw blocks all have a row per output. The model fuses them again where they are stored
-  alike."""
+  alike. Returns part name -> the fused tensor's name."""
+  made = {}
   rows = {"self_attn.qkv_proj": (config.q_size, config.kv_size, config.kv_size),
           "mlp.gate_up_proj": (config.intermediate_size, config.intermediate_size)}
   for name in [n for n in tensors if _LAYER.match(n)]:
@@ -236,6 +276,8 @@ def split_fused(config: ModelConfig, tensors: dict, origin: dict[str, str], wher
     for piece, n in zip(FUSED_PROJECTIONS[fused], sizes):
       tensors[f"{layer}{piece}.{part}"], start = cut(arr, start, start + n), start + n
       origin[f"{layer}{piece}.{part}"] = origin.get(name, name)
+      made[f"{layer}{piece}.{part}"] = name
+  return made
 
 
 MLX_BITS = (2, 3, 4, 5, 6, 8)
@@ -263,41 +305,68 @@ def _mlx_bits(config: ModelConfig, tensors: dict[str, np.ndarray], origin: dict[
       make = lambda w=w, s=s, b=b, base=base: {f"{base}.{p}": a for p, a in blocks.from_mlx(w, s, b, bits, done=release)[0].items()}
       keys = blocks.stored_parts(spec) if bits > 4 else ("weight", "scales", "biases")   # 2 and 3 bits: INT4's layout
       store.add([f"{base}.{p}" for p in keys], make, [w, s, b], blocks.packed_nbytes(spec, w.shape[0], w.shape[1] * 32 // bits))
-    else: store.add([name], lambda name=name: {name: tensors[name]}, [tensors[name]], tensors[name].nbytes)
+    else: store.add([name], lambda name=name: {name: tensors[name]}, [tensors[name]], tensors[name].nbytes, FloatRows.of(tensors[name]))
   return Checkpoint(config, store, path)
 
 
-def _fused_int4_buffers(tensors: Mapping[str, np.ndarray], quantizable, group: int) -> dict[str, tuple[np.ndarray, ...]]:
-  """For every q/k/v (gate/up) set that will be quantized to INT4 and then fused, one buffer per INT4 array with each
-  part's rows in it: part weight name -> its (packed, scales, biases) rows. The model's fusion of those parts is then
-  the buffer itself (host_memory.joined), where a concatenation would hold each weight twice until loading ends."""
+def _quantized_at_load(ckpt: Checkpoint) -> Checkpoint:
+  """quantization="int4": every float linear and embedding table, and every 8-bit one (a GGUF's Q8_0: 4-bit everywhere
+  is what "int4" asks for), quantized to INT4 round-to-nearest at the checkpoint's group size (64 for float ones). Each
+  is read a slice of rows at a time (FloatRows: a bf16 table is never widened whole, nor an 8-bit one dequantized
+  whole) and its file pages handed back as read. The rest (norms, tables already 4-bit or packed, and any whose
+  inputs the group does not divide) stays as loaded."""
+  stored = ckpt.tensors
+  group = (ckpt.config.quantization or {}).get("group_size", 64)
+  readers = {}
+  for name in stored:
+    if name.endswith(".weight") and (int4.is_linear_weight(name) or name in int4.EMBEDDING_NAMES) and \
+       (rows := float_rows(stored, name)) is not None and len(rows.shape) == 2 and rows.shape[1] % group == 0:
+      readers[name] = rows
+  into = _fused_int4_buffers({name: rows.shape for name, rows in readers.items()}, group)
+  replaced = set(readers) | {name.removesuffix(".weight") + ".scales" for name in readers}   # (an 8-bit linear's bias stays)
+  tensors = {}
+  for name in stored:
+    if name in readers:
+      base = name.removesuffix(".weight")
+      try: tensors[name], tensors[f"{base}.scales"], tensors[f"{base}.biases"] = _quantize_int4(readers[name], group, into.get(name))
+      except ValueError as e: raise ModelLoadError(f"{ckpt.path}: tensor {name} cannot be quantized to 4 bits: {e}") from None
+      release_tensor(stored, name)   # (a lazy store's conversion of it, if something made it)
+    elif name not in replaced: tensors[name] = stored[name]
+  return dataclasses.replace(ckpt, tensors=tensors, config=dataclasses.replace(ckpt.config, quantization={"group_size": group, "bits": 4}))
+
+
+def _fused_int4_buffers(shapes: Mapping[str, tuple[int, int]], group: int) -> dict[str, tuple[np.ndarray, ...]]:
+  """For every q/k/v (gate/up) set whose weights (`shapes`: the ones to be quantized) will be quantized to INT4 and
+  then fused, one buffer per INT4 array with each part's rows in it: part weight name -> its (packed, scales, biases)
+  rows. The model's fusion of those parts is then the buffer itself (host_memory.joined), where a concatenation would
+  hold each weight twice until loading ends."""
   into = {}
-  for name in tensors:
+  for name in shapes:
     for parts in FUSED_PROJECTIONS.values():
       if not name.endswith(f"{parts[0]}.weight"): continue
       names = [name[:-len(f"{parts[0]}.weight")] + f"{p}.weight" for p in parts]
-      if not all(quantizable(n) for n in names) or len({tensors[n].shape[1] for n in names}) > 1: continue
-      rows, K = [tensors[n].shape[0] for n in names], tensors[name].shape[1]
+      if not all(n in shapes for n in names) or len({shapes[n][1] for n in names}) > 1: continue
+      rows, K = [shapes[n][0] for n in names], shapes[name][1]
       bufs = (host_memory.empty((sum(rows), K // 8), np.uint32), host_memory.empty((sum(rows), K // group), np.float16),
               host_memory.empty((sum(rows), K // group), np.float16))
       for n, r0, r in zip(names, np.cumsum([0] + rows), rows): into[n] = tuple(b[r0:r0 + r] for b in bufs)
   return into
 
 
-def _quantize_int4(w: np.ndarray, group: int, out: tuple[np.ndarray, ...] | None = None, scales8: np.ndarray | None = None,
+def _quantize_int4(w: FloatRows | np.ndarray, group: int, out: tuple[np.ndarray, ...] | None = None,
                    slice_bytes: int = 64 << 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """int4.quantize (round to nearest) of a checkpoint's float weight, a slice of rows at a time, each slice's pages
-  handed back once read (quantizing whole tables kept the float checkpoint resident: 4 GB peak for a 1B model whose
-  INT4 weights are 0.7 GB), into pages a CPU tensor takes as they are (else the dict of them, alive until the model
-  is built, doubled the device's bytes), or into `out` (_fused_int4_buffers). With `scales8`, `w` holds 8-bit codes,
-  each slice dequantized first (int4.dequantize_8bit). Rows quantize independently: the same arrays as one call."""
-  rows = max(1, slice_bytes // max(1, w.shape[1] * (4 if scales8 is not None else w.itemsize)))
-  for i in range(0, w.shape[0], rows):
-    rows_w = w[i:i + rows] if scales8 is None else int4.dequantize_8bit(w[i:i + rows], scales8[i:i + rows])
-    parts = int4.quantize(rows_w, group, "rtn")
-    if out is None: out = tuple(host_memory.empty((w.shape[0], *p.shape[1:]), p.dtype) for p in parts)   # lent as they are
+  """int4.quantize (round to nearest) of a checkpoint's weight (FloatRows, or a float array), a slice of rows at a
+  time, each slice's file pages handed back once read (quantizing whole tables kept the float checkpoint resident:
+  4 GB peak for a 1B model whose INT4 weights are 0.7 GB), into pages a CPU tensor takes as they are (else the dict
+  of them, alive until the model is built, doubled the device's bytes), or into `out` (_fused_int4_buffers). Rows
+  quantize independently: the same arrays as one call."""
+  if isinstance(w, np.ndarray): w = FloatRows.of(w)
+  (N, K), rows = w.shape, max(1, slice_bytes // max(1, w.shape[1] * 4))
+  for i in range(0, N, rows):
+    parts = int4.quantize(w.read(i, i + rows), group, "rtn")
+    if out is None: out = tuple(host_memory.empty((N, *p.shape[1:]), p.dtype) for p in parts)   # lent as they are
     for o, p in zip(out, parts): o[i:i + len(p)] = p
-    release(w[i:i + rows])
+    release(w.stored[i:i + rows])
   return out
 
 
@@ -314,8 +383,14 @@ ST_MAX_HEADER = 100_000_000   # the safetensors library's own limit on the JSON 
 
 
 def read_safetensors(file: Path) -> dict[str, np.ndarray]:
+  """A safetensors file's tensors as arrays over its memory map (map_safetensors), bf16 ones widened to float32."""
+  return {name: bf16_to_float32(arr) if dtype == "BF16" else arr for name, (arr, dtype) in map_safetensors(file).items()}
+
+
+def map_safetensors(file: Path) -> dict[str, tuple[np.ndarray, str]]:
   """Memory-map a safetensors file (privately, copy-on-write: the arrays are writable, as device copy-in needs, and
-  the file never changes). bf16 tensors come back as float32 (numpy has no bfloat16).
+  the file never changes): name -> (array over the map, the file's dtype name). bf16 arrays are uint16 (numpy has no
+  bfloat16): bf16_to_float32 widens them.
   The header is checked against the file before anything is read or mapped: its length, that it is an object
   of tensor entries, and each entry's dtype, shape and data_offsets (inside the data, and as many bytes as
   the shape needs); a corrupt file raises ModelLoadError naming the file and the tensor."""
@@ -361,9 +436,7 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray]:
     if end - start != math.prod(shape) * itemsize:   # Python ints: no product overflows
       raise ModelLoadError(f"{where}: shape {shape} of {dtype} needs {math.prod(shape) * itemsize} bytes, "
                            f"its data_offsets hold {end - start}")
-    arr = data[start:end].view(_ST_DTYPES[dtype]).reshape(shape)
-    if dtype == "BF16": arr = (arr.astype(np.uint32) << 16).view(np.float32)
-    out[name] = arr
+    out[name] = data[start:end].view(_ST_DTYPES[dtype]).reshape(shape), dtype
   return out
 
 
@@ -544,7 +617,7 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
     if compact: kept_types.add(t.type_name)
     store.add(_gguf_keys(name, t.type_name if compact else None),
               lambda name=name, t=t, compact=compact: _gguf_arrays(name, t, compact, config, permuted),
-              [t.data], _gguf_nbytes(t, compact))
+              [t.data], _gguf_nbytes(t, compact), _gguf_float_rows(name, t, config, permuted))
   if kept_types:
     smallest = min(int(re.search(r"\d", q).group()) for q in kept_types)
     config = dataclasses.replace(config, quantization={"group_size": ggml.BLOCK, "bits": smallest, "gguf_types": sorted(kept_types)})
@@ -571,6 +644,17 @@ def _gguf_nbytes(t: GGUFTensor, compact: bool) -> int:
   return blocks.packed_nbytes(blocks.GGML_SPECS[t.type_name], math.prod(t.shape[:-1]), t.shape[-1])
 
 
+def _gguf_float_rows(name: str, t: GGUFTensor, config: ModelConfig, permuted: bool) -> FloatRows | None:
+  """A float or Q8_0 weight's rows as floats, a slice at a time (FloatRows), in the order _gguf_arrays gives them."""
+  if t.type_name not in ("F32", "F16", "BF16", "Q8_0") or len(t.shape) != 2: return None
+  to_float = {"BF16": bf16_to_float32, "Q8_0": lambda raw: ggml.dequantize(raw, "Q8_0", (len(raw), t.shape[1]))}.get(t.type_name, lambda a: a)
+  order = None   # llama.cpp's order of Q/K rows, undone row by row (unpermute_rope_rows)
+  if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+    order = unpermute_rope_rows(np.arange(t.shape[0]), config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
+  rows = (lambda i, j: t.data[i:j]) if order is None else (lambda i, j: t.data[order[i:j]])
+  return FloatRows(tuple(t.shape), lambda i, j: to_float(rows(i, j)), t.data)
+
+
 def _gguf_arrays(name: str, t: GGUFTensor, compact: bool, config: ModelConfig, permuted: bool) -> dict[str, np.ndarray]:
   """One GGUF tensor as the model reads it (see load_gguf). `permuted`: the architecture's Q/K rows are in llama.cpp's
   order (families.Family.gguf_rope_permuted); rows move as whole rows, so that order is undone on raw quantized blocks
@@ -590,5 +674,5 @@ def _gguf_arrays(name: str, t: GGUFTensor, compact: bool, config: ModelConfig, p
   if compact: return {f"{base}.{p}": a for p, a in blocks.from_ggml(data, qtype, shape, done=release)[0].items()}
   if qtype in ggml.BLOCK_BYTES: return {name: ggml.dequantize(data, qtype, shape)}
   if qtype in blocks.GGML_TYPES: return {name: blocks.dequantize(*blocks.from_ggml(data, qtype, shape))}
-  if qtype == "BF16": return {name: (data.astype(np.uint32) << 16).view(np.float32)}
+  if qtype == "BF16": return {name: bf16_to_float32(data)}
   return {name: data}
