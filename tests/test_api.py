@@ -209,6 +209,20 @@ def test_kv_cache_is_sized_from_available_memory_not_free_pages(tmp_path, tiny_m
   (tmp_path / "no-meminfo").write_text("MemTotal: 1 kB\n")
   assert core.available_memory(str(tmp_path / "no-meminfo")) > 0   # falls back to the OS's free pages
   assert core.available_memory(str(tmp_path / "missing")) > 0
+  # in a container, the room under its cgroup's memory limit, its inactive page cache counted as room
+  v2, v1 = tmp_path / "v2", tmp_path / "v1" / "memory"
+  v2.mkdir(); v1.mkdir(parents=True)
+  (v2 / "memory.max").write_text("8000000000\n"); (v2 / "memory.current").write_text("3000000000\n")
+  (v2 / "memory.stat").write_text("anon 1000000000\nfile 2000000000\nactive_file 500000000\ninactive_file 1500000000\n")
+  assert core.available_memory(str(meminfo), str(v2)) == 8_000_000_000 - 3_000_000_000 + 1_500_000_000
+  (v1 / "memory.limit_in_bytes").write_text("4000000000\n"); (v1 / "memory.usage_in_bytes").write_text("1000000000\n")
+  (v1 / "memory.stat").write_text("cache 10\ninactive_file 7\ntotal_inactive_file 250000000\n")
+  assert core.available_memory(str(meminfo), str(v1.parent)) == 4_000_000_000 - 1_000_000_000 + 250_000_000
+  (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")   # v1's "no limit"
+  (v2 / "memory.max").write_text("max\n")
+  assert core.available_memory(str(meminfo), str(v1.parent)) == core.available_memory(str(meminfo), str(v2)) == 20000000 * 1024
+  (v2 / "memory.max").write_text("64000000000\n")   # a limit above what the host has: the host's
+  assert core.available_memory(str(meminfo), str(v2)) == 20000000 * 1024
   available = 512 << 20
   monkeypatch.setattr(core, "available_memory", lambda: available)
   engine = LLMEngine.from_kwargs(str(tiny_model), max_model_len=64, max_num_seqs=100000, kv_cache_memory_fraction=0.5)

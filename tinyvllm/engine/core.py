@@ -7,6 +7,7 @@ fails its own request; the others go on, and the engine stays consistent for the
 """
 from __future__ import annotations
 import dataclasses, os, sys, time
+from pathlib import Path
 import numpy as np
 from tinygrad import Device
 from tinyvllm import sampler
@@ -29,18 +30,38 @@ from tinyvllm.model.weights import Checkpoint, load_checkpoint, select_tensors
 from tinyvllm.structured_output import MaskWorker, apply_bias
 
 
-def available_memory(meminfo: str = "/proc/meminfo") -> int:
+def available_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
   """Bytes the OS can give the process now. On Linux its MemAvailable: free memory plus the page cache and whatever
   else it can reclaim. A model file just downloaded or read sits in the page cache, so free memory alone can be a
   fraction of it: beside an 8B model on a 24 GB machine with 22 GB available, 4.5 GB free left no room for a KV
-  cache at all. Elsewhere the free pages, and on macOS (neither) half the physical memory."""
+  cache at all. In a container with a memory limit (a cgroup's), no more than the room left under it: MemAvailable
+  is the host's. Elsewhere the free pages, and on macOS (neither) half the physical memory."""
+  host = None
   try:
     with open(meminfo) as f:
       for line in f:
-        if line.startswith("MemAvailable:"): return int(line.split()[1]) * 1024   # in kB
+        if line.startswith("MemAvailable:"): host = int(line.split()[1]) * 1024   # in kB
   except (OSError, ValueError, IndexError): pass
-  try: return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-  except (ValueError, OSError): return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+  if host is None:
+    try: host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError): host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+  room = cgroup_room(cgroup)
+  return host if room is None else min(host, room)
+
+
+def cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
+  """Bytes left under this process's cgroup memory limit (v2: memory.max; v1: memory/memory.limit_in_bytes), counting
+  its reclaimable page cache (inactive file pages) as room, as the kernel does before it kills; None without a limit."""
+  for limit_file, usage_file, stat_file, inactive in (
+      ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+      ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat", "total_inactive_file")):
+    try: limit, usage = (Path(root, limit_file).read_text().strip(), int(Path(root, usage_file).read_text()))
+    except (OSError, ValueError): continue
+    if not limit.isdigit() or int(limit) >= 1 << 60: return None   # unlimited: "max" (v2), a page-rounded 2^63 (v1)
+    try: stat = dict(line.split() for line in Path(root, stat_file).read_text().splitlines() if len(line.split()) == 2)
+    except OSError: stat = {}
+    return max(0, int(limit) - usage + int(stat.get(inactive, "0")))
+  return None
 
 
 class EngineCore:
