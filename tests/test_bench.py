@@ -125,10 +125,15 @@ def test_bench_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
   assert any(n.startswith("llama.cpp skipped") for n in data["notes"])
 
 
-def test_bench_refuses_bad_arguments():
+def test_bench_refuses_bad_arguments(capsys):
+  """Before measuring anything, with the flag named (`--serving-requests 0` ended a run minutes in, in a NaN)."""
   from tinyvllm.bench.cli import main
   with pytest.raises(SystemExit): main(["--batch-sizes", "0"])
   with pytest.raises(SystemExit): main(["--runs", "decode,bogus"])
+  for flag, value in [("--serving-requests", "0"), ("--steps", "0"), ("--repeats", "-1"), ("--warmup", "x"),
+                      ("--serving-rate", "nan"), ("--serving-rate", "0"), ("--bandwidth-reps", "0"), ("--prefill-lens", ",")]:
+    with pytest.raises(SystemExit): main([flag, value])
+    assert f"argument {flag}:" in capsys.readouterr().err
 
 
 def small_decode_bench(model, tmp_path, *flags: str, batch: int = 1, context: int = 8) -> list[dict]:

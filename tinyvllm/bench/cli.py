@@ -25,7 +25,25 @@ def _ints(s: str) -> list[int]:
   try: vals = [int(x) for x in s.split(",") if x.strip()]
   except ValueError: raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
   if any(v < 1 for v in vals): raise argparse.ArgumentTypeError(f"values must be positive, got {s!r}")
+  if not vals: raise argparse.ArgumentTypeError("expected at least one value (leave a kind of run out with --runs)")
   return vals
+
+
+def _count(least: int):
+  """An integer of at least `least`."""
+  def parse(s: str) -> int:
+    try: v = int(s)
+    except ValueError: raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < least: raise argparse.ArgumentTypeError(f"must be at least {least}, got {v} (leave a kind of run out with --runs)")
+    return v
+  return parse
+
+
+def _rate(s: str) -> float:
+  try: v = float(s)
+  except ValueError: raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+  if not v > 0 or v == float("inf"): raise argparse.ArgumentTypeError(f"must be a positive, finite rate, got {s!r}")
+  return v
 
 
 QUANTIZATIONS = ("stored", "int4", "none")
@@ -69,13 +87,13 @@ def parser() -> argparse.ArgumentParser:
   r.add_argument("--runs", default="decode,prefill,serving", help="which of decode, prefill, serving")
   r.add_argument("--batch-sizes", type=_ints, default="1,8", help="decode batch sizes, e.g. 1,2,4,8,16,32")
   r.add_argument("--context-lens", type=_ints, default="128", help="decode context lengths (prompt tokens), e.g. 128,1024,4096")
-  r.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
-  r.add_argument("--warmup", type=int, default=3, help="decode steps before timing (the first captures the shape)")
-  r.add_argument("--repeats", type=int, default=1, help="time each decode/prefill run this many times in a row; "
+  r.add_argument("--steps", type=_count(1), default=32, help="timed decode steps per run")
+  r.add_argument("--warmup", type=_count(0), default=3, help="decode steps before timing (the first captures the shape)")
+  r.add_argument("--repeats", type=_count(1), default=1, help="time each decode/prefill run this many times in a row; "
                  "the median is reported and every repeat is kept in the JSON (a noise measure)")
   r.add_argument("--prefill-lens", type=_ints, default="128,512", help="prefill prompt lengths")
-  r.add_argument("--serving-requests", type=int, default=8, help="requests in the serving scenario")
-  r.add_argument("--serving-rate", type=float, default=4.0, help="mean arrivals per second (Poisson)")
+  r.add_argument("--serving-requests", type=_count(1), default=8, help="requests in the serving scenario")
+  r.add_argument("--serving-rate", type=_rate, default=4.0, help="mean arrivals per second (Poisson)")
   r.add_argument("--serving-prompt-lens", type=_range, default="16,128", help="LO,HI uniform prompt lengths")
   r.add_argument("--serving-output-lens", type=_range, default="16,32", help="LO,HI uniform output lengths")
   r.add_argument("--prompts", choices=("random", "text"), default="random",
@@ -84,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
   r.add_argument("--seed", type=int, default=0, help="seeds the random prompts and the serving workload")
   c = p.add_argument_group("device ceilings")
   c.add_argument("--bandwidth-sizes", type=_ints, default="64,256,1024", help="MiB per buffer of the bandwidth kernel")
-  c.add_argument("--bandwidth-reps", type=int, default=5, help="best of this many runs")
+  c.add_argument("--bandwidth-reps", type=_count(1), default=5, help="best of this many runs")
   c.add_argument("--matmul-size", type=int, default=None, help="n of the n x n x n matmul (default: 1024 on the CPU, 4096 on a GPU)")
   q = p.add_argument_group("peers")
   q.add_argument("--peers", default=None, help="hf (transformers: float32 on the CPU, on a GPU the same GPU and tinyvllm's dtype), "
