@@ -1,4 +1,4 @@
-"""A tiny Llama GGUF whose tensors are k-quants, Q5_0/Q5_1, Q8_0 and Q3_K (random valid blocks written by gguf's writer,
+"""A tiny Llama GGUF whose tensors are k-quants, Q5_0/Q5_1, Q8_0, Q3_K and IQ4_XS/IQ4_NL (random valid blocks written by gguf's writer,
 types mixed within a layer and between layers as llama-quantize's Q4_K_M mixes them): it loads compact, and its logits
 equal the same checkpoint dequantized to float32, through our portable kernels, on every backend that runs it.
 
@@ -13,10 +13,12 @@ from tinyvllm.quant.formats import FLOAT, INT8, PACKED
 
 H, F, HEADS, KV, V = 256, 512, 4, 2, 300
 # per layer: gguf name -> type. Layer 0 keeps q/k and v in different types (q/k/v stay apart), layer 1 stores them
-# alike (fused): two kinds of layer for the runner.
+# alike (fused), layer 2 fuses q/k/v but not gate/up: three kinds of layer for the runner.
 LAYER_TYPES = [
   {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q5_0", "ffn_up": "Q5_1", "ffn_down": "Q6_K"},
   {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q3_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q8_0"},
+  {"attn_q": "IQ4_XS", "attn_k": "IQ4_XS", "attn_v": "IQ4_XS", "attn_output": "IQ4_NL", "ffn_gate": "IQ4_XS", "ffn_up": "IQ4_NL",
+   "ffn_down": "IQ4_XS"},
 ]
 SHAPES = {"attn_q": (HEADS * 64, H), "attn_k": (KV * 64, H), "attn_v": (KV * 64, H), "attn_output": (H, HEADS * 64),
           "ffn_gate": (F, H), "ffn_up": (F, H), "ffn_down": (H, F)}
@@ -31,8 +33,8 @@ def small_blocks(qtype: str, rows: int, cols: int, rng) -> np.ndarray:
   from tinyvllm.quant import blocks
   block, nbytes = blocks.GGML_TYPES[qtype]
   b = raw.reshape(rows, -1, nbytes)
-  size = {"Q4_K": 3e-4, "Q5_K": 1.5e-4, "Q6_K": 4e-5, "Q3_K": 3e-3, "Q5_0": 4e-3, "Q5_1": 3e-3}[qtype]
-  fields = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q5_0": (0,), "Q5_1": (0, 2)}[qtype]
+  size = {"Q4_K": 3e-4, "Q5_K": 1.5e-4, "Q6_K": 4e-5, "Q3_K": 3e-3, "Q5_0": 4e-3, "Q5_1": 3e-3, "IQ4_XS": 1.5e-5, "IQ4_NL": 4e-4}[qtype]
+  fields = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_XS": (0,), "IQ4_NL": (0,)}[qtype]
   for at in fields: b[..., at:at + 2] = (rng.standard_normal(b.shape[:-1]) * size).astype(np.float16)[..., None].view(np.uint8)
   return b.reshape(rows, -1)
 
@@ -90,9 +92,10 @@ def test_logits_equal_the_dequantized_checkpoint(kquant_gguf, reference_logits, 
   ids, ref = reference_logits
   engine = LLMEngine.from_kwargs(str(kquant_gguf), kernel_backend=backend, block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
   layers = engine.runner.model.layers
-  assert [sorted({lw.format for lw in layer.linears.values()}) for layer in layers] == [[PACKED], [INT8, PACKED]]
+  assert [sorted({lw.format for lw in layer.linears.values()}) for layer in layers] == [[PACKED], [INT8, PACKED], [PACKED]]
   assert "self_attn.v_proj" in layers[0].linears and "self_attn.qkv_proj" in layers[1].linears   # apart, fused
-  assert len(engine.runner.layer_templates) == 2
+  assert "self_attn.qkv_proj" in layers[2].linears and "mlp.gate_proj" in layers[2].linears   # IQ4_XS q/k/v; gate XS, up NL
+  assert len(engine.runner.layer_templates) == 3
   if backend == "cpu": assert engine.runner.model.packs_prefill   # the fused C layer takes every format, q/k/v apart too
   assert engine.runner.model.embed_tokens.format == PACKED and engine.runner.model.lm_head.format == PACKED
   seen = []

@@ -98,7 +98,7 @@ def test_portable_kernel_is_one_kernel(name, parts, spec):
   check(y.numpy(), x, parts, spec, x16=False)
 
 
-COMPILED = ("Q4_K", "Q6_K", "Q5_1", "Q5_0-K416", "affine6g32-K416", "affine8g32-K160")
+COMPILED = ("Q4_K", "Q6_K", "Q5_1", "Q5_0-K416", "IQ4_XS", "affine6g32-K416", "affine8g32-K160")
 
 
 @pytest.mark.parametrize("name,parts,spec", [CASES[IDS.index(n)] for n in COMPILED], ids=COMPILED)

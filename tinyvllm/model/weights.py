@@ -533,7 +533,7 @@ _GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", 
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                "attn_qkv": "self_attn.qkv_proj"}
-GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL")
 
 
 def _is_gguf(path: Path) -> bool:
@@ -618,6 +618,9 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
     store.add(_gguf_keys(name, t.type_name if compact else None),
               lambda name=name, t=t, compact=compact: _gguf_arrays(name, t, compact, config, permuted),
               [t.data], _gguf_nbytes(t, compact), _gguf_float_rows(name, t, config, permuted))
+  if widened := sorted(kept_types & set(blocks.WIDENED_TYPES)):
+    print(f"tinyvllm: {', '.join(widened)} weights run as 8-bit codes (their 4-bit codes index a table of 16 values, which "
+          f"no 4-bit group holds exactly): about twice the file's bytes in memory", file=sys.stderr)
   if kept_types:
     smallest = min(int(re.search(r"\d", q).group()) for q in kept_types)
     config = dataclasses.replace(config, quantization={"group_size": ggml.BLOCK, "bits": smallest, "gguf_types": sorted(kept_types)})

@@ -1,5 +1,5 @@
 """Block-quantized weights in one general layout ("packed"), with numpy: what GGUF's k-quants (Q4_K, Q5_K, Q6_K, Q3_K),
-Q5_0/Q5_1 and MLX's 5-, 6- and 8-bit checkpoints become, exactly, without dequantizing.
+Q5_0/Q5_1, IQ4_XS/IQ4_NL and MLX's 5-, 6- and 8-bit checkpoints become, exactly, without dequantizing.
 
 A linear `[N, K]` (y = x @ W^T) becomes at most three arrays and a spec, w = S * q + B per group of G inputs:
   <name>.weight   uint32 [N, K/8 + H]  the codes: per row, first the low 4 bits of every code (the code of k = 8j + i in
@@ -21,9 +21,10 @@ Every conversion here is exact: dequantizing our arrays gives gguf.quants.dequan
 float32 values bit for bit. A two-level scale is the product of a float16 and an integer of at most 8 bits, exact in
 float32, and so is S * q; each weight is then rounded once, in the same place as ggml's reference code.
 
-Bytes per weight as stored here (the GGUF file's in brackets): Q4_K 4.625 (4.5: its 6-bit scales and mins take a byte
+Bits per weight as stored here (the GGUF file's in brackets): Q4_K 4.625 (4.5: its 6-bit scales and mins take a byte
 each here), Q5_K 5.625 (5.5), Q6_K 6.5625 (6.5625), Q3_K 4.5625 (3.4375: 3-bit codes in 4-bit planes), Q5_0 5.5 (5.5),
-Q5_1 6 (6); MLX b-bit with group G: b + 32/G (3-bit: as INT4, 4 + 32/G).
+Q5_1 6 (6), IQ4_XS 8.3125 (4.25) and IQ4_NL 8.5 (4.5: codebook values as 8-bit codes); MLX b-bit with group G:
+b + 32/G (3-bit: as INT4, 4 + 32/G).
 """
 from __future__ import annotations
 from collections.abc import Callable
@@ -129,10 +130,16 @@ def dequantize_linear(tensors, name: str, fmt: str) -> np.ndarray:
 
 # **** from GGUF blocks ****
 
-GGML_TYPES = {"Q4_K": (QK, 144), "Q5_K": (QK, 176), "Q6_K": (QK, 210), "Q3_K": (QK, 110), "Q5_0": (32, 22), "Q5_1": (32, 24)}
+GGML_TYPES = {"Q4_K": (QK, 144), "Q5_K": (QK, 176), "Q6_K": (QK, 210), "Q3_K": (QK, 110), "Q5_0": (32, 22), "Q5_1": (32, 24),
+              "IQ4_XS": (QK, 136), "IQ4_NL": (32, 18)}
 GGML_SPECS = {"Q4_K": QuantSpec(4, 32, 8), "Q5_K": QuantSpec(5, 32, 8), "Q6_K": QuantSpec(6, 16, 16, signed_scales=True, symmetric=True),
               "Q3_K": QuantSpec(4, 16, 16, signed_scales=True, symmetric=True), "Q5_0": QuantSpec(5, 32, symmetric=True),
-              "Q5_1": QuantSpec(5, 32)}
+              "Q5_1": QuantSpec(5, 32), "IQ4_XS": QuantSpec(8, 32, 8, signed_scales=True, symmetric=True),
+              "IQ4_NL": QuantSpec(8, 32, symmetric=True)}
+# IQ4_XS/IQ4_NL's 4-bit codes index this table of int8 values (ggml's kvalues_iq4nl): not an affine grid, so no 4-bit
+# group holds them exactly; as 8-bit codes (value + 128, symmetric: w = S (q - 128)) they run on the 8-bit kernels
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
+WIDENED_TYPES = ("IQ4_XS", "IQ4_NL")   # the types whose layout here takes about twice the file's bits
 
 
 def part_shapes(spec: QuantSpec, n: int, k: int) -> dict[str, tuple[int, ...]]:
@@ -244,6 +251,17 @@ def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int],
     hbit = ((hmask[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(N, -1, QK)
     q = ql + 4 * hbit + 4                  # ggml's ql - 4 (1 - hbit), shifted into 4..11: symmetric 4-bit (offset 8)
     scales, scale_d, biases = sc.reshape(N, -1), d, None
+  elif qtype in WIDENED_TYPES:   # w = d (scale - 32) value (IQ4_XS: a 6-bit scale per 32), or d value (IQ4_NL)
+    at = 8 if qtype == "IQ4_XS" else 2
+    runs = b[..., at:].reshape(N, K // 32, 16)   # a run's input t < 16: byte t's low nibble; t >= 16: byte t - 16's high
+    q = (IQ4_VALUES + 128).astype(np.uint8)[np.concatenate([runs & 0xF, runs >> 4], axis=-1)].reshape(N, K)
+    d = _f16(b[..., 0:2])
+    if qtype == "IQ4_NL": scales, scale_d, biases = d, None, None
+    else:
+      low = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)) & 0xF   # sub-block 2i's low 4 bits, then 2i + 1's
+      high = (np.ascontiguousarray(b[..., 2:4]).view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & 3
+      scales = ((low.reshape(N, -1, 8) | (high.astype(np.uint8) << 4)).astype(np.int16) - 32).astype(np.int8).reshape(N, -1)
+      scale_d, biases = d, None
   else:   # Q5_0 (w = d (q - 16)), Q5_1 (w = d q + m)
     d = _f16(b[..., 0:2])
     at = 4 if qtype == "Q5_1" else 2
