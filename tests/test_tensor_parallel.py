@@ -87,6 +87,36 @@ def test_two_devices_match_one(tiny_model_factory, tied_two_kv_heads, name, quan
     assert [b.size for b in t.uop.buffer.bufs] == [t.numel() // 2] * 2
 
 
+def test_int4_shards_narrower_than_a_run_of_32(tiny_model_factory, tmp_path):
+  """4-bit groups of 32 over a down projection of 96 inputs: each device holds 48, which the C kernels' runs of 32 do
+  not divide. Such shards run on the portable kernels; the C kernel read 32 of the 48 and every token came out 0."""
+  from tinyvllm.quantize import quantize_checkpoint
+  quantize_checkpoint(str(tiny_model_factory("gqa")), tmp_path / "q32", 32, log=lambda m: None)
+  prompts, params = prompts_of((5, 21)), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+  kw = dict(block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
+  single, _, _ = run(tmp_path / "q32", prompts, params, kernel_backend="portable", **kw)
+  sharded, _, engine = run(tmp_path / "q32", prompts, params, tensor_parallel_size=2, **kw)
+  down = engine.runner.model.layers[0].linears["mlp.down_proj"]
+  assert down.format == "int4" and down.in_features == 96 and down.weight.uop.axis == 1
+  assert_same(single, sharded, TOL_INT4)
+
+
+def test_projections_stored_in_different_formats(tiny_model_factory, tmp_path):
+  """A GGUF whose q, k and v are Q4_0, Q4_1 and F16 (one device runs them apart): split over two devices they become
+  one float projection in the device-by-device order, so each device attends with its own heads' q, k and v (apart,
+  each device read other heads' rows, and every token differed from the single device's)."""
+  from test_weights import GGUF_TYPES, write_gguf
+  path = tmp_path / "mixed.gguf"
+  write_gguf(tiny_model_factory("gqa"), path, GGUF_TYPES)
+  prompts, params = prompts_of((5, 21), seed=1), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+  kw = dict(block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
+  single, _, one = run(path, prompts, params, kernel_backend="portable", **kw)
+  sharded, _, engine = run(path, prompts, params, tensor_parallel_size=2, **kw)
+  assert "self_attn.q_proj" in one.runner.model.layers[0].linears   # apart on one device
+  assert engine.runner.model.layers[0].linears["self_attn.qkv_proj"].weight.uop.axis == 0
+  assert_same(single, sharded, TOL_INT4)
+
+
 def test_two_devices_through_preemption_and_speculation(tiny_model_factory):
   """A KV pool too small for the batch (sequences preempted and recomputed) while a draft of the model's first layer
   speculates every step: the same tokens, preemptions and free-block counts after every step as on one device."""

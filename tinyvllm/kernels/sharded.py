@@ -69,6 +69,7 @@ class ShardedKernels(Kernels):
     elif w_axis is None and x_axis is None: out_shape, local, out_axis = (M, N), (M, N, K), None
     else: return None
     m, nl, kl = local
+    if w.format == INT4 and kl % 32: return None   # the C kernels take runs of 32 inputs (a row-parallel half of 96: 48)
     if w.format == INT4:
       kernel = cpu.int4_linear_kernel(m, nl, kl, w.group_size)
       args = [w.weight.contiguous(), w.scales.cast(dtypes.float16).contiguous(), w.biases.cast(dtypes.float16).contiguous()]

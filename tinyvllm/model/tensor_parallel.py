@@ -13,12 +13,13 @@ q/k/v and gate/up rows that makes each device's contiguous shard hold its own he
 one device and on N (model/llama.py); `kernels/sharded.py` has the operations that see the per-device layout.
 """
 from __future__ import annotations
-import math
+import math, sys
 import numpy as np
 from tinygrad import Device, Tensor
 from tinyvllm.config import ConfigError, ModelConfig
 from tinyvllm.quant import int4
-from tinyvllm.quant.formats import INT4, LinearWeights
+from tinyvllm.quant.blocks import dequantize_linear
+from tinyvllm.quant.formats import FLOAT, FUSED_PROJECTIONS, INT4, LinearWeights, stored_format
 
 # Split the embedding table and LM head by vocabulary rows (True) or keep a whole copy on every device (False).
 # Measured on the default model's shapes (docs/architecture.md, "Tensor parallelism"): split, every device reads
@@ -93,10 +94,11 @@ def shard_layout(cfg: ModelConfig, tensors: dict[str, np.ndarray], n: int, dtype
   the fused q/k/v rows ordered device by device ([q_0 k_0 v_0 | q_1 k_1 v_1 | ...], each device's q heads next to
   the KV heads they read), gate/up likewise ([gate_0 up_0 | gate_1 up_1 | ...]), and 4-bit row-parallel weights
   regrouped so that no quantization group straddles two devices."""
-  out = dict(tensors)
+  out, told = dict(tensors), set()
   H, KVH, D, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
   for i in range(cfg.num_hidden_layers):
     prefix = f"model.layers.{i}."
+    _fuse_apart(out, prefix, np.float32 if dtype == "float32" else np.float16, told)
     # row runs (start, length) of each fused part, per device
     parts = {"self_attn.qkv_proj": [(0, H * D), (H * D, KVH * D), ((H + KVH) * D, KVH * D)],
              "mlp.gate_up_proj": [(0, inter), (inter, inter)]}
@@ -112,6 +114,27 @@ def shard_layout(cfg: ModelConfig, tensors: dict[str, np.ndarray], n: int, dtype
         if arr is None: out.pop(key)
         else: out[key] = arr
   return out
+
+
+def _fuse_apart(out: dict[str, np.ndarray], prefix: str, np_dtype, told: set[str]) -> None:
+  """In place: q/k/v (gate/up) that a file stores in different formats (a Q4_0 q beside an F16 v) stay apart on one
+  device (model/llama.py `_fuse`), but split over devices each device must hold its own heads of all three in one run
+  (the order shard_layout gives a fused weight; apart, the attention read other heads' rows). Such a set becomes one
+  fused weight in the model's float dtype, said once."""
+  for fused, parts in FUSED_PROJECTIONS.items():
+    names = [prefix + part for part in parts]
+    if f"{names[0]}.weight" not in out: continue
+    weights = []
+    for name in names:
+      fmt = stored_format(out, name)
+      weights.append(out[f"{name}.weight"] if fmt == FLOAT else dequantize_linear(out, name, fmt))
+      for key in [k for k in out if k.startswith(f"{name}.") and not k.endswith(".bias")]: out.pop(key)
+    out[f"{prefix}{fused}.weight"] = np.concatenate([w.astype(np_dtype, copy=False) for w in weights])
+    if all(f"{name}.bias" in out for name in names):
+      out[f"{prefix}{fused}.bias"] = np.concatenate([out.pop(f"{name}.bias").astype(np_dtype, copy=False) for name in names])
+    if fused not in told:
+      told.add(fused)
+      print(f"tinyvllm: tensor parallelism runs {fused} stored in different formats per part as {np_dtype.__name__}", file=sys.stderr)
 
 
 def _split_groups(lw: LinearWeights, name: str, n: int, dtype) -> dict[str, np.ndarray | None]:
