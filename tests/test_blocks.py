@@ -14,8 +14,9 @@ EXPECTED = {"Q4_K": QuantSpec(4, 32, 8), "Q5_K": QuantSpec(5, 32, 8),
             "Q6_K": QuantSpec(6, 16, 16, signed_scales=True, symmetric=True),
             "Q3_K": QuantSpec(4, 16, 16, signed_scales=True, symmetric=True),
             "Q5_0": QuantSpec(5, 32, symmetric=True), "Q5_1": QuantSpec(5, 32),
-            "IQ4_XS": QuantSpec(8, 32, 8, signed_scales=True, symmetric=True), "IQ4_NL": QuantSpec(8, 32, symmetric=True)}
-BITS_PER_WEIGHT = {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625, "Q3_K": 4.5625, "Q5_0": 5.5, "Q5_1": 6.0, "IQ4_XS": 8.3125, "IQ4_NL": 8.5}
+            "IQ4_XS": QuantSpec(4, 32, 8, signed_scales=True, symmetric=True, codebook=True),
+            "IQ4_NL": QuantSpec(4, 32, symmetric=True, codebook=True)}
+BITS_PER_WEIGHT = {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625, "Q3_K": 4.5625, "Q5_0": 5.5, "Q5_1": 6.0, "IQ4_XS": 4.3125, "IQ4_NL": 4.5}
 
 
 def random_ggml(qtype: str, rows: int, cols: int, rng) -> np.ndarray:

@@ -15,7 +15,7 @@ import pytest
 from tinygrad import GlobalCounters, Tensor
 from test_blocks import random_ggml
 from tinyvllm.quant import blocks
-from tinyvllm.quant.formats import PACKED, LinearWeights
+from tinyvllm.quant.formats import CODEBOOK, PACKED, LinearWeights
 
 
 def cases():
@@ -38,6 +38,8 @@ IDS = [c[0] for c in CASES]
 def bound(x: np.ndarray, parts: dict, spec, x16: bool) -> np.ndarray:
   N, K = parts["scales"].shape[0], parts["scales"].shape[1] * spec.group
   q = blocks.unpack_codes(parts["weight"], spec.bits, K).astype(np.float64)
+  centred = np.array(CODEBOOK, np.float64)[q.astype(int)] if spec.codebook else q - (1 << (spec.bits - 1))   # what x multiplies
+  if spec.codebook: q = np.abs(centred)
   S, B = blocks.group_scales(parts, spec)
   S = np.abs(S.astype(np.float64)).repeat(spec.group, axis=1)
   B = np.abs(B.astype(np.float64)).repeat(spec.group, axis=1) if B is not None else S * spec.offset
@@ -46,7 +48,7 @@ def bound(x: np.ndarray, parts: dict, spec, x16: bool) -> np.ndarray:
   if x16:
     unit = max(spec.group, 32)   # inputs sharing one scale of x
     half_step = x.reshape(len(x), K // unit, unit).max(-1).repeat(unit, axis=1) / 65534 * 1.001
-    out += half_step @ (S * np.abs(q - (1 << (spec.bits - 1)))).T
+    out += half_step @ (S * np.abs(centred)).T
   return out
 
 

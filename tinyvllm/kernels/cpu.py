@@ -12,6 +12,7 @@ from tinygrad import Context, Tensor, Device, UOp, dtypes
 from tinygrad.uop.ops import Ops, KernelInfo
 from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
 from tinyvllm.quant.blocks import QuantSpec, high_blocks
+from tinyvllm.quant.formats import CODEBOOK
 from tinyvllm.quant.int4 import GROUP_SIZES
 
 # clang vector extensions compile to AVX2/AVX-512 on x86 and NEON on arm64 alike
@@ -407,11 +408,14 @@ class _PackedInt:
     self.RW, self.R, self.high_mask = _row_words(K, spec)
     self.XU = max(self.G, 32)        # inputs per x scale
     self.NX = K // self.XU
-    self.c = 1 << (spec.bits - 1)
+    self.c = 0 if spec.codebook else 1 << (spec.bits - 1)   # the centre codes are taken from (a codebook's values are signed)
 
   def consts(self) -> str:
+    table = ", ".join(map(str, CODEBOOK * 2))
     return f"""
   const __m256i nib = _mm256_set1_epi16(15), ones = _mm256_set1_epi16(1), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i book = _mm256_setr_epi8({table});   /* a codebook layout's values, in each 128-bit lane */
+  (void)book;
   const __m256i hmask = _mm256_set1_epi16({self.high_mask << 4});   /* a run's high bits, moved to bits 4.. of a 16-bit code */
   const __m128i deint = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -487,7 +491,8 @@ class _PackedInt:
     const __m512i nib512 = _mm512_set1_epi16(15), hmask512 = _mm512_set1_epi16({self.high_mask << 4});
     const __m512i gidx = _mm512_setr_epi32({gidx});   /* int32 lane -> its group among the 4 loaded */
     const __m512i hbase = _mm512_setr_epi32({", ".join(["0"] * 8 + [str(HB * 0x10001)] * 8)});   /* run c + 1: one more run's shift */
-    (void)gidx; (void)hbase; (void)hmask512;"""
+    const __m512i book512 = _mm512_broadcast_i32x4(_mm256_castsi256_si128(book));
+    (void)gidx; (void)hbase; (void)hmask512; (void)book512;"""
 
   def codes(self, wr: str, whr: str) -> str:
     """C statements setting qe and qo to the even and odd codes of run c (wide: runs c and c + 1) of the weight row
@@ -499,14 +504,19 @@ class _PackedInt:
             __m512i hb = _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)({whr} + (c / {R}) * 32))), hsv);
             qe = _mm512_ternarylogic_epi32(qe, _mm512_slli_epi16(hb, 4), hmask512, 0xF8);   /* qe | (hb << 4 & hmask) */
             qo = _mm512_ternarylogic_epi32(qo, _mm512_srli_epi16(hb, 4), hmask512, 0xF8); }}""" if HB else ""
+      book = ("\n        qe = _mm512_srai_epi16(_mm512_slli_epi16(_mm512_shuffle_epi8(book512, qe), 8), 8);   /* code -> value */"
+              "\n        qo = _mm512_srai_epi16(_mm512_slli_epi16(_mm512_shuffle_epi8(book512, qo), 8), 8);") if self.spec.codebook else ""
       return f"""__m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)({wr} + c * 16)));
-        __m512i qe = _mm512_and_si512(v, nib512), qo = _mm512_srli_epi16(v, 4);{high}"""
+        __m512i qe = _mm512_and_si512(v, nib512), qo = _mm512_srli_epi16(v, 4);{high}{book}"""
     high = f"""
           {{ __m256i hb = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)({whr} + (c / {R}) * 32)), _mm_cvtsi32_si128({HB} * (c % {R})));
             qe = _mm256_add_epi16(qe, _mm256_and_si256(_mm256_slli_epi16(hb, 4), hmask));
             qo = _mm256_add_epi16(qo, _mm256_and_si256(_mm256_srli_epi16(hb, 4), hmask)); }}""" if HB else ""
+    # a codebook's code picks a byte of `book` (the lane's high byte, 0, picks value 0: shifted out), sign-extended
+    book = ("\n        qe = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(book, qe), 8), 8);"
+            "\n        qo = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(book, qo), 8), 8);") if self.spec.codebook else ""
     return f"""__m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)({wr} + c * 16)));
-        __m256i qe = _mm256_and_si256(v, nib), qo = _mm256_srli_epi16(v, 4);{high}"""
+        __m256i qe = _mm256_and_si256(v, nib), qo = _mm256_srli_epi16(v, 4);{high}{book}"""
 
   def x_run(self, xq: str, xc: str, i: str = "") -> str:
     """C declarations of x's codes xe{i}, xo{i} and its lane correction x0{i} for run c (wide: runs c, c + 1)."""
@@ -675,8 +685,10 @@ def _packed_fallback_body(M: int, N: int, K: int, spec, ys: int | None = None) -
   high = f"""{{ int run = k / 32;
           const unsigned char *hb = (const unsigned char *)(w + (long)n * {RW} + {K // 8});
           q |= ((hb[(run / {R}) * 32 + k % 32] >> ({HB} * (run % {R}))) & {high_mask}u) << 4; }}""" if HB else ""
-  value = f"S[k / {G}] * ((float)q - {spec.offset}.0f)" if spec.symmetric else f"S[k / {G}] * (float)q + B[k / {G}]"
+  value = f"S[k / {G}] * (float)book[q]" if spec.codebook else \
+    f"S[k / {G}] * ((float)q - {spec.offset}.0f)" if spec.symmetric else f"S[k / {G}] * (float)q + B[k / {G}]"
   return f"""
+  const signed char book[16] = {{{", ".join(map(str, CODEBOOK))}}}; (void)book;
   float S[{K // G}], B[{K // G}]; (void)B;
   for (int n = nb; n < ne; n++) {{
     {_packed_scales(spec, K)}

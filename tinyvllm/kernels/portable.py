@@ -9,6 +9,7 @@ from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import KernelInfo
 from tinyvllm.kernels.kv_cache import INT4_MAX, INT8_MAX, PagedKVCache, hadamard_tensor
 from tinyvllm.quant.blocks import high_blocks
+from tinyvllm.quant.formats import CODEBOOK
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -190,6 +191,10 @@ def packed_rows(w, dtype=dtypes.float32) -> Tensor:
   # [T, super-blocks, groups, inputs]: a two-level scale broadcasts its float16 over a super-block's groups
   sg = spec.super_groups or 1
   shape = (T, K // spec.group // sg, sg, 1)
+  if spec.codebook:   # the table's values as constants in the expression (a table tensor would be a fourth buffer)
+    value = (q == 1).where(float(CODEBOOK[1]), float(CODEBOOK[0]))
+    for i, v in enumerate(CODEBOOK[2:], 2): value = (q == i).where(float(v), value)
+    q = value
   qg = q.float().reshape(T, shape[1], sg, spec.group)
   if not spec.super_groups:
     S = w.scales.float().reshape(shape)

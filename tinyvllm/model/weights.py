@@ -618,9 +618,6 @@ def load_gguf(path: Path, keep_q4: bool = True) -> Checkpoint:
     store.add(_gguf_keys(name, t.type_name if compact else None),
               lambda name=name, t=t, compact=compact: _gguf_arrays(name, t, compact, config, permuted),
               [t.data], _gguf_nbytes(t, compact), _gguf_float_rows(name, t, config, permuted))
-  if widened := sorted(kept_types & set(blocks.WIDENED_TYPES)):
-    print(f"tinyvllm: {', '.join(widened)} weights run as 8-bit codes (their 4-bit codes index a table of 16 values, which "
-          f"no 4-bit group holds exactly): about twice the file's bytes in memory", file=sys.stderr)
   if kept_types:
     smallest = min(int(re.search(r"\d", q).group()) for q in kept_types)
     config = dataclasses.replace(config, quantization={"group_size": ggml.BLOCK, "bits": smallest, "gguf_types": sorted(kept_types)})

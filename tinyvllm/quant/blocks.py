@@ -12,8 +12,8 @@ A linear `[N, K]` (y = x @ W^T) becomes at most three arrays and a spec, w = S *
   <name>.scale_d  float16 [N, K/(G*s)] a float16 per s groups (a k-quant super-block; [N, K/(G*s), 2]: d and dmin):
                                        S = d * scale, B = -dmin * min
   <name>.biases   float16 [N, K/G]     affine with float16 scales: B
-  <name>.qspec    int32 [5]            the QuantSpec (bits, group, super_groups, signed_scales, symmetric)
-Symmetric layouts store no biases: w = S * (q - 2^(b-1)). Three arrays at most because tinygrad fuses a dequantizing
+  <name>.qspec    int32 [6]            the QuantSpec (bits, group, super_groups, signed_scales, symmetric, codebook)
+Symmetric layouts store no biases: w = S * (q - 2^(b-1)), or with a codebook (IQ4_XS/IQ4_NL) w = S * CODEBOOK[q]. Three arrays at most because tinygrad fuses a dequantizing
 expression into the matmul that reads it only while it reads at most three buffers (schedule/rangeify.py): one more
 and it would write the whole float weight out first (kernels/portable.py).
 
@@ -23,8 +23,8 @@ float32, and so is S * q; each weight is then rounded once, in the same place as
 
 Bits per weight as stored here (the GGUF file's in brackets): Q4_K 4.625 (4.5: its 6-bit scales and mins take a byte
 each here), Q5_K 5.625 (5.5), Q6_K 6.5625 (6.5625), Q3_K 4.5625 (3.4375: 3-bit codes in 4-bit planes), Q5_0 5.5 (5.5),
-Q5_1 6 (6), IQ4_XS 8.3125 (4.25) and IQ4_NL 8.5 (4.5: codebook values as 8-bit codes); MLX b-bit with group G:
-b + 32/G (3-bit: as INT4, 4 + 32/G).
+Q5_1 6 (6), IQ4_XS 4.3125 (4.25) and IQ4_NL 4.5 (4.5: codes that index a table of 16 values, `codebook`); MLX b-bit
+with group G: b + 32/G (3-bit: as INT4, 4 + 32/G).
 """
 from __future__ import annotations
 from collections.abc import Callable
@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from tinyvllm import host_memory
 from tinyvllm.quant import int4
-from tinyvllm.quant.formats import INT4, INT8, WEIGHT_PARTS, QuantSpec, spec_of
+from tinyvllm.quant.formats import CODEBOOK, INT4, INT8, WEIGHT_PARTS, QuantSpec, spec_of
 
 QK = 256   # a k-quant super-block
 ROWS_AT_ONCE = 1 << 21   # weights converted at a time: the temporaries stay in cache (4x faster than whole 8B-sized tables)
@@ -80,12 +80,12 @@ def unpack_codes(weight: np.ndarray, bits: int, K: int) -> np.ndarray:
 
 
 def spec_array(spec: QuantSpec) -> np.ndarray:
-  return np.array([spec.bits, spec.group, spec.super_groups, spec.signed_scales, spec.symmetric], np.int32)
+  return np.array([spec.bits, spec.group, spec.super_groups, spec.signed_scales, spec.symmetric, spec.codebook], np.int32)
 
 
 def spec_from_array(a) -> QuantSpec:
-  bits, group, super_groups, signed, symmetric = (int(v) for v in np.asarray(a).reshape(-1))
-  return QuantSpec(bits, group, super_groups, bool(signed), bool(symmetric))
+  bits, group, super_groups, signed, symmetric, codebook = (int(v) for v in np.asarray(a).reshape(-1))
+  return QuantSpec(bits, group, super_groups, bool(signed), bool(symmetric), bool(codebook))
 
 
 def layout(codes: np.ndarray, spec: QuantSpec, scales: np.ndarray, scale_d: np.ndarray | None = None,
@@ -111,11 +111,12 @@ def group_scales(parts: dict, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray |
 
 
 def dequantize(parts: dict, spec: QuantSpec) -> np.ndarray:
-  """float32 `[N, K]`: S * q + B per group (symmetric: S * (q - offset)), each weight rounded once."""
+  """float32 `[N, K]`: S * q + B per group (symmetric: S * (q - offset); a codebook: S * CODEBOOK[q]), each weight
+  rounded once."""
   N, K = parts["scales"].shape[0], parts["scales"].shape[1] * spec.group
   q = unpack_codes(parts["weight"], spec.bits, K)
   S, B = group_scales(parts, spec)
-  qg = q.reshape(N, K // spec.group, spec.group).astype(np.float32)
+  qg = (np.array(CODEBOOK, np.float32)[q] if spec.codebook else q).reshape(N, K // spec.group, spec.group).astype(np.float32)
   if B is None: w = S[..., None] * (qg - np.float32(spec.offset))
   else: w = S[..., None] * qg + B[..., None]
   return w.reshape(N, K)
@@ -134,12 +135,8 @@ GGML_TYPES = {"Q4_K": (QK, 144), "Q5_K": (QK, 176), "Q6_K": (QK, 210), "Q3_K": (
               "IQ4_XS": (QK, 136), "IQ4_NL": (32, 18)}
 GGML_SPECS = {"Q4_K": QuantSpec(4, 32, 8), "Q5_K": QuantSpec(5, 32, 8), "Q6_K": QuantSpec(6, 16, 16, signed_scales=True, symmetric=True),
               "Q3_K": QuantSpec(4, 16, 16, signed_scales=True, symmetric=True), "Q5_0": QuantSpec(5, 32, symmetric=True),
-              "Q5_1": QuantSpec(5, 32), "IQ4_XS": QuantSpec(8, 32, 8, signed_scales=True, symmetric=True),
-              "IQ4_NL": QuantSpec(8, 32, symmetric=True)}
-# IQ4_XS/IQ4_NL's 4-bit codes index this table of int8 values (ggml's kvalues_iq4nl): not an affine grid, so no 4-bit
-# group holds them exactly; as 8-bit codes (value + 128, symmetric: w = S (q - 128)) they run on the 8-bit kernels
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
-WIDENED_TYPES = ("IQ4_XS", "IQ4_NL")   # the types whose layout here takes about twice the file's bits
+              "Q5_1": QuantSpec(5, 32), "IQ4_XS": QuantSpec(4, 32, 8, signed_scales=True, symmetric=True, codebook=True),
+              "IQ4_NL": QuantSpec(4, 32, symmetric=True, codebook=True)}
 
 
 def part_shapes(spec: QuantSpec, n: int, k: int) -> dict[str, tuple[int, ...]]:
@@ -251,10 +248,9 @@ def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int],
     hbit = ((hmask[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(N, -1, QK)
     q = ql + 4 * hbit + 4                  # ggml's ql - 4 (1 - hbit), shifted into 4..11: symmetric 4-bit (offset 8)
     scales, scale_d, biases = sc.reshape(N, -1), d, None
-  elif qtype in WIDENED_TYPES:   # w = d (scale - 32) value (IQ4_XS: a 6-bit scale per 32), or d value (IQ4_NL)
+  elif qtype in ("IQ4_XS", "IQ4_NL"):   # w = d (scale - 32) CODEBOOK[q] (IQ4_XS: a 6-bit scale per 32), d CODEBOOK[q]
     at = 8 if qtype == "IQ4_XS" else 2
-    runs = b[..., at:].reshape(N, K // 32, 16)   # a run's input t < 16: byte t's low nibble; t >= 16: byte t - 16's high
-    q = (IQ4_VALUES + 128).astype(np.uint8)[np.concatenate([runs & 0xF, runs >> 4], axis=-1)].reshape(N, K)
+    q = _nibble_runs(b[..., at:], 16)   # a run's nibbles as Q5_0's: input t < 16 in byte t's low nibble, t + 16 its high
     d = _f16(b[..., 0:2])
     if qtype == "IQ4_NL": scales, scale_d, biases = d, None, None
     else:

@@ -34,9 +34,10 @@ class QuantSpec:
   super_groups: int = 0        # 0: a float16 scale (and bias) per group; s: two-level, a float16 per s groups times an integer
   signed_scales: bool = False  # two-level scales are int8 (else uint8)
   symmetric: bool = False      # w = S (q - 2^(bits-1)), no biases; else affine
+  codebook: bool = False       # symmetric, w = S CODEBOOK[q]: a 4-bit code picks one of 16 int8 values (GGUF IQ4_XS/IQ4_NL)
 
   @property
-  def offset(self) -> int: return 1 << (self.bits - 1) if self.symmetric else 0
+  def offset(self) -> int: return 1 << (self.bits - 1) if self.symmetric and not self.codebook else 0
 
   def bytes_per_weight(self) -> float:
     """Of rows whose 32-input runs fill whole blocks of high bits (quant/blocks.packed_nbytes counts a padded one)."""
@@ -44,6 +45,9 @@ class QuantSpec:
     scale = per_group / self.group + (2 / (self.group * self.super_groups) if self.super_groups else 0)
     return self.bits / 8 + scale * (1 if self.symmetric else 2)
 
+
+# a codebook layout's values (ggml's kvalues_iq4nl): not evenly spaced, so no affine 4-bit group holds them
+CODEBOOK = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 # a decoder layer's fused projections and the parts they are made of: one matmul when the parts are stored alike, the
 # parts one by one (outputs side by side) when a file stores them in different formats (model/llama.py _fuse)
@@ -60,9 +64,10 @@ def projection_parts(linears: Mapping[str, Any], name: str) -> list | None:
 
 
 def spec_of(tensors: Mapping[str, Any], name: str) -> QuantSpec:
-  """The QuantSpec of packed linear `name`, from its `.qspec` array (bits, group, super_groups, signed, symmetric)."""
-  bits, group, super_groups, signed, symmetric = (int(v) for v in list(tensors[f"{name}.qspec"]))
-  return QuantSpec(bits, group, super_groups, bool(signed), bool(symmetric))
+  """The QuantSpec of packed linear `name`, from its `.qspec` array (bits, group, super_groups, signed, symmetric,
+  codebook)."""
+  bits, group, super_groups, signed, symmetric, codebook = (int(v) for v in list(tensors[f"{name}.qspec"]))
+  return QuantSpec(bits, group, super_groups, bool(signed), bool(symmetric), bool(codebook))
 
 
 @dataclass(frozen=True)
