@@ -715,7 +715,7 @@ def packed_body(M: int, N: int, K: int, spec, ys: int | None = None) -> str:
 def packed_linear_kernel(M: int, N: int, K: int, spec) -> tuple[str, str]:
   """(name, source) of the packed linear for these sizes and layout: args y, x, the layout's arrays, pool."""
   if K % 32 or K % spec.group: raise ValueError(f"packed linear of K={K} inputs: the kernels take whole runs of 32 and groups of {spec.group}")
-  tag = f"{spec.bits}_{spec.group}_{spec.super_groups}{'s' if spec.signed_scales else 'u'}{'y' if spec.symmetric else 'a'}"
+  tag = f"{spec.bits}_{spec.group}_{spec.super_groups}{'s' if spec.signed_scales else 'u'}{'y' if spec.symmetric else 'a'}{'c' if spec.codebook else ''}"
   name = f"packed_linear_{M}_{N}_{K}_{tag}"
   src = row_parallel_kernel(name, ["float *restrict y", "const float *restrict x"] + _packed_params(spec), N,
                             packed_body(M, N, K, spec), _AVX2_DECLS, _AVX2_DEFS)
