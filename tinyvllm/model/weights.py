@@ -98,10 +98,15 @@ class FloatRows:
     return FloatRows(arr.shape, lambda i, j: to_float(arr[i:j]), arr)
 
 
+def _lazy_rows(tensors: Mapping[str, np.ndarray], name: str) -> FloatRows | None:
+  """The FloatRows a lazy store registered for `name`, if any."""
+  return tensors.rows.get(name) if isinstance(tensors, LazyTensors) else None
+
+
 def float_rows(tensors: Mapping[str, np.ndarray], name: str) -> FloatRows | None:
   """Weight `name` as FloatRows, or None if it is stored neither as floats nor as 8-bit codes (or a lazy store
   cannot read it by rows)."""
-  if isinstance(tensors, LazyTensors): return tensors.rows.get(name)
+  if isinstance(tensors, LazyTensors): return _lazy_rows(tensors, name)
   base = name.removesuffix(".weight")
   if (fmt := stored_format(tensors, base)) == FLOAT: return FloatRows.of(tensors[name])
   if fmt != INT8: return None
@@ -111,14 +116,14 @@ def float_rows(tensors: Mapping[str, np.ndarray], name: str) -> FloatRows | None
 
 def shape_of(tensors: Mapping[str, np.ndarray], name: str) -> tuple[int, ...]:
   """Tensor `name`'s shape, without converting it where a lazy store can say without."""
-  rows = tensors.rows.get(name) if isinstance(tensors, LazyTensors) else None
+  rows = _lazy_rows(tensors, name)
   return tuple(rows.shape if rows is not None else tensors[name].shape)
 
 
 def as_dtype(tensors: Mapping[str, np.ndarray], name: str, dtype, slice_bytes: int = 64 << 20) -> np.ndarray:
   """Float tensor `name` as a contiguous `dtype` array. One a lazy store converts (a bf16 one) is converted a slice of
   rows at a time, into pages a CPU tensor takes as they are: never a float32 copy of a whole table first."""
-  rows = tensors.rows.get(name) if isinstance(tensors, LazyTensors) else None
+  rows = _lazy_rows(tensors, name)
   if rows is None or rows.stored.dtype == dtype: return np.ascontiguousarray(tensors[name], dtype=dtype)
   out = host_memory.empty(rows.shape, dtype)
   step = max(1, slice_bytes // max(1, 4 * math.prod(rows.shape[1:])))
@@ -226,10 +231,11 @@ def load_hf_dir(path: Path) -> Checkpoint:
   bf16: set[str] = set()        # float checkpoints: bf16 tensors stay uint16 until read (the store below widens them)
   for name in files:
     if not (path / name).is_file(): raise ModelLoadError(f"{path / name} is listed in {index.name} but missing")
-    shard = map_safetensors(path / name) if config.quantization is None else \
-      {k: (v, "F32") for k, v in read_safetensors(path / name).items()}   # MLX's bf16 scales and biases: float32 now
-    tensors.update({k: arr for k, (arr, _) in shard.items()})
-    bf16.update(k for k, (_, dtype) in shard.items() if dtype == "BF16")
+    shard = map_safetensors(path / name)
+    for key, (arr, dtype) in shard.items():
+      if dtype == "BF16" and config.quantization is not None: arr = bf16_to_float32(arr)   # MLX's scales and biases: now
+      elif dtype == "BF16": bf16.add(key)
+      tensors[key] = arr
     origin.update(dict.fromkeys(shard, name))
   family = families.for_model_type(config.model_type)
   for old_prefix, new_prefix in family.hf_renames:   # a multimodal checkpoint's language model
