@@ -2,8 +2,11 @@
 types mixed within a layer and between layers as llama-quantize's Q4_K_M mixes them): it loads compact, and its logits
 equal the same checkpoint dequantized to float32, through our portable kernels, on every backend that runs it.
 
-Tolerance: relative error 1e-4 in float32. Both sides compute float32 on the same float32 weights (dequantizing is
-exact, tests/test_blocks.py); they differ in summation order only (~1e-6 per op here)."""
+Tolerance: relative error 2e-4. Both sides compute float32 on the same float32 weights (dequantizing is exact,
+tests/test_blocks.py); they differ in summation order (~1e-6 per op here) and, where the CPU's C kernels run (every
+backend on the CPU device), in x's rounding to 16 bits: per run of 32 inputs (7.8e-5 measured), per super-block of 256
+for the k-quants on CPUs with AVX-512 VBMI (kernels/cpu.py _KQuantInt: 1.3-1.4e-4 measured). A wrong scale, code or
+high bit moves the logits by whole percents."""
 from __future__ import annotations
 import numpy as np
 import pytest
@@ -111,16 +114,16 @@ def test_logits_equal_the_dequantized_checkpoint(kquant_gguf, reference_logits, 
   ours = np.concatenate(seen)
   assert ours.shape == ref.shape
   err = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
-  assert err < 1e-4, err
+  assert err < 2e-4, err
   assert engine.runner.model.layers[0].linears["self_attn.q_proj"].format != FLOAT
 
 
 @pytest.mark.parametrize("backend", ["portable", "cpu"])
 def test_decode_steps_equal_the_dequantized_checkpoint(kquant_gguf, backend, monkeypatch):
   """Greedy decode steps (the C backend's fused layer runs its GEMV over the packed and 8-bit parts, x rounded to 16
-  bits) against the float32 checkpoint reading the same tokens. Measured 6e-5 on both backends (the decode passes sum
-  in another order than the reference's prefill; x's 16-bit rounding adds at most 2^-16 of a run's largest input per
-  product); the tolerance, 1e-3, still fails a wrong group scale or high bit, which moves logits by whole percents."""
+  bits) against the float32 checkpoint reading the same tokens. Measured 6e-5 on both backends with x rounded per run
+  of 32 (the decode passes sum in another order than the reference's prefill; x's 16-bit rounding adds at most 2^-16
+  of the largest input sharing its scale per product), 1.3e-4 with the k-quants' x rounded per 256; the tolerance, 1e-3, still fails a wrong group scale or high bit, which moves logits by whole percents."""
   from conftest import our_prefill_logits
   from tinyvllm import SamplingParams
   from tinyvllm.engine.llm_engine import LLMEngine

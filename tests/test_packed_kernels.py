@@ -3,7 +3,9 @@ exactly dequantized weights: the CPU C kernel (AVX2 GEMV and GEMM, and its plain
 
 Bound: float32 summation, 4 K 2^-24 (|x| . (|S| q + |B|)) per output; the AVX2 kernels (GEMV and GEMM alike) round x
 to 16 bits per max(G, 32) inputs, adding half a 16-bit step of each input times |S (q - c)| (c = 2^(bits-1), the
-centre the codes are taken from). Every branch computes a row the same way for any number of rows: the GEMM's rows
+centre the codes are taken from). On CPUs with AVX-512 VBMI the k-quants (Q4_K, Q5_K, Q6_K, Q3_K) take another path
+(kernels/cpu.py _KQuantInt): x rounded per super-block of 256 inputs and codes taken from that path's centre
+(_kquant_centre: 0 for Q4_K). Every branch computes a row the same way for any number of rows: the GEMM's rows
 equal the GEMV's bit for bit (batch invariance).
 Rows of 416 and 160 inputs end in a partly filled block of high bits (13 and 5 runs of 32), and 13 groups exercise the
 GEMV's 8-groups-at-a-time scales and its one-at-a-time tail together."""
@@ -22,6 +24,10 @@ def cases():
   rng = np.random.default_rng(5)
   out = [(q, *blocks.from_ggml(random_ggml(q, 37, 512, rng), q, (37, 512))) for q in blocks.GGML_TYPES]
   out += [(f"{q}-K416", *blocks.from_ggml(random_ggml(q, 37, 416, rng), q, (37, 416))) for q in ("Q5_0", "Q5_1")]
+  # k-quant rows of an odd number of super-blocks (3: the VBMI path's half-filled last steps) and of more than 16 (its
+  # d, dmin and per-super-block loops past one vector)
+  out += [(f"{q}-K{K}", *blocks.from_ggml(random_ggml(q, 37, K, rng), q, (37, K)))
+          for q, K in (("Q4_K", 768), ("Q5_K", 768), ("Q6_K", 768), ("Q3_K", 768), ("Q4_K", 4352), ("Q6_K", 4352))]
   for bits, G, K in ((5, 32, 416), (6, 64, 512), (6, 32, 416), (8, 128, 512), (8, 32, 160)):
     codes = rng.integers(0, 1 << bits, (37, K), dtype=np.uint8)
     s = (rng.uniform(0.001, 0.02, (37, K // G)) * rng.choice([-1, 1], (37, K // G))).astype(np.float16)
@@ -35,10 +41,21 @@ CASES = cases()
 IDS = [c[0] for c in CASES]
 
 
-def bound(x: np.ndarray, parts: dict, spec, x16: bool) -> np.ndarray:
+def vbmi_native() -> bool:
+  """Whether this machine's CPU (what tinygrad's clang compiles for) has the k-quant path's AVX-512 VBMI."""
+  try: flags = Path("/proc/cpuinfo").read_text()
+  except OSError: return False
+  return all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512vl", "avx512vbmi"))
+
+
+def bound(x: np.ndarray, parts: dict, spec, x16: bool, vbmi: bool | None = None) -> np.ndarray:
+  """`vbmi`: whether the kernel was compiled with AVX-512 VBMI (None: this machine's CPU)."""
+  from tinyvllm.kernels import cpu
   N, K = parts["scales"].shape[0], parts["scales"].shape[1] * spec.group
+  kquant = (vbmi_native() if vbmi is None else vbmi) and cpu._kquant_int(K, spec)
   q = blocks.unpack_codes(parts["weight"], spec.bits, K).astype(np.float64)
-  centred = np.array(CODEBOOK, np.float64)[q.astype(int)] if spec.codebook else q - (1 << (spec.bits - 1))   # what x multiplies
+  centre = cpu._kquant_centre(spec) if kquant else 1 << (spec.bits - 1)
+  centred = np.array(CODEBOOK, np.float64)[q.astype(int)] if spec.codebook else q - centre   # what x multiplies
   if spec.codebook: q = np.abs(centred)
   S, B = blocks.group_scales(parts, spec)
   S = np.abs(S.astype(np.float64)).repeat(spec.group, axis=1)
@@ -46,16 +63,16 @@ def bound(x: np.ndarray, parts: dict, spec, x16: bool) -> np.ndarray:
   x = np.abs(np.asarray(x, np.float64))
   out = 4 * K * 2.0 ** -24 * (x @ (S * q + B).T) + 1e-30
   if x16:
-    unit = max(spec.group, 32)   # inputs sharing one scale of x
+    unit = 256 if kquant else max(spec.group, 32)   # inputs sharing one scale of x
     half_step = x.reshape(len(x), K // unit, unit).max(-1).repeat(unit, axis=1) / 65534 * 1.001
     out += half_step @ (S * np.abs(centred)).T
   return out
 
 
-def check(y: np.ndarray, x: np.ndarray, parts: dict, spec, x16: bool) -> None:
+def check(y: np.ndarray, x: np.ndarray, parts: dict, spec, x16: bool, vbmi: bool | None = None) -> None:
   ref = x.astype(np.float64) @ blocks.dequantize(parts, spec).T.astype(np.float64)
   assert y.shape == ref.shape
-  worst = np.max(np.abs(y - ref) / bound(x, parts, spec, x16))
+  worst = np.max(np.abs(y - ref) / bound(x, parts, spec, x16, vbmi))
   assert worst <= 1, f"error {worst:.2f}x the bound"
 
 
@@ -100,19 +117,23 @@ def test_portable_kernel_is_one_kernel(name, parts, spec):
   check(y.numpy(), x, parts, spec, x16=False)
 
 
-COMPILED = ("Q4_K", "Q6_K", "Q5_1", "Q5_0-K416", "IQ4_XS", "affine6g32-K416", "affine8g32-K160")
+COMPILED = ("Q4_K", "Q6_K", "Q5_1", "Q5_0-K416", "IQ4_XS", "affine6g32-K416", "affine8g32-K160", "Q5_K-K768", "Q3_K-K768")
+VBMI = ("-march=x86-64-v4", "-mavx512vbmi")
 
 
 @pytest.mark.parametrize("name,parts,spec", [CASES[IDS.index(n)] for n in COMPILED], ids=COMPILED)
 @pytest.mark.parametrize("flags,M", [(("-mno-avx2", "-mno-f16c"), 3), (("-march=x86-64-v3",), 1), (("-march=x86-64-v3",), 3),
-                                     (("-march=x86-64-v4",), 1), (("-march=x86-64-v4",), 3)],
-                         ids=["plain-C", "AVX2-noVNNI-GEMV", "AVX2-noVNNI-GEMM", "AVX512-noVNNI-GEMV", "AVX512-noVNNI-GEMM"])
+                                     (("-march=x86-64-v4",), 1), (("-march=x86-64-v4",), 3), (VBMI, 1), (VBMI, 3)],
+                         ids=["plain-C", "AVX2-noVNNI-GEMV", "AVX2-noVNNI-GEMM", "AVX512-noVNNI-GEMV", "AVX512-noVNNI-GEMM",
+                              "AVX512-VBMI-noVNNI-GEMV", "AVX512-VBMI-noVNNI-GEMM"])
 def test_compiled_for_other_cpus(name, parts, spec, flags, M):
   """The kernel as other CPUs compile it: the non-AVX2 branch (what arm64 compiles) with AVX2 off, the AVX2 one
-  without VNNI (vpmaddwd + vpaddd where this machine uses vpdpwssd), and the AVX-512 one without VNNI (rows of an even
-  number of runs; odd ones take the AVX2 loop). With several rows, each also equals that CPU's GEMV of the row alone."""
+  without VNNI (vpmaddwd + vpaddd where this machine uses vpdpwssd), the AVX-512 one without VNNI (rows of an even
+  number of runs; odd ones take the AVX2 loop), and with VBMI too (the k-quants' integer-scale path). With several
+  rows, each also equals that CPU's GEMV of the row alone."""
   from tinyvllm.kernels import cpu
   if shutil.which("clang") is None: pytest.skip("clang not found")
+  if flags == VBMI and not vbmi_native(): pytest.skip("this CPU has no AVX-512 VBMI to run it")
   N, K = 37, inputs(parts, spec)
   x = np.random.default_rng(0).standard_normal((M, K)).astype(np.float32)
   arrays = [np.ascontiguousarray(parts[p]) for p in ("weight", "scales", "scale_d", "biases") if p in parts]
@@ -128,5 +149,5 @@ def test_compiled_for_other_cpus(name, parts, spec, flags, M):
 
   with tempfile.TemporaryDirectory() as d:
     y = run(x, d)
-    check(y, x, parts, spec, x16="-mno-avx2" not in flags)
+    check(y, x, parts, spec, x16="-mno-avx2" not in flags, vbmi=flags == VBMI)
     if M > 1: assert np.array_equal(y, np.concatenate([run(x[m:m + 1], d) for m in range(M)]))

@@ -553,13 +553,22 @@ class _PackedInt:
     return f"short xq[{K}] __attribute__((aligned(32)));\n  float dx[{NX}], dxg[{NG}], xg[{NG}];\n  __m256i xc[{NC}];"
 
 
+def _prefetch_ahead(RW: int) -> int:
+  """Bytes a GEMV prefetches ahead of the row it reads (rows of RW words, 4-row tiles): whole tiles, at least 8 KiB.
+  One tile ahead is too close for short rows (a K = 2048 Q4_K tile is 4 KiB, read in about the memory's latency):
+  8-16 KiB ahead ran 2048-wide Q4_K and Q6_K GEMVs from memory 9-19 % faster on two threads; a 2048-wide 512-row
+  matrix (a k or v projection) loses a little beyond 8 KiB (its threads' last prefetches fall past their rows)."""
+  tile = 4 * RW * 4
+  return -(-8192 // tile) * tile
+
+
 def _packed_gemv_body(N: int, K: int, spec, wide: bool = False) -> str:
   """M == 1 (_PackedInt): four weight rows at a time, each row's codes unpacked as the loop reaches them."""
   P = _PackedInt(N, K, spec, wide)
   RW, HB, R, NG = P.RW, P.HB, P.R, P.NG
-  # each loop's step, per weight row: the same position of the row in the next tile (run c's nibbles, its high bits)
-  prefetch = (f"_mm_prefetch((const char *)(wr[r] + {4 * RW * 4}) + c * 16, _MM_HINT_T0);" +
-              (f" if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {4 * RW * 4}) + (c / {R}) * 32, _MM_HINT_T0);" if HB else ""))
+  PF = _prefetch_ahead(RW)   # each loop's step, per weight row: the same position of the row some tiles on
+  prefetch = (f"_mm_prefetch((const char *)(wr[r] + {PF}) + c * 16, _MM_HINT_T0);" +
+              (f" if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {PF}) + (c / {R}) * 32, _MM_HINT_T0);" if HB else ""))
   return f"""{P.consts()}
   {P.x_arrays()}
   {P.x_prep("x")}
@@ -677,6 +686,275 @@ def _packed_gemm_body(M: int, N: int, K: int, spec, wide: bool, ys: int) -> str:
   }}"""
 
 
+# **** k-quant layouts on AVX-512 VBMI: the integer scales go into the integer products ****
+
+def _kquant_centre(spec) -> int:
+  """The code _KQuantInt takes codes from: a symmetric layout's offset; an affine one's 0 when a super-block's
+  products sum in int32 uncentred (16 per int32 lane, each at most (2^b - 1) * 255 * 32767), else 2^(b-1)."""
+  if spec.symmetric: return spec.offset
+  return 0 if 16 * ((1 << spec.bits) - 1) * 255 * 32767 < 2 ** 31 else 1 << (spec.bits - 1)
+
+
+def _kquant_int(K: int, spec) -> bool:
+  """Whether _KQuantInt computes this layout: a GGUF k-quant's two-level scales (Q4_K and Q5_K: affine, groups of 32;
+  Q6_K and Q3_K: symmetric, groups of 16; not IQ4_XS, whose codebook values times its scales could overflow int32
+  within a super-block) over whole super-blocks of 256 inputs."""
+  return (bool(spec.super_groups) and not spec.codebook and spec.group == (16 if spec.symmetric else 32)
+          and spec.group * spec.super_groups == 256 and K % 256 == 0)
+
+
+class _KQuantInt:
+  """C fragments of the k-quant layouts' products on CPUs with AVX-512 VBMI (Zen 4 and 5, Ice Lake and later). A
+  k-quant's group scale is a small integer under a float16 d per super-block of 256 inputs, so it can join the
+  integer products: each code (taken from a centre c) times its group's integer scale is a 16-bit number (vpmullw),
+  its products with x's 16-bit codes sum in int32 over the whole super-block (exact: at most 16 products per int32
+  lane, bounded in _kquant_centre; Q6_K's 32 * 128 * 32767 * 16 just fits), and floats enter once per super-block
+  (d times x's scale) instead of once per run of 32 (_PackedInt's convert, scale permute and FMA per run): 1.3x
+  _PackedInt's speed on a Q4_K GEMV from cache. x is rounded to 16 bits per super-block (one scale per 256 inputs).
+
+  A step takes two runs (64 inputs). Its 32 bytes of nibbles are spread by one vpermb so that 16-bit word 4m + k holds
+  byte m + 8 (k & 1) of run c + (k >> 1) (a byte holds inputs 2i and 2i + 1 in its two nibbles): word k of every
+  64-bit lane then comes from one half run of 16 inputs, so the step's four half-run scales are one broadcast
+  quadword, and x's codes are stored in the same word order (even inputs in xe, odd in xo). A run's high bits (Q5_K,
+  Q6_K) come from word m + 8 (k & 1) of its 32-byte block (vpermw), shifted by the run's place in the block.
+
+  Per weight row, `weight_prep` converts the scales once (the integer scale of every half run, d per super-block,
+  and for affine layouts the float factor f = B + c S of each group); per weight row and x row, `x_terms` gives d
+  times x's scale per super-block and the bias term sum_g f_g xg_g (x's float sums per group), 16 groups per vector
+  FMA. The GEMV and GEMM run the same operations in the same order on every row (batch invariance)."""
+  def __init__(self, N: int, K: int, spec):
+    self.N, self.K, self.spec = N, K, spec
+    self.NC, self.NG, self.NSB, self.HB = K // 32, K // spec.group, K // 256, spec.bits - 4
+    self.RW, self.R, self.high_mask = _row_words(K, spec)
+    self.c = _kquant_centre(spec)
+    span, smax = max(self.c, (1 << spec.bits) - 1 - self.c), 128 if spec.signed_scales else 255
+    assert span * smax <= 32767 and 16 * span * smax * 32767 < 2 ** 31, f"{spec}: products overflow"
+    self.NP = 2 * self.NSB if not spec.symmetric else self.NSB   # float16s of d (and dmin) per row
+    self.NV = -(-self.NP // 16)                                   # vectors of them
+    self.GW = -(-self.NG // 16) * 16 + 16     # floats per row of f and xg: whole vectors, then one of zeros
+    self.SW = -(-(K // 16) // 32) * 32 + 32   # int16s per row of s16: whole 64-byte lines
+
+  @staticmethod
+  def _set(fn: str, values) -> str:
+    """_mm512_set_* of `values` given in memory order (lane 0 first)."""
+    return f"{fn}({', '.join(str(v) for v in reversed(list(values)))})"
+
+  def consts(self) -> str:
+    words = range(32)
+    run, byte = [(j & 3) >> 1 for j in words], [(j >> 2) + 8 * (j & 1) for j in words]   # word j's run (0, 1) and byte
+    return f"""
+  const __m512i nib = _mm512_set1_epi16(15), hmask = _mm512_set1_epi16({self.high_mask << 4}), centre = _mm512_set1_epi16({self.c});
+  const __m512i spread = {self._set("_mm512_set_epi8", [16 * run[i // 2] + byte[i // 2] for i in range(64)])};   /* nibble byte -> word (low byte) */
+  const __m512i hword = {self._set("_mm512_set_epi16", byte)};   /* a word's high bits: this word of the block */
+  const __m512i hrun = {self._set("_mm512_set_epi16", [self.HB * r for r in run])};   /* the shift of run c + 1's field */
+  const __m512i xeven = {self._set("_mm512_set_epi16", [32 * r + 2 * b for r, b in zip(run, byte)])};   /* x input of word j */
+  const __m512i xodd = _mm512_add_epi16(xeven, _mm512_set1_epi16(1));
+  const __m512i sdup = {self._set("_mm512_set_epi8", [2 * (i // 4) for i in range(64)])};   /* (scale, min) pair g's scale -> words 2g, 2g + 1 */
+  const __m512i didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), midx = _mm512_add_epi32(didx, _mm512_set1_epi32(1));
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  (void)hmask; (void)centre; (void)hword; (void)hrun; (void)sdup; (void)didx; (void)midx; (void)evens;"""
+
+  def x_arrays(self, rows: str = "") -> str:
+    """Declarations of the prepared x (per x row when `rows` is a C dimension such as "[8]")."""
+    return f"short xq{rows}[{self.K}] __attribute__((aligned(64)));\n  float dx{rows}[{self.NSB}], xg{rows}[{self.GW}];"
+
+  def x_prep(self, x: str, xq: str = "xq", dx: str = "dx", xg: str = "xg") -> str:
+    """C statements filling xq (x's 16-bit codes in the steps' word order), dx (x's scale per super-block) and xg
+    (float sums per group, 0 past the last) from float row `x`."""
+    NG, G = self.NG, self.spec.group
+    pair = f" + _mm512_loadu_ps({x} + 32 * g + 16)" if G == 32 else ""
+    return f"""{{
+    for (int u = 0; u < {self.NSB}; u++) {{   /* x's scale per super-block */
+      __m512 amax = _mm512_setzero_ps();
+      for (int j = 0; j < 16; j++) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps({x} + u * 256 + 16 * j)));
+      {dx}[u] = _mm512_reduce_max_ps(amax) * (1.0f / 32767.0f);
+    }}
+    for (int c = 0; c < {self.NC}; c += 2) {{   /* a step's 64 inputs to 16 bits, in its word order */
+      float d = {dx}[c / 8];
+      __m512 inv = _mm512_set1_ps(d > 0 ? 1.0f / d : 0.0f);
+      __m256i h[4];
+      for (int j = 0; j < 4; j++) h[j] = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps({x} + c * 32 + 16 * j), inv)));
+      __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1), hi = _mm512_inserti64x4(_mm512_castsi256_si512(h[2]), h[3], 1);
+      _mm512_store_si512((void *)({xq} + c * 32), _mm512_permutex2var_epi16(lo, xeven, hi));
+      _mm512_store_si512((void *)({xq} + c * 32 + 32), _mm512_permutex2var_epi16(lo, xodd, hi));
+    }}
+    for (int g = 0; g < {NG}; g++) {xg}[g] = _mm512_reduce_add_ps(_mm512_loadu_ps({x} + {G} * g){pair});
+    for (int g = {NG}; g < {self.GW}; g++) {xg}[g] = 0;
+  }}"""
+
+  def weight_prep(self, s16: str, f: str, d: str) -> str:
+    """C statements converting weight row `n`'s scales: s16 (int16 [K/16]: each half run's integer scale), d (float
+    [NSB]: each super-block's d) and, affine, f (float [NG + 16]: each group's B + c S, 0 past the last)."""
+    spec, NG, NSB, NP, NV, c = self.spec, self.NG, self.NSB, self.NP, self.NV, self.c
+    mask = lambda left: f"({left} >= 16 ? 0xFFFF : (__mmask16)((1u << ({left})) - 1))"
+    load_d = f"""__m512 dm[{NV + 1}];   /* the row's float16 d (dmin) as floats, in registers (0 past the last) */
+        for (int i = 0; i < {NV}; i++) dm[i] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16({mask(f"{NP} - 16 * i")}, sd + (long)n * {NP} + 16 * i));
+        dm[{NV}] = _mm512_setzero_ps();"""
+    if spec.symmetric:   # one int8 scale per group of 16 (a half run)
+      return f"""{{
+        for (int g = 0; g < {NG}; g += 32)   /* (an odd number of super-blocks ends in 16) */
+          _mm512_store_si512((void *)({s16} + g), _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8({NG} - g >= 32 ? 0xFFFFFFFFu : 0xFFFFu, s + (long)n * {NG} + g)));
+        {load_d}
+        for (int u = 0; u < {NSB}; u += 16) _mm512_storeu_ps({d} + u, dm[u / 16]);
+      }}"""
+    # affine, groups of 32: (scale, min) byte pairs, (d, dmin) float16 pairs; two super-blocks (16 groups) a step
+    bias = ("_mm512_mul_ps(dmin, mf)" if not c else
+            f"_mm512_fmsub_ps(_mm512_mul_ps(dg, _mm512_cvtepi32_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(255)))), _mm512_set1_ps({c}.0f), _mm512_mul_ps(dmin, mf))")
+    return f"""{{
+        const unsigned char *sr = (const unsigned char *)s + 2 * (long)n * {NG};
+        {load_d}
+        for (int g = 0; g < {NG}; g += 16) {{
+          __m256i sm = _mm256_maskz_loadu_epi8({NG} - g >= 16 ? 0xFFFFFFFFu : 0xFFFFu, sr + 2 * g);   /* an odd last super-block: 8 groups */
+          _mm512_store_si512((void *)({s16} + 2 * g), _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, sdup, _mm512_castsi256_si512(sm)));
+          __m512i pairs = _mm512_cvtepu16_epi32(sm), at = _mm512_set1_epi32((g / 4) % 16);   /* super-block g / 8's d: float g / 4 */
+          __m512 dg = _mm512_permutex2var_ps(dm[g / 64], _mm512_add_epi32(didx, at), dm[g / 64 + 1]); (void)dg;
+          __m512 dmin = _mm512_permutex2var_ps(dm[g / 64], _mm512_add_epi32(midx, at), dm[g / 64 + 1]);
+          __m512 mf = _mm512_cvtepi32_ps(_mm512_srli_epi32(pairs, 8));
+          _mm512_storeu_ps({f} + g, {bias});   /* {"dmin m = -B" if not c else "c S + B"} */
+        }}
+        for (int u = 0; u < {NSB}; u += 16) _mm512_storeu_ps({d} + u, _mm512_permutex2var_ps(dm[u / 8], evens, dm[u / 8 + 1]));
+        for (int g = {NG}; g < {self.GW}; g++) {f}[g] = 0;
+      }}"""
+
+  def x_terms(self, f: str, d: str, dd: str, bsum: str, dx: str = "dx", xg: str = "xg") -> str:
+    """C statements setting dd (float [NSB]: d times x's scale per super-block) and bsum (the bias term) for one
+    weight row (its `f`, `d` from weight_prep) and one x row (its `dx`, `xg`)."""
+    NSB, NG = self.NSB, self.NG
+    dd_loop = f"for (int u = 0; u < {NSB}; u++) {dd}[u] = {d}[u] * {dx}[u];"
+    if self.spec.symmetric: return f"{dd_loop} {bsum} = 0;"
+    acc = "_mm512_fnmadd_ps" if not self.c else "_mm512_fmadd_ps"
+    return f"""{dd_loop}
+      {{ __m512 bacc = _mm512_setzero_ps();
+        for (int g = 0; g < {NG}; g += 16) bacc = {acc}(_mm512_loadu_ps({f} + g), _mm512_loadu_ps({xg} + g), bacc);
+        {bsum} = _mm512_reduce_add_ps(bacc); }}"""
+
+  def codes(self, wr: str, whr: str, sv: str) -> str:
+    """C statements setting qe and qo to the step's even and odd codes (runs c and c + 1 of the row whose nibbles
+    start at `wr`, high bits at `whr`), taken from the centre and times their half runs' integer scales `sv`."""
+    HB, R = self.HB, self.R
+    high = f"""
+        {{ __m512i hb = _mm512_permutexvar_epi16(hword, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)({whr} + (c / {R}) * 32))));
+          hb = _mm512_srlv_epi16(hb, _mm512_add_epi16(hrun, _mm512_set1_epi16({HB} * (c % {R}))));
+          qe = _mm512_ternarylogic_epi32(qe, _mm512_slli_epi16(hb, 4), hmask, 0xF8);   /* qe | (hb << 4 & hmask) */
+          qo = _mm512_ternarylogic_epi32(qo, _mm512_srli_epi16(hb, 4), hmask, 0xF8); }}""" if HB else ""
+    centre = "\n        qe = _mm512_sub_epi16(qe, centre); qo = _mm512_sub_epi16(qo, centre);" if self.c else ""
+    return f"""__m512i v = _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, spread, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)({wr} + c * 16))));
+        __m512i qe = _mm512_and_si512(v, nib), qo = _mm512_srli_epi16(v, 4);{high}{centre}
+        const __m512i sv = {sv};
+        qe = _mm512_mullo_epi16(qe, sv); qo = _mm512_mullo_epi16(qo, sv);"""
+
+  def tile_arrays(self) -> str:
+    """Per 4-row tile: the rows' converted scales."""
+    return (f"short s16[4][{self.SW}] __attribute__((aligned(64)));\n"
+            f"  float fw[4][{self.GW}], dw[4][{-(-self.NSB // 16) * 16}]; (void)fw;")
+
+  def tile_prep(self, N: int) -> str:
+    """C statements pointing wr/whr at the tile's rows and converting their scales (weight_prep)."""
+    return f"""for (int r = 0; r < 4; r++) {{
+      long n = n0 + r < {N} ? n0 + r : {N} - 1;   /* past the last row: recompute it, store nothing */
+      wr[r] = (const unsigned char *)(w + n * {self.RW});
+      whr[r] = wr[r] + {self.K // 2};
+      {self.weight_prep("s16[r]", "fw[r]", "dw[r]")}
+    }}"""
+
+
+def _kquant_gemv_body(N: int, K: int, spec) -> str:
+  """M == 1 (_KQuantInt): four weight rows at a time; per super-block an int32 sum per row (two chains: vpdpwssd's
+  latency), then one FMA of it times d and x's scale."""
+  P = _KQuantInt(N, K, spec)
+  RW, R, HB = P.RW, P.R, P.HB
+  PF = _prefetch_ahead(RW)
+  prefetch = (f"_mm_prefetch((const char *)(wr[r] + {PF}) + c * 16, _MM_HINT_T0);" +
+              (f" if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {PF}) + (c / {R}) * 32, _MM_HINT_T0);" if HB else ""))
+  zeros = ", ".join(["_mm512_setzero_si512()"] * 4)
+  return f"""{P.consts()}
+  {P.x_arrays()}
+  {P.x_prep("x")}
+  {P.tile_arrays()}
+  float dd[4][{P.NSB}], bsum[4];
+  for (int n0 = nb; n0 < ne; n0 += 4) {{
+    const unsigned char *wr[4], *whr[4]; (void)whr;
+    {P.tile_prep(N)}
+    for (int r = 0; r < 4; r++) {{ {P.x_terms("fw[r]", "dw[r]", "dd[r]", "bsum[r]")} }}
+    __m512 tot[4] = {{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}};
+    for (int u = 0; u < {P.NSB}; u++) {{
+      __m512i ae[4] = {{{zeros}}}, ao[4] = {{{zeros}}};
+      for (int c = 8 * u; c < 8 * u + 8; c += 2) {{
+        __m512i xe = _mm512_load_si512((const void *)(xq + c * 32)), xo = _mm512_load_si512((const void *)(xq + c * 32 + 32));
+        for (int r = 0; r < 4; r++) {{
+          {prefetch}
+          {P.codes("wr[r]", "whr[r]", "_mm512_set1_epi64(*(const long long *)&s16[r][2 * c])")}
+          ae[r] = TV_DPWSSD512(ae[r], qe, xe); ao[r] = TV_DPWSSD512(ao[r], qo, xo);
+        }}
+      }}
+      for (int r = 0; r < 4; r++) tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ae[r], ao[r])), _mm512_set1_ps(dd[r][u]), tot[r]);
+    }}
+    for (int r = 0; r < 4 && n0 + r < {N}; r++) y[n0 + r] = _mm512_reduce_add_ps(tot[r]) + bsum[r];
+  }}"""
+
+
+def _kquant_gemm_body(M: int, N: int, K: int, spec, ys: int) -> str:
+  """M > 1 with the GEMV's arithmetic on every row (_KQuantInt; bitwise batch invariance). x rows go in chunks, each
+  prepared as the GEMV prepares its one; a tile of 4 weight rows has its scales converted once per chunk and its
+  codes (times their integer scales) unpacked one slice of 64 runs at a time, kept in L1 while the chunk's rows pass
+  over it two at a time. A row's float sums carry over from slice to slice in the GEMV's order (slices end at
+  super-blocks)."""
+  P = _KQuantInt(N, K, spec)
+  NC, NSB = P.NC, P.NSB
+  XR = max(2, min(64, M, (393216 // (3 * K))))   # x rows per chunk
+  KS = min(NC, 64)   # runs per slice (8 super-blocks)
+  return f"""{P.consts()}
+  {P.x_arrays(f"[{XR}]")}
+  {P.tile_arrays()}
+  short qw[4][{KS * 32}] __attribute__((aligned(64)));   /* a slice's scaled codes; per step its even codes, then its odd */
+  float dd[{XR}][4][{NSB}], bsum[{XR}][4];
+  __m512 sums[{XR}][4];   /* each row's float sums between slices */
+  for (int c0 = 0; c0 < {M}; c0 += {XR}) {{
+    int mend = c0 + {XR} < {M} ? c0 + {XR} : {M};
+    for (int m = c0; m < mend; m++) {P.x_prep(f"(x + (long)m * {K})", "xq[m - c0]", "dx[m - c0]", "xg[m - c0]")}
+    for (int n0 = nb; n0 < ne; n0 += 4) {{
+      const unsigned char *wr[4], *whr[4]; (void)whr;
+      {P.tile_prep(N)}
+      for (int m = c0; m < mend; m++) for (int r = 0; r < 4; r++) {{
+        {P.x_terms("fw[r]", "dw[r]", "dd[m - c0][r]", "bsum[m - c0][r]", "dx[m - c0]", "xg[m - c0]")}
+        sums[m - c0][r] = _mm512_setzero_ps();
+      }}
+      for (int cs = 0; cs < {NC}; cs += {KS}) {{
+        const int ce = cs + {KS} < {NC} ? cs + {KS} : {NC};
+        for (int r = 0; r < 4; r++) for (int c = cs; c < ce; c += 2) {{   /* the slice's codes */
+          {P.codes("wr[r]", "whr[r]", "_mm512_set1_epi64(*(const long long *)&s16[r][2 * c])")}
+          _mm512_store_si512((void *)&qw[r][(c - cs) * 32], qe);
+          _mm512_store_si512((void *)&qw[r][(c - cs) * 32 + 32], qo);
+        }}
+        for (int m = c0; m < mend; m += 2) {{   /* two rows at a time share each load of the codes */
+          const int i0 = m - c0, i1 = (m + 1 < mend ? m + 1 : mend - 1) - c0;   /* past the last row: computed again, stored once */
+          __m512 t0[4] = {{sums[i0][0], sums[i0][1], sums[i0][2], sums[i0][3]}}, t1[4] = {{sums[i1][0], sums[i1][1], sums[i1][2], sums[i1][3]}};
+          for (int u = cs / 8; u < ce / 8; u++) {{
+            __m512i a0[4], a1[4];
+            for (int r = 0; r < 4; r++) a0[r] = a1[r] = _mm512_setzero_si512();
+            for (int c = 8 * u; c < 8 * u + 8; c += 2) {{
+              const __m512i xe0 = _mm512_load_si512((const void *)(xq[i0] + c * 32)), xo0 = _mm512_load_si512((const void *)(xq[i0] + c * 32 + 32));
+              const __m512i xe1 = _mm512_load_si512((const void *)(xq[i1] + c * 32)), xo1 = _mm512_load_si512((const void *)(xq[i1] + c * 32 + 32));
+              for (int r = 0; r < 4; r++) {{
+                const __m512i qe = _mm512_load_si512((const void *)&qw[r][(c - cs) * 32]), qo = _mm512_load_si512((const void *)&qw[r][(c - cs) * 32 + 32]);
+                a0[r] = TV_DPWSSD512(TV_DPWSSD512(a0[r], qe, xe0), qo, xo0);
+                a1[r] = TV_DPWSSD512(TV_DPWSSD512(a1[r], qe, xe1), qo, xo1);
+              }}
+            }}
+            for (int r = 0; r < 4; r++) {{
+              t0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[r]), _mm512_set1_ps(dd[i0][r][u]), t0[r]);
+              t1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[r]), _mm512_set1_ps(dd[i1][r][u]), t1[r]);
+            }}
+          }}
+          for (int r = 0; r < 4; r++) {{ sums[i1][r] = t1[r]; sums[i0][r] = t0[r]; }}
+        }}
+      }}
+      for (int m = c0; m < mend; m++)
+        for (int r = 0; r < 4 && n0 + r < {N}; r++) y[(long)m * {ys} + n0 + r] = _mm512_reduce_add_ps(sums[m - c0][r]) + bsum[m - c0][r];
+    }}
+  }}"""
+
+
 def _packed_fallback_body(M: int, N: int, K: int, spec, ys: int | None = None) -> str:
   """Plain C (CPUs without AVX2): each weight dequantized as quant/blocks.py does, one dot product per output."""
   ys = ys or N
@@ -709,6 +987,9 @@ def packed_body(M: int, N: int, K: int, spec, ys: int | None = None) -> str:
   branch computes a row the same way for any M, so results are bitwise batch invariant."""
   body = (lambda wide: _packed_gemv_body(N, K, spec, wide)) if M == 1 else (lambda wide: _packed_gemm_body(M, N, K, spec, wide, ys or N))
   avx2 = f"#ifdef TV_AVX512\n{body(True)}\n#else\n{body(False)}\n#endif" if (K // 32) % 2 == 0 else body(False)
+  if _kquant_int(K, spec):
+    kquant = _kquant_gemv_body(N, K, spec) if M == 1 else _kquant_gemm_body(M, N, K, spec, ys or N)
+    avx2 = f"#if defined(TV_AVX512) && defined(__AVX512VBMI__) && defined(__AVX512VL__)\n{kquant}\n#else\n{avx2}\n#endif"
   return f"#ifdef TV_AVX2\n{avx2}\n#else\n{_packed_fallback_body(M, N, K, spec, ys)}\n#endif"
 
 
