@@ -595,6 +595,12 @@ def _packed_gemv_body(N: int, K: int, spec, wide: bool = False) -> str:
   }}"""
 
 
+# Bytes of prepared x rows a GEMM keeps per chunk (on its thread's stack: the pool's threads have 8 MiB). Every chunk
+# reads the weights again, so a chunk should hold a prefill's rows: 384 KiB took 128 rows of 14336 inputs in 14
+# chunks, and 1.5 MiB (4 chunks) ran that GEMM 1.3-1.7x as fast (Q4_K, Q6_K), a 16-row one 1.4-1.5x (one chunk, not 2).
+X_CHUNK = 3 << 19
+
+
 def _packed_gemm_body(M: int, N: int, K: int, spec, wide: bool, ys: int) -> str:
   """M > 1 with exactly the GEMV's arithmetic on every row (_PackedInt), so a row's result does not depend on how
   many rows share the call (batch invariance, bitwise), and the integer products of 16-bit codes do twice the work of
@@ -605,7 +611,7 @@ def _packed_gemm_body(M: int, N: int, K: int, spec, wide: bool, ys: int) -> str:
   each load of codes; a row's sums carry over from slice to slice in the GEMV's order."""
   P = _PackedInt(N, K, spec, wide)
   RW, NG, NC, step = P.RW, P.NG, P.NC, P.step
-  XR = max(2, min(64, M, (393216 // (3 * K))))   # x rows per chunk
+  XR = max(2, min(64, M, X_CHUNK // (3 * K)))   # x rows per chunk
   KS = min(NC, 64)   # runs per slice
   XB = 2             # x rows per register block (3 and 4 measured slower: registers run out)
   vw = 32 * step     # 16-bit codes per register
@@ -901,7 +907,7 @@ def _kquant_gemm_body(M: int, N: int, K: int, spec, ys: int) -> str:
   super-blocks)."""
   P = _KQuantInt(N, K, spec)
   NC, NSB = P.NC, P.NSB
-  XR = max(2, min(64, M, (393216 // (3 * K))))   # x rows per chunk
+  XR = max(2, min(64, M, X_CHUNK // (3 * K)))   # x rows per chunk
   KS = min(NC, 64)   # runs per slice (8 super-blocks)
   return f"""{P.consts()}
   {P.x_arrays(f"[{XR}]")}
