@@ -557,7 +557,11 @@ def _prefetch_ahead(RW: int) -> int:
   """Bytes a GEMV prefetches ahead of the row it reads (rows of RW words, 4-row tiles): whole tiles, at least 8 KiB.
   One tile ahead is too close for short rows (a K = 2048 Q4_K tile is 4 KiB, read in about the memory's latency):
   8-16 KiB ahead ran 2048-wide Q4_K and Q6_K GEMVs from memory 9-19 % faster on two threads; a 2048-wide 512-row
-  matrix (a k or v projection) loses a little beyond 8 KiB (its threads' last prefetches fall past their rows)."""
+  matrix (a k or v projection) loses a little beyond 8 KiB (its threads' last prefetches fall past their rows).
+  The prefetches are non-temporal (_MM_HINT_NTA): a weight is read once a step, and streaming a model's weights
+  through the caches evicts what is read again (activations, the KV cache, scales): alone a GEMV runs as fast
+  either way, and a 1B model's decode step 1.05-1.06x as fast with them (two engines alternated in one process);
+  an 8B's no differently."""
   tile = 4 * RW * 4
   return -(-8192 // tile) * tile
 
@@ -567,8 +571,8 @@ def _packed_gemv_body(N: int, K: int, spec, wide: bool = False) -> str:
   P = _PackedInt(N, K, spec, wide)
   RW, HB, R, NG = P.RW, P.HB, P.R, P.NG
   PF = _prefetch_ahead(RW)   # each loop's step, per weight row: the same position of the row some tiles on
-  prefetch = (f"_mm_prefetch((const char *)(wr[r] + {PF}) + c * 16, _MM_HINT_T0);" +
-              (f" if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {PF}) + (c / {R}) * 32, _MM_HINT_T0);" if HB else ""))
+  prefetch = (f"_mm_prefetch((const char *)(wr[r] + {PF}) + c * 16, _MM_HINT_NTA);" +
+              (f" if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {PF}) + (c / {R}) * 32, _MM_HINT_NTA);" if HB else ""))
   return f"""{P.consts()}
   {P.x_arrays()}
   {P.x_prep("x")}
@@ -870,8 +874,8 @@ def _kquant_gemv_body(N: int, K: int, spec) -> str:
   P = _KQuantInt(N, K, spec)
   RW, R, HB = P.RW, P.R, P.HB
   PF = _prefetch_ahead(RW)
-  prefetch = (f"_mm_prefetch((const char *)(wr[r] + {PF}) + c * 16, _MM_HINT_T0);" +
-              (f" if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {PF}) + (c / {R}) * 32, _MM_HINT_T0);" if HB else ""))
+  prefetch = (f"_mm_prefetch((const char *)(wr[r] + {PF}) + c * 16, _MM_HINT_NTA);" +
+              (f" if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {PF}) + (c / {R}) * 32, _MM_HINT_NTA);" if HB else ""))
   zeros = ", ".join(["_mm512_setzero_si512()"] * 4)
   return f"""{P.consts()}
   {P.x_arrays()}
