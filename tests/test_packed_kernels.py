@@ -151,3 +151,21 @@ def test_compiled_for_other_cpus(name, parts, spec, flags, M):
     y = run(x, d)
     check(y, x, parts, spec, x16="-mno-avx2" not in flags, vbmi=flags == VBMI)
     if M > 1: assert np.array_equal(y, np.concatenate([run(x[m:m + 1], d) for m in range(M)]))
+
+
+@pytest.mark.parametrize("flags", [("-march=x86-64-v3",), ("-march=x86-64-v4",), VBMI], ids=["AVX2", "AVX512", "AVX512-VBMI"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0"])
+def test_gemm_frame_fits_a_python_threads_stack(flags, qtype):
+  """A GEMM keeps its chunk of prepared x rows on the stack, and part 0 of a pooled kernel runs on the calling thread:
+  a Python thread (tinygrad's CPU worker, the engine's), whose stack can be glibc's 2 MiB. Every frame of a prefill-
+  sized GEMM over the widest inputs an 8B has (14336) stays under 1 MiB (clang's -fstack-usage; compiled, not run)."""
+  from tinyvllm.kernels import cpu
+  if shutil.which("clang") is None: pytest.skip("clang not found")
+  K = 14336
+  parts, spec = blocks.from_ggml(random_ggml(qtype, 4, K, np.random.default_rng(0)), qtype, (4, K))
+  with tempfile.TemporaryDirectory() as d:
+    src = Path(d) / "k.c"
+    src.write_text(cpu.packed_linear_kernel(128, 64, K, spec)[1])
+    subprocess.run(["clang", "-O2", *flags, "-fstack-usage", "-ffreestanding", "-c", str(src), "-o", str(Path(d) / "k.o")], check=True)
+    frames = {line.split("\t")[0].split(":")[-1]: int(line.split("\t")[1]) for line in (Path(d) / "k.su").read_text().splitlines()}
+  assert max(frames.values()) < 1 << 20, frames

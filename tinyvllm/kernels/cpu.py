@@ -599,10 +599,13 @@ def _packed_gemv_body(N: int, K: int, spec, wide: bool = False) -> str:
   }}"""
 
 
-# Bytes of prepared x rows a GEMM keeps per chunk (on its thread's stack: the pool's threads have 8 MiB). Every chunk
-# reads the weights again, so a chunk should hold a prefill's rows: 384 KiB took 128 rows of 14336 inputs in 14
-# chunks, and 1.5 MiB (4 chunks) ran that GEMM 1.3-1.7x as fast (Q4_K, Q6_K), a 16-row one 1.4-1.5x (one chunk, not 2).
-X_CHUNK = 3 << 19
+# Bytes of prepared x rows a GEMM keeps per chunk, on the stack of the thread running it: the pool's workers have
+# 8 MiB, but part 0 runs on the calling thread, a Python thread whose stack may be glibc's 2 MiB, so a GEMM's frame
+# stays under about 1 MiB (tests/test_packed_kernels.py checks the frames). Every chunk reads the weights again, so a
+# chunk should hold many rows: the k-quant GEMM's x takes 2 bytes an input (3 in _PackedInt's), and 768 KiB of it
+# ran 128 rows of 14336 inputs 1.3-1.4x as fast as 384 KiB (Q4_K, Q6_K), 16 rows 1.4-1.5x (one chunk, not two).
+X_CHUNK = 3 << 17
+KQUANT_X_CHUNK = 3 << 18
 
 
 def _packed_gemm_body(M: int, N: int, K: int, spec, wide: bool, ys: int) -> str:
@@ -911,7 +914,7 @@ def _kquant_gemm_body(M: int, N: int, K: int, spec, ys: int) -> str:
   super-blocks)."""
   P = _KQuantInt(N, K, spec)
   NC, NSB = P.NC, P.NSB
-  XR = max(2, min(64, M, X_CHUNK // (3 * K)))   # x rows per chunk
+  XR = max(2, min(64, M, KQUANT_X_CHUNK // (2 * K)))   # x rows per chunk
   KS = min(NC, 64)   # runs per slice (8 super-blocks)
   return f"""{P.consts()}
   {P.x_arrays(f"[{XR}]")}

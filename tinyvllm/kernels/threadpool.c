@@ -123,7 +123,7 @@ tv_pool *tv_pool_create(int n) {
   if (!p->threads || !ws) { free(p->threads); free(ws); p->threads = NULL; p->workers = NULL; p->n = 1; return p; }
   pthread_attr_t attr;
   pthread_attr_init(&attr);
-  pthread_attr_setstacksize(&attr, 8 << 20);   /* the quantized GEMMs keep ~0.6 MB of x rows and codes on the stack */
+  pthread_attr_setstacksize(&attr, 8 << 20);   /* the quantized GEMMs keep up to ~1 MB of x rows and codes on the stack */
   for (int i = 1; i < p->n; i++) {
     ws[i].pool = p;
     ws[i].part = i;
