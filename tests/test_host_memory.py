@@ -112,3 +112,33 @@ def test_fresh_pages_are_zero_and_page_aligned():
   pages = host_memory.fresh_pages(3 * mmap.PAGESIZE + 5)
   assert ctypes.addressof(ctypes.c_char.from_buffer(pages)) % mmap.PAGESIZE == 0
   assert not np.frombuffer(pages, np.uint8).any()
+
+
+def _thp_eligible(address: int) -> bool | None:
+  """The kernel's THPeligible flag of the mapping holding `address` (/proc/self/smaps), None where there is none."""
+  try: smaps = open("/proc/self/smaps").read()
+  except OSError: return None
+  lines, hit = smaps.splitlines(), False
+  for line in lines:
+    head = line.split()[0] if line else ""
+    if "-" in head and all(c in "0123456789abcdef-" for c in head):
+      lo, hi = (int(v, 16) for v in head.split("-"))
+      hit = lo <= address < hi
+    elif hit and line.startswith("THPeligible:"): return line.split()[1] == "1"
+  return None
+
+
+def test_huge_pages_are_asked_for_inside_the_context_only():
+  """Inside huge_pages(), fresh pages of 2 MiB and more are madvised for transparent huge pages (the kernel's own
+  smaps says the mapping is THP-eligible); outside it, and for smaller ones, they are not."""
+  try: mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+  except OSError: pytest.skip("no transparent huge pages on this OS")
+  if "[madvise]" not in mode: pytest.skip(f"THP mode is not madvise ({mode.strip()}): the advice changes nothing to see")
+  address = lambda p: ctypes.addressof(ctypes.c_char.from_buffer(p))
+  plain = host_memory.fresh_pages(4 << 20)
+  with host_memory.huge_pages():
+    huge, small = host_memory.fresh_pages(4 << 20), host_memory.fresh_pages(1 << 20)
+    with host_memory.huge_pages(False): off = host_memory.fresh_pages(4 << 20)
+  after = host_memory.fresh_pages(4 << 20)
+  assert _thp_eligible(address(huge)) is True
+  assert [_thp_eligible(address(p)) for p in (plain, small, off, after)] == [False] * 4

@@ -13,7 +13,7 @@ buffer (`host_memory`) and lives exactly as long as the buffer does, however the
 dropped; and `GlobalCounters.mem_used` (and its per-device split), which skip lent memory unless we count it.
 """
 from __future__ import annotations
-import ctypes, math, mmap, weakref
+import contextlib, contextvars, ctypes, math, mmap, weakref
 import numpy as np
 from tinygrad import Tensor
 from tinygrad.device import Buffer
@@ -27,9 +27,28 @@ class HostPages(mmap.mmap):
   arrays over it are known as ours (never a checkpoint's mapping, whose pages the loader hands back to the OS)."""
 
 
+HUGE_PAGE = 1 << 21
+_huge = contextvars.ContextVar("tinyvllm_huge_pages", default=False)
+
+
+@contextlib.contextmanager
+def huge_pages(enabled: bool = True):
+  """Within it, fresh pages of 2 MiB and more ask for transparent huge pages (Linux's MADV_HUGEPAGE, taken when the
+  host's THP setting is "always" or "madvise"; elsewhere nothing changes). A decode step streams every weight once,
+  and with 4 KiB pages each 4 KiB costs a TLB miss: a 1B Q4_K_M model decoded 1.08x as fast with them, an 8B 1.02x
+  (two engines alternated in one process). The price is paid as the loader first writes the pages: the kernel
+  compacts memory to find 2 MiB blocks (the 1B loaded in 2.6-3.5 s instead of 2.1-2.3, the 8B in 9.4-12.4 instead
+  of 6.0 on this machine's fragmented memory), so the engine asks for them for small models only."""
+  token = _huge.set(enabled)
+  try: yield
+  finally: _huge.reset(token)
+
+
 def fresh_pages(nbytes: int) -> HostPages:
   flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else None
-  return HostPages(-1, max(nbytes, 1), **({"flags": flags} if flags is not None else {}))
+  pages = HostPages(-1, max(nbytes, 1), **({"flags": flags} if flags is not None else {}))
+  if _huge.get() and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"): pages.madvise(mmap.MADV_HUGEPAGE)
+  return pages
 
 
 def empty(shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -10,7 +10,7 @@ import dataclasses, os, sys, time
 from pathlib import Path
 import numpy as np
 from tinygrad import Device
-from tinyvllm import sampler
+from tinyvllm import host_memory, sampler
 from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.failure_log import FailureLog
@@ -64,6 +64,11 @@ def cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
   return None
 
 
+# weights (bytes as stored) up to which the model's host pages ask for transparent huge pages (host_memory.huge_pages):
+# a 1B decodes 1.08x as fast for about half a second of load; an 8B 1.02x for 3-6 s more
+HUGE_PAGES_UP_TO = 2 << 30
+
+
 class EngineCore:
   def __init__(self, config: EngineConfig, ckpt: Checkpoint, tokenizer: Tokenizer, failures: FailureLog | None = None):
     """Build the model, its KV cache and (with `draft_model`) the draft from a loaded checkpoint. `tokenizer`
@@ -104,7 +109,8 @@ class EngineCore:
     self.kernel_backend = parallel_backend(config) or resolve_backend(config.kernel_backend, self.device)
     if config.batch_invariant: self._check_batch_invariant(dtype, cfg.hidden_size)
     self.kernels = make_kernels(self.kernel_backend, self.devices, config.num_threads)
-    model = self._build_model(ckpt.config, ckpt.tensors, dtype)
+    with host_memory.huge_pages(weight_bytes <= HUGE_PAGES_UP_TO):
+      model = self._build_model(ckpt.config, ckpt.tensors, dtype)
     self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.devices, config.max_num_seqs, self.kv_format)
     self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark, config.enable_prefix_caching)
     self.spec: SpeculativeDecoder | None = None
