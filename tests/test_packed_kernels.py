@@ -169,3 +169,17 @@ def test_gemm_frame_fits_a_python_threads_stack(flags, qtype):
     subprocess.run(["clang", "-O2", *flags, "-fstack-usage", "-ffreestanding", "-c", str(src), "-o", str(Path(d) / "k.o")], check=True)
     frames = {line.split("\t")[0].split(":")[-1]: int(line.split("\t")[1]) for line in (Path(d) / "k.su").read_text().splitlines()}
   assert max(frames.values()) < 1 << 20, frames
+
+
+@pytest.mark.parametrize("name,parts,spec", [CASES[IDS.index(n)] for n in ("Q4_K", "Q6_K", "Q3_K", "Q5_0-K416", "IQ4_XS")],
+                         ids=["Q4_K", "Q6_K", "Q3_K", "Q5_0-K416", "IQ4_XS"])
+@pytest.mark.parametrize("M", [1, 3])
+def test_a_nan_in_x_reaches_every_output(name, parts, spec, M):
+  """A NaN input makes every output of its row NaN, wherever it sits: x's 16-bit rounding must not lose it (max_ps
+  keeps its second operand when one is NaN, so a NaN once vanished unless it was its unit's last input)."""
+  from tinyvllm.kernels import cpu
+  x = np.random.default_rng(3).standard_normal((M, inputs(parts, spec))).astype(np.float32)
+  x[0, 5] = np.nan
+  y = cpu.packed_linear(Tensor(x), tensors(parts, spec)).numpy()
+  assert np.isnan(y[0]).all()
+  if M > 1: assert np.isfinite(y[1:]).all()

@@ -427,12 +427,16 @@ class _PackedInt:
     K, NC, NX, NG, G, XU = self.K, self.NC, self.NX, self.NG, self.G, self.XU
     return f"""{{
     float x16[{K // 16}];
-    for (int u = 0; u < {NX}; u++) {{   /* x's scale per unit of {XU} inputs */
-      __m256 amax = _mm256_setzero_ps();
-      for (int j = 0; j < {XU // 8}; j++) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps({x} + u * {XU} + 8 * j), absmask));
+    for (int u = 0; u < {NX}; u++) {{   /* x's scale per unit of {XU} inputs; NaN if one is NaN or infinite */
+      __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();   /* bad: the sum of x * 0 (max_ps drops NaNs) */
+      for (int j = 0; j < {XU // 8}; j++) {{
+        __m256 v = _mm256_loadu_ps({x} + u * {XU} + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(v, absmask));
+        bad = _mm256_fmadd_ps(v, _mm256_setzero_ps(), bad);
+      }}
       __m128 mh = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
       mh = _mm_max_ps(mh, _mm_movehl_ps(mh, mh));
-      dx[u] = _mm_cvtss_f32(_mm_max_ss(mh, _mm_shuffle_ps(mh, mh, 1))) * (1.0f / 32767.0f);
+      dx[u] = _mm_cvtss_f32(_mm_max_ss(mh, _mm_shuffle_ps(mh, mh, 1))) * (1.0f / 32767.0f) + hsum8(bad);
     }}
     for (int c = 0; c < {NC}; c++) {{   /* x in 16 bits, in each run's even/odd order; float sums per 16 inputs */
       const float *xr = {x} + c * 32;
@@ -777,10 +781,14 @@ class _KQuantInt:
     NG, G = self.NG, self.spec.group
     pair = f" + _mm512_loadu_ps({x} + 32 * g + 16)" if G == 32 else ""
     return f"""{{
-    for (int u = 0; u < {self.NSB}; u++) {{   /* x's scale per super-block */
-      __m512 amax = _mm512_setzero_ps();
-      for (int j = 0; j < 16; j++) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps({x} + u * 256 + 16 * j)));
-      {dx}[u] = _mm512_reduce_max_ps(amax) * (1.0f / 32767.0f);
+    for (int u = 0; u < {self.NSB}; u++) {{   /* x's scale per super-block; NaN if one is NaN or infinite */
+      __m512 amax = _mm512_setzero_ps(), bad = _mm512_setzero_ps();   /* bad: the sum of x * 0 (max_ps drops NaNs) */
+      for (int j = 0; j < 16; j++) {{
+        __m512 v = _mm512_loadu_ps({x} + u * 256 + 16 * j);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+        bad = _mm512_fmadd_ps(v, _mm512_setzero_ps(), bad);
+      }}
+      {dx}[u] = _mm512_reduce_max_ps(amax) * (1.0f / 32767.0f) + _mm512_reduce_add_ps(bad);
     }}
     for (int c = 0; c < {self.NC}; c += 2) {{   /* a step's 64 inputs to 16 bits, in its word order */
       float d = {dx}[c / 8];
