@@ -557,8 +557,10 @@ class _PackedInt:
     return f"short xq[{K}] __attribute__((aligned(32)));\n  float dx[{NX}], dxg[{NG}], xg[{NG}];\n  __m256i xc[{NC}];"
 
 
-def _prefetch_ahead(RW: int) -> int:
-  """Bytes a GEMV prefetches ahead of the row it reads (rows of RW words, 4-row tiles): whole tiles, at least 8 KiB.
+def _prefetches(RW: int, R: int, HB: int) -> str:
+  """C statements a GEMV runs per weight row r and step c: prefetch the same place (run c's nibbles, its block of high
+  bits) of a row some tiles on. Rows of RW words, 4-row tiles, R runs per block of HB-bit high bits (HB = 0: none).
+  The distance is whole tiles, at least 8 KiB.
   One tile ahead is too close for short rows (a K = 2048 Q4_K tile is 4 KiB, read in about the memory's latency):
   8-16 KiB ahead ran 2048-wide Q4_K and Q6_K GEMVs from memory 9-19 % faster on two threads; a 2048-wide 512-row
   matrix (a k or v projection) loses a little beyond 8 KiB (its threads' last prefetches fall past their rows).
@@ -567,16 +569,16 @@ def _prefetch_ahead(RW: int) -> int:
   either way, and a 1B model's decode step 1.05-1.06x as fast with them (two engines alternated in one process);
   an 8B's no differently."""
   tile = 4 * RW * 4
-  return -(-8192 // tile) * tile
+  PF = -(-8192 // tile) * tile
+  return (f"_mm_prefetch((const char *)(wr[r] + {PF}) + c * 16, _MM_HINT_NTA);" +
+          (f" if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {PF}) + (c / {R}) * 32, _MM_HINT_NTA);" if HB else ""))
 
 
 def _packed_gemv_body(N: int, K: int, spec, wide: bool = False) -> str:
   """M == 1 (_PackedInt): four weight rows at a time, each row's codes unpacked as the loop reaches them."""
   P = _PackedInt(N, K, spec, wide)
   RW, HB, R, NG = P.RW, P.HB, P.R, P.NG
-  PF = _prefetch_ahead(RW)   # each loop's step, per weight row: the same position of the row some tiles on
-  prefetch = (f"_mm_prefetch((const char *)(wr[r] + {PF}) + c * 16, _MM_HINT_NTA);" +
-              (f" if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {PF}) + (c / {R}) * 32, _MM_HINT_NTA);" if HB else ""))
+  prefetch = _prefetches(RW, R, HB)
   return f"""{P.consts()}
   {P.x_arrays()}
   {P.x_prep("x")}
@@ -828,7 +830,7 @@ class _KQuantInt:
           __m256i sm = _mm256_maskz_loadu_epi8({NG} - g >= 16 ? 0xFFFFFFFFu : 0xFFFFu, sr + 2 * g);   /* an odd last super-block: 8 groups */
           _mm512_store_si512((void *)({s16} + 2 * g), _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, sdup, _mm512_castsi256_si512(sm)));
           __m512i pairs = _mm512_cvtepu16_epi32(sm), at = _mm512_set1_epi32((g / 4) % 16);   /* super-block g / 8's d: float g / 4 */
-          __m512 dg = _mm512_permutex2var_ps(dm[g / 64], _mm512_add_epi32(didx, at), dm[g / 64 + 1]); (void)dg;
+          {"__m512 dg = _mm512_permutex2var_ps(dm[g / 64], _mm512_add_epi32(didx, at), dm[g / 64 + 1]);" if c else ""}
           __m512 dmin = _mm512_permutex2var_ps(dm[g / 64], _mm512_add_epi32(midx, at), dm[g / 64 + 1]);
           __m512 mf = _mm512_cvtepi32_ps(_mm512_srli_epi32(pairs, 8));
           _mm512_storeu_ps({f} + g, {bias});   /* {"dmin m = -B" if not c else "c S + B"} */
@@ -849,9 +851,10 @@ class _KQuantInt:
         for (int g = 0; g < {NG}; g += 16) bacc = {acc}(_mm512_loadu_ps({f} + g), _mm512_loadu_ps({xg} + g), bacc);
         {bsum} = _mm512_reduce_add_ps(bacc); }}"""
 
-  def codes(self, wr: str, whr: str, sv: str) -> str:
+  def codes(self, wr: str, whr: str, s16: str) -> str:
     """C statements setting qe and qo to the step's even and odd codes (runs c and c + 1 of the row whose nibbles
-    start at `wr`, high bits at `whr`), taken from the centre and times their half runs' integer scales `sv`."""
+    start at `wr`, high bits at `whr`), taken from the centre and times their half runs' integer scales (the row's
+    `s16` table: the step's four are one quadword)."""
     HB, R = self.HB, self.R
     high = f"""
         {{ __m512i hb = _mm512_permutexvar_epi16(hword, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)({whr} + (c / {R}) * 32))));
@@ -861,7 +864,7 @@ class _KQuantInt:
     centre = "\n        qe = _mm512_sub_epi16(qe, centre); qo = _mm512_sub_epi16(qo, centre);" if self.c else ""
     return f"""__m512i v = _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, spread, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)({wr} + c * 16))));
         __m512i qe = _mm512_and_si512(v, nib), qo = _mm512_srli_epi16(v, 4);{high}{centre}
-        const __m512i sv = {sv};
+        const __m512i sv = _mm512_set1_epi64(*(const long long *)&{s16}[2 * c]);
         qe = _mm512_mullo_epi16(qe, sv); qo = _mm512_mullo_epi16(qo, sv);"""
 
   def tile_arrays(self) -> str:
@@ -883,10 +886,7 @@ def _kquant_gemv_body(N: int, K: int, spec) -> str:
   """M == 1 (_KQuantInt): four weight rows at a time; per super-block an int32 sum per row (two chains: vpdpwssd's
   latency), then one FMA of it times d and x's scale."""
   P = _KQuantInt(N, K, spec)
-  RW, R, HB = P.RW, P.R, P.HB
-  PF = _prefetch_ahead(RW)
-  prefetch = (f"_mm_prefetch((const char *)(wr[r] + {PF}) + c * 16, _MM_HINT_NTA);" +
-              (f" if (c % {R} == 0) _mm_prefetch((const char *)(whr[r] + {PF}) + (c / {R}) * 32, _MM_HINT_NTA);" if HB else ""))
+  prefetch = _prefetches(P.RW, P.R, P.HB)
   zeros = ", ".join(["_mm512_setzero_si512()"] * 4)
   return f"""{P.consts()}
   {P.x_arrays()}
@@ -904,7 +904,7 @@ def _kquant_gemv_body(N: int, K: int, spec) -> str:
         __m512i xe = _mm512_load_si512((const void *)(xq + c * 32)), xo = _mm512_load_si512((const void *)(xq + c * 32 + 32));
         for (int r = 0; r < 4; r++) {{
           {prefetch}
-          {P.codes("wr[r]", "whr[r]", "_mm512_set1_epi64(*(const long long *)&s16[r][2 * c])")}
+          {P.codes("wr[r]", "whr[r]", "s16[r]")}
           ae[r] = TV_DPWSSD512(ae[r], qe, xe); ao[r] = TV_DPWSSD512(ao[r], qo, xo);
         }}
       }}
@@ -943,7 +943,7 @@ def _kquant_gemm_body(M: int, N: int, K: int, spec, ys: int) -> str:
       for (int cs = 0; cs < {NC}; cs += {KS}) {{
         const int ce = cs + {KS} < {NC} ? cs + {KS} : {NC};
         for (int r = 0; r < 4; r++) for (int c = cs; c < ce; c += 2) {{   /* the slice's codes */
-          {P.codes("wr[r]", "whr[r]", "_mm512_set1_epi64(*(const long long *)&s16[r][2 * c])")}
+          {P.codes("wr[r]", "whr[r]", "s16[r]")}
           _mm512_store_si512((void *)&qw[r][(c - cs) * 32], qe);
           _mm512_store_si512((void *)&qw[r][(c - cs) * 32 + 32], qo);
         }}
