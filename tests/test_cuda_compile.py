@@ -69,3 +69,47 @@ def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kern
         problems.append((program.arg.name, values, g, l))
   assert not problems, problems
   assert symbolic > 0 and len(scheduled_kernels) > 50   # the attention kernels over the KV extent were among them
+
+
+def test_a_32_head_prefill_lowers_to_programs_a_gpu_graph_can_hash(tmp_path, monkeypatch):
+  """A GPU graph hashes each program it holds (`UOp.key`, which prints the program's arguments). The attention kernel
+  of a 512-token step of a 32-head model (four 128-token prompts, as the bench's batch-32 decode prefills) carries a
+  cost estimate ~500 deep, whose repr exceeds Python's recursion limit: on the H100 that step failed with
+  RecursionError while its CUDA graph was built. Lowered as the engine lowers kernels that read a variable
+  (`replay.lower_in_process`), every program hashes, and its estimates still bound the kernel's work."""
+  from conftest import make_tiny_llama
+  from tinygrad.codegen import do_to_program
+  from tinygrad.engine import realize
+  from tinygrad.helpers import Target
+  from tinygrad.renderer.cstyle import CUDARenderer
+  from tinygrad.uop.ops import sym_infer
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
+  from tinyvllm.engine.replay import MAX_ESTIMATE_DEPTH, _depth, _has_variables, lower_in_process
+  monkeypatch.setenv("NVRTC_PATH", NVRTC)
+  path = make_tiny_llama(tmp_path, hidden_size=128, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         intermediate_size=256, num_hidden_layers=1, max_position_embeddings=1024)
+  asts, lower = [], realize.lower_and_compile
+  def record(linear):
+    asts.extend(a[0] for c in linear.toposort() if c.op is Ops.CALL and (a := realize._get_call_to_compile(c)) and a[0].op is Ops.SINK)
+    return lower(linear)
+  monkeypatch.setattr(realize, "lower_and_compile", record)
+  engine = LLMEngine.from_kwargs(str(path), kernel_backend="portable", dtype="float16", max_num_batched_tokens=512,
+                                 max_model_len=1024, num_kv_blocks=64)
+  for i in range(4): engine.add_request(str(i), {"prompt_token_ids": [5 + i] * 128}, SamplingParams(max_tokens=1, temperature=0))
+  while engine.has_unfinished_requests(): engine.step()
+  renderer = CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA"))
+  symbolic = [ast for ast in dict.fromkeys(asts) if _has_variables(ast)]
+  deep = 0
+  for ast in symbolic:
+    bare = do_to_program(ast, renderer)   # tinygrad's own lowering, without the cache
+    try: bare.key
+    except RecursionError: deep += 1
+    program = lower_in_process(ast, renderer)
+    program.key   # what the graph computes; raised RecursionError before
+    est, bare_est = program.src[0].arg.estimates, bare.src[0].arg.estimates
+    assert max(map(_depth, (est.ops, est.lds, est.mem))) <= MAX_ESTIMATE_DEPTH
+    for values in ({v.expr: v.vmin for v in program.arg.vars}, {v.expr: v.vmax for v in program.arg.vars}):
+      assert sym_infer(est.ops, values) == sym_infer(bare_est.ops, values)   # simplified, not changed
+      assert sym_infer(est.mem, values) >= sym_infer(bare_est.mem, values) > 0   # at most rounded up to its bound
+  assert deep > 0, "no kernel's estimates are too deep to print any more: rule 3 of engine/replay.py may be obsolete"

@@ -23,14 +23,21 @@ Two rules of tinygrad's GPU graphs shape what a capture may contain (docs/archit
    cost estimate as an unsimplified sum, one ADD per operation (about 750 deep for a 1024-token attention kernel);
    Python 3.12's pickler gives up on it (its C recursion limit is fixed), the worker dies while reporting the error,
    and the compile hangs or fails with RecursionError. Such kernels are lowered in this process instead.
+3. The same estimate sits in the lowered program (its SINK's `KernelInfo.estimates`), and a GPU graph hashes every
+   program it holds (`get_runtime` -> `UOp.key` -> the repr of that argument): a repr 500 deep exceeds Python's
+   recursion limit, so the graph of a 512-token step of a 32-head model failed to build with RecursionError on the
+   H100 (a CUDA graph; a Metal graph hashes the same way). The estimates feed only tinygrad's statistics
+   (GlobalCounters, DEBUG output): they are simplified, and a term still deep after that becomes its value at the
+   variables' maxima, an upper bound (`shallow_estimates`).
 """
 from __future__ import annotations
 import ctypes, functools, time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 from tinygrad import Tensor, TinyJit, UOp
 from tinygrad.dtype import AddrSpace
-from tinygrad.uop.ops import Ops
+from tinygrad.renderer import Estimates
+from tinygrad.uop.ops import KernelInfo, Ops, sym_infer
 
 
 @dataclass(frozen=True)
@@ -61,19 +68,50 @@ def _has_variables(ast: UOp) -> bool:
   return any(x.op is Ops.PARAM and x.arg.addrspace is AddrSpace.ALU for x in ast.toposort())
 
 
+# deeper than this, a UOp's repr (pretty_print, a few Python frames a level) nears Python's default recursion limit
+MAX_ESTIMATE_DEPTH = 64
+
+
+def _depth(x) -> int:
+  if not isinstance(x, UOp): return 0
+  depth: dict[UOp, int] = {}
+  for u in x.toposort(): depth[u] = 1 + max((depth[s] for s in u.src), default=0)
+  return depth[x]
+
+
+def shallow_estimates(program: UOp) -> UOp:
+  """`program` (a lowered PROGRAM) with cost estimates that its hash can print (rule 3 above): simplified, and a
+  term still deeper than MAX_ESTIMATE_DEPTH replaced by its value at the variables' maxima. Returns `program`
+  itself when its estimates are shallow already."""
+  sink = program.src[0]
+  est = sink.arg.estimates if isinstance(sink.arg, KernelInfo) else None
+  if est is None or max(map(_depth, (est.ops, est.lds, est.mem))) <= MAX_ESTIMATE_DEPTH: return program
+  top = {v.expr: v.vmax for v in program.arg.vars}
+  simple = est.simplify()
+  est = Estimates(*(x if _depth(x) <= MAX_ESTIMATE_DEPTH else sym_infer(x, top) for x in (simple.ops, simple.lds, simple.mem)))
+  return program.replace(src=(sink.replace(arg=replace(sink.arg, estimates=est)), *program.src[1:]))
+
+
+def lower_in_process(ast: UOp, renderer) -> UOp:
+  """Lower and compile one kernel here (tinygrad's `to_program`, through its cache) with shallow estimates."""
+  from tinygrad import codegen
+  key = codegen.to_program_key(ast, renderer)
+  codegen.to_program_cache[key] = program = shallow_estimates(codegen.to_program(ast, renderer))
+  return program
+
+
 def compile_symbolic_kernels_in_process() -> None:
   """Lower every kernel that reads a variable in this process, before tinygrad sends the rest to its compile workers
-  (rule 2 above). It only fills tinygrad's own program cache ahead of `lower_and_compile`, so what is compiled, and
-  how, stays tinygrad's. Idempotent."""
+  (rule 2 above), with shallow estimates (rule 3). It only fills tinygrad's own program cache ahead of
+  `lower_and_compile`, so what is compiled, and how, stays tinygrad's. Idempotent."""
   from tinygrad.engine import realize
   if getattr(realize.lower_and_compile, "symbolic_in_process", False): return
   lower_and_compile = realize.lower_and_compile
-  from tinygrad.codegen import to_program
 
   def lower_symbolic_first(linear: UOp) -> UOp:
     for call in linear.toposort():
       if call.op is Ops.CALL and (todo := realize._get_call_to_compile(call)) is not None and _has_variables(todo[0]):
-        to_program(*todo)
+        lower_in_process(*todo)
     return lower_and_compile(linear)
   lower_symbolic_first.symbolic_in_process = True
   realize.lower_and_compile = lower_symbolic_first
