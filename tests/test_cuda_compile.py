@@ -6,10 +6,10 @@ schedule on the CPU device (portable backend: what a CUDA run uses) for the shap
 4096-token prefill step and a 64-sequence decode step. Each is lowered for the H100 (sm_90) exactly as tinygrad's
 compile workers would, compiled, and its launch checked at the KV-extent variable's least and greatest values:
 every size positive (a CUDA graph is built at the variables' 0: engine/replay.py, rule 1), grid y and z at most
-65535, at most 1024 threads a block. A change to our kernels or a tinygrad upgrade that breaks the CUDA path fails
+65535, at most 1024 threads a block, and the KV cache write's grid linear in its work. A change to our kernels or a tinygrad upgrade that breaks the CUDA path fails
 here, in CI."""
 from __future__ import annotations
-import glob, os
+import glob, math, os, re
 import pytest
 from tinygrad.uop.ops import Ops
 
@@ -57,7 +57,7 @@ def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kern
   from tinygrad.helpers import Target
   from tinygrad.renderer.cstyle import CUDARenderer
   renderer = CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA"))
-  symbolic, problems = 0, []
+  symbolic, problems, cache_writes = 0, [], 0
   for ast in scheduled_kernels:
     program = to_program(ast, renderer)   # lowered and compiled by nvrtc, as a compile worker would
     assert program.src[-1].op is Ops.BINARY and len(program.src[-1].arg) > 0, program.arg.name
@@ -67,7 +67,13 @@ def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kern
       g, l = program.arg.launch_dims(values)
       if min(*g, *l) <= 0 or g[1] > 65535 or g[2] > 65535 or g[0] > 2**31 - 1 or l[0] * l[1] * l[2] > 1024 or l[2] > 64:
         problems.append((program.arg.name, values, g, l))
+      if program.arg.name.startswith("kv_cache_write_"):   # T tokens' rows into caches of the given row sizes
+        cache_writes += 1
+        T, *rows = map(int, re.findall(r"_(\d+)", program.arg.name))
+        if math.prod(g) * math.prod(l) > 2 * T * sum(rows):   # a grid per cache, multiplied (T^2 (KVH D)^2: minutes on the H100)
+          problems.append((program.arg.name, "threads", g, l))
   assert not problems, problems
+  assert cache_writes > 0
   assert symbolic > 0 and len(scheduled_kernels) > 50   # the attention kernels over the KV extent were among them
 
 
