@@ -144,6 +144,7 @@ def test_bad_configuration_errors(tiny_model, tmp_path):
   with pytest.raises(ModelLoadError, match="does not exist"): LLM(str(tmp_path / "missing"))
   with pytest.raises(ModelLoadError, match="no config.json"): LLM(str(tmp_path))
   with pytest.raises(ConfigError, match="block_size"): LLM(str(tiny_model), block_size=7)
+  with pytest.raises(ConfigError, match="capture_mode must be 'auto', 'pass' or 'layer', got 'graph'"): LLM(str(tiny_model), capture_mode="graph")
   with pytest.raises(ConfigError, match="max_model_len=4096 exceeds"): LLM(str(tiny_model), max_model_len=4096)
   with pytest.raises(ConfigError, match="raise num_kv_blocks"): LLM(str(tiny_model), max_model_len=256, num_kv_blocks=4, block_size=8)
   with pytest.raises(TypeError, match="gpu_memory_utilization"): LLM(str(tiny_model), gpu_memory_utilization=0.9)

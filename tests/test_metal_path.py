@@ -27,8 +27,9 @@ import json, sys
 from tinygrad import Device
 from tinyvllm import SamplingParams
 from tinyvllm.engine.llm_engine import LLMEngine
-model, dtype, quant, prompts, max_tokens, kv = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-engine = LLMEngine.from_kwargs(model, dtype=dtype, quantization=None if quant == "none" else quant, max_model_len=128, kv_cache_dtype=kv)
+model, dtype, quant, prompts, max_tokens, kv, capture = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7]
+engine = LLMEngine.from_kwargs(model, dtype=dtype, quantization=None if quant == "none" else quant, max_model_len=128, kv_cache_dtype=kv,
+                               capture_mode=capture)
 greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 for i, p in enumerate(prompts): engine.add_request(str(i), p, greedy)
 tokens = {}
@@ -57,9 +58,9 @@ print("RESULT " + json.dumps({"backend": engine.kernel_backend, "dtype": str(eng
 """
 
 
-def run_metal(model, dtype: str, quant: str, kv_cache_dtype: str = "auto") -> dict:
+def run_metal(model, dtype: str, quant: str, kv_cache_dtype: str = "auto", capture_mode: str = "auto") -> dict:
   env = {**os.environ, "DEV": "METAL", "TINYVLLM_EMULATE_METAL": "1"}
-  r = subprocess.run([sys.executable, "-c", CHILD, str(model), dtype, quant, json.dumps(PROMPTS), str(MAX_TOKENS), kv_cache_dtype], env=env,
+  r = subprocess.run([sys.executable, "-c", CHILD, str(model), dtype, quant, json.dumps(PROMPTS), str(MAX_TOKENS), kv_cache_dtype, capture_mode], env=env,
                      capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(next(l for l in r.stdout.splitlines() if l.startswith("RESULT "))[7:])
@@ -108,8 +109,9 @@ def check_decode_step(steps: list[dict], quant: str):
   assert timed["runner_kernels"] == timed["launches"] == step["launches"], f"the benchmark's kernels per step miscount the device's: {step}"
   assert step["copies_in"] <= 1, f"host->device copies inside a replayed decode step: {step}"
   assert step["synchronizes"] <= 2, f"GPU waits beyond the input upload and the logits readback: {step}"
-  # layers alternate between two captured graphs: re-running one waits only for the layer before last, while the
-  # last layer's command buffer keeps the GPU busy (one graph would wait for every previous layer: 3 idle waits here)
+  # a replayed graph waits for its own previous run: a whole pass (capture_mode auto) waits for the step before, done
+  # already; with layer captures, layers alternate between two graphs, so each waits only for the layer before last
+  # while the last one keeps the GPU busy (one graph would wait for every previous layer: 3 idle waits here)
   assert step["idle_waits"] == 0, f"the host waited for the GPU's newest work, leaving it idle: {step}"
 
 
@@ -176,3 +178,16 @@ def test_older_macs_fall_back_to_portable(metal_model, env, why):
   assert len(notes) == 1 and why in notes[0], r.stderr[-2000:]
   assert res["error"] is not None and why in res["error"] and "kernel_backend='portable'" in res["error"]
   assert res["tokens"] == cpu_tokens(metal_model, "float32", "none", "cpu", PROMPTS[:2], 6)
+
+
+def test_a_whole_pass_replays_in_a_few_command_buffers(metal_model):
+  """capture_mode="pass" (METAL's default) replays a decode step as tinygrad's graphs of the whole pass: the same
+  kernels and tokens as layer captures, in a handful of command buffers instead of one per layer, and no graph run
+  waiting for an earlier one inside the step."""
+  layer, whole = run_metal(metal_model, "float32", "none", capture_mode="layer"), run_metal(metal_model, "float32", "none", capture_mode="pass")
+  assert whole["tokens"] == layer["tokens"]
+  a, b = layer["steps"][-1], whole["steps"][-1]
+  assert b["launches"] == a["launches"] > 0
+  assert a["command_buffers"] >= LAYERS + 2 and a["graph_waits"] >= LAYERS - 2, a   # the subject: one per layer before
+  assert b["command_buffers"] <= 3 and b["graph_waits"] == 0 and b["idle_waits"] == 0, b
+

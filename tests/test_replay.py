@@ -140,8 +140,7 @@ def test_model_passes_graph_with_positive_launch_sizes(device, tiny_model):
       return engine, outs[-1].outputs[0].token_ids
   engine, tokens = run(device)
   assert tokens == run("CPU")[1]
-  programs = [p for inputs, layers, head in engine.runner.replays.values() for r in (inputs, *layers, head)
-              for p, in_graph in graph_programs(r.jit.captured.linear) if in_graph]
+  programs = [p for r in engine.runner.captures() for p, in_graph in graph_programs(r.jit.captured.linear) if in_graph]
   assert any(p.arg.vars for p in programs), "no symbolic kernel in the captured graphs: the test lost its subject"
   for p in programs:
     g, l = p.arg.launch_dims({v.expr: 0 for v in p.arg.vars})
@@ -192,3 +191,27 @@ def test_profiled_replays_are_correct_and_timed(device):
     np.testing.assert_allclose(bound(count.var_vals(c)).numpy(), (a_np[:, :4 * c] * 2 + 1).sum(1), rtol=1e-5)
   assert times.kernel_seconds > 0 and times.device_seconds >= 0
   if device == "CPU": assert times.device_seconds > 0   # synchronous launches: their time is the device's
+
+
+@pytest.mark.parametrize("backend", ["cpu", "portable"])
+def test_whole_pass_captures_compute_what_layer_captures_do(tiny_model, backend):
+  """capture_mode="pass" (one capture of the whole pass, the GPU default) against "layer" (the CPU default) on the CPU
+  device, through chunked prefill, decode batches of several sizes and preemption-free reuse of the shapes: the same
+  kernels, so the same tokens and bitwise the same logprobs; and a pass mode shape holds one capture, not three."""
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
+  params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+  def run(mode):
+    engine = LLMEngine.from_kwargs(str(tiny_model), kernel_backend=backend, dtype="float32", num_kv_blocks=64, block_size=8,
+                                   max_num_batched_tokens=16, capture_mode=mode)
+    for i, n in enumerate([37, 5, 20]): engine.add_request(str(i), {"prompt_token_ids": list(range(7 + i, 7 + i + n))}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+      done |= {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
+    return engine, [(done[str(i)].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in done[str(i)].logprobs]) for i in range(3)]
+  layer_engine, layer = run("layer")
+  pass_engine, whole = run("pass")
+  assert whole == layer
+  assert not layer_engine.runner.whole_pass and pass_engine.runner.whole_pass
+  assert len(pass_engine.runner.captures()) == len(pass_engine.runner.replays) > 1
+  assert len(layer_engine.runner.captures()) == 3 * len(layer_engine.runner.replays)

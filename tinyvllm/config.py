@@ -258,6 +258,9 @@ class ModelConfig:
       raise ConfigError(f"{e} (GGUF metadata key {key})") from None
 
 
+CAPTURE_MODES = ("auto", "pass", "layer")   # what one captured replay holds (EngineConfig.capture_mode)
+
+
 def _flag(default, help: str, type=None, choices: tuple | None = None):
   """An engine argument with what its command-line flag needs (entrypoints/engine_args.py builds the flags)."""
   return field(default=default, metadata={"help": help, "type": type or builtins.type(default), "choices": choices})
@@ -303,6 +306,10 @@ class EngineConfig:
                                           "NV:0, ...): attention and KV heads and FFN columns split, one all-reduce after the "
                                           "attention and one after the MLP; N must divide the attention and KV heads; "
                                           "portable kernels")
+  capture_mode: str = _flag("auto", "what one captured replay holds: pass (a step's whole forward pass, one graph a step on a "
+                                     "GPU), layer (a decoder layer, replayed once per layer: cheaper to capture for each new "
+                                     "batch shape); auto: pass on a GPU, layer on the CPU",
+                            choices=CAPTURE_MODES)
   enable_prefix_caching: bool = _flag(True, "reuse the KV cache of prompt prefixes seen before (shared system prompts, "
                                             "chat turns); --no-enable-prefix-caching turns it off")
 
@@ -326,6 +333,8 @@ class EngineConfig:
     if not 0 <= self.watermark < 1: raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
     if self.quantization not in (None, "int4", "none"):
       raise ConfigError(f"quantization must be None, 'int4' or 'none', got {self.quantization!r}")
+    if self.capture_mode not in CAPTURE_MODES:
+      raise ConfigError(f"capture_mode must be 'auto', 'pass' or 'layer', got {self.capture_mode!r}")
     if self.speculation not in ("auto", "always"):
       raise ConfigError(f"speculation must be 'auto' or 'always', got {self.speculation!r}")
     if not isinstance(self.batch_invariant, bool): raise ConfigError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")

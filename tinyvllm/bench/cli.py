@@ -10,7 +10,7 @@ import argparse, gc, logging, shlex, sys
 from pathlib import Path
 import numpy as np
 from tqdm import tqdm
-from tinyvllm.config import KV_CACHE_DTYPES
+from tinyvllm.config import CAPTURE_MODES, KV_CACHE_DTYPES
 from tinyvllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from tinyvllm.model.weights import resolve_model
 
@@ -81,6 +81,9 @@ def parser() -> argparse.ArgumentParser:
                       "load) or none (dequantize 4-bit checkpoints); several, comma-separated, compare them in one run")
   m.add_argument("--kv-cache-dtype", default="auto", type=_choices(KV_CACHE_DTYPES),
                  help="KV cache storage: auto (the model dtype), int8, int4 or k8v4 (docs/quantization.md); several, comma-separated, compare them in one run")
+  m.add_argument("--capture-mode", default="auto", type=_choices(CAPTURE_MODES),
+                 help="what one captured replay holds: pass (the whole forward pass), layer (one decoder layer) or auto (pass "
+                      "on a GPU, layer on the CPU); several, comma-separated, compare them in one run")
   # the cache is sized to the runs, and --seed seeds the prompts too; with --draft-model runs go with speculation off and on
   add_engine_args(m, exclude=BENCH_SETS)
   r = p.add_argument_group("runs")
@@ -121,14 +124,15 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-BENCH_SETS = ("quantization", "kv_cache_dtype", "seed", "max_model_len", "num_kv_blocks", "max_num_seqs")
+BENCH_SETS = ("quantization", "kv_cache_dtype", "capture_mode", "seed", "max_model_len", "num_kv_blocks", "max_num_seqs")
 SPECULATION_ARGS = ("draft_model", "num_speculative_tokens", "speculation")
 
 
 def _engine_kwargs(args, quantization: str, kv_cache_dtype: str, speculative: bool, max_len: int, num_blocks: int,
-                   max_seqs: int) -> dict:
+                   max_seqs: int, capture_mode: str = "auto") -> dict:
   kw = engine_kwargs(args, exclude=BENCH_SETS + SPECULATION_ARGS)
-  kw |= dict(max_model_len=max_len, num_kv_blocks=num_blocks, max_num_seqs=max_seqs, seed=args.seed, kv_cache_dtype=kv_cache_dtype)
+  kw |= dict(max_model_len=max_len, num_kv_blocks=num_blocks, max_num_seqs=max_seqs, seed=args.seed, kv_cache_dtype=kv_cache_dtype,
+             capture_mode=capture_mode)
   if quantization != "stored": kw["quantization"] = quantization
   if speculative: kw |= {name: getattr(args, name) for name in SPECULATION_ARGS}
   return kw
@@ -190,6 +194,14 @@ def _median(results: list[dict]) -> dict:
 def _model_name(path: Path) -> str: return path.name if path.name else str(path)
 
 
+def _progress_line(bar, who: str, kind: str, batch: int, length: int, rec: dict) -> None:
+  """One line per finished run, above the bar: a run cut short (a time limit, a crash later on) still shows what it
+  measured before the table at the end."""
+  what = f"decode B={batch} ctx={length}" if kind == "decode" else f"{kind} {length}"
+  roof = f", {rec['roofline_fraction']:.1%} of the roofline" if rec.get("roofline_fraction") else ""
+  bar.write(f"{who} {what}: {rec['tokens_per_s']:.1f} tok/s, {rec['ms_per_step']:.2f} ms/step{roof}")
+
+
 def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> list[dict]:
   """Every requested run on tinyvllm, once per configuration: each --quantization and --kv-cache-dtype, with
   speculation off (and on when a draft is given)."""
@@ -197,13 +209,13 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
   from tinyvllm.engine.llm_engine import LLMEngine
   max_len, num_blocks, max_seqs = _cache_plan(args, runs)
   records = []
-  configs = [(q, kv, spec) for q in args.quantization for kv in args.kv_cache_dtype
+  configs = [(q, kv, capture, spec) for q in args.quantization for kv in args.kv_cache_dtype for capture in args.capture_mode
              for spec in [False] + ([True] if args.draft_model else [])]
-  for quantization, kv_cache_dtype, speculative in configs:
-    bar.set_postfix_str(f"loading the model ({quantization}, KV {kv_cache_dtype})" + (" with its draft" if speculative else ""))
+  for quantization, kv_cache_dtype, capture_mode, speculative in configs:
+    bar.set_postfix_str(f"loading the model ({quantization}, KV {kv_cache_dtype}, capture {capture_mode})" + (" with its draft" if speculative else ""))
     try:   # in this thread: each step is timed alone, not overlapped with the engine's next one
       engine = LLMEngine.from_kwargs(args.model, **_engine_kwargs(args, quantization, kv_cache_dtype, speculative, max_len,
-                                                                  num_blocks, max_seqs))
+                                                                  num_blocks, max_seqs, capture_mode))
     except (TypeError, ValueError) as e:   # e.g. an engine argument this version of tinyvllm does not know, a backend refusing the model
       sys.exit(f"tinyvllm's engine refused the arguments: {e}")
     bar.update()
@@ -214,7 +226,8 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
               "model": _model_name(model_path), "quantization": label, "quantization_setting": quantization,
               "dtype": "float32" if engine.runner.model.dtype.itemsize == 4 else "float16",
               "kv_cache_dtype": engine.runner.kv_format.storage,
-              "kernel_backend": engine.kernel_backend, "speculative": speculative,
+              "kernel_backend": engine.kernel_backend, "capture_mode": "pass" if engine.runner.whole_pass else "layer",
+              "speculative": speculative,
               "draft_model": args.draft_model if speculative else None,
               "num_speculative_tokens": args.num_speculative_tokens if speculative else None, "prompts": args.prompts}
     for b in args.batch_sizes if "decode" in runs else []:
@@ -223,10 +236,12 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
         # the requests are aborted after timing: they must not finish before, so they may run to max_model_len
         rec = runs_mod.decode_run(drv, b, ctx, args.steps, args.warmup, rng, max_len - ctx - 1, args.repeats)
         records.append(report.finalize(rec, ceilings, common))
+        _progress_line(bar, f"tinyvllm ({common['capture_mode']} captures)", "decode", b, ctx, records[-1])
         bar.update()
     for n in args.prefill_lens if "prefill" in runs else []:
       bar.set_postfix_str(f"prefill {n}")
       records.append(report.finalize(runs_mod.prefill_run(drv, n, rng, args.repeats), ceilings, common))
+      _progress_line(bar, f"tinyvllm ({common['capture_mode']} captures)", "prefill", 1, n, records[-1])
       bar.update()
     if "serving" in runs:
       bar.set_postfix_str("serving (a warm-up pass, then the timed pass)")
@@ -267,10 +282,12 @@ def run_peers(args, runs: set[str], peer_keys: list[str], model_path: Path, rng,
       for b, ctx in decodes:
         bar.set_postfix_str(f"{name} decode B={b} ctx={ctx}")
         results[("decode", b, ctx)] = _median([peer.decode(b, ctx, args.steps, args.warmup, rng) for _ in range(args.repeats)]) | extra
+        _progress_line(bar, name, "decode", b, ctx, results[("decode", b, ctx)])
         bar.update()
       for n in prefills:
         bar.set_postfix_str(f"{name} prefill {n}")
         results[("prefill", 1, n)] = _median([peer.prefill(n, rng) for _ in range(args.repeats)]) | extra
+        _progress_line(bar, name, "prefill", 1, n, results[("prefill", 1, n)])
         bar.update()
     except Exception as e:   # a peer that breaks (torch.compile on an unusual setup, say) is a note, not the end of the run
       logging.getLogger("tinyvllm").warning("%s failed", name, exc_info=e)
@@ -305,7 +322,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   except (ValueError, OSError) as e: sys.exit(f"--model: {e}")
   _fit_to_model(args, runs, context, notes)
   if not runs: sys.exit(f"nothing to measure: every run exceeds the model's context of {context} tokens ({'; '.join(notes)})")
-  n_configs = len(args.quantization) * len(args.kv_cache_dtype) * (2 if args.draft_model else 1)
+  n_configs = len(args.quantization) * len(args.kv_cache_dtype) * len(args.capture_mode) * (2 if args.draft_model else 1)
   n_decode = len(args.batch_sizes) * len(args.context_lens) if "decode" in runs else 0
   n_prefill = len(args.prefill_lens) if "prefill" in runs else 0
   n_tasks = 1 + n_configs * (1 + n_decode + n_prefill + ("serving" in runs)) + len(peer_keys) * (1 + n_decode + n_prefill)

@@ -111,7 +111,8 @@ class EngineCore:
     self.kernels = make_kernels(self.kernel_backend, self.devices, config.num_threads)
     with host_memory.huge_pages(weight_bytes <= HUGE_PAGES_UP_TO):
       model = self._build_model(ckpt.config, ckpt.tensors, dtype)
-    self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.devices, config.max_num_seqs, self.kv_format)
+    self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.devices, config.max_num_seqs, self.kv_format,
+                              config.capture_mode)
     self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark, config.enable_prefix_caching)
     self.spec: SpeculativeDecoder | None = None
     if config.draft_model is not None:
@@ -119,7 +120,7 @@ class EngineCore:
       # as many draft blocks as target blocks: a draft table never outgrows its target table, so the draft pool
       # cannot run dry while the target's has room
       self.spec = SpeculativeDecoder(ModelRunner(draft, num_blocks, config.block_size, max_model_len, self.devices, config.max_num_seqs,
-                                                 self.kv_format),
+                                                 self.kv_format, config.capture_mode),
                                      BlockManager(num_blocks, config.block_size, 0.0, config.enable_prefix_caching), config.num_speculative_tokens,
                                      always=config.speculation == "always", window=draft.cfg.freeable_window)
     self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,

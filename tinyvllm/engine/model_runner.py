@@ -11,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 import numpy as np
 from tinygrad import Device, Tensor, dtypes
+from tinyvllm.config import CAPTURE_MODES
 from tinyvllm.host_memory import fresh_pages, lend, lend_buffer
 from tinyvllm.engine.replay import BoundReplay, CountVariable, LaunchTimes, Replay
 from tinyvllm.kernels import AttentionGroup
@@ -64,18 +65,28 @@ class PassShape:
 class ModelRunner:
   """Runs passes of one model over its paged KV cache.
 
-  Each pass shape gets three captures: an input pass (unpacks the step's integers into separate buffers and
-  looks up the embeddings), one decoder *layer*, replayed once per layer with that layer's weights and
+  On the CPU each pass shape gets three captures: an input pass (unpacks the step's integers into separate buffers
+  and looks up the embeddings), one decoder *layer*, replayed once per layer with that layer's weights and
   cache, and the LM head. Capturing a whole 30-layer model instead costs seconds of tinygrad scheduling for
-  every new shape; one layer costs a thirtieth of that, and a direct replay about 50 us.
+  every new shape; one layer costs a thirtieth of that, and a direct replay about 50 us. On a GPU the whole pass
+  is one capture (`capture_mode`, below): a graph replay per layer costs far more than a direct one.
 
   With tensor parallelism `device` is a tuple of devices (model/tensor_parallel.py): the KV cache is split by KV head,
   the hidden state and the step's integers are copied to every device, and the logits come back on the first."""
   def __init__(self, model: Llama, num_blocks: int, block_size: int, max_model_len: int, device: str | tuple[str, ...],
-               max_num_seqs: int = 32, kv_format: KVCacheFormat | None = None):
+               max_num_seqs: int = 32, kv_format: KVCacheFormat | None = None, capture_mode: str = "auto"):
     self.model, self.device, self.block_size, self.num_blocks = model, device, block_size, num_blocks
     self.devices = device if isinstance(device, tuple) else (device,)
     self.kind = self.devices[0].split(":")[0]
+    if capture_mode not in CAPTURE_MODES: raise ValueError(f"capture_mode must be one of {', '.join(CAPTURE_MODES)}, got {capture_mode!r}")
+    # "pass": a shape's whole pass is one capture, which a GPU replays as a few graphs per step (tinygrad batches the
+    # kernels); "layer": three captures, the layer one replayed per layer. On a GPU each layer replay goes through
+    # tinygrad's graph executor, which rewrites every node's arguments on every run (the weights are the layer's
+    # inputs) and is one command buffer on Metal; a 1B decode step took 12 ms on the H100, 14 % of its bandwidth floor.
+    # A whole pass holds its weights and caches itself, so a replay rewrites only the nodes that read the step's inputs
+    # or the KV extent (emulated METAL, 16 layers: 18 command buffers a decode step -> 4). The CPU device has no graphs
+    # and its direct replays cost ~50 us a layer, so it keeps the layer captures, which are cheaper to capture.
+    self.whole_pass = capture_mode == "pass" or (capture_mode == "auto" and self.kind != "CPU" and len(self.devices) == 1)
     self.kv_format = kv_format or KVCacheFormat("float32" if model.dtype == dtypes.float32 else "float16")
     model.kernels.check_kv_cache(self.kv_format)
     self.max_num_seqs = max_num_seqs
@@ -85,7 +96,7 @@ class ModelRunner:
     self.kv_caches = [PagedKVCache.allocate(self.kv_format, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, self._zeroed)
                       for _ in range(cfg.num_hidden_layers)]
     self.layer_weights = [layer.tensors() for layer in model.layers]
-    self.replays: OrderedDict[PassShape, tuple[Replay, tuple[Replay, ...], Replay]] = OrderedDict()
+    self.replays: OrderedDict[PassShape, tuple] = OrderedDict()   # shape -> _replays(shape)
     # On Metal a layer replay is one MetalGraph command buffer, and re-running a graph first waits for its previous
     # run: with one capture, every layer would wait for the layer before it and the GPU would idle while Python
     # encodes the next. Two captures taken in turn wait only for the layer before last, while the last one runs.
@@ -191,10 +202,14 @@ class ModelRunner:
     return np.concatenate([tokens, positions, slots, q_pos, token_seq, rows, ctx, tables.reshape(-1)]), max(-(-int(ctx.max()) // bs), 1)
 
   def _forward(self, shape: PassShape, packed: np.ndarray, used_blocks: int) -> np.ndarray:
-    inputs, _, _ = self._replays(shape)
+    replays = self._replays(shape)
     upload = self._upload(shape, packed)
     extent = (self.kv_extent.bind(used_blocks),)
-    if (bound := self.bound_passes.get(shape)) is None:   # this shape's first pass: captured, then bound
+    if (bound := self.bound_passes.get(shape)) is None and self.whole_pass:   # the first pass of this shape: captured, then bound
+      out = replays[0](upload, bound=extent)
+      bound = self.bound_passes[shape] = [(replays[0].bind(upload, times=self.launch_times), True)]
+    elif bound is None:
+      inputs = replays[0]
       calls = self._pass_calls(shape, inputs(upload))   # a replay returns its capture's own output tensors
       for replay, args, reads_extent in calls: out = replay(*args, bound=extent if reads_extent else ())
       bound = self.bound_passes[shape] = [(inputs.bind(upload, times=self.launch_times), False)] + [
@@ -237,7 +252,12 @@ class ModelRunner:
     Device[buf.device].allocator._copyin(buf._buf, memoryview(np.ascontiguousarray(packed, np.int32)).cast("B"))
     return self.input_buffers[shape]
 
-  def _replays(self, shape: PassShape) -> tuple[Replay, tuple[Replay, ...], Replay]:
+  def captures(self) -> list[Replay]:
+    """Every capture of every shape kept."""
+    return [r for replays in self.replays.values() for r in (replays if self.whole_pass else (replays[0], *replays[1], replays[2]))]
+
+  def _replays(self, shape: PassShape) -> tuple[Replay] | tuple[Replay, tuple[Replay, ...], Replay]:
+    """A whole pass's capture, or the input, layer and head captures of layer mode."""
     if shape in self.replays:
       self.replays.move_to_end(shape)
       return self.replays[shape]
@@ -250,17 +270,30 @@ class ModelRunner:
         fields[name], at = packed[at:at + size].clone(), at + size   # clone: a real buffer, not a view of packed
       return (self.model.embed(fields["tokens"]).contiguous(), *(fields[n] for n in FIELDS[1:]))
 
+    def model_inputs(positions, slots, q_pos, token_seq, ctx, tables, bound_extent) -> ModelInputs:
+      group = AttentionGroup(P, C, tables.reshape(P, MB), CountVariable.count(bound_extent), q_pos.reshape(1 if shape.packed else P, C),
+                             ctx, token_seq, packed=shape.packed)
+      return ModelInputs(None, positions, slots, [group], None)
+
+    def whole(packed: Tensor, bound_extent):
+      h, positions, slots, q_pos, token_seq, rows, ctx, tables = fields = unpack(packed)
+      Tensor.realize(*fields)
+      inputs = model_inputs(positions, slots, q_pos, token_seq, ctx, tables, bound_extent)
+      for layer, cache in zip(self.model.layers, self.kv_caches):   # realized a layer at a time: small schedules
+        h = layer(h, inputs, self.model.rope_table(layer), cache).realize()
+      return self.model.logits(h, rows)
+
     n_cache = len(self.kv_caches[0].tensors())
     def layer(template, h, out, positions, slots, q_pos, token_seq, ctx, tables, *cache_weights_and_extent):
       *cache_and_weights, bound_extent = cache_weights_and_extent
-      extent = CountVariable.count(bound_extent)
       cache, weights = self.kv_caches[0].with_tensors(cache_and_weights[:n_cache]), cache_and_weights[n_cache:]
-      group = AttentionGroup(P, C, tables.reshape(P, MB), extent, q_pos.reshape(1 if shape.packed else P, C), ctx, token_seq,
-                             packed=shape.packed)
-      return template.with_tensors(weights)(h, ModelInputs(None, positions, slots, [group], None), self.model.rope_table(template), cache, out)
+      inputs = model_inputs(positions, slots, q_pos, token_seq, ctx, tables, bound_extent)
+      return template.with_tensors(weights)(h, inputs, self.model.rope_table(template), cache, out)
 
-    layers = tuple(Replay(functools.partial(layer, template)) for template in self.layer_templates for _ in range(self.layer_graphs))
-    replays = (Replay(unpack), layers, Replay(lambda h, rows: self.model.logits(h, rows)))
+    if self.whole_pass: replays = (Replay(whole),)
+    else:
+      layers = tuple(Replay(functools.partial(layer, template)) for template in self.layer_templates for _ in range(self.layer_graphs))
+      replays = (Replay(unpack), layers, Replay(lambda h, rows: self.model.logits(h, rows)))
     self.replays[shape] = replays
     if len(self.replays) > MAX_SHAPES:   # drop the least recently used shape's captures and buffers together
       old, _ = self.replays.popitem(last=False)
