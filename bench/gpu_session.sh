@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One lent-GPU session in one call (the `device` tool; ../shared/notes/gpu.md): the GPU tests against HF transformers,
+# then the benchmark on a Llama-3.2-1B-shaped float16 model (whole-pass and layer captures, then HF eager and
+# torch.compile on the same GPU). Each phase has its own time limit and every test and run prints its result as it
+# finishes, so a phase that hangs or crashes still leaves what came before; logs and the bench JSON go under $OUT.
+# A device call's start can take minutes of the session's 15: keep TEST_SECONDS + BENCH_SECONDS well under 10 minutes.
+#
+#   bash ../shared/gpu/prepare.sh          # here, once: the wheels the GPU machine lacks, into .whl/
+#   device run (carry .whl):  bash bench/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS]
+set -uo pipefail
+source .whl/preamble.sh || exit 1
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+TEST_S=${1:-200} BENCH_S=${2:-220}
+MODEL=/tmp/llama-1b-f16
+python3 bench/gpu_session.py "$MODEL" > "$OUT/model.log" 2>&1 &
+writer=$!
+
+echo "== tests/test_gpu.py on $DEV"
+# -v: each test's name and result as it finishes (a time limit otherwise cuts the summary away); --timeout: a stuck
+# test dumps its stack and fails instead of holding a worker to the end
+TINYVLLM_TEST_DEVICE=$DEV timeout -k 5 "$TEST_S" python3 -m pytest -v -n 6 -rfE --tb=short -p no:cacheprovider -p no:benchmark \
+  --timeout "$((TEST_S / 3))" --junitxml "$OUT/test_gpu.xml" tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" \
+  | grep -E 'PASSED|FAILED|ERROR|Error|passed|failed|Timeout' | tail -40
+
+wait "$writer" || { echo "writing the 1B model failed:"; tail -5 "$OUT/model.log"; }
+echo "== bench on $DEV"
+timeout -k 5 "$BENCH_S" python3 -m tinyvllm.bench --model "$MODEL" --runs decode,prefill --batch-sizes 1,32 \
+  --prefill-lens 128 --steps 32 --capture-mode pass,layer --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '| *[0-9]*/[0-9]* \[\|^\s*$' | tail -45
