@@ -11,6 +11,7 @@ here, in CI."""
 from __future__ import annotations
 import glob, math, os, re
 import pytest
+from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import Ops
 
 
@@ -62,11 +63,16 @@ def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kern
     program = to_program(ast, renderer)   # lowered and compiled by nvrtc, as a compile worker would
     assert program.src[-1].op is Ops.BINARY and len(program.src[-1].arg) > 0, program.arg.name
     variables = program.arg.vars
+    params = {u.arg.slot: u for u in ast.toposort() if u.op is Ops.PARAM and u.arg.addrspace is not AddrSpace.ALU}
     symbolic += bool(variables)
     for values in ({v.expr: v.vmin for v in variables}, {v.expr: 0 for v in variables}, {v.expr: v.vmax for v in variables}):
       g, l = program.arg.launch_dims(values)
       if min(*g, *l) <= 0 or g[1] > 65535 or g[2] > 65535 or g[0] > 2**31 - 1 or l[0] * l[1] * l[2] > 1024 or l[2] > 64:
         problems.append((program.arg.name, values, g, l))
+      # a grid is its kernel's outputs (a few threads each where they share a reduction), never a product of loops: a
+      # custom kernel's separate ranges all become grid axes on a GPU (the cache write below launched 2.7e11 threads)
+      if math.prod(g) * math.prod(l) > 64 * max((params[s].max_numel() for s in program.arg.outs if s in params), default=1):
+        problems.append((program.arg.name, "threads beyond its outputs", g, l))
       if program.arg.name.startswith("kv_cache_write_"):   # T tokens' rows into caches of the given row sizes
         cache_writes += 1
         T, *rows = map(int, re.findall(r"_(\d+)", program.arg.name))
