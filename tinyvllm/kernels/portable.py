@@ -43,24 +43,24 @@ def _cache_write_kernel(n: int, *bufs: UOp) -> UOp:
   holding every cache's row side by side (offsets follow from the shapes, so a sharded device's smaller rows work
   alike). Padding tokens carry slot -1 and write nothing.
 
-  Every store shares one pair of ranges, a token and an element of all the caches' rows laid end to end; each cache
-  stores the elements that fall in its part. Ranges of their own per cache would be loops one after another on the
-  CPU, but on a GPU every range is a grid axis, so the grid was their product: T^2 * (KVH * D)^2 threads for K and V
-  (T^4 with scales), 6.9e10 for a 512-token step of a 1B model, which ran for minutes on the H100."""
+  Every store shares one pair of ranges, a token and an element of the longest row (K's and V's; a scale cache's row
+  is shorter and stores only where the element is inside it). Ranges of their own per cache would be loops one after
+  another on the CPU, but on a GPU every range is a grid axis, so the grid was their product: T^2 (KVH D)^2 threads for
+  K and V (T^4 more with int8 scales), 6.9e10 for a 512-token step of a 1B model, which ran for minutes on the H100."""
   caches, rows, slots = bufs[:n], bufs[n:-1], bufs[-1]
   T = rows[0].shape[0]
   sizes = [math.prod(cache.shape[2:]) for cache in caches]
-  t, e = UOp.range(T, 0), UOp.range(sum(sizes), 1)
-  slot, stores, start = slots[t], [], 0
+  t, e = UOp.range(T, 0), UOp.range(max(sizes), 1)
+  slot, stores = slots[t], []
   for i, (cache, row_size) in enumerate(zip(caches, sizes)):
     src = rows[i] if len(rows) == n else rows[0]
     width, first = math.prod(src.shape[1:]), 0 if len(rows) == n else i * row_size
-    mine = (e >= start) & (e < start + row_size) if n > 1 else None
+    inside = (e < row_size) if row_size < max(sizes) else None
     ok = (slot >= 0) & (slot < cache.shape[0] * cache.shape[1])
     # guard the index itself: 0.14 rejects gated stores on an INDEX built from a multi-dim subscript
-    dst = cache.flatten()[(slot * row_size + e - start).valid(ok if mine is None else ok & mine)]
-    stores.append(dst.store(src.flatten()[(t * width + first + e - start).valid(mine) if mine is not None else t * width + first + e].cast(cache.dtype)))
-    start += row_size
+    dst = cache.flatten()[(slot * row_size + e).valid(ok if inside is None else ok & inside)]
+    at = t * width + first + e
+    stores.append(dst.store(src.flatten()[at if inside is None else at.valid(inside)].cast(cache.dtype)))
   name = "_".join(f"{size}{c.dtype.name}" for c, size in zip(caches, sizes))
   return UOp.sink(UOp.group(*stores).end(t, e), arg=KernelInfo(name=f"kv_cache_write_{T}_{name}", opts_to_apply=()))
 
