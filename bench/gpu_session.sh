@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One lent-GPU session in one call (the `device` tool; ../shared/notes/gpu.md): the GPU tests against HF transformers,
-# then the benchmark on a Llama-3.2-1B-shaped float16 model (whole-pass and layer captures, then HF eager and
-# torch.compile on the same GPU). Each phase has its own time limit and every test and run prints its result as it
+# then the benchmark on a Llama-3.2-1B-shaped float16 model (whole-pass captures, or CAPTURE_MODES=pass,layer to compare,
+# then HF eager and torch.compile on the same GPU). Each phase has its own time limit and every test and run prints its result as it
 # finishes, so a phase that hangs or crashes still leaves what came before; logs and the bench JSON go under $OUT.
-# A device call's start can take minutes of the session's 15: keep TEST_SECONDS + BENCH_SECONDS well under 10 minutes.
+# A device call's start counts against the session's 15 minutes and took from 30 s to 7 minutes here: keep
+# TEST_SECONDS + BENCH_SECONDS near 6 minutes (150 240), so that a slow start still leaves the run its time.
 #
 #   bash ../shared/gpu/prepare.sh          # here, once: the wheels the GPU machine lacks, into .whl/
 #   device run (carry .whl):  bash bench/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS]
@@ -25,4 +26,4 @@ TINYVLLM_TEST_DEVICE=$DEV timeout -k 5 "$TEST_S" python3 -m pytest -v -n 6 -rfE 
 wait "$writer" || { echo "writing the 1B model failed:"; tail -5 "$OUT/model.log"; }
 echo "== bench on $DEV"
 timeout -k 5 "$BENCH_S" python3 -m tinyvllm.bench --model "$MODEL" --runs decode,prefill --batch-sizes 1,32 \
-  --prefill-lens 128 --steps 32 --capture-mode pass,layer --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '| *[0-9]*/[0-9]* \[\|^\s*$' | tail -45
+  --prefill-lens 128 --steps 32 --capture-mode "${CAPTURE_MODES:-pass}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '| *[0-9]*/[0-9]* \[\|^\s*$' | tail -45
