@@ -11,7 +11,7 @@
 set -uo pipefail
 source .whl/preamble.sh || exit 1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
-TEST_S=${1:-200} BENCH_S=${2:-220}
+TEST_S=${1:-150} BENCH_S=${2:-240}
 MODEL=/tmp/llama-1b-f16
 python3 bench/gpu_session.py "$MODEL" > "$OUT/model.log" 2>&1 &
 writer=$!
