@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random checkpoints (Llama and the other families) in HF layout, written by transformers, with a tokenizer."""
 from __future__ import annotations
-import contextlib, json, os
+import contextlib, json, math, os
 from pathlib import Path
 import pytest
 
@@ -112,6 +112,18 @@ def our_prefill_logits(path: Path, ids: list[int], kernel_backend: str = "portab
   slots = table[pos // block_size] * block_size + pos % block_size
   rows = lambda t: t.numpy().reshape(-1, *t.shape[2:])[slots]
   return logits, [[rows(t) for t in cache.tensors()] for cache in kv]
+
+
+def launch_threads(global_size, local_size) -> int: return math.prod(global_size) * math.prod(local_size)
+
+
+def largest_output(program, sink) -> int:
+  """Elements of the largest buffer a lowered `program` writes (`sink`: its kernel's SINK, lowered or not): on a GPU
+  a kernel's threads should follow its outputs, never a product of its loops."""
+  from tinygrad.dtype import AddrSpace
+  from tinygrad.uop.ops import Ops
+  params = {u.arg.slot: u for u in sink.toposort() if u.op is Ops.PARAM and u.arg.addrspace is not AddrSpace.ALU}
+  return max((params[s].max_numel() for s in program.arg.outs if s in params), default=1)
 
 
 @contextlib.contextmanager

@@ -9,10 +9,10 @@ every size positive (a CUDA graph is built at the variables' 0: engine/replay.py
 65535, at most 1024 threads a block, and the KV cache write's grid linear in its work. A change to our kernels or a tinygrad upgrade that breaks the CUDA path fails
 here, in CI."""
 from __future__ import annotations
-import glob, math, os, re
+import glob, os, re
 import pytest
-from tinygrad.dtype import AddrSpace
 from tinygrad.uop.ops import Ops
+from conftest import largest_output, launch_threads
 
 
 def _nvrtc() -> str | None:
@@ -26,30 +26,36 @@ NVRTC = os.environ.get("NVRTC_PATH") or _nvrtc()
 pytestmark = pytest.mark.skipif(NVRTC is None, reason="nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
 
 
-@pytest.fixture(scope="module")
-def scheduled_kernels(tmp_path_factory):
-  """The kernel ASTs (before lowering) of a 4096-token prefill and a 64-sequence decode on a tiny model."""
-  from conftest import make_tiny_llama
+def run_and_record_kernels(engine_kwargs: dict, requests: list[tuple[list[int], int]]):
+  """Run an engine (portable backend, float16: what a CUDA run uses) on the CPU device through `requests` (prompt ids,
+  max_tokens) and record the kernel ASTs tinygrad compiles for its captures, before lowering. Returns (engine, ASTs)."""
   from tinygrad.engine import realize
   from tinyvllm import SamplingParams
   from tinyvllm.engine.llm_engine import LLMEngine
-  path = make_tiny_llama(tmp_path_factory.mktemp("tiny-cuda"), hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=64, max_position_embeddings=4608)
   asts, lower = [], realize.lower_and_compile
   def record(linear):
     asts.extend(a[0] for c in linear.toposort() if c.op is Ops.CALL and (a := realize._get_call_to_compile(c)) and a[0].op is Ops.SINK)
     return lower(linear)
   realize.lower_and_compile = record
   try:
-    engine = LLMEngine.from_kwargs(str(path), kernel_backend="portable", dtype="float16", max_num_batched_tokens=4096,
-                                   max_model_len=4608, num_kv_blocks=700, max_num_seqs=64)
-    engine.add_request("long", {"prompt_token_ids": [7] * 4095}, SamplingParams(max_tokens=2, temperature=0))
-    for i in range(64): engine.add_request(f"s{i}", {"prompt_token_ids": [5 + i] * 9}, SamplingParams(max_tokens=3, temperature=0))
+    engine = LLMEngine.from_kwargs(**{"kernel_backend": "portable", "dtype": "float16", **engine_kwargs})
+    for i, (ids, n) in enumerate(requests): engine.add_request(str(i), {"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0))
     while engine.has_unfinished_requests(): engine.step()
   finally: realize.lower_and_compile = lower
+  return engine, list(dict.fromkeys(asts))
+
+
+@pytest.fixture(scope="module")
+def scheduled_kernels(tmp_path_factory):
+  """The kernel ASTs (before lowering) of a 4096-token prefill and a 64-sequence decode on a tiny model."""
+  from conftest import make_tiny_llama
+  path = make_tiny_llama(tmp_path_factory.mktemp("tiny-cuda"), hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, max_position_embeddings=4608)
+  engine, asts = run_and_record_kernels(dict(model=str(path), max_num_batched_tokens=4096, max_model_len=4608, num_kv_blocks=700,
+                                             max_num_seqs=64), [([7] * 4095, 2)] + [([5 + i] * 9, 3) for i in range(64)])
   shapes = {(s.num_seqs, s.query_len) for s in engine.runner.replays}
   assert (1, 4096) in shapes and (64, 1) in shapes, shapes
-  return list(dict.fromkeys(asts))
+  return asts
 
 
 def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kernels, monkeypatch):
@@ -63,7 +69,6 @@ def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kern
     program = to_program(ast, renderer)   # lowered and compiled by nvrtc, as a compile worker would
     assert program.src[-1].op is Ops.BINARY and len(program.src[-1].arg) > 0, program.arg.name
     variables = program.arg.vars
-    params = {u.arg.slot: u for u in ast.toposort() if u.op is Ops.PARAM and u.arg.addrspace is not AddrSpace.ALU}
     symbolic += bool(variables)
     for values in ({v.expr: v.vmin for v in variables}, {v.expr: 0 for v in variables}, {v.expr: v.vmax for v in variables}):
       g, l = program.arg.launch_dims(values)
@@ -71,12 +76,12 @@ def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kern
         problems.append((program.arg.name, values, g, l))
       # a grid is its kernel's outputs (a few threads each where they share a reduction), never a product of loops: a
       # custom kernel's separate ranges all become grid axes on a GPU (the cache write below launched 2.7e11 threads)
-      if math.prod(g) * math.prod(l) > 64 * max((params[s].max_numel() for s in program.arg.outs if s in params), default=1):
+      if launch_threads(g, l) > 64 * largest_output(program, ast):
         problems.append((program.arg.name, "threads beyond its outputs", g, l))
       if program.arg.name.startswith("kv_cache_write_"):   # T tokens' rows into caches of the given row sizes
         cache_writes += 1
         T, *rows = map(int, re.findall(r"_(\d+)", program.arg.name))
-        if math.prod(g) * math.prod(l) > 2 * T * sum(rows):   # a grid per cache, multiplied (T^2 (KVH D)^2: minutes on the H100)
+        if launch_threads(g, l) > 2 * T * sum(rows):   # a grid per cache, multiplied (T^2 (KVH D)^2: minutes on the H100)
           problems.append((program.arg.name, "threads", g, l))
   assert not problems, problems
   assert cache_writes > 0
@@ -91,27 +96,17 @@ def test_a_32_head_prefill_lowers_to_programs_a_gpu_graph_can_hash(tmp_path, mon
   (`replay.lower_in_process`), every program hashes, and its estimates still bound the kernel's work."""
   from conftest import make_tiny_llama
   from tinygrad.codegen import do_to_program
-  from tinygrad.engine import realize
   from tinygrad.helpers import Target
   from tinygrad.renderer.cstyle import CUDARenderer
   from tinygrad.uop.ops import sym_infer
-  from tinyvllm import SamplingParams
-  from tinyvllm.engine.llm_engine import LLMEngine
   from tinyvllm.engine.replay import MAX_ESTIMATE_DEPTH, _depth, _has_variables, lower_in_process
   monkeypatch.setenv("NVRTC_PATH", NVRTC)
   path = make_tiny_llama(tmp_path, hidden_size=128, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                          intermediate_size=256, num_hidden_layers=1, max_position_embeddings=1024)
-  asts, lower = [], realize.lower_and_compile
-  def record(linear):
-    asts.extend(a[0] for c in linear.toposort() if c.op is Ops.CALL and (a := realize._get_call_to_compile(c)) and a[0].op is Ops.SINK)
-    return lower(linear)
-  monkeypatch.setattr(realize, "lower_and_compile", record)
-  engine = LLMEngine.from_kwargs(str(path), kernel_backend="portable", dtype="float16", max_num_batched_tokens=512,
-                                 max_model_len=1024, num_kv_blocks=64)
-  for i in range(4): engine.add_request(str(i), {"prompt_token_ids": [5 + i] * 128}, SamplingParams(max_tokens=1, temperature=0))
-  while engine.has_unfinished_requests(): engine.step()
+  _, asts = run_and_record_kernels(dict(model=str(path), max_num_batched_tokens=512, max_model_len=1024, num_kv_blocks=64),
+                                   [([5 + i] * 128, 1) for i in range(4)])
   renderer = CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA"))
-  symbolic = [ast for ast in dict.fromkeys(asts) if _has_variables(ast)]
+  symbolic = [ast for ast in asts if _has_variables(ast)]
   deep = 0
   for ast in symbolic:
     bare = do_to_program(ast, renderer)   # tinygrad's own lowering, without the cache

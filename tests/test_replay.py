@@ -225,8 +225,7 @@ def test_graphed_kernels_launch_threads_in_proportion_to_their_outputs(device, t
   64-token step launches at most 64 threads per element of the largest buffer it writes (tinygrad's reductions share
   up to 16 threads an output). A float cache: with int8 scales the old kernel ran too long to fail (the CUDA compile
   test bounds that one without running it)."""
-  import math
-  from tinygrad.dtype import AddrSpace
+  from conftest import largest_output, launch_threads
   from tinygrad.helpers import Context
   from tinyvllm import SamplingParams
   from tinyvllm.engine.llm_engine import LLMEngine
@@ -238,6 +237,5 @@ def test_graphed_kernels_launch_threads_in_proportion_to_their_outputs(device, t
   programs = [p for r in engine.runner.captures() for p, in_graph in graph_programs(r.jit.captured.linear) if in_graph]
   assert any(p.arg.name.startswith("kv_cache_write_64") for p in programs), "no 64-token cache write: the test lost its subject"
   for p in programs:
-    params = {u.arg.slot: u for u in p.src[0].toposort() if u.op is Ops.PARAM and u.arg.addrspace is not AddrSpace.ALU}
     g, l = p.arg.launch_dims({v.expr: v.vmax for v in p.arg.vars})
-    assert math.prod(g) * math.prod(l) <= 64 * max(params[s].max_numel() for s in p.arg.outs), (p.arg.name, g, l)
+    assert launch_threads(g, l) <= 64 * largest_output(p, p.src[0]), (p.arg.name, g, l)

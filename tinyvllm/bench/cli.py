@@ -230,18 +230,19 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
               "speculative": speculative,
               "draft_model": args.draft_model if speculative else None,
               "num_speculative_tokens": args.num_speculative_tokens if speculative else None, "prompts": args.prompts}
+    who = f"tinyvllm ({common['capture_mode']} captures)"
     for b in args.batch_sizes if "decode" in runs else []:
       for ctx in args.context_lens:
         bar.set_postfix_str(f"decode B={b} ctx={ctx}")
         # the requests are aborted after timing: they must not finish before, so they may run to max_model_len
         rec = runs_mod.decode_run(drv, b, ctx, args.steps, args.warmup, rng, max_len - ctx - 1, args.repeats)
         records.append(report.finalize(rec, ceilings, common))
-        _progress_line(bar, f"tinyvllm ({common['capture_mode']} captures)", "decode", b, ctx, records[-1])
+        _progress_line(bar, who, "decode", b, ctx, records[-1])
         bar.update()
     for n in args.prefill_lens if "prefill" in runs else []:
       bar.set_postfix_str(f"prefill {n}")
       records.append(report.finalize(runs_mod.prefill_run(drv, n, rng, args.repeats), ceilings, common))
-      _progress_line(bar, f"tinyvllm ({common['capture_mode']} captures)", "prefill", 1, n, records[-1])
+      _progress_line(bar, who, "prefill", 1, n, records[-1])
       bar.update()
     if "serving" in runs:
       bar.set_postfix_str("serving (a warm-up pass, then the timed pass)")

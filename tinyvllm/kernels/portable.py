@@ -50,12 +50,13 @@ def _cache_write_kernel(n: int, *bufs: UOp) -> UOp:
   caches, rows, slots = bufs[:n], bufs[n:-1], bufs[-1]
   T = rows[0].shape[0]
   sizes = [math.prod(cache.shape[2:]) for cache in caches]
-  t, e = UOp.range(T, 0), UOp.range(max(sizes), 1)
+  longest = max(sizes)
+  t, e = UOp.range(T, 0), UOp.range(longest, 1)
   slot, stores = slots[t], []
   for i, (cache, row_size) in enumerate(zip(caches, sizes)):
     src = rows[i] if len(rows) == n else rows[0]
     width, first = math.prod(src.shape[1:]), 0 if len(rows) == n else i * row_size
-    inside = (e < row_size) if row_size < max(sizes) else None
+    inside = (e < row_size) if row_size < longest else None
     ok = (slot >= 0) & (slot < cache.shape[0] * cache.shape[1])
     # guard the index itself: 0.14 rejects gated stores on an INDEX built from a multi-dim subscript
     dst = cache.flatten()[(slot * row_size + e).valid(ok if inside is None else ok & inside)]
