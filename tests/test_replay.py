@@ -218,24 +218,28 @@ def test_whole_pass_captures_compute_what_layer_captures_do(tiny_model, backend)
 
 
 @pytest.mark.parametrize("device", [d for d in DEVICES if d != "CPU"])
-def test_graphed_kernels_launch_threads_in_proportion_to_their_outputs(device, tiny_model):
+@pytest.mark.parametrize("kv_cache_dtype,writer", [("auto", "kv_write_rope_64"), ("int8", "kv_cache_write_64")])
+def test_graphed_kernels_launch_threads_in_proportion_to_their_outputs(device, kv_cache_dtype, writer, tiny_model):
   """On a GPU every range of a kernel is a grid axis, so a custom kernel whose stores have ranges of their own launches
   their product: the portable cache write launched T^2 (KVH D)^2 threads (T^4 more with int8 scales), minutes for a
   long prefill on the H100 and 30+ minutes for tests/test_gpu.py's int8 test on this device. Every graphed kernel of a
   64-token step launches at most 64 threads per element of the largest buffer it writes (tinygrad's reductions share
-  up to 16 threads an output). A float cache: with int8 scales the old kernel ran too long to fail (the CUDA compile
-  test bounds that one without running it)."""
+  up to 16 threads an output): the paged attention's kernels (kernels/paged.py) and the cache write of a float cache
+  (RoPE inside) and of an int8 one (portable.write_kv, after the fix; before it the int8 step ran too long to fail, and
+  the CUDA compile test bounds it without running it)."""
   from conftest import largest_output, launch_threads
   from tinygrad.helpers import Context
   from tinyvllm import SamplingParams
   from tinyvllm.engine.llm_engine import LLMEngine
   with Context(DEV=device):
     engine = LLMEngine.from_kwargs(str(tiny_model), kernel_backend="portable", dtype="float32", num_kv_blocks=64, block_size=8,
-                                   max_num_batched_tokens=64)
+                                   max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype)
     engine.add_request("0", {"prompt_token_ids": list(range(5, 65))}, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     while engine.has_unfinished_requests(): engine.step()
   programs = [p for r in engine.runner.captures() for p, in_graph in graph_programs(r.jit.captured.linear) if in_graph]
-  assert any(p.arg.name.startswith("kv_cache_write_64") for p in programs), "no 64-token cache write: the test lost its subject"
+  names = {p.arg.name for p in programs}
+  assert any(n.startswith(writer) for n in names) and any(n.startswith("paged_scores") for n in names), \
+    f"no 64-token cache write or paged attention: the test lost its subject ({sorted(names)})"
   for p in programs:
     g, l = p.arg.launch_dims({v.expr: v.vmax for v in p.arg.vars})
     assert launch_threads(g, l) <= 64 * largest_output(p, p.src[0]), (p.arg.name, g, l)

@@ -272,7 +272,7 @@ class ModelRunner:
 
     def model_inputs(positions, slots, q_pos, token_seq, ctx, tables, bound_extent) -> ModelInputs:
       group = AttentionGroup(P, C, tables.reshape(P, MB), CountVariable.count(bound_extent), q_pos.reshape(1 if shape.packed else P, C),
-                             ctx, token_seq, packed=shape.packed)
+                             ctx, token_seq, packed=shape.packed, kernel_blocks=self.kv_extent.kernel_count())
       return ModelInputs(None, positions, slots, [group], None)
 
     def whole(packed: Tensor, bound_extent):

@@ -58,6 +58,12 @@ class CountVariable:
     """The variable values of a bound replay for this count."""
     return {self.var.expr: count - 1}
 
+  def kernel_count(self) -> UOp:
+    """The count as a kernel written in UOps reads it: the Variable as a kernel parameter (a custom kernel's AST cannot
+    hold the bound form; the value comes from the capture's bound variables, by name)."""
+    v = self.var
+    return UOp.variable(v.arg.name, *v.arg.vmin_vmax, dtype=v.dtype, param=True) + 1
+
   @staticmethod
   def count(bound: UOp) -> UOp:
     """Inside a captured function: the count, from the bound variable it was passed."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import platform, re, sys
 from dataclasses import dataclass
 from tinygrad import Device, Tensor, dtypes
-from tinyvllm.kernels import cpu, cpu_layer, metal, portable
+from tinyvllm.kernels import cpu, cpu_layer, metal, paged, portable
 from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
 from tinyvllm.quant.formats import INT4, INT8, PACKED, LinearWeights
 from tinyvllm.kernels.threads import ThreadPool, default_threads
@@ -33,6 +33,8 @@ class AttentionGroup:
   context_lens: Tensor       # int32 [P]: keys visible to the sequence's last real query
   token_seq: Tensor | None = None   # int32 [P*C]: each slot's row p, -1 on padding slots (the Metal prefill kernel's input)
   packed: bool = False
+  kernel_blocks: object = None      # used_blocks as kernels written in UOps read it (its Variable as a kernel parameter:
+                                    # CountVariable.kernel_count); None when used_blocks is an int
 
   @property
   def num_tokens(self) -> int: return self.query_len if self.packed else self.num_seqs * self.query_len
@@ -187,9 +189,21 @@ class Kernels:
     `qk_norms` (q weight, k weight, eps): RMSNorm each head of q and k before RoPE (Qwen3).
 
     Returns (rotated q `[T, H, D]`, the cache ordered after the write)."""
-    q, k, v = self.head_norms(*split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)
+    q, k, v = self.head_norms(*portable.split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)
     cs = cos_sin[positions]
     return portable.rope(q, cs), portable.write_cache(cache, portable.rope(k, cs), v, slot_mapping)
+
+  def rope_attention(self, qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
+                     slot_mapping: Tensor, group: AttentionGroup, scale: float, window: int | None = None, softcap: float | None = None,
+                     qk_norms: tuple | None = None) -> tuple[Tensor, PagedKVCache] | None:
+    """RoPE, the cache write and the attention of a step's only group in a few kernels that read the paged cache in
+    place (kernels/paged.py), where they apply: returns (attention output `[T, H * D]`, the cache after the write).
+    None: compose them from `rope_and_cache_write` and `attention`, as backends with kernels of their own for those do."""
+    if not paged.applies(cache, 1, group.packed, softcap): return None
+    if qk_norms is not None:   # q and k normed head by head first (Qwen3): the kernels read the row rebuilt from them
+      T = qkv.shape[0]
+      qkv = Tensor.cat(*(x.reshape(T, -1) for x in self.head_norms(*portable.split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)), dim=1)
+    return paged.rope_attention(qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, group, scale, window)
 
   def head_norms(self, q: Tensor, k: Tensor, v: Tensor, qk_norms: tuple | None) -> tuple[Tensor, Tensor, Tensor]:
     """q `[T, H, D]`, k and v `[T, KVH, D]`, q and k RMS-normed head by head when `qk_norms` (q weight, k weight, eps)."""
@@ -211,13 +225,6 @@ class Kernels:
     tables = group.block_tables[:, :group.used_blocks]   # portable attention's cost follows the columns it reads
     out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), cache, tables, group.q_pos, scale, window, softcap)
     return out.reshape(P * C, q.shape[1] * q.shape[2])
-
-
-def split_qkv(qkv: Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
-  """The fused projection's output `[T, (H + 2 KVH) D]` -> q `[T, H, D]`, k and v `[T, KVH, D]`."""
-  T, D = qkv.shape[0], head_dim
-  return (qkv[:, :n_heads * D].reshape(T, n_heads, D), qkv[:, n_heads * D:(n_heads + n_kv_heads) * D].reshape(T, n_kv_heads, D),
-          qkv[:, (n_heads + n_kv_heads) * D:].reshape(T, n_kv_heads, D))
 
 
 class CpuKernels(Kernels):
@@ -279,9 +286,11 @@ class ShaderKernels(Kernels):
     if w.format != INT4 or x.shape[0] > metal.GEMV_MAX_M or w.bias is not None: return super().residual_linear(x, w, residual, out)
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, residual=residual, out=out)
 
+  def rope_attention(self, *args, **kwargs) -> None: return None   # our shaders below
+
   def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, qk_norms=None):
     if qk_norms is not None:   # q and k normed head by head first (Qwen3): the shader reads the row rebuilt from them
-      q, k, v = self.head_norms(*split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)
+      q, k, v = self.head_norms(*portable.split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)
       qkv = Tensor.cat(*(x.reshape(x.shape[0], -1) for x in (q, k, v)), dim=1)
     return metal.rope_and_cache_write(qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, backend=self.shaders)
 

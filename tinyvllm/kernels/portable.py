@@ -28,6 +28,13 @@ def gated(gate: Tensor, up: Tensor, act: str) -> Tensor:
   return (gate.silu() if act == "silu" else gate.gelu()) * up
 
 
+def split_qkv(qkv: Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+  """The fused projection's output `[T, (H + 2 KVH) D]` -> q `[T, H, D]`, k and v `[T, KVH, D]`."""
+  T, D = qkv.shape[0], head_dim
+  return (qkv[:, :n_heads * D].reshape(T, n_heads, D), qkv[:, n_heads * D:(n_heads + n_kv_heads) * D].reshape(T, n_kv_heads, D),
+          qkv[:, (n_heads + n_kv_heads) * D:].reshape(T, n_kv_heads, D))
+
+
 def rope(x: Tensor, cos_sin: Tensor) -> Tensor:
   """x `[T, heads, D]`, cos_sin `[T, D]` (cos of D/2 frequencies, then sin): HF rotate-half RoPE."""
   half = x.shape[-1] // 2

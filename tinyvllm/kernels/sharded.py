@@ -84,6 +84,8 @@ class ShardedKernels(Kernels):
     t = Tensor.invalids(*local, dtype=dtypes.float32, device=self.devices)
     return t if axis is None else Tensor(t.uop.unshard(axis))
 
+  def rope_attention(self, *args, **kwargs) -> None: return None   # heads split over devices: the tensor-op path
+
   def rope_and_cache_write(self, qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor,
                            cache: PagedKVCache, slot_mapping: Tensor, qk_norms: tuple | None = None) -> tuple[Tensor, PagedKVCache]:
     T, D, n = qkv.shape[0], cache.head_dim, self.shards

@@ -105,12 +105,16 @@ class LlamaLayer:
     H, KVH = cfg.num_attention_heads, cfg.num_key_value_heads
     qkv = self.normed_linear("self_attn.qkv_proj", h, "input_layernorm.weight")
     qk_norms = (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"], cfg.rms_norm_eps) if cfg.qk_norm else None
-    q, cache = kn.rope_and_cache_write(qkv, H, KVH, inp.positions, cos_sin, cache, inp.slot_mapping, qk_norms)
-    outs, start = [], 0
-    for g in inp.groups:
-      outs.append(kn.attention(q[start:start + g.num_tokens], cache, g, cfg.attention_scale, self.window, cfg.attn_logit_softcapping))
-      start += g.num_tokens
-    att = outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])   # [T, H * D]
+    fused = kn.rope_attention(qkv, H, KVH, inp.positions, cos_sin, cache, inp.slot_mapping, inp.groups[0], cfg.attention_scale,
+                              self.window, cfg.attn_logit_softcapping, qk_norms) if len(inp.groups) == 1 else None
+    if fused is not None: att, cache = fused
+    else:
+      q, cache = kn.rope_and_cache_write(qkv, H, KVH, inp.positions, cos_sin, cache, inp.slot_mapping, qk_norms)
+      outs, start = [], 0
+      for g in inp.groups:
+        outs.append(kn.attention(q[start:start + g.num_tokens], cache, g, cfg.attention_scale, self.window, cfg.attn_logit_softcapping))
+        start += g.num_tokens
+      att = outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])   # [T, H * D]
     if cfg.sandwich_norms: h = h + kn.rms_norm(self.linear("self_attn.o_proj", att), w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
     else: h = self.residual_linear("self_attn.o_proj", att, h)
     gate_up = self.normed_linear("mlp.gate_up_proj", h, self.mlp_norm)

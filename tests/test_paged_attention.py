@@ -1,0 +1,97 @@
+"""kernels/paged.py: RoPE, the cache write and attention read through the block table in kernels written in UOps,
+against float64 numpy on fresh random inputs (the references of tests/test_metal_kernels.py: RoPE from the table,
+attention over a paged sequence, the int8 cache dequantized by tests/kv_reference.py). Tolerances as there: F32_TOL
+for float32 activations and caches (float32 arithmetic in another order than numpy's float64), F16_TOL where q, K or V
+are half (each value rounded to 2^-11 relative).
+
+Each case runs inside TinyJit with the used extent as a bound variable, as the model runner captures it, and replays
+at a second extent: the kernels read the extent as a kernel parameter, by name, and a replay must see the new value."""
+from __future__ import annotations
+import numpy as np
+import pytest
+from tinygrad import Tensor, TinyJit, dtypes
+from test_metal_kernels import F16_TOL, F32_TOL, attention_ref, random_heads, rel_err, rope_ref, rope_table
+from kv_reference import dequantize_int8_ref, quantize_int8_ref
+from tinyvllm.engine.replay import CountVariable
+from tinyvllm.kernels import AttentionGroup, paged
+from tinyvllm.kernels.kv_cache import PagedKVCache
+
+NP = {dtypes.float32: np.float32, dtypes.float16: np.float16}
+
+
+def run_case(rng, P, C, H, KVH, D, BS, dtype, cache_dtype, window=None, NB=48, MB=8):
+  """Write P sequences' C new tokens each and attend, three times in a captured function (capture, two replays at
+  other extents); checks the float cache's writes, returns [(output, reference)] per call."""
+  T, G = P * C, H // KVH
+  table_np = rope_table(MB * BS + 4, D, theta=500.0)
+  if cache_dtype == "int8":
+    k_codes, k_scale = quantize_int8_ref(random_heads(rng, (NB, BS, KVH, D)))
+    v_codes, v_scale = quantize_int8_ref(random_heads(rng, (NB, BS, KVH, D)))
+    cache_np = [k_codes, v_codes, k_scale, v_scale]
+  else:
+    cache_np = [random_heads(rng, (NB, BS, KVH, D)).astype(NP[cache_dtype]) for _ in range(2)]
+  cache = PagedKVCache(*(Tensor(a.copy()).realize() for a in cache_np))
+  tables_np = np.stack([rng.permutation(NB)[:MB] for _ in range(P)]).astype(np.int32)
+  extent = CountVariable.make("kv_blocks", MB)
+  args = [Tensor(a).realize() for a in (table_np, tables_np)]
+
+  def attend(qkv, positions, slots, q_pos, bound):
+    group = AttentionGroup(P, C, args[1], CountVariable.count(bound), q_pos, q_pos[:, -1] + 1, kernel_blocks=extent.kernel_count())
+    out, written = paged.rope_attention(qkv, H, KVH, positions, args[0], cache, slots, group, D ** -0.5, window)
+    return out.realize(), written.k.realize()
+  step = TinyJit(attend)
+
+  results = []
+  for used in (MB - 2, 3, MB):   # the capture's extent, then two replays
+    last = rng.integers(max(C, (used - 1) * BS), used * BS, P)
+    pos = (last[:, None] - np.arange(C)[::-1]).astype(np.int32)                                  # [P, C]
+    slots = np.array([tables_np[p, x // BS] * BS + x % BS for p in range(P) for x in pos[p]], np.int32)
+    if P > 1: slots[C - 1] = -1                                    # a padding token: writes nothing
+    qkv = random_heads(rng, (T, H + 2 * KVH, D)).astype(NP[dtype])
+    out, k = step(Tensor(qkv.reshape(T, -1)).realize(), Tensor(pos.reshape(-1)).realize(), Tensor(slots).realize(),
+                  Tensor(pos).realize(), extent.bind(used))
+    rotated = rope_ref(qkv.astype(np.float64), pos.reshape(-1), table_np)                  # [T, H + 2 KVH, D]
+    written = [s for s in range(T) if slots[s] >= 0]
+    if cache_dtype == "int8":   # written by tensor ops: compare what the cache means
+      k_ref, v_ref = (dequantize_int8_ref(c, s).reshape(NB * BS, KVH, D) for c, s in zip(cache_np[:2], cache_np[2:]))
+      k_ref[slots[written]] = dequantize_int8_ref(*quantize_int8_ref(rotated[written, H:H + KVH]))
+      v_ref[slots[written]] = dequantize_int8_ref(*quantize_int8_ref(qkv[written, H + KVH:].astype(np.float64)))
+    else:
+      k_ref, v_ref = (c.astype(np.float64).reshape(NB * BS, KVH, D).copy() for c in cache_np)
+      k_ref[slots[written]], v_ref[slots[written]] = rotated[written, H:H + KVH], qkv[written, H + KVH:]
+      cache_np = [k_ref.astype(NP[cache_dtype]).reshape(NB, BS, KVH, D), v_ref.astype(NP[cache_dtype]).reshape(NB, BS, KVH, D)]
+    ref = np.stack([attention_ref(rotated[p * C + c, :H], k_ref.reshape(NB, BS, KVH, D), v_ref.reshape(NB, BS, KVH, D), tables_np[p],
+                                  pos[p, c] + 1, D ** -0.5, window=window) for p in range(P) for c in range(C)])
+    results.append((out.numpy().reshape(T, H, D), ref))
+    if cache_dtype != "int8":   # the rows written, and nothing else: padding tokens and other slots untouched
+      k = k.numpy().reshape(NB * BS, KVH, D).astype(np.float64)
+      untouched = np.setdiff1d(np.arange(NB * BS), slots[written])
+      assert (k[untouched] == k_ref[untouched]).all()
+      assert rel_err(k[slots[written]], k_ref[slots[written]]) < (F16_TOL if cache_dtype == dtypes.float16 else F32_TOL)
+    cache_np = [t.numpy() for t in cache.tensors()]   # what the next call reads
+  return results
+
+
+@pytest.mark.parametrize("P,C,H,KVH,D,BS", [
+    (1, 1, 4, 2, 64, 16),     # batch-1 decode: exp recomputed in the PV kernel
+    (20, 1, 4, 1, 32, 8),     # 80 query rows: exp written once by a kernel of its own
+    (2, 7, 6, 2, 128, 16),    # prefill chunks, GQA 3
+    (3, 4, 8, 8, 80, 8)])     # no GQA, a head_dim that is not a power of two
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16], ids=["f32", "f16"])
+def test_write_and_attention_match_numpy(P, C, H, KVH, D, BS, dtype):
+  rng = np.random.default_rng(P * 1000 + C * 100 + D)
+  for out, ref in run_case(rng, P, C, H, KVH, D, BS, dtype, dtype):
+    assert rel_err(out, ref) < (F16_TOL if dtype == dtypes.float16 else F32_TOL)
+
+
+def test_sliding_window():
+  rng = np.random.default_rng(7)
+  for out, ref in run_case(rng, 2, 3, 4, 2, 64, 8, dtypes.float32, dtypes.float32, window=13):
+    assert rel_err(out, ref) < F32_TOL
+
+
+@pytest.mark.parametrize("P,C", [(1, 1), (20, 1), (2, 5)])
+def test_int8_cache_is_read_through_its_scales(P, C):
+  rng = np.random.default_rng(11 + P + C)
+  for out, ref in run_case(rng, P, C, 4, 2, 64, 16, dtypes.float32, "int8"):
+    assert rel_err(out, ref) < F32_TOL

@@ -1,0 +1,181 @@
+"""Attention over the paged KV cache in a few kernels that read it in place: the portable backend's path on GPUs.
+
+Composed from tensor ops (kernels/portable.py), one decode layer's attention cost tinygrad 11 kernels: gather the
+RoPE rows of the step's positions, rotate k and stack it with v, write the cache, copy the used blocks of K and of V
+out of the cache (a gather by block table is a reduction to tinygrad, and a reduction read by a broadcasting matmul
+is realized first), build the key positions (an arange of symbolic length is a cumulative sum: S^2 work), QK^T, max,
+exp, sum, PV. On a GPU every kernel is a launch, in a CUDA graph or a Metal command buffer alike. The kernels here are
+written in UOps (tinygrad custom kernels, which tinygrad optimizes and compiles for every device as its own):
+
+  write   from the qkv projection's rows: q rotated (float32), k rotated and v into their slots
+  QK^T    keys read through the block table, scaled, masked                  scores [P, KVH, G*C, S]
+  max, sum of exp                                                              tensor ops over the scores
+  PV      values read through the block table, divided by the sum            [T, H*D], as the o projection reads it
+
+5 kernels a layer where the tensor ops took 11. Prefill adds one that turns the scores into exp(score - max) in place:
+the PV kernel otherwise recomputes each exp once per element of its output row (D times); for a decode step of a few
+sequences that is cheaper than a launch, for a long prefill it is not (`EXP_INLINE_ROWS`).
+
+The scores' buffer is sized for the whole block table (tinygrad sizes a buffer of symbolic length at its maximum as
+well); the kernels loop to the step's used extent, a symbolic count they read as a kernel parameter
+(AttentionGroup.kernel_blocks). RoPE, the scale, the mask and every sum are computed in float32. Float and int8
+caches are read (int8: a code times its head vector's scale); int8 writes (the scale is a row maximum: tensor ops),
+int4 caches (packed, rotated), soft-capped scores (Gemma 2) and packed prefill groups take the tensor-op path.
+"""
+from __future__ import annotations
+import functools, math
+from typing import TYPE_CHECKING
+from tinygrad import Tensor, UOp, dtypes
+from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+from tinyvllm.kernels import portable
+from tinyvllm.kernels.kv_cache import PagedKVCache
+
+if TYPE_CHECKING: from tinyvllm.kernels import AttentionGroup
+
+# decode steps of at most this many query rows (sequences x query heads) recompute exp(score - max) in the PV kernel
+# rather than launch a kernel that writes it once: D exps per score, microseconds for one 32-head sequence at 4096
+# tokens on an H100, about a launch; 32 such sequences would pay 32 times that
+EXP_INLINE_ROWS = 64
+LOG2E = 1 / math.log(2)
+
+
+def applies(cache: PagedKVCache, num_groups: int, packed: bool, softcap: float | None) -> bool:
+  """Can these kernels run a layer's attention: one unpacked group, a float or int8 cache, no soft cap?"""
+  return num_groups == 1 and not packed and softcap is None and not cache.k_int4 and not cache.v_int4
+
+
+def rotated(row: UOp, base: UOp, d: UOp, D: int, cos_sin: UOp, pos: UOp) -> UOp:
+  """Element d of the head vector row[base:base + D] after HF's rotate-half RoPE at position `pos`, as float32.
+  cos_sin: flat `[positions, D]`, the cos of the D/2 frequencies then their sin."""
+  half = D // 2
+  first = d < half
+  i = first.where(d, d - half)
+  cos, sin = cos_sin[pos * D + i].cast(dtypes.float32), cos_sin[pos * D + half + i].cast(dtypes.float32)
+  x, partner = row[base + d].cast(dtypes.float32), row[base + first.where(d + half, d - half)].cast(dtypes.float32)
+  return x * cos + first.where(-partner, partner) * sin
+
+
+def _read(cache: UOp, scale: UOp | None, slot: UOp, kvh: UOp, d: UOp, KVH: int, D: int) -> UOp:
+  """Element d of KV head kvh at a cache slot, as float32 (an int8 code times its head vector's scale)."""
+  x = cache[(slot * KVH + kvh) * D + d].cast(dtypes.float32)
+  return x if scale is None else x * scale[slot * KVH + kvh].cast(dtypes.float32)
+
+
+def _scalar(buf: UOp):
+  """The element dtype of a kernel's buffer parameter."""
+  return getattr(buf.dtype, "base", buf.dtype)
+
+
+def _write_kernel(n_heads: int, D: int, q_out: UOp, k: UOp, v: UOp, qkv: UOp, positions: UOp, cos_sin: UOp, slots: UOp) -> UOp:
+  """From the qkv projection's rows `[T, (H + 2 KVH) D]`: q rotated into q_out `[T, H * D]` (float32), and k rotated
+  and v into the caches `[NB, BS, KVH, D]` at each token's slot (padding tokens, slot -1, write no K/V). One grid of
+  (token, element of q): k and v store where the element is inside their shorter rows."""
+  (T, width), KVH = qkv.shape, k.shape[2]
+  q_out, k, v, qkv, cos_sin = q_out.flatten(), k.flatten(), v.flatten(), qkv.flatten(), cos_sin.flatten()
+  t, e = UOp.range(T, 0), UOp.range(n_heads * D, 1)
+  pos, slot, row = positions[t], slots[t], t * width
+  stores = [q_out[t * (n_heads * D) + e].store(rotated(qkv, row + e // D * D, e % D, D, cos_sin, pos))]
+  inside = (slot >= 0) & (slot < k.shape[0] // (KVH * D))
+  if KVH < n_heads: inside = inside & (e < KVH * D)
+  at = (slot * (KVH * D) + e).valid(inside)
+  kv_e = e % (KVH * D) if KVH < n_heads else e   # loads stay inside the row where the stores are masked off
+  key = rotated(qkv, row + (n_heads + kv_e // D) * D, kv_e % D, D, cos_sin, pos)
+  value = qkv[row + (n_heads + KVH) * D + kv_e]
+  stores += [k[at].store(key.cast(_scalar(k))), v[at].store(value.cast(_scalar(v)))]
+  return UOp.sink(UOp.group(*stores).end(t, e), arg=KernelInfo(name=f"kv_write_rope_{T}_{KVH * D}_{n_heads * D}", opts_to_apply=()))
+
+
+def _scores_kernel(opts, block_size: int, scale: float, window: int | None, S: UOp, scores: UOp, q: UOp, tables: UOp, q_pos: UOp,
+                   k: UOp, *k_scale: UOp) -> UOp:
+  """scores `[P, KVH, G*C, MS]` (MS >= S): the scaled q.k of query slot (p, c), head kvh*G + g (q: rotated, `[T, H, D]`),
+  with key position s < S of sequence p; -inf where the key is not visible (after the query, or outside the window)."""
+  P, KVH, GC, MS = scores.shape
+  (T, H, D), MB = q.shape, tables.shape[1]
+  G = H // KVH
+  C = GC // G
+  scores, q, tables, q_pos, k = (x.flatten() for x in (scores, q, tables, q_pos, k))
+  p, kvh, gc, s = UOp.range(P, 0), UOp.range(KVH, 1), UOp.range(GC, 2), UOp.range(S, 3)
+  d = UOp.range(D, 4, AxisType.REDUCE)
+  g, c = gc // C, gc % C
+  token = p * C + c
+  slot = tables[p * MB + s // block_size] * block_size + s % block_size
+  key = _read(k, k_scale[0].flatten() if k_scale else None, slot, kvh, d, KVH, D)
+  dot = (q[(token * H + kvh * G + g) * D + d] * key).reduce(d, arg=Ops.ADD)
+  last = q_pos[token]
+  visible = s <= last if window is None else (s <= last) & (s > last - window)
+  store = scores[((p * KVH + kvh) * GC + gc) * MS + s].store(visible.where(dot * scale, float("-inf")))
+  return UOp.sink(store.end(p, kvh, gc, s), arg=KernelInfo(name=f"paged_scores_{P}_{GC}", opts_to_apply=opts))
+
+
+def _exp_kernel(S: UOp, scores: UOp, row_max: UOp) -> UOp:
+  """scores[..., s] = exp(scores[..., s] - max of its row), in place, for s < S."""
+  R, MS = math.prod(scores.shape[:-1]), scores.shape[-1]
+  scores, row_max = scores.flatten(), row_max.flatten()
+  r, s = UOp.range(R, 0), UOp.range(S, 1)
+  at = r * MS + s
+  store = scores[at].store(((scores[at] - row_max[r]) * LOG2E).exp2())
+  return UOp.sink(store.end(r, s), arg=KernelInfo(name=f"paged_exp_{R}"))
+
+
+def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool, S: UOp, out: UOp, scores: UOp, row_sum: UOp,
+                   tables: UOp, v: UOp, *rest: UOp) -> UOp:
+  """out `[T, H*D]` (token p*C + c, head kvh*G + g) = sum over s < S of softmax weight x value row, read through the
+  block table. rest: v's scales when `quantized`, then the row maxima if `scores` are still scores; without them,
+  `scores` hold exp(score - max) already. (Every parameter is read: tinygrad 0.14's CPU threads give their core id
+  the slot after the buffers read, which an unread buffer before the last shifts onto a buffer's.)"""
+  P, KVH, GC, MS = scores.shape
+  MB, G = tables.shape[1], n_heads // scores.shape[1]
+  C = GC // G
+  v_scale, row_max = (rest[0] if quantized else None), (rest[-1].flatten() if len(rest) > quantized else None)
+  out, scores, row_sum, tables, v = (x.flatten() for x in (out, scores, row_sum, tables, v))
+  p, kvh, gc, d = UOp.range(P, 0), UOp.range(KVH, 1), UOp.range(GC, 2), UOp.range(D, 3)
+  s = UOp.range(S, 4, AxisType.REDUCE)
+  g, c = gc // C, gc % C
+  row = (p * KVH + kvh) * GC + gc
+  weight = scores[row * MS + s]
+  if row_max is not None: weight = ((weight - row_max[row]) * LOG2E).exp2()
+  slot = tables[p * MB + s // block_size] * block_size + s % block_size
+  acc = (weight * _read(v, v_scale.flatten() if quantized else None, slot, kvh, d, KVH, D)).reduce(s, arg=Ops.ADD)
+  store = out[((p * C + c) * n_heads + kvh * G + g) * D + d].store((acc / row_sum[row]).cast(_scalar(out)))
+  return UOp.sink(store.end(p, kvh, gc, d), arg=KernelInfo(name=f"paged_values_{P}_{GC}", opts_to_apply=opts))
+
+
+def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
+                   slot_mapping: Tensor, group: AttentionGroup, scale: float, window: int | None = None) -> tuple[Tensor, PagedKVCache]:
+  """RoPE, the cache write and attention of one group (kernels.AttentionGroup) from the qkv projection's output
+  `[T, (H + 2 KVH) D]`. Returns (attention output `[T, H*D]`, the cache ordered after the write)."""
+  T, D, BS = qkv.shape[0], cache.head_dim, cache.k.shape[1]
+  P, C, G = group.num_seqs, group.query_len, n_heads // n_kv_heads
+  qkv, cos_sin = qkv.contiguous(), cos_sin.contiguous()
+  if cache.quantized:   # int8: the scale of each head vector is a row maximum, which tensor ops compute first
+    q, k, v = portable.split_qkv(qkv, n_heads, n_kv_heads, D)
+    cs = cos_sin[positions]
+    cache = portable.write_cache(cache, portable.rope(k, cs), v, slot_mapping)
+    q = portable.rope(q.float(), cs).contiguous()
+  else:
+    q = Tensor.empty(T, n_heads, D, dtype=dtypes.float32, device=qkv.device)
+    q, k, v = Tensor.custom_kernel(q, cache.k, cache.v, qkv, positions, cos_sin, slot_mapping,
+                                   fxn=functools.partial(_write_kernel, n_heads, D))[:3]
+    cache = cache.written(k, v)
+  # tinygrad's CPU heuristic unrolls every small axis of the two reductions (a 120 KB C source that took clang 5 s for
+  # 4 sequences): on the CPU device, where these kernels only serve the portable backend's tests, they run as written
+  opts = () if str(qkv.device).split(":")[0] == "CPU" else None
+  blocks = group.kernel_blocks if group.kernel_blocks is not None else group.used_blocks
+  S_kernel, S = blocks * BS, group.used_blocks * BS
+  k_scale = (cache.k_scale,) if cache.quantized else ()
+  v_scale = (cache.v_scale,) if cache.quantized else ()
+  tables, q_pos = group.block_tables.contiguous(), group.q_pos.contiguous()
+  full = Tensor.empty(P, n_kv_heads, G * C, tables.shape[1] * BS, dtype=dtypes.float32, device=qkv.device)
+  full = Tensor.custom_kernel(full, q, tables, q_pos, cache.k, *k_scale,
+                              fxn=functools.partial(_scores_kernel, opts, BS, scale, window, S_kernel))[0]
+  row_max = full[..., :S].max(-1, keepdim=True).contiguous()
+  exponentiated = C > 1 or P * n_heads > EXP_INLINE_ROWS
+  if exponentiated:
+    full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, S_kernel))[0]
+    row_sum = full[..., :S].sum(-1, keepdim=True)
+  else: row_sum = (full[..., :S] - row_max).exp().sum(-1, keepdim=True)
+  out = Tensor.empty(T, n_heads * D, dtype=qkv.dtype, device=qkv.device)
+  out = Tensor.custom_kernel(out, full, row_sum.contiguous(), tables, cache.v, *v_scale, *(() if exponentiated else (row_max,)),
+                             fxn=functools.partial(_values_kernel, opts, n_heads, D, BS, cache.quantized, S_kernel))[0]
+  return out, cache
+
