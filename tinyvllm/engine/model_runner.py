@@ -14,7 +14,7 @@ from tinygrad import Device, Tensor, dtypes
 from tinyvllm.config import CAPTURE_MODES
 from tinyvllm.host_memory import fresh_pages, lend, lend_buffer
 from tinyvllm.engine.replay import BoundReplay, CountVariable, LaunchTimes, Replay
-from tinyvllm.kernels import AttentionGroup
+from tinyvllm.kernels import AttentionGroup, portable
 from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
 from tinyvllm.model.llama import Llama, ModelInputs
 from tinyvllm.model.tensor_parallel import sharded_empty
@@ -264,10 +264,12 @@ class ModelRunner:
     P, C, MB = shape.num_seqs, shape.query_len, self.max_blocks
 
     def unpack(packed: Tensor):
-      if len(self.devices) > 1: packed = packed.shard(self.devices)   # every device reads the step's integers
-      fields, at = {}, 0
-      for name, size in zip(FIELDS, shape.sizes(MB)):
-        fields[name], at = packed[at:at + size].clone(), at + size   # clone: a real buffer, not a view of packed
+      sizes = shape.sizes(MB)
+      if len(self.devices) == 1: fields = dict(zip(FIELDS, portable.split(packed, sizes)))   # one kernel, not one per field
+      else:
+        packed, fields, at = packed.shard(self.devices), {}, 0   # every device reads the step's integers
+        for name, size in zip(FIELDS, sizes):
+          fields[name], at = packed[at:at + size].clone(), at + size   # clone: a real buffer, not a view of packed
       return (self.model.embed(fields["tokens"]).contiguous(), *(fields[n] for n in FIELDS[1:]))
 
     def model_inputs(positions, slots, q_pos, token_seq, ctx, tables, bound_extent) -> ModelInputs:

@@ -73,6 +73,26 @@ def _cache_write_kernel(n: int, *bufs: UOp) -> UOp:
   return UOp.sink(UOp.group(*stores).end(t, e), arg=KernelInfo(name=f"kv_cache_write_{T}_{name}", opts_to_apply=()))
 
 
+def _split_kernel(sizes: tuple[int, ...], *bufs: UOp) -> UOp:
+  """outs[i] = the i-th run of `sizes` elements of src, back to back (bufs: the outputs, then src), on one grid of the
+  longest run's elements: a shorter output stores where the element is inside it."""
+  *outs, src = bufs
+  longest = max(sizes)
+  e, stores, at = UOp.range(longest, 0), [], 0
+  for out, size in zip(outs, sizes):
+    inside = (e < size) if size < longest else None
+    stores.append(out[e if inside is None else e.valid(inside)].store(src[(at + e) if inside is None else (at + e).valid(inside)]))
+    at += size
+  return UOp.sink(UOp.group(*stores).end(e), arg=KernelInfo(name=f"split_{len(sizes)}_{at}", opts_to_apply=()))
+
+
+def split(src: Tensor, sizes: tuple[int, ...]) -> list[Tensor]:
+  """A 1-D tensor's consecutive runs of `sizes` elements as separate buffers, copied by one kernel (slices each cost
+  a copy kernel of their own wherever a kernel needs a real buffer)."""
+  outs = [Tensor.empty(n, dtype=src.dtype, device=src.device) for n in sizes]
+  return Tensor.custom_kernel(*outs, src, fxn=functools.partial(_split_kernel, tuple(sizes)))[:len(sizes)]
+
+
 def write_kv(caches: list[Tensor], rows: list[Tensor], slot_mapping: Tensor) -> list[Tensor]:
   """Scatter each token's rows into caches `[NB, BS, ...]` at slot_mapping `[T]`, in place, every cache in one kernel
   (K and V and their scales: one launch per layer, not two or four). `rows`: rows[i] `[T, ...]` for cache i, or a
