@@ -8,6 +8,7 @@
 #
 #   bash ../shared/gpu/prepare.sh          # here, once: the wheels the GPU machine lacks, into .whl/
 #   device run (carry .whl):  bash bench/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS]
+#   (env: CAPTURE_MODES=pass,layer compares captures; BENCH_BEAM=2 searches the bench's kernels)
 set -uo pipefail
 source .whl/preamble.sh || exit 1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -25,5 +26,7 @@ TINYVLLM_TEST_DEVICE=$DEV timeout -k 5 "$TEST_S" python3 -m pytest -v -n 6 -rfE 
 
 wait "$writer" || { echo "writing the 1B model failed:"; tail -5 "$OUT/model.log"; }
 echo "== bench on $DEV"
-timeout -k 5 "$BENCH_S" python3 -m tinyvllm.bench --model "$MODEL" --runs decode,prefill --batch-sizes 1,32 \
+# BENCH_BEAM=N: tinygrad's BEAM search (width N) for the bench's kernels only (minutes of search per new kernel on a
+# first run; tinygrad caches the result on disk)
+BEAM=${BENCH_BEAM:-0} timeout -k 5 "$BENCH_S" python3 -m tinyvllm.bench --model "$MODEL" --runs decode,prefill --batch-sizes 1,32 \
   --prefill-lens 128 --steps 32 --capture-mode "${CAPTURE_MODES:-pass}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '| *[0-9]*/[0-9]* \[\|^\s*$' | tail -45

@@ -272,18 +272,24 @@ class EngineCore:
     # structured output: the masks of the tokens sampled this step, computed while the model runs when it pays (MaskPolicy)
     pending = self.masks.start([s.grammar for s in decodes if s.grammar] +
                                [c.seq.grammar for c in sched.prefills if c.completes_prompt and c.seq.grammar])
+    # on a GPU, decodes that only need their argmax get it from the device instead of their logits (ModelRunner.argmax_on_device)
+    argmax = bool(decodes) and self.runner.argmax_on_device and all(self._argmax_only(s) for s in decodes)
     try:
-      decode_logits, prefill_logits, verify_logits = self.runner.execute(
+      decode_out, prefill_logits, verify_logits = self.runner.execute(
         [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:]) for s in decodes],
         [WorkItem(c.seq.block_table, c.seq.num_computed_tokens, c.seq.token_ids[c.seq.num_computed_tokens:][:c.num_tokens])
          for c in sched.prefills],
         [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:] + p.drafts) for s, p in zip(speculated, proposals)],
-        prefill_all_logits=want_prompt_logprobs)
+        prefill_all_logits=want_prompt_logprobs, decode_argmax=argmax)
     finally: pending.wait()   # even when the pass failed: the worker must be done with the matchers
     sampled: dict[Sequence, list[int]] = {}
     drafted = accepted = 0
-    for seq, logits in zip(decodes, decode_logits):
-      self._guarded(seq, outputs, lambda: self._sample(seq, logits[None], outputs, sampled, seq.grammar and pending.bias(seq.grammar)))
+    for seq, out in zip(decodes, decode_out):
+      if argmax:
+        seq.metrics.num_target_steps += 1
+        sampled[seq] = [int(out)]
+        continue
+      self._guarded(seq, outputs, lambda: self._sample(seq, out[None], outputs, sampled, seq.grammar and pending.bias(seq.grammar)))
     for chunk, logits in zip(sched.prefills, prefill_logits):
       rows = logits if want_prompt_logprobs else logits[None]     # every slot of the chunk, or its last
       def sample_chunk(chunk=chunk, rows=rows):
@@ -296,6 +302,14 @@ class EngineCore:
       self._guarded(seq, outputs, lambda: self._verify(seq, proposal, logits, outputs, sampled))
       accepted += max(0, len(sampled.get(seq, ())) - 1)
     return sampled, drafted, accepted
+
+  @staticmethod
+  def _argmax_only(seq: Sequence) -> bool:
+    """Is seq's next token the argmax of its raw logits, nothing else read from them: greedy, no penalty, bias, grammar
+    or min_tokens ban, no logprobs?"""
+    p = seq.params
+    return p.greedy and p.logprobs is None and seq.grammar is None and not p.logit_bias and p.repetition_penalty == 1 and \
+      p.presence_penalty == 0 and p.frequency_penalty == 0 and seq.num_output_tokens >= p.min_tokens
 
   def _guarded(self, seq: Sequence, outputs: dict[Sequence, CoreOutput], fn) -> None:
     try: fn()

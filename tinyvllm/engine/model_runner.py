@@ -112,6 +112,10 @@ class ModelRunner:
       k = kinds.index(layer.signature)
       self.layer_slot.append(k * self.layer_graphs + seen[k] % self.layer_graphs)
       seen[k] += 1
+    # On a GPU a greedy decode step needs only each row's argmax (`execute(decode_argmax=True)`): taken on the device, 4
+    # bytes a row come back instead of the vocabulary's logits (Llama 3: 0.5 MB a row, 16 MB a step at batch 32) and the
+    # host skips an argmax over them. On the CPU device logits are read in place and numpy's argmax is as fast.
+    self.argmax_on_device = self.kind != "CPU"
     self.input_buffers: dict[PassShape, Tensor] = {}
     self.hidden_buffers: dict[PassShape, tuple[Tensor, Tensor]] = {}
     self.bound_passes: dict[PassShape, list[tuple[BoundReplay, bool]]] = {}   # a captured shape's calls, inputs bound
@@ -146,10 +150,12 @@ class ModelRunner:
     return self.kv_format.bytes_per_block(cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
 
   def execute(self, decodes: list[WorkItem], prefills: list[WorkItem] = (), verifies: list[WorkItem] = (),
-              prefill_all_logits: bool = False) -> tuple[np.ndarray, np.ndarray | list[np.ndarray], np.ndarray]:
+              prefill_all_logits: bool = False, decode_argmax: bool = False) -> tuple[np.ndarray, np.ndarray | list[np.ndarray], np.ndarray]:
     """Read the given tokens. Returns float32 logits: `[len(decodes), V]` (one token each), `[len(prefills), V]`
     (each chunk's last token; with `prefill_all_logits`, one `[chunk length, V]` array per chunk instead, as
     prompt logprobs need) and `[len(verifies), K, V]` (every token of each verified run; all runs have K tokens).
+    With `decode_argmax`, each decode's argmax token id instead of its logits (int64 `[len(decodes)]`: greedy
+    sampling without penalties), taken on the device where `argmax_on_device`.
 
     Each kind runs as its own pass. One pass over all three would read the weights once instead of up to
     three times, but every combination of bucket sizes would be a shape to capture; separate passes keep the
@@ -160,7 +166,11 @@ class ModelRunner:
       if not items: continue
       shape = self._shape(i, items, prefill_all_logits)
       packed, used_blocks = self.prepare(shape, items)
-      logits = self._forward(shape, packed, used_blocks)
+      result = self._forward(shape, packed, used_blocks)
+      if i == 0 and decode_argmax:
+        out[0] = self._argmax(result)[:len(items)]
+        continue
+      logits = self._host_logits(result)
       if i == 1 and prefill_all_logits:   # rows are token slots: each chunk's own, in its place
         starts = np.cumsum([0] + [len(w.tokens) for w in items]) if shape.packed else np.arange(len(items)) * shape.query_len
         out[i] = [logits[start:start + len(w.tokens)] for start, w in zip(starts, items)]
@@ -217,12 +227,21 @@ class ModelRunner:
     else:
       var_vals = self.kv_extent.var_vals(used_blocks)
       for call, reads_extent in bound: out = call(var_vals if reads_extent else {})
-    logits = out.uop.buffer
     if self.launch_times.enabled:   # the benchmark: how long the host waits for the device's work of this pass
       t = time.perf_counter()
-      Device[logits.device].synchronize()
+      Device[self.devices[0]].synchronize()
       self.launch_times.wait_seconds += time.perf_counter() - t
+    return out
+
+  def _host_logits(self, result: Tensor | tuple[Tensor, Tensor]) -> np.ndarray:
+    """A pass's float32 logits `[rows, V]`, copied to the host."""
+    logits = (result[0] if isinstance(result, tuple) else result).uop.buffer
     return np.frombuffer(logits.as_memoryview(allow_zero_copy=True), np.float32).reshape(-1, self.model.cfg.vocab_size).copy()
+
+  def _argmax(self, result: Tensor | tuple[Tensor, Tensor]) -> np.ndarray:
+    """Each row's argmax token: the device's where the pass took one (numpy's rule: portable.argmax), else numpy's."""
+    if not isinstance(result, tuple): return np.argmax(self._host_logits(result), axis=-1)
+    return np.frombuffer(result[1].uop.buffer.as_memoryview(allow_zero_copy=True), np.int32).astype(np.int64)
 
   def _pass_calls(self, shape: PassShape, fields: tuple[Tensor, ...]) -> list[tuple[Replay, tuple[Tensor, ...], bool]]:
     """The pass after its input replay, whose outputs are `fields`: (replay, its inputs, whether it reads the KV
@@ -277,13 +296,18 @@ class ModelRunner:
                              ctx, token_seq, packed=shape.packed, kernel_blocks=self.kv_extent.kernel_count())
       return ModelInputs(None, positions, slots, [group], None)
 
+    def head(h: Tensor, rows: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+      logits = self.model.logits(h, rows)
+      if not (self.argmax_on_device and shape.query_len == 1 and not shape.all_logits and not shape.packed): return logits
+      return logits, portable.argmax(logits)   # decode: greedy steps read only this
+
     def whole(packed: Tensor, bound_extent):
       h, positions, slots, q_pos, token_seq, rows, ctx, tables = fields = unpack(packed)
       Tensor.realize(*fields)
       inputs = model_inputs(positions, slots, q_pos, token_seq, ctx, tables, bound_extent)
       for layer, cache in zip(self.model.layers, self.kv_caches):   # realized a layer at a time: small schedules
         h = layer(h, inputs, self.model.rope_table(layer), cache).realize()
-      return self.model.logits(h, rows)
+      return head(h, rows)
 
     n_cache = len(self.kv_caches[0].tensors())
     def layer(template, h, out, positions, slots, q_pos, token_seq, ctx, tables, *cache_weights_and_extent):
@@ -295,7 +319,7 @@ class ModelRunner:
     if self.whole_pass: replays = (Replay(whole),)
     else:
       layers = tuple(Replay(functools.partial(layer, template)) for template in self.layer_templates for _ in range(self.layer_graphs))
-      replays = (Replay(unpack), layers, Replay(lambda h, rows: self.model.logits(h, rows)))
+      replays = (Replay(unpack), layers, Replay(head))
     self.replays[shape] = replays
     if len(self.replays) > MAX_SHAPES:   # drop the least recently used shape's captures and buffers together
       old, _ = self.replays.popitem(last=False)

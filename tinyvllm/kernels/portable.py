@@ -73,6 +73,15 @@ def _cache_write_kernel(n: int, *bufs: UOp) -> UOp:
   return UOp.sink(UOp.group(*stores).end(t, e), arg=KernelInfo(name=f"kv_cache_write_{T}_{name}", opts_to_apply=()))
 
 
+def argmax(x: Tensor) -> Tensor:
+  """int32 index of each row's largest value `[..., V] -> [...]`, as numpy's argmax picks it: the first of equal maxima,
+  and the first NaN of a row holding one (tinygrad's own argmax ignores NaN on some devices). Two kernels: the row's
+  max, then the largest key of NaN (2V) / equal to the max (V) / neither (0), plus V minus the index."""
+  V = x.shape[-1]
+  key = x.isnan().where(2 * V, (x == x.max(-1, keepdim=True)).where(V, 0)) + Tensor.arange(V, 0, -1, dtype=dtypes.int32).to(x.device)
+  return V - 1 - (key.max(-1) - 1) % V
+
+
 def _split_kernel(sizes: tuple[int, ...], *bufs: UOp) -> UOp:
   """outs[i] = the i-th run of `sizes` elements of src, back to back (bufs: the outputs, then src), on one grid of the
   longest run's elements: a shorter output stores where the element is inside it."""
