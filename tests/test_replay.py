@@ -243,3 +243,57 @@ def test_graphed_kernels_launch_threads_in_proportion_to_their_outputs(device, k
   for p in programs:
     g, l = p.arg.launch_dims({v.expr: v.vmax for v in p.arg.vars})
     assert launch_threads(g, l) <= 64 * largest_output(p, p.src[0]), (p.arg.name, g, l)
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "CPU"])
+def test_graphs_skip_their_updates_when_nothing_changed(device, tiny_model, monkeypatch):
+  """A whole-pass capture replays as GPU graphs that tinygrad rewrites node by node on every run (every node reading an
+  input or the KV extent). Bound to the same inputs with the same extent as its last run, a graph is launched as it
+  stands (`BoundReplay._run_graphs`): the extent changes every block_size tokens, and only those steps update. The
+  tokens and logprobs are those of a run that updates every time."""
+  from tinygrad.helpers import Context
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine import replay
+  from tinyvllm.engine.llm_engine import LLMEngine
+  def generate(skip: bool):
+    runs = {"skipped": 0, "updated": 0}
+    no_updates = replay._no_updates
+    def counted(runner, inputs):
+      runs["skipped"] += 1
+      return no_updates(runner, inputs)
+    monkeypatch.setattr(replay, "_no_updates", counted)
+    if not skip: monkeypatch.setattr(replay, "_skips_updates", lambda runner: False)
+    with Context(DEV=device):
+      engine = LLMEngine.from_kwargs(str(tiny_model), kernel_backend="portable", dtype="float32", num_kv_blocks=64, block_size=8,
+                                     capture_mode="pass")
+      engine.add_request("0", {"prompt_token_ids": list(range(5, 14))}, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=1))
+      out = {}
+      while engine.has_unfinished_requests():
+        for o in engine.step(): out = o
+    (decode,) = [b for shape, b in engine.runner.bound_passes.items() if shape.query_len == 1]
+    assert decode[0][0].graphs, "the decode pass was not captured as graphs only: the test lost its subject"
+    return out.outputs[0], runs["skipped"], len(decode[0][0].graphs)
+  fast, skipped, graphs = generate(True)
+  slow, none, _ = generate(False)
+  assert fast.token_ids == slow.token_ids and fast.logprobs == slow.logprobs
+  # 29 decode steps: the first captures; the others read 10..38 tokens, 2..5 blocks of 8: each graph updates on the
+  # first bound run and when the extent grows to 3, 4 and 5 blocks, and skips its updates on the other 24
+  assert none == 0 and skipped == graphs * 24
+
+
+def test_tinygrad_graphs_update_from_the_lists_the_skip_empties():
+  """`BoundReplay._run_graphs` skips a graph's updates by emptying the lists tinygrad 0.14's CUDA and Metal graph
+  runners update from on every run (`replay.UPDATES`). Read from their source, as neither imports without its GPU
+  library: if a tinygrad upgrade updates from anything else, a skipped run could launch stale nodes."""
+  import importlib.util, re
+  from tinyvllm.engine.replay import UPDATES
+  for module in ("tinygrad.runtime.graph.cuda", "tinygrad.runtime.graph.metal"):
+    source = open(importlib.util.find_spec(module).origin).read()
+    call = source[source.index("def __call__"):]
+    call = call[:call.index("\n  def ", 1)]
+    assert "self.updatable" in call and "self.updated_launch_dims(var_vals)" in call, module
+    assert set(re.findall(r"self\.(updatable|uop_replace|updated_vars|updated_launch_dims|var_vals_replace|launch_dims_replace)", call)) <= \
+      {"updatable", "uop_replace", "updated_vars", "updated_launch_dims"}, module
+    assert "self.updatable = sorted(" in source and all(name in source for name in UPDATES[:1])
+  jit = open(importlib.util.find_spec("tinygrad.engine.jit").origin).read()
+  assert "for j, vidxs in self.var_vals_replace.items()" in jit and "for j, (gl, lc) in self.launch_dims_replace.items()" in jit

@@ -31,7 +31,7 @@ Two rules of tinygrad's GPU graphs shape what a capture may contain (docs/archit
    variables' maxima, an upper bound (`shallow_estimates`).
 """
 from __future__ import annotations
-import ctypes, functools, time
+import contextlib, ctypes, functools, time
 from dataclasses import dataclass, replace
 from typing import Callable
 from tinygrad import Tensor, TinyJit, UOp
@@ -261,12 +261,35 @@ class BoundReplay:
     self.launches: dict[tuple, list[Callable[[], None]]] = {}   # variable values -> each step's launch
     self.ret = captured.ret
     self.kernel_count = sum(rt is not None for rt, *_ in self.steps) if self.steps is not None else _programs(captured.linear)
+    # a capture tinygrad batched into GPU graphs only, none of whose inputs it writes: its graphs, run here (`_run_graphs`)
+    calls = [c.src[0] for c in captured.linear.src]
+    self.graphs = calls if self.steps is None and calls and not any(u in captured._written_uops for u in inputs) and \
+      all(c.op is Ops.CUSTOM_FUNCTION and c.arg == "graph" for c in calls) else None
 
   def __call__(self, var_vals: dict[str, int]) -> Tensor | tuple[Tensor, ...]:
     """Run with `var_vals` (variable name -> value)."""
     if self.times.enabled: return self._timed(var_vals)
+    if self.graphs is not None: return self._run_graphs(var_vals)
     if self.steps is None: return self.captured(self.inputs, var_vals)
     for launch in self._launches(var_vals): launch()
+    return self.ret
+
+  def _run_graphs(self, var_vals: dict[str, int]) -> Tensor | tuple[Tensor, ...]:
+    """Run each graph as TinyJit's executor would, but skip its updates when nothing changed. A CUDA or Metal graph
+    runner rewrites every node that reads an input or a variable on every run (CUDA: a cuGraphExecKernelNodeSetParams
+    each, after Python works out its arguments and sizes): the attention kernels of every layer, each step. Run with
+    the same inputs and variable values as its last run, none of that changes: the graph is launched as it stands.
+    The KV extent changes every block_size tokens, so 15 steps of 16 skip the updates. A graph shared by other bound
+    replays (layer captures) updates whenever the caller changes."""
+    from tinygrad.engine.realize import get_graph_runtime
+    inputs, key = tuple(self.inputs), (id(self), tuple(sorted(var_vals.items())))
+    for ast in self.graphs:
+      runner = get_graph_runtime(ast, inputs)
+      if getattr(runner, "_tinyvllm_last", None) == key and _skips_updates(runner):
+        with _no_updates(runner, inputs): runner(inputs, var_vals)
+      else:
+        runner(inputs, var_vals)
+        runner._tinyvllm_last = key
     return self.ret
 
   def _launches(self, var_vals: dict[str, int]) -> list[Callable[[], None]]:
@@ -311,6 +334,31 @@ class BoundReplay:
     before = GlobalCounters.time_sum_s
     run_linear(captured.linear, var_vals, input_uops=inputs, jit=True, wait=True)
     return GlobalCounters.time_sum_s - before
+
+
+UPDATES = ("updatable", "var_vals_replace", "launch_dims_replace")   # what CUDAGraph and MetalGraph update on every run
+
+
+def _skips_updates(runner) -> bool:
+  """Does this graph runner keep its update lists where `_no_updates` can empty them (CUDA's and Metal's do; the HCQ
+  graph of NV/AMD updates otherwise and runs as it is)?"""
+  return all(hasattr(runner, name) for name in UPDATES)
+
+
+@contextlib.contextmanager
+def _no_updates(runner, inputs: tuple[UOp, ...]):
+  """The runner with nothing to update for one run: its nodes keep the buffers, values and sizes of its last run. A
+  Metal graph declares the buffers a run uses from its own list plus the inputs its updates set: those inputs are
+  added to the list for the run."""
+  saved = tuple(getattr(runner, name) for name in UPDATES) + (getattr(runner, "all_resources", None),)
+  if saved[-1] is not None:
+    used = [inputs[i].buffer._buf.buf for j in runner.updatable for _, i in runner.uop_replace[j]]
+    runner.all_resources = list(dict.fromkeys(saved[-1] + used))
+  runner.updatable, runner.var_vals_replace, runner.launch_dims_replace = [], {}, {}
+  try: yield
+  finally:
+    for name, value in zip(UPDATES, saved): setattr(runner, name, value)
+    if saved[-1] is not None: runner.all_resources = saved[-1]
 
 
 def _launch(rt, args: list, info, var_vals: dict[str, int]) -> Callable[[], None]:

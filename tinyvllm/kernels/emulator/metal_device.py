@@ -161,13 +161,20 @@ class MetalProgram:
 
 class MetalGraph(GraphRunner):
   """Runs a captured batch of kernels in order. A Mac encodes them into one indirect command buffer; tinygrad's
-  MetalGraph waits for the graph's previous run to finish before re-encoding it, which `graph_waits` counts."""
+  MetalGraph waits for the graph's previous run to finish before re-encoding it, which `graph_waits` counts.
+
+  Like that buffer, each command keeps what was encoded into it: its buffers (the capture's inputs at first) and its
+  launch sizes with the variables at 0. A run re-encodes only the commands tinygrad's MetalGraph updates (`updatable`:
+  those reading an input, whose buffers are set again, or sized by a variable, whose sizes are); variables' values are
+  written for every run, as tinygrad writes them into one buffer. So a command not updated runs as last encoded."""
   def __init__(self, linear, input_uops=()):
     super().__init__(linear, input_uops)
     if any(r is None for r in self.runtimes): raise RuntimeError("the emulated MetalGraph takes kernels only")
     from tinygrad import Device
     self.dev = Device[self.device]
     self.in_flight = False
+    self.encoded = [[list(bufs), ast.arg.launch_dims({v: 0 for v in self.vars})] for _, ast, bufs, _ in self.calls]
+    self.updatable = sorted({j for j, r in enumerate(self.uop_replace) if r} | self.var_vals_replace.keys() | self.launch_dims_replace.keys())
 
   def __call__(self, input_uops, var_vals: dict[str, int], wait=False):
     if self.in_flight and self in self.dev.graphs_in_flight:
@@ -175,11 +182,11 @@ class MetalGraph(GraphRunner):
       # waiting for the newest command buffer leaves the GPU nothing queued until this graph is encoded again;
       # waiting for an older one (another graph committed since) overlaps with the GPU running the newer work
       if self.dev.last_committed is self: self.dev.counters.idle_waits += 1
-    for (_, ast, bufs, device_vars), runtime, replace in zip(self.calls, self.runtimes, self.uop_replace):
-      bufs = list(bufs)
-      for pos, iidx in replace: bufs[pos] = input_uops[iidx].buffer
+    for j in self.updatable:
+      for pos, iidx in self.uop_replace[j]: self.encoded[j][0][pos] = input_uops[iidx].buffer
+    for j, global_size, local_size in self.updated_launch_dims(var_vals): self.encoded[j][1] = (global_size, local_size)
+    for (_, ast, _, device_vars), runtime, (bufs, (global_size, local_size)) in zip(self.calls, self.runtimes, self.encoded):
       vv = {**var_vals, **device_vars}
-      global_size, local_size = ast.arg.launch_dims(vv)
       runtime(*[b.ensure_allocated()._buf for b in bufs], global_size=global_size, local_size=local_size, vals=ast.arg.vals(vv),
               in_graph=True)
     self.dev.counters.graph_runs += 1
