@@ -262,6 +262,7 @@ class BoundReplay:
     self.ret = captured.ret
     self.kernel_count = sum(rt is not None for rt, *_ in self.steps) if self.steps is not None else _programs(captured.linear)
     # a capture tinygrad batched into GPU graphs only, none of whose inputs it writes: its graphs, run here (`_run_graphs`)
+    self.token = object()
     calls = [c.src[0] for c in captured.linear.src]
     self.graphs = calls if self.steps is None and calls and not any(u in captured._written_uops for u in inputs) and \
       all(c.op is Ops.CUSTOM_FUNCTION and c.arg == "graph" for c in calls) else None
@@ -282,7 +283,8 @@ class BoundReplay:
     The KV extent changes every block_size tokens, so 15 steps of 16 skip the updates. A graph shared by other bound
     replays (layer captures) updates whenever the caller changes."""
     from tinygrad.engine.realize import get_graph_runtime
-    inputs, key = tuple(self.inputs), (id(self), tuple(sorted(var_vals.items())))
+    # this replay's own token (a graph holds the last one it ran for, so no later replay can be mistaken for that one)
+    inputs, key = tuple(self.inputs), (self.token, tuple(sorted(var_vals.items())))
     for ast in self.graphs:
       runner = get_graph_runtime(ast, inputs)
       if getattr(runner, "_tinyvllm_last", None) == key and _skips_updates(runner):
@@ -308,6 +310,7 @@ class BoundReplay:
     if self.steps is None:
       t = time.perf_counter()
       if times.profile: times.device_seconds += self._run_waiting(var_vals)
+      elif self.graphs is not None: self._run_graphs(var_vals)
       else: self.captured(self.inputs, var_vals)
       times.kernel_seconds += time.perf_counter() - t
       return self.ret
@@ -327,10 +330,12 @@ class BoundReplay:
     device seconds tinygrad measured for them (GPU events on CUDA). Inputs the capture writes are copied first, as
     CapturedJit.__call__ does."""
     from tinygrad.engine.jit import _copy_input
-    from tinygrad.engine.realize import run_linear
+    from tinygrad.engine.realize import graph_cache, run_linear
     from tinygrad.helpers import GlobalCounters
     captured = self.captured
     inputs = tuple(_copy_input(u) if u in captured._written_uops else u for u in self.inputs)
+    for call in captured.linear.src:   # the graphs are updated here: a later `_run_graphs` must not skip its update
+      if hasattr(runner := graph_cache.get(call.src[0]), "_tinyvllm_last"): del runner._tinyvllm_last
     before = GlobalCounters.time_sum_s
     run_linear(captured.linear, var_vals, input_uops=inputs, jit=True, wait=True)
     return GlobalCounters.time_sum_s - before
