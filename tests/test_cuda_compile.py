@@ -58,14 +58,26 @@ def scheduled_kernels(tmp_path_factory):
   return asts
 
 
+def as_on_a_gpu(ast):
+  """A kernel recorded on the CPU device with the optimizations a GPU run gives it: kernels/paged.py's kernels run
+  unoptimized on the CPU device, tinygrad's heuristic (and, for decode values, a split reduction) on a GPU."""
+  import dataclasses, re
+  from tinyvllm.kernels import paged
+  if not (m := re.fullmatch(r"paged_(scores|values)_(\d+)_(\d+)_(\d+)", ast.arg.name)): return ast
+  scores_opts, values_opts = paged.kernel_opts("CUDA", int(m[4]), 16)   # the engines below keep the default block_size, 16
+  return ast.replace(arg=dataclasses.replace(ast.arg, opts_to_apply=scores_opts if m[1] == "scores" else values_opts))
+
+
 def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kernels, monkeypatch):
   monkeypatch.setenv("NVRTC_PATH", NVRTC)
   from tinygrad.codegen import to_program
   from tinygrad.helpers import Target
   from tinygrad.renderer.cstyle import CUDARenderer
   renderer = CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA"))
-  symbolic, problems, cache_writes = 0, [], 0
+  symbolic, problems, cache_writes, paged_kernels = 0, [], 0, set()
   for ast in scheduled_kernels:
+    ast = as_on_a_gpu(ast)
+    paged_kernels.add(ast.arg.name.rsplit("_", 3)[0] if ast.arg.name.startswith("paged_") else None)
     program = to_program(ast, renderer)   # lowered and compiled by nvrtc, as a compile worker would
     assert program.src[-1].op is Ops.BINARY and len(program.src[-1].arg) > 0, program.arg.name
     variables = program.arg.vars
@@ -84,6 +96,7 @@ def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kern
         if launch_threads(g, l) > 2 * T * sum(rows):   # a grid per cache, multiplied (T^2 (KVH D)^2: minutes on the H100)
           problems.append((program.arg.name, "threads", g, l))
   assert not problems, problems
+  assert {"paged_scores", "paged_values"} <= paged_kernels, paged_kernels
   assert cache_writes > 0
   assert symbolic > 0 and len(scheduled_kernels) > 50   # the attention kernels over the KV extent were among them
 

@@ -271,7 +271,9 @@ class BoundReplay:
     """Run with `var_vals` (variable name -> value)."""
     if self.times.enabled: return self._timed(var_vals)
     if self.graphs is not None: return self._run_graphs(var_vals)
-    if self.steps is None: return self.captured(self.inputs, var_vals)
+    if self.steps is None:
+      _forget_graph_runs(self.captured)   # tinygrad's executor updates any graphs it runs: no later skip may trust them
+      return self.captured(self.inputs, var_vals)
     for launch in self._launches(var_vals): launch()
     return self.ret
 
@@ -311,7 +313,9 @@ class BoundReplay:
       t = time.perf_counter()
       if times.profile: times.device_seconds += self._run_waiting(var_vals)
       elif self.graphs is not None: self._run_graphs(var_vals)
-      else: self.captured(self.inputs, var_vals)
+      else:
+        _forget_graph_runs(self.captured)
+        self.captured(self.inputs, var_vals)
       times.kernel_seconds += time.perf_counter() - t
       return self.ret
     for launch, (rt, *_) in zip(self._launches(var_vals), self.steps):
@@ -330,12 +334,11 @@ class BoundReplay:
     device seconds tinygrad measured for them (GPU events on CUDA). Inputs the capture writes are copied first, as
     CapturedJit.__call__ does."""
     from tinygrad.engine.jit import _copy_input
-    from tinygrad.engine.realize import graph_cache, run_linear
+    from tinygrad.engine.realize import run_linear
     from tinygrad.helpers import GlobalCounters
     captured = self.captured
     inputs = tuple(_copy_input(u) if u in captured._written_uops else u for u in self.inputs)
-    for call in captured.linear.src:   # the graphs are updated here: a later `_run_graphs` must not skip its update
-      if hasattr(runner := graph_cache.get(call.src[0]), "_tinyvllm_last"): del runner._tinyvllm_last
+    _forget_graph_runs(captured)   # the graphs are updated here: a later `_run_graphs` must not skip its update
     before = GlobalCounters.time_sum_s
     run_linear(captured.linear, var_vals, input_uops=inputs, jit=True, wait=True)
     return GlobalCounters.time_sum_s - before
@@ -348,6 +351,13 @@ def _skips_updates(runner) -> bool:
   """Does this graph runner keep its update lists where `_no_updates` can empty them (CUDA's and Metal's do; the HCQ
   graph of NV/AMD updates otherwise and runs as it is)?"""
   return all(hasattr(runner, name) for name in UPDATES)
+
+
+def _forget_graph_runs(captured) -> None:
+  """Clear what the capture's graphs remember of their last `_run_graphs`, before anything else runs them."""
+  from tinygrad.engine.realize import graph_cache
+  for call in captured.linear.src:
+    if hasattr(runner := graph_cache.get(call.src[0]), "_tinyvllm_last"): del runner._tinyvllm_last
 
 
 @contextlib.contextmanager

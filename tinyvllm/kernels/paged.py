@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools, math
 from typing import TYPE_CHECKING
 from tinygrad import Tensor, UOp, dtypes
+from tinygrad.codegen.opt import Opt, OptOps
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 from tinyvllm.kernels import portable
 from tinyvllm.kernels.kv_cache import PagedKVCache
@@ -104,7 +105,7 @@ def _scores_kernel(opts, block_size: int, scale: float, window: int | None, S: U
   last = q_pos[token]
   visible = s <= last if window is None else (s <= last) & (s > last - window)
   store = scores[((p * KVH + kvh) * GC + gc) * MS + s].store(visible.where(dot * scale, float("-inf")))
-  return UOp.sink(store.end(p, kvh, gc, s), arg=KernelInfo(name=f"paged_scores_{P}_{GC}", opts_to_apply=opts))
+  return UOp.sink(store.end(p, kvh, gc, s), arg=KernelInfo(name=f"paged_scores_{P}_{G}_{C}", opts_to_apply=opts))
 
 
 def _exp_kernel(S: UOp, scores: UOp, row_max: UOp) -> UOp:
@@ -117,27 +118,41 @@ def _exp_kernel(S: UOp, scores: UOp, row_max: UOp) -> UOp:
   return UOp.sink(store.end(r, s), arg=KernelInfo(name=f"paged_exp_{R}"))
 
 
-def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool, S: UOp, out: UOp, scores: UOp, row_sum: UOp,
+def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool, blocks: UOp, out: UOp, scores: UOp, row_sum: UOp,
                    tables: UOp, v: UOp, *rest: UOp) -> UOp:
-  """out `[T, H*D]` (token p*C + c, head kvh*G + g) = sum over s < S of softmax weight x value row, read through the
-  block table. rest: v's scales when `quantized`, then the row maxima if `scores` are still scores; without them,
-  `scores` hold exp(score - max) already. (Every parameter is read: tinygrad 0.14's CPU threads give their core id
-  the slot after the buffers read, which an unread buffer before the last shifts onto a buffer's.)"""
+  """out `[T, H*D]` (token p*C + c, head kvh*G + g) = sum over the first `blocks` blocks of softmax weight x value
+  row, read through the block table. rest: v's scales when `quantized`, then the row maxima if `scores` are still
+  scores; without them, `scores` hold exp(score - max) already. (Every parameter is read: tinygrad 0.14's CPU threads
+  give their core id the slot after the buffers read, which an unread buffer before the last shifts onto a buffer's.)
+
+  The sum runs over the offsets in a block (block_size, fixed) and the blocks (symbolic): tinygrad splits only a
+  reduction of fixed size over a GPU's threads (GROUPTOP). A decode step has few outputs, each summing the whole
+  context: tinygrad's heuristic groups a reduction only for at most 2048 outputs (one sequence of 32 heads of 64, not
+  of 128: 256 threads, each looping over every key alone), so decode passes ask for it (`rope_attention`)."""
   P, KVH, GC, MS = scores.shape
   MB, G = tables.shape[1], n_heads // scores.shape[1]
   C = GC // G
   v_scale, row_max = (rest[0] if quantized else None), (rest[-1].flatten() if len(rest) > quantized else None)
   out, scores, row_sum, tables, v = (x.flatten() for x in (out, scores, row_sum, tables, v))
   p, kvh, gc, d = UOp.range(P, 0), UOp.range(KVH, 1), UOp.range(GC, 2), UOp.range(D, 3)
-  s = UOp.range(S, 4, AxisType.REDUCE)
+  o, b = UOp.range(block_size, 4, AxisType.REDUCE), UOp.range(blocks, 5, AxisType.REDUCE)   # the fixed one first: GROUPTOP's axis 0
   g, c = gc // C, gc % C
   row = (p * KVH + kvh) * GC + gc
-  weight = scores[row * MS + s]
+  weight = scores[row * MS + b * block_size + o]
   if row_max is not None: weight = ((weight - row_max[row]) * LOG2E).exp2()
-  slot = tables[p * MB + s // block_size] * block_size + s % block_size
-  acc = (weight * _read(v, v_scale.flatten() if quantized else None, slot, kvh, d, KVH, D)).reduce(s, arg=Ops.ADD)
+  slot = tables[p * MB + b] * block_size + o
+  acc = (weight * _read(v, v_scale.flatten() if quantized else None, slot, kvh, d, KVH, D)).reduce(b, o, arg=Ops.ADD)
   store = out[((p * C + c) * n_heads + kvh * G + g) * D + d].store((acc / row_sum[row]).cast(_scalar(out)))
-  return UOp.sink(store.end(p, kvh, gc, d), arg=KernelInfo(name=f"paged_values_{P}_{GC}", opts_to_apply=opts))
+  return UOp.sink(store.end(p, kvh, gc, d), arg=KernelInfo(name=f"paged_values_{P}_{G}_{C}", opts_to_apply=opts))
+
+
+def kernel_opts(device: str, query_len: int, block_size: int) -> tuple[tuple | None, tuple | None]:
+  """tinygrad's optimizations for the scores and values kernels on a device (None: its heuristic picks them). On the
+  CPU device none: its heuristic unrolls every small axis of the two reductions (a 120 KB C source that took clang 5 s
+  for 4 sequences), and there these kernels only serve the portable backend's tests. For decode on a GPU, the values'
+  sum over a block's offsets split over 16 threads an output (`_values_kernel`)."""
+  if device.split(":")[0] == "CPU": return (), ()
+  return None, ((Opt(OptOps.GROUPTOP, 0, math.gcd(16, block_size)),) if query_len == 1 else None)
 
 
 def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
@@ -157,9 +172,7 @@ def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor
     q, k, v = Tensor.custom_kernel(q, cache.k, cache.v, qkv, positions, cos_sin, slot_mapping,
                                    fxn=functools.partial(_write_kernel, n_heads, D))[:3]
     cache = cache.written(k, v)
-  # tinygrad's CPU heuristic unrolls every small axis of the two reductions (a 120 KB C source that took clang 5 s for
-  # 4 sequences): on the CPU device, where these kernels only serve the portable backend's tests, they run as written
-  opts = () if str(qkv.device).split(":")[0] == "CPU" else None
+  scores_opts, values_opts = kernel_opts(str(qkv.device), C, BS)
   blocks = group.kernel_blocks if group.kernel_blocks is not None else group.used_blocks
   S_kernel, S = blocks * BS, group.used_blocks * BS
   k_scale = (cache.k_scale,) if cache.quantized else ()
@@ -167,7 +180,7 @@ def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor
   tables, q_pos = group.block_tables.contiguous(), group.q_pos.contiguous()
   full = Tensor.empty(P, n_kv_heads, G * C, tables.shape[1] * BS, dtype=dtypes.float32, device=qkv.device)
   full = Tensor.custom_kernel(full, q, tables, q_pos, cache.k, *k_scale,
-                              fxn=functools.partial(_scores_kernel, opts, BS, scale, window, S_kernel))[0]
+                              fxn=functools.partial(_scores_kernel, scores_opts, BS, scale, window, S_kernel))[0]
   row_max = full[..., :S].max(-1, keepdim=True).contiguous()
   exponentiated = C > 1 or P * n_heads > EXP_INLINE_ROWS
   if exponentiated:
@@ -176,6 +189,6 @@ def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor
   else: row_sum = (full[..., :S] - row_max).exp().sum(-1, keepdim=True)
   out = Tensor.empty(T, n_heads * D, dtype=qkv.dtype, device=qkv.device)
   out = Tensor.custom_kernel(out, full, row_sum.contiguous(), tables, cache.v, *v_scale, *(() if exponentiated else (row_max,)),
-                             fxn=functools.partial(_values_kernel, opts, n_heads, D, BS, cache.quantized, S_kernel))[0]
+                             fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, blocks))[0]
   return out, cache
 
