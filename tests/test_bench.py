@@ -2,6 +2,7 @@
 random checkpoint (tiny sizes, no timing asserts)."""
 from __future__ import annotations
 import dataclasses, importlib.util, json
+from pathlib import Path
 import pytest
 from tinyvllm.bench import accounting, device
 from tinyvllm.bench.accounting import TensorInfo
@@ -275,3 +276,20 @@ def test_a_failing_step_ends_the_bench_with_its_cause(tiny_model):
   last = r.stderr.strip().splitlines()[-1]
   assert last.startswith("tinyvllm.bench: the engine failed a step") and "CUDA Error 1, invalid argument (injected)" in last
   assert r.stderr.count("Traceback") == 1 and "model pass failed for" in r.stderr
+
+
+def test_kernel_times_sum_a_decode_step_kernel_by_kernel(tiny_model, tmp_path):
+  """bench/gpu_kernel_times.py (the GPU session's per-kernel phase) on the CPU device with the portable kernels a GPU
+  runs: every kernel of one decode step timed once, grouped by name, the paged attention's among them."""
+  import os, subprocess, sys
+  out = tmp_path / "kernels.json"
+  r = subprocess.run([sys.executable, "bench/gpu_kernel_times.py", str(tiny_model), "--batch-size", "2", "--prompt-len", "20",
+                      "--kernel-backend", "portable", "--dtype", "float16", "--json", str(out)],
+                     capture_output=True, text=True, timeout=600, env={**os.environ, "DEV": "CPU"}, cwd=Path(__file__).parent.parent)
+  assert r.returncode == 0, r.stderr[-3000:]
+  report = json.loads(out.read_text())
+  names = {k["name"] for k in report["by_kernel"]}
+  assert report["rows"] == 2 and sum(k["count"] for k in report["by_kernel"]) == report["kernels"] > 20
+  assert any(n.startswith("paged_scores") for n in names) and any(n.startswith("paged_values") for n in names)
+  assert report["device_ms"] == pytest.approx(sum(k["us"] for k in report["by_kernel"]) / 1e3) and report["device_ms"] > 0
+  assert "us/step" in r.stdout
