@@ -10,8 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from tinygrad import Tensor, TinyJit, dtypes
+from tinygrad.helpers import Context
 from test_metal_kernels import F16_TOL, F32_TOL, attention_ref, random_heads, rel_err, rope_ref, rope_table
 from kv_reference import dequantize_int8_ref, quantize_int8_ref
+from test_replay import DEVICES
 from tinyvllm.engine.replay import CountVariable
 from tinyvllm.kernels import AttentionGroup, paged
 from tinyvllm.kernels.kv_cache import PagedKVCache
@@ -78,10 +80,14 @@ def run_case(rng, P, C, H, KVH, D, BS, dtype, cache_dtype, window=None, NB=48, M
     (2, 7, 6, 2, 128, 16),    # prefill chunks, GQA 3
     (3, 4, 8, 8, 80, 8)])     # no GQA, a head_dim that is not a power of two
 @pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16], ids=["f32", "f16"])
-def test_write_and_attention_match_numpy(P, C, H, KVH, D, BS, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_and_attention_match_numpy(P, C, H, KVH, D, BS, dtype, device):
+  """On the CPU device the kernels run as written; on a GPU kind (the emulated METAL device here) with the
+  optimizations a GPU gives them (`paged.kernel_opts`: tinygrad's heuristic, a split sum for decode values)."""
   rng = np.random.default_rng(P * 1000 + C * 100 + D)
-  for out, ref in run_case(rng, P, C, H, KVH, D, BS, dtype, dtype):
-    assert rel_err(out, ref) < (F16_TOL if dtype == dtypes.float16 else F32_TOL)
+  with Context(DEV=device):
+    for out, ref in run_case(rng, P, C, H, KVH, D, BS, dtype, dtype):
+      assert rel_err(out, ref) < (F16_TOL if dtype == dtypes.float16 else F32_TOL)
 
 
 def test_sliding_window():
