@@ -68,7 +68,7 @@ def test_metal_needs_apple7_and_macos13(monkeypatch, capsys, arch, macos, proble
     resolve_backend("metal", "METAL")
 
 
-@pytest.mark.parametrize("kv_cache_dtype,per_layer", [("auto", 17), ("int8", 23)])
+@pytest.mark.parametrize("kv_cache_dtype,per_layer", [("auto", 16), ("int8", 22)])
 def test_portable_decode_layer_kernels(tiny_model_factory, kv_cache_dtype, per_layer):
   """Kernels of one replayed portable decode layer on the CPU device (docs/kernels.md, "Kernels per decode step"): a
   fusion lost (a copy back between two kernels, the cache written by one kernel per cache) shows here as more."""

@@ -9,10 +9,11 @@ written in UOps (tinygrad custom kernels, which tinygrad optimizes and compiles 
 
   write   from the qkv projection's rows: q rotated (float32), k rotated and v into their slots
   QK^T    keys read through the block table, scaled, masked                  scores [P, KVH, G*C, S]
-  max, sum of exp                                                              tensor ops over the scores
-  PV      values read through the block table, divided by the sum            [T, H*D], as the o projection reads it
+  max                                                                          a tensor op over the scores
+  PV      exp(score - max) times values read through the block table, over their sum (one kernel, two sums)
+                                                                              [T, H*D], as the o projection reads it
 
-5 kernels a layer where the tensor ops took 11. Prefill adds one that turns the scores into exp(score - max) in place:
+4 kernels a layer where the tensor ops took 11. Prefill adds one that turns the scores into exp(score - max) in place:
 the PV kernel otherwise recomputes each exp once per element of its output row (D times); for a decode step of a few
 sequences that is cheaper than a launch, for a long prefill it is not (`EXP_INLINE_ROWS`).
 
@@ -118,7 +119,7 @@ def _exp_kernel(S: UOp, scores: UOp, row_max: UOp) -> UOp:
   return UOp.sink(store.end(r, s), arg=KernelInfo(name=f"paged_exp_{R}"))
 
 
-def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool, blocks: UOp, out: UOp, scores: UOp, row_sum: UOp,
+def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool, blocks: UOp, out: UOp, scores: UOp,
                    tables: UOp, v: UOp, *rest: UOp) -> UOp:
   """out `[T, H*D]` (token p*C + c, head kvh*G + g) = sum over the first `blocks` blocks of softmax weight x value
   row, read through the block table. rest: v's scales when `quantized`, then the row maxima if `scores` are still
@@ -133,7 +134,7 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   MB, G = tables.shape[1], n_heads // scores.shape[1]
   C = GC // G
   v_scale, row_max = (rest[0] if quantized else None), (rest[-1].flatten() if len(rest) > quantized else None)
-  out, scores, row_sum, tables, v = (x.flatten() for x in (out, scores, row_sum, tables, v))
+  out, scores, tables, v = (x.flatten() for x in (out, scores, tables, v))
   p, kvh, gc, d = UOp.range(P, 0), UOp.range(KVH, 1), UOp.range(GC, 2), UOp.range(D, 3)
   o, b = UOp.range(block_size, 4, AxisType.REDUCE), UOp.range(blocks, 5, AxisType.REDUCE)   # the fixed one first: GROUPTOP's axis 0
   g, c = gc // C, gc % C
@@ -142,7 +143,8 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   if row_max is not None: weight = ((weight - row_max[row]) * LOG2E).exp2()
   slot = tables[p * MB + b] * block_size + o
   acc = (weight * _read(v, v_scale.flatten() if quantized else None, slot, kvh, d, KVH, D)).reduce(b, o, arg=Ops.ADD)
-  store = out[((p * C + c) * n_heads + kvh * G + g) * D + d].store((acc / row_sum[row]).cast(_scalar(out)))
+  total = weight.reduce(b, o, arg=Ops.ADD)   # the softmax's denominator, summed beside the numerator
+  store = out[((p * C + c) * n_heads + kvh * G + g) * D + d].store((acc / total).cast(_scalar(out)))
   return UOp.sink(store.end(p, kvh, gc, d), arg=KernelInfo(name=f"paged_values_{P}_{G}_{C}", opts_to_apply=opts))
 
 
@@ -183,12 +185,9 @@ def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor
                               fxn=functools.partial(_scores_kernel, scores_opts, BS, scale, window, S_kernel))[0]
   row_max = full[..., :S].max(-1, keepdim=True).contiguous()
   exponentiated = C > 1 or P * n_heads > EXP_INLINE_ROWS
-  if exponentiated:
-    full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, S_kernel))[0]
-    row_sum = full[..., :S].sum(-1, keepdim=True)
-  else: row_sum = (full[..., :S] - row_max).exp().sum(-1, keepdim=True)
+  if exponentiated: full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, S_kernel))[0]
   out = Tensor.empty(T, n_heads * D, dtype=qkv.dtype, device=qkv.device)
-  out = Tensor.custom_kernel(out, full, row_sum.contiguous(), tables, cache.v, *v_scale, *(() if exponentiated else (row_max,)),
+  out = Tensor.custom_kernel(out, full, tables, cache.v, *v_scale, *(() if exponentiated else (row_max,)),
                              fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, blocks))[0]
   return out, cache
 
