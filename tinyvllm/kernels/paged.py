@@ -19,7 +19,9 @@ sequences that is cheaper than a launch, for a long prefill it is not (`EXP_INLI
 
 The scores' buffer is sized for the whole block table (tinygrad sizes a buffer of symbolic length at its maximum as
 well); the kernels loop to the step's used extent, a symbolic count they read as a kernel parameter
-(AttentionGroup.kernel_blocks). RoPE, the scale, the mask and every sum are computed in float32. Float and int8
+(AttentionGroup.kernel_blocks). Its value reaches them because the max's slice of the scores binds the same count in
+the pass: tinygrad looks a kernel's variables up among the bound ones of the pass, and a kernel in a pass that bound
+none fails with "unbound Variable". RoPE, the scale, the mask and every sum are computed in float32. Float and int8
 caches are read (int8: a code times its head vector's scale); int8 writes (the scale is a row maximum: tensor ops),
 int4 caches (packed, rotated), soft-capped scores (Gemma 2) and packed prefill groups take the tensor-op path.
 """
