@@ -41,7 +41,7 @@ def main() -> None:
   captured, inputs = bound[0][0].captured, tuple(bound[0][0].inputs)
   seqs = [s for seqs in engine.core.requests.values() for s in seqs]
   blocks = max(-(-s.num_tokens // runner.block_size) for s in seqs)
-  var_vals = runner.kv_extent.var_vals(blocks)
+  var_vals = runner.extent_variable(shape).var_vals(blocks)
   per_name: dict[str, list[float]] = collections.defaultdict(list)
   for call in captured.linear.src:
     before = GlobalCounters.time_sum_s

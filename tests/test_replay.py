@@ -297,3 +297,36 @@ def test_tinygrad_graphs_update_from_the_lists_the_skip_empties():
     assert "self.updatable = sorted(" in source and all(name in source for name in UPDATES[:1])
   jit = open(importlib.util.find_spec("tinygrad.engine.jit").origin).read()
   assert "for j, vidxs in self.var_vals_replace.items()" in jit and "for j, (gl, lc) in self.launch_dims_replace.items()" in jit
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "CPU"])
+def test_prefill_scratch_follows_the_context_not_the_model(device, tiny_model, monkeypatch):
+  """tinygrad sizes a buffer of symbolic length at its maximum, so a prefill's attention scores took query slots x the
+  whole block table whatever the prompt (17 GB for a 1024-slot step of a 131072-token, 32-head model). On a GPU a
+  prefill shape also bounds the extent by a power of two of blocks: a 40-token prompt read in 16-token chunks
+  (2, 4 and 5 blocks of 8) captures extents 2, 4 and 8 of the table's 32, its scores' buffers are that wide, and the
+  tokens and logprobs are those of passes sized for the whole table."""
+  from conftest import largest_output
+  from tinygrad.helpers import Context
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
+  def generate(buckets: bool):
+    with Context(DEV=device):
+      engine = LLMEngine.from_kwargs(str(tiny_model), kernel_backend="portable", dtype="float32", num_kv_blocks=64, block_size=8,
+                                     max_model_len=256, max_num_batched_tokens=16)
+      engine.runner.extent_buckets = buckets
+      engine.add_request("0", {"prompt_token_ids": [5 + i % 50 for i in range(40)]},
+                         SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1))
+      out = None
+      while engine.has_unfinished_requests():
+        for o in engine.step(): out = o
+    return engine.runner, out.outputs[0]
+  runner, bucketed = generate(True)
+  _, whole = generate(False)
+  assert bucketed.token_ids == whole.token_ids and bucketed.logprobs == whole.logprobs
+  prefill = {s: r for s, r in runner.replays.items() if s.query_len > 1}
+  assert runner.max_blocks == 32 and sorted(s.extent for s in prefill) == [2, 4, 8]
+  assert all(s.extent == 0 for s in runner.replays if s.query_len == 1)
+  for shape, (capture,) in prefill.items():
+    scores = [p for p, _ in graph_programs(capture.jit.captured.linear) if p.arg.name.startswith("paged_scores")]
+    assert scores and all(largest_output(p, p.src[0]) == shape.num_seqs * 2 * 2 * shape.query_len * shape.extent * 8 for p in scores)

@@ -51,6 +51,7 @@ class PassShape:
   query_len: int            # query slots per sequence; packed: token slots of the whole pass
   all_logits: bool          # logits for every slot (speculative verification) or only each sequence's last
   packed: bool = False      # sequences' tokens back to back (kernels.AttentionGroup)
+  extent: int = 0           # KV blocks the pass reads at most (its extent Variable's maximum); 0: the whole table
 
   @property
   def num_tokens(self) -> int: return self.query_len if self.packed else self.num_seqs * self.query_len
@@ -92,6 +93,12 @@ class ModelRunner:
     self.max_num_seqs = max_num_seqs
     self.max_blocks = -(-max_model_len // block_size)   # block-table width; the used extent is a Variable
     self.kv_extent = CountVariable.make("kv_blocks", self.max_blocks)
+    # tinygrad sizes a buffer of symbolic length at its maximum: attention's scratch in a pass takes query slots x the
+    # extent Variable's maximum. A prefill step has many query slots, so on a GPU (where the memory is scarce and a
+    # capture per shape is cheap next to a step) its shapes also bound the extent, by a power of two of blocks: a
+    # 1024-slot step of a 32-head model with a 131072-token context would take 17 GB with the whole table's extent.
+    self.extent_buckets = self.kind != "CPU"
+    self._extents: dict[int, CountVariable] = {}
     cfg = model.cfg
     self.kv_caches = [PagedKVCache.allocate(self.kv_format, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, self._zeroed)
                       for _ in range(cfg.num_hidden_layers)]
@@ -184,9 +191,19 @@ class ModelRunner:
     its product with the sequence count, which would outgrow the captures kept."""
     if kind == 0: return PassShape(bucket(len(items)), 1, False)
     if kind == 2: return PassShape(bucket(len(items)), max(len(w.tokens) for w in items), True)
+    extent = 0
+    if self.extent_buckets:   # the blocks the longest chunk reaches, rounded up to a power of two
+      extent = bucket(max(-(-(w.start + len(w.tokens)) // self.block_size) for w in items))
+      extent = extent if extent < self.max_blocks else 0
     if self.model.packs_prefill:
-      return PassShape(bucket(self.max_num_seqs), token_bucket(sum(len(w.tokens) for w in items)), prefill_all_logits, packed=True)
-    return PassShape(bucket(len(items)), bucket(max(len(w.tokens) for w in items), minimum=8), prefill_all_logits)
+      return PassShape(bucket(self.max_num_seqs), token_bucket(sum(len(w.tokens) for w in items)), prefill_all_logits, packed=True, extent=extent)
+    return PassShape(bucket(len(items)), bucket(max(len(w.tokens) for w in items), minimum=8), prefill_all_logits, extent=extent)
+
+  def extent_variable(self, shape: PassShape) -> CountVariable:
+    """The Variable counting the KV blocks a pass of this shape reads: at most the shape's extent, or the table's width."""
+    if not shape.extent: return self.kv_extent
+    if shape.extent not in self._extents: self._extents[shape.extent] = CountVariable.make("kv_blocks", shape.extent)
+    return self._extents[shape.extent]
 
   def prepare(self, shape: PassShape, items: list[WorkItem]) -> tuple[np.ndarray, int]:
     """Pack every integer input of a pass into one int32 array (one host->device copy), fields in FIELDS
@@ -214,7 +231,8 @@ class ModelRunner:
   def _forward(self, shape: PassShape, packed: np.ndarray, used_blocks: int) -> np.ndarray:
     replays = self._replays(shape)
     upload = self._upload(shape, packed)
-    extent = (self.kv_extent.bind(used_blocks),)
+    variable = self.extent_variable(shape)
+    extent = (variable.bind(used_blocks),)
     if (bound := self.bound_passes.get(shape)) is None and self.whole_pass:   # the first pass of this shape: captured, then bound
       out = replays[0](upload, bound=extent)
       bound = self.bound_passes[shape] = [(replays[0].bind(upload, times=self.launch_times), True)]
@@ -225,7 +243,7 @@ class ModelRunner:
       bound = self.bound_passes[shape] = [(inputs.bind(upload, times=self.launch_times), False)] + [
         (replay.bind(*args, times=self.launch_times), reads_extent) for replay, args, reads_extent in calls]
     else:
-      var_vals = self.kv_extent.var_vals(used_blocks)
+      var_vals = variable.var_vals(used_blocks)
       for call, reads_extent in bound: out = call(var_vals if reads_extent else {})
     if self.launch_times.enabled:   # the benchmark: how long the host waits for the device's work of this pass
       t = time.perf_counter()
@@ -293,7 +311,7 @@ class ModelRunner:
 
     def model_inputs(positions, slots, q_pos, token_seq, ctx, tables, bound_extent) -> ModelInputs:
       group = AttentionGroup(P, C, tables.reshape(P, MB), CountVariable.count(bound_extent), q_pos.reshape(1 if shape.packed else P, C),
-                             ctx, token_seq, packed=shape.packed, kernel_blocks=self.kv_extent.kernel_count())
+                             ctx, token_seq, packed=shape.packed, kernel_blocks=self.extent_variable(shape).kernel_count())
       return ModelInputs(None, positions, slots, [group], None)
 
     def head(h: Tensor, rows: Tensor) -> Tensor | tuple[Tensor, Tensor]:

@@ -17,8 +17,8 @@ written in UOps (tinygrad custom kernels, which tinygrad optimizes and compiles 
 the PV kernel otherwise recomputes each exp once per element of its output row (D times); for a decode step of a few
 sequences that is cheaper than a launch, for a long prefill it is not (`EXP_INLINE_ROWS`).
 
-The scores' buffer is sized for the whole block table (tinygrad sizes a buffer of symbolic length at its maximum as
-well); the kernels loop to the step's used extent, a symbolic count they read as a kernel parameter
+The scores' buffer is as wide as the extent can be: the whole block table, or on a GPU a prefill shape's bound
+(engine/model_runner.py; tinygrad sizes a buffer of symbolic length at its maximum as well); the kernels loop to the step's used extent, a symbolic count they read as a kernel parameter
 (AttentionGroup.kernel_blocks). Its value reaches them because the max's slice of the scores binds the same count in
 the pass: tinygrad looks a kernel's variables up among the bound ones of the pass, and a kernel in a pass that bound
 none fails with "unbound Variable". RoPE, the scale, the mask and every sum are computed in float32. Float and int8
@@ -182,7 +182,9 @@ def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor
   k_scale = (cache.k_scale,) if cache.quantized else ()
   v_scale = (cache.v_scale,) if cache.quantized else ()
   tables, q_pos = group.block_tables.contiguous(), group.q_pos.contiguous()
-  full = Tensor.empty(P, n_kv_heads, G * C, tables.shape[1] * BS, dtype=dtypes.float32, device=qkv.device)
+  # as wide as the extent can be: the Variable's maximum (a prefill shape's bound, or the table's width)
+  width = blocks.vmax if isinstance(blocks, UOp) else tables.shape[1]
+  full = Tensor.empty(P, n_kv_heads, G * C, width * BS, dtype=dtypes.float32, device=qkv.device)
   full = Tensor.custom_kernel(full, q, tables, q_pos, cache.k, *k_scale,
                               fxn=functools.partial(_scores_kernel, scores_opts, BS, scale, window, S_kernel))[0]
   row_max = full[..., :S].max(-1, keepdim=True).contiguous()
