@@ -6,7 +6,7 @@ attention sees one AttentionGroup. Shapes are rounded up to buckets; each shape 
 replayed after that (engine/replay.py).
 """
 from __future__ import annotations
-import functools, math, time
+import dataclasses, functools, math, time
 from collections import OrderedDict
 from dataclasses import dataclass
 import numpy as np
@@ -93,12 +93,13 @@ class ModelRunner:
     self.max_num_seqs = max_num_seqs
     self.max_blocks = -(-max_model_len // block_size)   # block-table width; the used extent is a Variable
     self.kv_extent = CountVariable.make("kv_blocks", self.max_blocks)
-    # tinygrad sizes a buffer of symbolic length at its maximum: attention's scratch in a pass takes query slots x the
-    # extent Variable's maximum. A prefill step has many query slots, so on a GPU (where the memory is scarce and a
-    # capture per shape is cheap next to a step) its shapes also bound the extent, by a power of two of blocks: a
-    # 1024-slot step of a 32-head model with a 131072-token context would take 17 GB with the whole table's extent.
-    self.extent_buckets = self.kind != "CPU"
+    # tinygrad sizes a buffer of symbolic length at its maximum: the portable attention's scratch in a pass takes query
+    # slots x the extent Variable's maximum. A prefill step has many query slots, so on a GPU its shapes also bound the
+    # extent, by a power of two of blocks (a 1024-slot step of a 32-head model with a 131072-token context would take
+    # 17 GB with the whole table's extent). Our Metal shaders read the whole table whatever the extent: not for them.
+    self.extent_buckets = self.kind != "CPU" and model.kernels.name == "portable"
     self._extents: dict[int, CountVariable] = {}
+    self.prefill_extents: dict[PassShape, int] = {}   # a prefill shape (extent 0) -> the extent of its capture kept
     cfg = model.cfg
     self.kv_caches = [PagedKVCache.allocate(self.kv_format, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, self._zeroed)
                       for _ in range(cfg.num_hidden_layers)]
@@ -191,13 +192,22 @@ class ModelRunner:
     its product with the sequence count, which would outgrow the captures kept."""
     if kind == 0: return PassShape(bucket(len(items)), 1, False)
     if kind == 2: return PassShape(bucket(len(items)), max(len(w.tokens) for w in items), True)
-    extent = 0
-    if self.extent_buckets:   # the blocks the longest chunk reaches, rounded up to a power of two
-      extent = bucket(max(-(-(w.start + len(w.tokens)) // self.block_size) for w in items))
-      extent = extent if extent < self.max_blocks else 0
     if self.model.packs_prefill:
-      return PassShape(bucket(self.max_num_seqs), token_bucket(sum(len(w.tokens) for w in items)), prefill_all_logits, packed=True, extent=extent)
-    return PassShape(bucket(len(items)), bucket(max(len(w.tokens) for w in items), minimum=8), prefill_all_logits, extent=extent)
+      shape = PassShape(bucket(self.max_num_seqs), token_bucket(sum(len(w.tokens) for w in items)), prefill_all_logits, packed=True)
+    else: shape = PassShape(bucket(len(items)), bucket(max(len(w.tokens) for w in items), minimum=8), prefill_all_logits)
+    return dataclasses.replace(shape, extent=self._prefill_extent(shape, items)) if self.extent_buckets else shape
+
+  def _prefill_extent(self, shape: PassShape, items: list[WorkItem]) -> int:
+    """The extent a prefill pass of `shape` runs with: the blocks its longest chunk reaches, a power of two (0: the
+    whole table). A shape keeps one capture, whose extent only grows: a smaller need runs in the capture kept, a larger
+    one replaces it, so a shape's scratch never exceeds what one capture at the whole table's extent took."""
+    need = bucket(max(-(-(w.start + len(w.tokens)) // self.block_size) for w in items))
+    held = self.prefill_extents.get(shape)
+    if held is not None and (held == 0 or held >= need): return held
+    extent = need if need < self.max_blocks else 0
+    if held is not None: self._drop(dataclasses.replace(shape, extent=held))
+    self.prefill_extents[shape] = extent
+    return extent
 
   def extent_variable(self, shape: PassShape) -> CountVariable:
     """The Variable counting the KV blocks a pass of this shape reads: at most the shape's extent, or the table's width."""
@@ -339,9 +349,9 @@ class ModelRunner:
       layers = tuple(Replay(functools.partial(layer, template)) for template in self.layer_templates for _ in range(self.layer_graphs))
       replays = (Replay(unpack), layers, Replay(head))
     self.replays[shape] = replays
-    if len(self.replays) > MAX_SHAPES:   # drop the least recently used shape's captures and buffers together
-      old, _ = self.replays.popitem(last=False)
-      self.input_buffers.pop(old, None)
-      self.hidden_buffers.pop(old, None)
-      self.bound_passes.pop(old, None)
+    if len(self.replays) > MAX_SHAPES: self._drop(next(iter(self.replays)))   # the least recently used shape
     return replays
+
+  def _drop(self, shape: PassShape) -> None:
+    """Forget a shape's captures and buffers together."""
+    for kept in (self.replays, self.input_buffers, self.hidden_buffers, self.bound_passes): kept.pop(shape, None)
