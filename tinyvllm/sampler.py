@@ -12,14 +12,17 @@ from tinyvllm.sampling_params import SamplingParams
 _TOP_P_CANDIDATES = 1024   # try the top-p cut inside the 1024 most likely tokens before sorting the whole vocab
 
 
+def penalizes(params: SamplingParams) -> bool:
+  """Do these parameters change logits before sampling (a penalty or a logit bias)?"""
+  return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0 or bool(params.logit_bias)
+
+
 def apply_penalties(logits: np.ndarray, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
                     banned: list[int] | None = None) -> np.ndarray:
   """Repetition penalty over prompt + output (HF/vLLM rule: divide positive logits, multiply negative ones);
   presence and frequency penalties over the output; then `logit_bias` is added; `banned` ids (EOS before
   min_tokens) get -inf."""
-  if params.repetition_penalty == 1 and params.presence_penalty == 0 and params.frequency_penalty == 0 and not banned \
-     and not params.logit_bias:
-    return logits
+  if not penalizes(params) and not banned: return logits
   logits = logits.astype(np.float32, copy=True)
   if params.repetition_penalty != 1 and token_ids:
     seen = np.unique(np.asarray(token_ids))

@@ -306,10 +306,9 @@ class EngineCore:
   @staticmethod
   def _argmax_only(seq: Sequence) -> bool:
     """Is seq's next token the argmax of its raw logits, nothing else read from them: greedy, no penalty, bias, grammar
-    or min_tokens ban, no logprobs?"""
+    or min_tokens ban (`_penalized`'s), no logprobs?"""
     p = seq.params
-    return p.greedy and p.logprobs is None and seq.grammar is None and not p.logit_bias and p.repetition_penalty == 1 and \
-      p.presence_penalty == 0 and p.frequency_penalty == 0 and seq.num_output_tokens >= p.min_tokens
+    return p.greedy and p.logprobs is None and seq.grammar is None and not sampler.penalizes(p) and seq.num_output_tokens >= p.min_tokens
 
   def _guarded(self, seq: Sequence, outputs: dict[Sequence, CoreOutput], fn) -> None:
     try: fn()

@@ -238,7 +238,8 @@ class ModelRunner:
       start += n
     return np.concatenate([tokens, positions, slots, q_pos, token_seq, rows, ctx, tables.reshape(-1)]), max(-(-int(ctx.max()) // bs), 1)
 
-  def _forward(self, shape: PassShape, packed: np.ndarray, used_blocks: int) -> np.ndarray:
+  def _forward(self, shape: PassShape, packed: np.ndarray, used_blocks: int) -> Tensor | tuple[Tensor, Tensor]:
+    """Run a pass; returns its capture's outputs on the device: the logits, with each row's argmax where `head` takes it."""
     replays = self._replays(shape)
     upload = self._upload(shape, packed)
     variable = self.extent_variable(shape)

@@ -190,8 +190,7 @@ class Kernels:
 
     Returns (rotated q `[T, H, D]`, the cache ordered after the write)."""
     q, k, v = self.head_norms(*portable.split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)
-    cs = cos_sin[positions]
-    return portable.rope(q, cs), portable.write_cache(cache, portable.rope(k, cs), v, slot_mapping)
+    return portable.rope_and_write_cache(q, k, v, positions, cos_sin, cache, slot_mapping)
 
   def rope_attention(self, qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
                      slot_mapping: Tensor, group: AttentionGroup, scale: float, window: int | None = None, softcap: float | None = None,
@@ -199,7 +198,7 @@ class Kernels:
     """RoPE, the cache write and the attention of a step's only group in a few kernels that read the paged cache in
     place (kernels/paged.py), where they apply: returns (attention output `[T, H * D]`, the cache after the write).
     None: compose them from `rope_and_cache_write` and `attention`, as backends with kernels of their own for those do."""
-    if not paged.applies(cache, 1, group.packed, softcap): return None
+    if not paged.applies(cache, group.packed, softcap): return None
     if qk_norms is not None:   # q and k normed head by head first (Qwen3): the kernels read the row rebuilt from them
       T = qkv.shape[0]
       qkv = Tensor.cat(*(x.reshape(T, -1) for x in self.head_norms(*portable.split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)), dim=1)

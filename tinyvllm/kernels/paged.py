@@ -43,9 +43,9 @@ EXP_INLINE_ROWS = 64
 LOG2E = 1 / math.log(2)
 
 
-def applies(cache: PagedKVCache, num_groups: int, packed: bool, softcap: float | None) -> bool:
-  """Can these kernels run a layer's attention: one unpacked group, a float or int8 cache, no soft cap?"""
-  return num_groups == 1 and not packed and softcap is None and not cache.k_int4 and not cache.v_int4
+def applies(cache: PagedKVCache, packed: bool, softcap: float | None) -> bool:
+  """Can these kernels run a layer's attention (of a step's only group): unpacked, a float or int8 cache, no soft cap?"""
+  return not packed and softcap is None and not cache.k_int4 and not cache.v_int4
 
 
 def rotated(row: UOp, base: UOp, d: UOp, D: int, cos_sin: UOp, pos: UOp) -> UOp:
@@ -65,11 +65,6 @@ def _read(cache: UOp, scale: UOp | None, slot: UOp, kvh: UOp, d: UOp, KVH: int, 
   return x if scale is None else x * scale[slot * KVH + kvh].cast(dtypes.float32)
 
 
-def _scalar(buf: UOp):
-  """The element dtype of a kernel's buffer parameter."""
-  return getattr(buf.dtype, "base", buf.dtype)
-
-
 def _write_kernel(n_heads: int, D: int, q_out: UOp, k: UOp, v: UOp, qkv: UOp, positions: UOp, cos_sin: UOp, slots: UOp) -> UOp:
   """From the qkv projection's rows `[T, (H + 2 KVH) D]`: q rotated into q_out `[T, H * D]` (float32), and k rotated
   and v into the caches `[NB, BS, KVH, D]` at each token's slot (padding tokens, slot -1, write no K/V). One grid of
@@ -85,7 +80,7 @@ def _write_kernel(n_heads: int, D: int, q_out: UOp, k: UOp, v: UOp, qkv: UOp, po
   kv_e = e % (KVH * D) if KVH < n_heads else e   # loads stay inside the row where the stores are masked off
   key = rotated(qkv, row + (n_heads + kv_e // D) * D, kv_e % D, D, cos_sin, pos)
   value = qkv[row + (n_heads + KVH) * D + kv_e]
-  stores += [k[at].store(key.cast(_scalar(k))), v[at].store(value.cast(_scalar(v)))]
+  stores += [k[at].store(key.cast(k.dtype)), v[at].store(value.cast(v.dtype))]
   return UOp.sink(UOp.group(*stores).end(t, e), arg=KernelInfo(name=f"kv_write_rope_{T}_{KVH * D}_{n_heads * D}", opts_to_apply=()))
 
 
@@ -146,7 +141,7 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   slot = tables[p * MB + b] * block_size + o
   acc = (weight * _read(v, v_scale.flatten() if quantized else None, slot, kvh, d, KVH, D)).reduce(b, o, arg=Ops.ADD)
   total = weight.reduce(b, o, arg=Ops.ADD)   # the softmax's denominator, summed beside the numerator
-  store = out[((p * C + c) * n_heads + kvh * G + g) * D + d].store((acc / total).cast(_scalar(out)))
+  store = out[((p * C + c) * n_heads + kvh * G + g) * D + d].store((acc / total).cast(out.dtype))
   return UOp.sink(store.end(p, kvh, gc, d), arg=KernelInfo(name=f"paged_values_{P}_{G}_{C}", opts_to_apply=opts))
 
 
@@ -168,9 +163,8 @@ def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor
   qkv, cos_sin = qkv.contiguous(), cos_sin.contiguous()
   if cache.quantized:   # int8: the scale of each head vector is a row maximum, which tensor ops compute first
     q, k, v = portable.split_qkv(qkv, n_heads, n_kv_heads, D)
-    cs = cos_sin[positions]
-    cache = portable.write_cache(cache, portable.rope(k, cs), v, slot_mapping)
-    q = portable.rope(q.float(), cs).contiguous()
+    q, cache = portable.rope_and_write_cache(q.float(), k, v, positions, cos_sin, cache, slot_mapping)
+    q = q.contiguous()
   else:
     q = Tensor.empty(T, n_heads, D, dtype=dtypes.float32, device=qkv.device)
     q, k, v = Tensor.custom_kernel(q, cache.k, cache.v, qkv, positions, cos_sin, slot_mapping,

@@ -140,6 +140,14 @@ def rotate(x: Tensor, head_dim: int) -> Tensor:
   return (x.float() @ hadamard_tensor(head_dim, x.device)).cast(x.dtype)
 
 
+def rope_and_write_cache(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
+                         slot_mapping: Tensor) -> tuple[Tensor, PagedKVCache]:
+  """q `[T, H, D]` and k, v `[T, KVH, D]`: q and k rotated at their positions (cos_sin: the table), k and v written into
+  their slots. Returns (rotated q, the cache ordered after the write)."""
+  cs = cos_sin[positions]
+  return rope(q, cs), write_cache(cache, rope(k, cs), v, slot_mapping)
+
+
 def write_cache(cache: PagedKVCache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> PagedKVCache:
   """Write K and V rows `[T, KVH, D]` into their slots, quantized (and rotated) when the cache is."""
   if not cache.quantized:   # rotated k and v side by side: one kernel makes the rows (not one copy each), one writes both

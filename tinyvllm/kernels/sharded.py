@@ -93,8 +93,7 @@ class ShardedKernels(Kernels):
     per_device = qkv.reshape(T, n, hq + 2 * hk, D)   # the device axis is the split one: each row of it is one shard
     q, k, v = self.head_norms(per_device[:, :, :hq].reshape(T, n_heads, D), per_device[:, :, hq:hq + hk].reshape(T, n_kv_heads, D),
                               per_device[:, :, hq + hk:].reshape(T, n_kv_heads, D), qk_norms)
-    cs = cos_sin[positions]
-    return portable.rope(q, cs), portable.write_cache(cache, portable.rope(k, cs), v, slot_mapping)
+    return portable.rope_and_write_cache(q, k, v, positions, cos_sin, cache, slot_mapping)
 
   def head_norms(self, q: Tensor, k: Tensor, v: Tensor, qk_norms: tuple | None) -> tuple[Tensor, Tensor, Tensor]:
     """q and k's heads are split over the devices: each head normed where it is (flattening the heads would move
