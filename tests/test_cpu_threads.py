@@ -149,3 +149,34 @@ def test_pool_after_close_and_in_a_forked_child(pools):
   assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x}"
   pool.close()
   assert np.array_equal(cpu.linear_f32(x, w, pool=pool.buffer).numpy(), want)
+
+
+def test_rows_shared_by_cost_when_parts_are_stored_differently(tmp_path):
+  """A projection whose parts are stored differently (a Q4_K_M layer's q and k in Q4_K, its v in Q6_K) splits its rows
+  by their cost, not their count: every row in exactly one part, runs of 4, and each part's cost within one 4-row run
+  of an even share. Called through the generated C (cpu_layer.LinearSpec.share_fn) for 1-5 threads."""
+  import ctypes, shutil, subprocess
+  from tinyvllm.kernels import cpu_layer
+  from tinyvllm.kernels.threads import C_PARALLEL, C_PARALLEL_DECLS
+  if shutil.which("clang") is None: pytest.skip("clang not found")
+  P, q4, q6 = cpu_layer.Part, blocks.GGML_SPECS["Q4_K"], blocks.GGML_SPECS["Q6_K"]
+  parts = (P(2048, 2048, PACKED, 0, q4), P(512, 2048, PACKED, 0, q4), P(512, 2048, PACKED, 0, q6))
+  spec = cpu_layer.LinearSpec(parts)
+  src = tmp_path / "share.c"
+  src.write_text(C_PARALLEL_DECLS + spec.share_fn("qkv") + C_PARALLEL +
+                 "void share(int rows, int part, int nparts, int *out) { qkv_share(rows, part, nparts, out, out + 1); }\n")
+  so = tmp_path / "share.so"
+  subprocess.run(["clang", "-O2", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
+  share = ctypes.CDLL(str(so)).share
+  cost = np.concatenate([np.full(p.n, cpu_layer._row_cost(p)) for p in parts])
+  assert cost[-1] / cost[0] > 1.4                       # v's rows cost more: an even split by rows is not even
+  for nparts in range(1, 6):
+    out, spans = np.zeros(2, np.int32), []
+    for part in range(nparts):
+      share(spec.n, part, nparts, out.ctypes.data_as(ctypes.c_void_p))
+      spans.append(tuple(out))
+    assert spans[0][0] == 0 and spans[-1][1] == spec.n
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and all(b <= e and b % 4 == 0 for b, e in spans)
+    shares = np.array([cost[b:e].sum() for b, e in spans])
+    assert np.abs(shares - cost.sum() / nparts).max() <= 4 * cost.max(), (nparts, spans)
+    if nparts == 2: assert spans[0][1] > spec.n // 2     # the first thread takes more of the cheaper rows

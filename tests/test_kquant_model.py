@@ -171,3 +171,23 @@ def test_quantizing_at_load_keeps_the_converted_tables(kquant_gguf, monkeypatch)
       want = getattr(a, part).numpy()
       assert want.any()
       np.testing.assert_array_equal(getattr(b, part).numpy(), want)
+
+
+def test_cpu_layer_equal_for_any_thread_count(kquant_gguf):
+  """The fused C layer over mixed layouts (layer 0: q/k beside a Q6_K v, split by cost; gate in Q5_0 beside up in Q5_1,
+  whose products each thread takes for the units it computed) gives bitwise the same tokens and logprobs on 1, 2 and 3
+  threads: a row that no thread computes would not be (each thread count leaves out different rows)."""
+  from tinyvllm import LLM, SamplingParams
+  rng = np.random.default_rng(3)
+  prompts = [{"prompt_token_ids": rng.integers(2, V, n).tolist()} for n in (3, 40, 17)]
+  params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+  results = {}
+  for threads in (1, 2, 3):
+    llm = LLM(str(kquant_gguf), kernel_backend="cpu", num_threads=threads, block_size=8, num_kv_blocks=64)
+    try:
+      outs = llm.generate(prompts, params, use_tqdm=False)
+      results[threads] = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs]
+    finally:
+      llm.shutdown()
+  assert all(len(r[0]) == 8 for r in results[1])
+  assert results[2] == results[1] and results[3] == results[1]

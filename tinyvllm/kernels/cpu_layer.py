@@ -68,6 +68,17 @@ class Part:
     return w + ([f"const float *restrict {name}_bias"] if self.bias else [])
 
 
+def _row_cost(p: Part) -> int:
+  """What one row of a part costs a thread, in relative units: the bytes it reads (weights and scales), times 1.3 for
+  a layout whose codes have high bits to join on (Q5_K, Q6_K, ...). A Q6_K row is 1.42x a Q4_K row's bytes, but
+  took 1.84x its time from cache (512 x 2048 GEMVs, one thread: 25.0 and 13.6 us) and about 1.8x on two threads
+  from memory (a Q4_K_M 1B's q/k rows split evenly beside its Q6_K v rows: one thread 85 us a layer, the other 58)."""
+  if p.fmt == FLOAT: return 4 * p.k
+  if p.fmt == INT4: return p.k // 2 + 4 * (p.k // p.group)
+  if p.fmt == INT8: return p.k + 2 * (p.k // 32)
+  return round(p.k * p.quant.bytes_per_weight() * (1.3 if p.quant.bits > 4 else 1.0))
+
+
 @dataclass(frozen=True)
 class LinearSpec:
   """How one projection is stored: one part, or (q/k/v or gate/up stored in different formats) several, whose
@@ -80,6 +91,35 @@ class LinearSpec:
   def k(self) -> int: return self.parts[0].k
 
   def part_names(self, name: str) -> list[str]: return [name] if len(self.parts) == 1 else [f"{name}{i}" for i in range(len(self.parts))]
+
+  def share_fn(self, name: str) -> str:
+    """`static void name_share(int rows, int part, int nparts, int *nb, int *ne)`: the rows [nb, ne) of the projection's
+    `rows` that one pool part computes, in runs of 4, each row weighted by its part's `_row_cost`. Parts stored alike
+    split evenly (tv_share_rows); split by count, a Q4_K_M checkpoint's q/k in Q4_K beside its v in Q6_K left the
+    thread holding v's rows last to finish, 27 us a layer after the other (1B, two threads)."""
+    costs = {_row_cost(p) for p in self.parts}
+    head = f"static inline void {name}_share(int rows, int part, int nparts, int *nb, int *ne) {{\n"
+    if len(costs) == 1: return head + "  tv_share_rows(rows, part, nparts, nb, ne);\n}\n"
+    starts = [sum(p.n for p in self.parts[:i]) for i in range(len(self.parts) + 1)]
+    cost = ", ".join(str(_row_cost(p)) for p in self.parts)
+    return head + f"""  static const long start[] = {{{", ".join(map(str, starts))}}}, cost[] = {{{cost}}};
+  long total = 0;
+  for (int i = 0; i < {len(self.parts)} && start[i] < rows; i++) total += ((rows < start[i + 1] ? rows : start[i + 1]) - start[i]) * cost[i];
+  int at[2];
+  for (int e = 0; e < 2; e++) {{   /* the first row whose cost before it reaches (part + e) / nparts of the total, to a run of 4 */
+    long target = total * (part + e) / nparts, before = 0;
+    int row = rows;
+    for (int i = 0; i < {len(self.parts)} && start[i] < rows; i++) {{
+      long n = (rows < start[i + 1] ? rows : start[i + 1]) - start[i];
+      if (target < before + n * cost[i]) {{ row = (int)(start[i] + ((target - before) / cost[i] + 3) / 4 * 4); break; }}
+      before += n * cost[i];
+    }}
+    at[e] = e == 0 && part == 0 ? 0 : e == 1 && part == nparts - 1 ? rows : row < rows ? row : rows;
+  }}
+  *nb = at[0];
+  *ne = at[1];
+}}
+"""
 
   def args(self, name: str) -> list[str]: return [a for p, pn in zip(self.parts, self.part_names(name)) for a in p.args(pn)]
 
@@ -189,6 +229,31 @@ def _source(name: str, s: LayerShape, scale: float) -> str:
             "const unsigned long long *restrict pool"]
   # a projection over rows nb..ne-1, called from a pool part: its weights come from the layer's context struct
   call = lambda lin, spec, y, x: f"{lin}({y}, {x}, {', '.join('c->' + c_param_name(a) for a in spec.args(lin))}, nb, ne);"
+  # the MLP's first region: with whole runs of 4 units, each part computes a span of units' gate and up rows and
+  # then their products (no wait between the two); otherwise gate/up rows, then the products, as two regions
+  gate_up_call = call("gate_up", s.gate_up, "c->gu", "c->xn")
+  if I % 4 == 0:
+    mlp_in = f"""/* units [ib, ie): their gate rows, their up rows, then their products: a part's products read only its own rows */
+static void part_mlp_in(void *ctx, int part, int nparts) {{
+  struct layer_ctx *c = ctx;
+  int nb, ne, ib, ie;
+  tv_share_rows({I}, part, nparts, &ib, &ie);
+  if (ib >= ie) return;
+  nb = ib; ne = ie; {gate_up_call}
+  nb = {I} + ib; ne = {I} + ie; {gate_up_call}
+  activate(c, ib, ie);
+}}"""
+    mlp_calls = "tv_parallel(pool, part_mlp_in, &c);"
+  else:
+    mlp_in = f"""static void part_gate_up(void *ctx, int part, int nparts) {{
+  struct layer_ctx *c = ctx; int nb, ne; tv_share_rows({s.gate_up.n}, part, nparts, &nb, &ne); {gate_up_call}
+}}
+static void part_act(void *ctx, int part, int nparts) {{
+  int ib, ie;
+  tv_share({I}, part, nparts, &ib, &ie);
+  activate(ctx, ib, ie);
+}}"""
+    mlp_calls = "tv_parallel(pool, part_gate_up, &c);\n  tv_parallel(pool, part_act, &c);"
   return f"""#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TV_AVX2 1
@@ -239,6 +304,7 @@ static inline float hsum8(__m256 v);
 {_linear_fn("o", s.o, T)}
 {_linear_fn("gate_up", s.gate_up, T)}
 {_linear_fn("down", s.down, T)}
+{s.qkv.share_fn("qkv")}{s.o.share_fn("o")}{s.down.share_fn("down")}
 
 {rms_norm_source("rms_norm", T, E, s.eps)}
 {rms_norm_source("head_norm", 1, D, s.eps) if s.qk_norm else ""}
@@ -423,11 +489,12 @@ static void attention_merge(float *restrict out, struct layer_ctx *c, int tb, in
   }}
 }}
 
-/* the thread pool's parts (kernels/threads.py): rows of each projection in runs of 4, (token, KV head) pairs of
-   attention, elements of SiLU * up; norms, RoPE and residual adds are short and stay on the calling thread */
-#define SHARE_ROWS(n) int nb, ne; tv_share_rows(n, part, nparts, &nb, &ne);
+/* the thread pool's parts (kernels/threads.py): rows of each projection in runs of 4 (weighted by their cost where
+   its parts are stored differently), key splits of attention, and of the MLP's intermediate units (a gate row, its
+   up row and their product); norms, RoPE and residual adds are short and stay on the calling thread */
+#define SHARE_ROWS(lin, n) int nb, ne; lin##_share(n, part, nparts, &nb, &ne);
 static void part_qkv(void *ctx, int part, int nparts) {{
-  struct layer_ctx *c = ctx; SHARE_ROWS({QKV}) {call("qkv", s.qkv, "c->qkv_out", "c->xn")}
+  struct layer_ctx *c = ctx; SHARE_ROWS(qkv, {QKV}) {call("qkv", s.qkv, "c->qkv_out", "c->xn")}
 }}
 static void part_attention(void *ctx, int part, int nparts) {{
   struct layer_ctx *c = ctx;
@@ -443,26 +510,21 @@ static void part_merge(void *ctx, int part, int nparts) {{
   attention_merge(c->att, c, tb, te);
 }}
 static void part_o(void *ctx, int part, int nparts) {{
-  struct layer_ctx *c = ctx; SHARE_ROWS({E}) {call("o", s.o, "c->prod", "c->att")}
+  struct layer_ctx *c = ctx; SHARE_ROWS(o, {E}) {call("o", s.o, "c->prod", "c->att")}
 }}
-static void part_gate_up(void *ctx, int part, int nparts) {{
-  struct layer_ctx *c = ctx; SHARE_ROWS({s.gate_up.n}) {call("gate_up", s.gate_up, "c->gu", "c->xn")}
-}}
-static void part_act(void *ctx, int part, int nparts) {{
-  struct layer_ctx *c = ctx;
-  int b, e;
-  tv_share({T * I}, part, nparts, &b, &e);
-  for (int j = b; j < e;) {{   /* {"GELU" if s.gelu else "SiLU"}(gate) * up, 8 at a time inside a token's row */
-    int t = j / {I}, i = j % {I};
-    const float *g = c->gu + (long)t * {2 * I} + i, *u = g + {I};
-    if (i + 8 <= {I} && j + 8 <= e) {{
-      *(vf_u *)(c->act + j) = gate8(vload(g)) * vload(u);
-      j += 8;
-    }} else {{ c->act[j] = gate8((vf){{0}} + g[0])[0] * u[0]; j++; }}
+/* {"GELU" if s.gelu else "SiLU"}(gate) * up of tokens' intermediate units [ib, ie), 8 at a time */
+static void activate(struct layer_ctx *c, int ib, int ie) {{
+  for (int t = 0; t < {T}; t++) {{
+    const float *g = c->gu + (long)t * {2 * I}, *u = g + {I};
+    float *a = c->act + (long)t * {I};
+    int i = ib;
+    for (; i + 8 <= ie; i += 8) *(vf_u *)(a + i) = gate8(vload(g + i)) * vload(u + i);
+    for (; i < ie; i++) a[i] = gate8((vf){{0}} + g[i])[0] * u[i];
   }}
 }}
+{mlp_in}
 static void part_down(void *ctx, int part, int nparts) {{
-  struct layer_ctx *c = ctx; SHARE_ROWS({E}) {call("down", s.down, "c->prod", "c->act")}
+  struct layer_ctx *c = ctx; SHARE_ROWS(down, {E}) {call("down", s.down, "c->prod", "c->act")}
 }}
 
 void {name}({", ".join(params)}) {{
@@ -478,8 +540,7 @@ void {name}({", ".join(params)}) {{
   {"rms_norm(xn, prod, ln3);   /* the attention output normed (xn is free again) */" if s.sandwich else ""}
   for (long i = 0; i < {T * E}; i++) out[i] = h[i] + {"xn" if s.sandwich else "prod"}[i];
   rms_norm(xn, out, ln2);
-  tv_parallel(pool, part_gate_up, &c);
-  tv_parallel(pool, part_act, &c);
+  {mlp_calls}
   tv_parallel(pool, part_down, &c);
   {"rms_norm(xn, prod, ln4);" if s.sandwich else ""}
   for (long i = 0; i < {T * E}; i++) out[i] += {"xn" if s.sandwich else "prod"}[i];
