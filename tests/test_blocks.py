@@ -10,13 +10,13 @@ from tinyvllm.quant.formats import QuantSpec, spec_of
 
 # where each ggml type keeps its float16 fields (offsets in a block): set to finite values, the rest is random bytes
 F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_XS": (0,), "IQ4_NL": (0,)}
-EXPECTED = {"Q4_K": QuantSpec(4, 32, 8), "Q5_K": QuantSpec(5, 32, 8),
+EXPECTED = {"Q4_K": QuantSpec(4, 32, 8, k_scales=True), "Q5_K": QuantSpec(5, 32, 8, k_scales=True),
             "Q6_K": QuantSpec(6, 16, 16, signed_scales=True, symmetric=True),
             "Q3_K": QuantSpec(4, 16, 16, signed_scales=True, symmetric=True),
             "Q5_0": QuantSpec(5, 32, symmetric=True), "Q5_1": QuantSpec(5, 32),
             "IQ4_XS": QuantSpec(4, 32, 8, signed_scales=True, symmetric=True, codebook=True),
             "IQ4_NL": QuantSpec(4, 32, symmetric=True, codebook=True)}
-BITS_PER_WEIGHT = {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625, "Q3_K": 4.5625, "Q5_0": 5.5, "Q5_1": 6.0, "IQ4_XS": 4.3125, "IQ4_NL": 4.5}
+BITS_PER_WEIGHT = {"Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q3_K": 4.5625, "Q5_0": 5.5, "Q5_1": 6.0, "IQ4_XS": 4.3125, "IQ4_NL": 4.5}
 
 
 def random_ggml(qtype: str, rows: int, cols: int, rng) -> np.ndarray:

@@ -51,7 +51,7 @@ def vbmi_native() -> bool:
 def bound(x: np.ndarray, parts: dict, spec, x16: bool, vbmi: bool | None = None) -> np.ndarray:
   """`vbmi`: whether the kernel was compiled with AVX-512 VBMI (None: this machine's CPU)."""
   from tinyvllm.kernels import cpu
-  N, K = parts["scales"].shape[0], parts["scales"].shape[1] * spec.group
+  N, K = parts["scales"].shape[0], parts["scales"].shape[1] * spec.scale_inputs
   kquant = (vbmi_native() if vbmi is None else vbmi) and cpu._kquant_int(K, spec)
   q = blocks.unpack_codes(parts["weight"], spec.bits, K).astype(np.float64)
   centre = cpu._kquant_centre(spec) if kquant else 1 << (spec.bits - 1)
@@ -76,7 +76,7 @@ def check(y: np.ndarray, x: np.ndarray, parts: dict, spec, x16: bool, vbmi: bool
   assert worst <= 1, f"error {worst:.2f}x the bound"
 
 
-def inputs(parts: dict, spec) -> int: return parts["scales"].shape[1] * spec.group
+def inputs(parts: dict, spec) -> int: return parts["scales"].shape[1] * spec.scale_inputs
 
 
 def tensors(parts: dict, spec) -> LinearWeights:

@@ -359,8 +359,13 @@ def _packed_scale(spec, K: int, S: str = "S[g]", B: str = "B[g]") -> str:
   NG, sg = K // spec.group, spec.super_groups
   if not sg: return f"{S} = h2f(s[n * {NG} + g]);" + ("" if spec.symmetric else f" {B} = h2f(b[n * {NG} + g]);")
   if spec.symmetric: return f"{S} = h2f(sd[n * {NG // sg} + g / {sg}]) * (float)s[n * {NG} + g];"
-  return (f"{S} = h2f(sd[2 * (n * {NG // sg} + g / {sg})]) * (float)s[2 * (n * {NG} + g)];"
-          f" {B} = -(h2f(sd[2 * (n * {NG // sg} + g / {sg}) + 1]) * (float)s[2 * (n * {NG} + g) + 1]);")
+  if spec.k_scales:   # group j of its super-block: 6-bit fields (quant/blocks.py k_scales_mins)
+    q, j = f"(s + 12 * (n * {NG // sg} + g / 8))", "(g % 8)"
+    scale = f"({j} < 4 ? {q}[{j}] & 63 : ({q}[{j} + 4] & 15) | ({q}[{j} - 4] >> 6) << 4)"
+    mn = f"({j} < 4 ? {q}[{j} + 4] & 63 : ({q}[{j} + 4] >> 4) | ({q}[{j}] >> 6) << 4)"
+  else: scale, mn = f"s[2 * (n * {NG} + g)]", f"s[2 * (n * {NG} + g) + 1]"
+  return (f"{S} = h2f(sd[2 * (n * {NG // sg} + g / {sg})]) * (float){scale};"
+          f" {B} = -(h2f(sd[2 * (n * {NG // sg} + g / {sg}) + 1]) * (float){mn});")
 
 
 def _packed_scales(spec, K: int) -> str:
@@ -379,7 +384,14 @@ def _packed_scales8(spec, K: int) -> str:
     cvt = "_mm256_cvtepi8_epi32" if spec.signed_scales else "_mm256_cvtepu8_epi32"
     return (f"__m256 Sv = _mm256_mul_ps(_mm256_set1_ps(h2f(sd[n * {NG // sg} + g / {sg}])), "
             f"_mm256_cvtepi32_ps({cvt}(_mm_loadl_epi64((const __m128i *)(s + n * {NG} + g)))));")
-  return f"""__m128i sm_ = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(s + 2 * (n * {NG} + g))), deint);
+  if spec.k_scales:   # a super-block's 12 bytes of 6-bit fields (quant/blocks.py k_scales_mins) -> 8 scales, then 8 mins
+    sm = f"""const unsigned char *q_ = s + 12 * (n * {NG // sg} + g / 8);
+        int w8_; __builtin_memcpy(&w8_, q_ + 8, 4);
+        __m128i v_ = _mm_insert_epi32(_mm_loadl_epi64((const __m128i *)q_), w8_, 2);   /* 12 bytes, no more */
+        __m128i a_ = _mm_shuffle_epi8(v_, kfield), t_ = _mm_and_si128(_mm_srli_epi16(_mm_shuffle_epi8(v_, ktop), 2), _mm_set1_epi8(0x30));
+        __m128i sm_ = _mm_blendv_epi8(_mm_and_si128(a_, _mm_set1_epi8(63)), _mm_or_si128(_mm_and_si128(_mm_blendv_epi8(a_, _mm_srli_epi16(a_, 4), khigh), _mm_set1_epi8(15)), t_), kupper);"""
+  else: sm = f"__m128i sm_ = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(s + 2 * (n * {NG} + g))), deint);"
+  return f"""{sm}
         long d_ = 2 * (n * {NG // sg} + g / {sg});
         __m256 Sv = _mm256_mul_ps(_mm256_set1_ps(h2f(sd[d_])), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm_)));
         __m256 Bv = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(h2f(sd[d_ + 1])), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm_, 8)))));"""
@@ -418,8 +430,15 @@ class _PackedInt:
   (void)book;
   const __m256i hmask = _mm256_set1_epi16({self.high_mask << 4});   /* a run's high bits, moved to bits 4.. of a 16-bit code */
   const __m128i deint = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  /* k_scales: output byte i (scales 0-7, then mins 0-7) takes its low bits from byte kfield[i] of the 12 (the low 6 of
+     groups 0-3; a nibble of bytes 8-11 for groups 4-7, the high one for mins) and, for groups 4-7 (kupper), its top
+     2 bits from the top of byte ktop[i] */
+  const __m128i kfield = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+  const __m128i ktop = _mm_setr_epi8(-128, -128, -128, -128, 0, 1, 2, 3, -128, -128, -128, -128, 4, 5, 6, 7);
+  const __m128i kupper = _mm_setr_epi8(0, 0, 0, 0, -1, -1, -1, -1, 0, 0, 0, 0, -1, -1, -1, -1);
+  const __m128i khigh = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  (void)pair; (void)hmask; (void)deint; (void)nib;"""
+  (void)pair; (void)hmask; (void)deint; (void)nib; (void)kfield; (void)ktop; (void)kupper; (void)khigh;"""
 
   def x_prep(self, x: str) -> str:
     """C statements turning float row `x` into xq (16-bit codes in each run's even/odd order), dx (x's scale per
@@ -722,6 +741,9 @@ def _kquant_int(K: int, spec) -> bool:
           and spec.group * spec.super_groups == 256 and K % 256 == 0)
 
 
+SCALE_AHEAD = 16   # rows: four 4-row tiles
+
+
 class _KQuantInt:
   """C fragments of the k-quant layouts' products on CPUs with AVX-512 VBMI (Zen 4 and 5, Ice Lake and later). A
   k-quant's group scale is a small integer under a float16 d per super-block of 256 inputs, so it can join the
@@ -771,7 +793,23 @@ class _KQuantInt:
   const __m512i sdup = {self._set("_mm512_set_epi8", [2 * (i // 4) for i in range(64)])};   /* (scale, min) pair g's scale -> words 2g, 2g + 1 */
   const __m512i didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), midx = _mm512_add_epi32(didx, _mm512_set1_epi32(1));
   const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  {self._kscale_consts()}
   (void)hmask; (void)centre; (void)hword; (void)hrun; (void)sdup; (void)didx; (void)midx; (void)evens;"""
+
+  def _kscale_consts(self) -> str:
+    """k_scales: byte 2j (2j + 1) of a super-block's 16 takes group j's scale (min) from byte kfield of its 12 (the low
+    6 bits for j < 4; a nibble of bytes 8-11 for j >= 4, the high one for a min: kmins) and, for j >= 4 (kupper), its
+    top 2 bits from the top of byte ktop. Two super-blocks a 256-bit vector."""
+    if not self.spec.k_scales: return ""
+    field, top, upper, mins = [], [], 0, 0
+    for o in range(32):
+      base, j, is_min = 12 * (o // 16), (o % 16) // 2, o % 2
+      field.append(base + (j + 4 if is_min or j >= 4 else j))
+      top.append(base + (j if is_min else j - 4) if j >= 4 else 0)
+      if j >= 4: upper |= 1 << o
+      if j >= 4 and is_min: mins |= 1 << o
+    return (f"const __m256i kfield = {self._set('_mm256_set_epi8', field)}, ktop = {self._set('_mm256_set_epi8', top)};\n"
+            f"  const __mmask32 kupper = {upper:#x}u, kmins = {mins:#x}u;")
 
   def x_arrays(self, rows: str = "") -> str:
     """Declarations of the prepared x (per x row when `rows` is a C dimension such as "[8]")."""
@@ -810,7 +848,13 @@ class _KQuantInt:
     [NSB]: each super-block's d) and, affine, f (float [NG + 16]: each group's B + c S, 0 past the last)."""
     spec, NG, NSB, NP, NV, c = self.spec, self.NG, self.NSB, self.NP, self.NV, self.c
     mask = lambda left: f"({left} >= 16 ? 0xFFFF : (__mmask16)((1u << ({left})) - 1))"
-    load_d = f"""__m512 dm[{NV + 1}];   /* the row's float16 d (dmin) as floats, in registers (0 past the last) */
+    # the scales of the row SCALE_AHEAD rows on, each line of them: read with masked loads, a tile's scales otherwise
+    # came from memory while its codes streamed in (the 6-bit k_scales GEMV from memory took up to 1.31x as long)
+    later, row_bytes = f"(n + {SCALE_AHEAD} < {self.N} ? n + {SCALE_AHEAD} : n)", 12 * NSB if spec.k_scales else NG if spec.symmetric else 2 * NG
+    prefetch = " ".join([*(f"_mm_prefetch((const char *)s + {later} * {row_bytes} + {o}, _MM_HINT_T0);" for o in range(0, row_bytes, 64)),
+                         *(f"_mm_prefetch((const char *)sd + {later} * {2 * NP} + {o}, _MM_HINT_T0);" for o in range(0, 2 * NP, 64))])
+    load_d = f"""{prefetch}
+        __m512 dm[{NV + 1}];   /* the row's float16 d (dmin) as floats, in registers (0 past the last) */
         for (int i = 0; i < {NV}; i++) dm[i] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16({mask(f"{NP} - 16 * i")}, sd + (long)n * {NP} + 16 * i));
         dm[{NV}] = _mm512_setzero_ps();"""
     if spec.symmetric:   # one int8 scale per group of 16 (a half run)
@@ -823,11 +867,20 @@ class _KQuantInt:
     # affine, groups of 32: (scale, min) byte pairs, (d, dmin) float16 pairs; two super-blocks (16 groups) a step
     bias = ("_mm512_mul_ps(dmin, mf)" if not c else
             f"_mm512_fmsub_ps(_mm512_mul_ps(dg, _mm512_cvtepi32_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(255)))), _mm512_set1_ps({c}.0f), _mm512_mul_ps(dmin, mf))")
+    if spec.k_scales:   # two super-blocks' 24 bytes of 6-bit fields -> their 16 (scale, min) byte pairs (kfield, ktop: consts)
+      pairs = f"""__m256i v_ = _mm256_maskz_loadu_epi8({NG} - g >= 16 ? 0xFFFFFFu : 0xFFFu, sr + 12 * (g / 8));   /* an odd last super-block: 12 bytes */
+          __m256i a_ = _mm256_permutexvar_epi8(kfield, v_), t_ = _mm256_and_si256(_mm256_srli_epi16(_mm256_maskz_permutexvar_epi8(kupper, ktop, v_), 2), _mm256_set1_epi8(0x30));
+          __m256i sm = _mm256_mask_blend_epi8(kupper, _mm256_and_si256(a_, _mm256_set1_epi8(63)),
+                                              _mm256_or_si256(_mm256_and_si256(_mm256_mask_blend_epi8(kmins, a_, _mm256_srli_epi16(a_, 4)), _mm256_set1_epi8(15)), t_));"""
+      row = f"(const unsigned char *)s + 12 * (long)n * {NSB}"
+    else:
+      pairs = f"__m256i sm = _mm256_maskz_loadu_epi8({NG} - g >= 16 ? 0xFFFFFFFFu : 0xFFFFu, sr + 2 * g);   /* an odd last super-block: 8 groups */"
+      row = f"(const unsigned char *)s + 2 * (long)n * {NG}"
     return f"""{{
-        const unsigned char *sr = (const unsigned char *)s + 2 * (long)n * {NG};
+        const unsigned char *sr = {row};
         {load_d}
         for (int g = 0; g < {NG}; g += 16) {{
-          __m256i sm = _mm256_maskz_loadu_epi8({NG} - g >= 16 ? 0xFFFFFFFFu : 0xFFFFu, sr + 2 * g);   /* an odd last super-block: 8 groups */
+          {pairs}
           _mm512_store_si512((void *)({s16} + 2 * g), _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, sdup, _mm512_castsi256_si512(sm)));
           __m512i pairs = _mm512_cvtepu16_epi32(sm), at = _mm512_set1_epi32((g / 4) % 16);   /* super-block g / 8's d: float g / 4 */
           {"__m512 dg = _mm512_permutex2var_ps(dm[g / 64], _mm512_add_epi32(didx, at), dm[g / 64 + 1]);" if c else ""}
@@ -1017,7 +1070,7 @@ def packed_body(M: int, N: int, K: int, spec, ys: int | None = None) -> str:
 def packed_linear_kernel(M: int, N: int, K: int, spec) -> tuple[str, str]:
   """(name, source) of the packed linear for these sizes and layout: args y, x, the layout's arrays, pool."""
   if K % 32 or K % spec.group: raise ValueError(f"packed linear of K={K} inputs: the kernels take whole runs of 32 and groups of {spec.group}")
-  tag = f"{spec.bits}_{spec.group}_{spec.super_groups}{'s' if spec.signed_scales else 'u'}{'y' if spec.symmetric else 'a'}{'c' if spec.codebook else ''}"
+  tag = f"{spec.bits}_{spec.group}_{spec.super_groups}{'s' if spec.signed_scales else 'u'}{'y' if spec.symmetric else 'a'}{'c' if spec.codebook else ''}{'k' if spec.k_scales else ''}"
   name = f"packed_linear_{M}_{N}_{K}_{tag}"
   src = row_parallel_kernel(name, ["float *restrict y", "const float *restrict x"] + _packed_params(spec), N,
                             packed_body(M, N, K, spec), _AVX2_DECLS, _AVX2_DEFS)

@@ -231,7 +231,7 @@ def packed_rows(w, dtype=dtypes.float32) -> Tensor:
   a float16 and an integer, exact there) inside whatever expression reads them: in a matmul, tinygrad fuses it all
   into one kernel (it reads at most three buffers: the layout's reason for three arrays) and no float W is stored."""
   spec, T = w.spec, w.weight.shape[0]
-  K = w.scales.shape[1] * spec.group
+  K = w.scales.shape[1] * spec.scale_inputs
   nib = w.weight[:, :K // 8]
   q = Tensor.stack(*[(nib >> (4 * i)) & 0xF for i in range(8)], dim=-1).reshape(T, K)
   if spec.bits > 4:   # blocks of 32 bytes: byte i holds run j's input i's high bits at bits h*j (quant/blocks.py)
@@ -254,9 +254,21 @@ def packed_rows(w, dtype=dtypes.float32) -> Tensor:
     out = S * (qg - spec.offset) if spec.symmetric else S * qg + w.biases.float().reshape(shape)
   elif spec.symmetric: out = w.scales.float().reshape(shape) * w.scale_d.float().reshape(T, -1, 1, 1) * (qg - spec.offset)
   else:
-    sc, d = w.scales.float().reshape(*shape[:3], 2), w.scale_d.float().reshape(T, -1, 1, 2)
-    out = (sc[..., 0] * d[..., 0]).unsqueeze(-1) * qg - (sc[..., 1] * d[..., 1]).unsqueeze(-1)
+    sc, mn = k_scales_mins(w.scales) if spec.k_scales else (w.scales[..., 0], w.scales[..., 1])
+    d = w.scale_d.float().reshape(T, -1, 1, 2)
+    out = (sc.float().reshape(shape[:3]) * d[..., 0]).unsqueeze(-1) * qg - (mn.float().reshape(shape[:3]) * d[..., 1]).unsqueeze(-1)
   return out.reshape(T, K).cast(dtype)
+
+
+def k_scales_mins(packed: Tensor) -> tuple[Tensor, Tensor]:
+  """A k_scales layout's 12 bytes per super-block (`[..., 12]` uint8) -> its 8 scales and 8 mins (`[..., 8]` int32 each),
+  as quant/blocks.k_scales_mins unpacks them: groups 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins),
+  groups 4-7 with their low 4 bits in bytes 8-11 (scale low nibble, min high) and their top 2 from bytes 0-7's."""
+  b = packed.cast(dtypes.int32)
+  first, second, low = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+  scales = (first & 63).cat((low & 15) | ((first >> 6) << 4), dim=-1)
+  mins = (second & 63).cat((low >> 4) | ((second >> 6) << 4), dim=-1)
+  return scales, mins
 
 
 def packed_linear(x: Tensor, w) -> Tensor:

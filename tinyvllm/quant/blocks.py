@@ -7,12 +7,13 @@ A linear `[N, K]` (y = x @ W^T) becomes at most three arrays and a spec, w = S *
                                        bits in blocks of 32 bytes covering R = 8/h runs of 32 inputs: bits h*j..h*j+h-1 of
                                        byte i hold the high bits of run j's input i, so one shift and mask of a block
                                        gives a run's high bits, a byte per input (H = 8 words per block, the last padded)
-  <name>.scales   float16 [N, K/G]     S; or two-level, an 8-bit integer per group (int8 or uint8 [N, K/G]; an affine
-                                       k-quant's uint8 [N, K/G, 2]: the scale and the min) times
+  <name>.scales   float16 [N, K/G]     S; or two-level, an 8-bit integer per group (int8 or uint8 [N, K/G]; with
+                                       k_scales, Q4_K's and Q5_K's, uint8 [N, K/256, 12]: each super-block's 8 scales
+                                       and 8 mins as 6-bit fields, packed as ggml packs them, k_scales_mins) times
   <name>.scale_d  float16 [N, K/(G*s)] a float16 per s groups (a k-quant super-block; [N, K/(G*s), 2]: d and dmin):
                                        S = d * scale, B = -dmin * min
   <name>.biases   float16 [N, K/G]     affine with float16 scales: B
-  <name>.qspec    int32 [6]            the QuantSpec (bits, group, super_groups, signed_scales, symmetric, codebook)
+  <name>.qspec    int32 [7]            the QuantSpec (bits, group, super_groups, signed_scales, symmetric, codebook, k_scales)
 Symmetric layouts store no biases: w = S * (q - 2^(b-1)), or with a codebook (IQ4_XS/IQ4_NL) w = S * CODEBOOK[q]. Three arrays at most because tinygrad fuses a dequantizing
 expression into the matmul that reads it only while it reads at most three buffers (schedule/rangeify.py): one more
 and it would write the whole float weight out first (kernels/portable.py).
@@ -21,8 +22,7 @@ Every conversion here is exact: dequantizing our arrays gives gguf.quants.dequan
 float32 values bit for bit. A two-level scale is the product of a float16 and an integer of at most 8 bits, exact in
 float32, and so is S * q; each weight is then rounded once, in the same place as ggml's reference code.
 
-Bits per weight as stored here (the GGUF file's in brackets): Q4_K 4.625 (4.5: its 6-bit scales and mins take a byte
-each here), Q5_K 5.625 (5.5), Q6_K 6.5625 (6.5625), Q3_K 4.5625 (3.4375: 3-bit codes in 4-bit planes), Q5_0 5.5 (5.5),
+Bits per weight as stored here (the GGUF file's in brackets): Q4_K 4.5 (4.5), Q5_K 5.5 (5.5), Q6_K 6.5625 (6.5625), Q3_K 4.5625 (3.4375: 3-bit codes in 4-bit planes), Q5_0 5.5 (5.5),
 Q5_1 6 (6), IQ4_XS 4.3125 (4.25) and IQ4_NL 4.5 (4.5: codes that index a table of 16 values, `codebook`); MLX b-bit
 with group G: b + 32/G (3-bit: as INT4, 4 + 32/G).
 """
@@ -80,12 +80,12 @@ def unpack_codes(weight: np.ndarray, bits: int, K: int) -> np.ndarray:
 
 
 def spec_array(spec: QuantSpec) -> np.ndarray:
-  return np.array([spec.bits, spec.group, spec.super_groups, spec.signed_scales, spec.symmetric, spec.codebook], np.int32)
+  return np.array([spec.bits, spec.group, spec.super_groups, spec.signed_scales, spec.symmetric, spec.codebook, spec.k_scales], np.int32)
 
 
 def spec_from_array(a) -> QuantSpec:
-  bits, group, super_groups, signed, symmetric, codebook = (int(v) for v in np.asarray(a).reshape(-1))
-  return QuantSpec(bits, group, super_groups, bool(signed), bool(symmetric), bool(codebook))
+  bits, group, super_groups, signed, symmetric, codebook, k_scales = (int(v) for v in np.asarray(a).reshape(-1))
+  return QuantSpec(bits, group, super_groups, bool(signed), bool(symmetric), bool(codebook), bool(k_scales))
 
 
 def layout(codes: np.ndarray, spec: QuantSpec, scales: np.ndarray, scale_d: np.ndarray | None = None,
@@ -103,6 +103,7 @@ def layout(codes: np.ndarray, spec: QuantSpec, scales: np.ndarray, scale_d: np.n
 def group_scales(parts: dict, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray | None]:
   """(S, B) float32 `[N, K/G]` of a packed linear; B None when symmetric."""
   s = np.asarray(parts["scales"])
+  if spec.k_scales: s = np.stack(k_scales_mins(s), axis=-1).reshape(len(s), -1, 2)
   if not spec.super_groups: return s.astype(np.float32), None if spec.symmetric else np.asarray(parts["biases"]).astype(np.float32)
   d = np.asarray(parts["scale_d"], np.float16).astype(np.float32)
   if spec.symmetric: return np.repeat(d, spec.super_groups, axis=-1) * s.astype(np.float32), None
@@ -113,7 +114,7 @@ def group_scales(parts: dict, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray |
 def dequantize(parts: dict, spec: QuantSpec) -> np.ndarray:
   """float32 `[N, K]`: S * q + B per group (symmetric: S * (q - offset); a codebook: S * CODEBOOK[q]), each weight
   rounded once."""
-  N, K = parts["scales"].shape[0], parts["scales"].shape[1] * spec.group
+  N, K = parts["scales"].shape[0], parts["scales"].shape[1] * spec.scale_inputs
   q = unpack_codes(parts["weight"], spec.bits, K)
   S, B = group_scales(parts, spec)
   qg = (np.array(CODEBOOK, np.float32)[q] if spec.codebook else q).reshape(N, K // spec.group, spec.group).astype(np.float32)
@@ -133,7 +134,7 @@ def dequantize_linear(tensors, name: str, fmt: str) -> np.ndarray:
 
 GGML_TYPES = {"Q4_K": (QK, 144), "Q5_K": (QK, 176), "Q6_K": (QK, 210), "Q3_K": (QK, 110), "Q5_0": (32, 22), "Q5_1": (32, 24),
               "IQ4_XS": (QK, 136), "IQ4_NL": (32, 18)}
-GGML_SPECS = {"Q4_K": QuantSpec(4, 32, 8), "Q5_K": QuantSpec(5, 32, 8), "Q6_K": QuantSpec(6, 16, 16, signed_scales=True, symmetric=True),
+GGML_SPECS = {"Q4_K": QuantSpec(4, 32, 8, k_scales=True), "Q5_K": QuantSpec(5, 32, 8, k_scales=True), "Q6_K": QuantSpec(6, 16, 16, signed_scales=True, symmetric=True),
               "Q3_K": QuantSpec(4, 16, 16, signed_scales=True, symmetric=True), "Q5_0": QuantSpec(5, 32, symmetric=True),
               "Q5_1": QuantSpec(5, 32), "IQ4_XS": QuantSpec(4, 32, 8, signed_scales=True, symmetric=True, codebook=True),
               "IQ4_NL": QuantSpec(4, 32, symmetric=True, codebook=True)}
@@ -144,7 +145,7 @@ def part_shapes(spec: QuantSpec, n: int, k: int) -> dict[str, tuple[int, ...]]:
   groups = k // spec.group
   pair = () if spec.symmetric or not spec.super_groups else (2,)   # a two-level affine layout pairs scale and min
   high = high_blocks(k, spec.bits)[1] * 8 if spec.bits > 4 else 0
-  out = {"weight": (n, k // 8 + high), "scales": (n, groups, *pair)}
+  out = {"weight": (n, k // 8 + high), "scales": (n, k // spec.scale_inputs, 12) if spec.k_scales else (n, groups, *pair)}
   if spec.super_groups: out["scale_d"] = (n, groups // spec.super_groups, *pair)
   if not spec.symmetric and not spec.super_groups: out["biases"] = (n, groups)
   return out
@@ -166,7 +167,7 @@ def _f16(b: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(b).view(np.float16)[..., 0]
 
 
-def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins for 8 sub-blocks -> (scales, mins) uint8 `[..., 8]`. Bytes 0-3 hold
   scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; sub-blocks 4-7 take their low 4 bits from bytes 8-11 (scale
   in the low nibble, min in the high) and their top 2 bits from the top bits of bytes 0-3 (scales) and 4-7 (mins).
@@ -230,10 +231,9 @@ def from_ggml(raw: np.ndarray, qtype: str, shape: tuple[int, int],
   b = np.ascontiguousarray(raw, np.uint8).reshape(N, K // block, nbytes)
   if qtype in ("Q4_K", "Q5_K"):
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-    sc, mn = _k_scales_mins(b[..., 4:16])
     if qtype == "Q4_K": q = _nibble_runs(b[..., 16:144], 32)
     else: q = _with_high_blocks(_nibble_runs(b[..., 48:176], 32), b[..., 16:48])   # bit j of byte t: element 32j + t
-    scales, scale_d, biases = np.stack([sc, mn], axis=-1).reshape(N, -1, 2), np.stack([d, dmin], axis=-1), None
+    scales, scale_d, biases = np.ascontiguousarray(b[..., 4:16]), np.stack([d, dmin], axis=-1), None   # 6-bit fields as stored
   elif qtype == "Q6_K":
     ql, qh, sc, d = b[..., 0:128], b[..., 128:192], b[..., 192:208], _f16(b[..., 208:210])
     q = _with_high_blocks(_nibble_runs(ql, 64), qh)   # 2 halves of 128: nibbles of 64 bytes; bits 2i, 2i + 1 of a

@@ -35,12 +35,20 @@ class QuantSpec:
   signed_scales: bool = False  # two-level scales are int8 (else uint8)
   symmetric: bool = False      # w = S (q - 2^(bits-1)), no biases; else affine
   codebook: bool = False       # symmetric, w = S CODEBOOK[q]: a 4-bit code picks one of 16 int8 values (GGUF IQ4_XS/IQ4_NL)
+  k_scales: bool = False       # two-level affine, 8 groups: the 8 scales and 8 mins as 6-bit fields in 12 bytes per super-block,
+                               # ggml's own packing (Q4_K, Q5_K), instead of a byte each (quant/blocks.py k_scales_mins)
 
   @property
   def offset(self) -> int: return 1 << (self.bits - 1) if self.symmetric and not self.codebook else 0
 
+  @property
+  def scale_inputs(self) -> int:
+    """Inputs per entry of the `scales` array's second axis: a group's, or a super-block's with k_scales."""
+    return self.group * (self.super_groups if self.k_scales else 1)
+
   def bytes_per_weight(self) -> float:
     """Of rows whose 32-input runs fill whole blocks of high bits (quant/blocks.packed_nbytes counts a padded one)."""
+    if self.k_scales: return self.bits / 8 + (12 + 4) / (self.group * self.super_groups)   # 6-bit fields; d and dmin
     per_group = 1 if self.super_groups else 2   # an integer, or a float16
     scale = per_group / self.group + (2 / (self.group * self.super_groups) if self.super_groups else 0)
     return self.bits / 8 + scale * (1 if self.symmetric else 2)
@@ -65,9 +73,9 @@ def projection_parts(linears: Mapping[str, Any], name: str) -> list | None:
 
 def spec_of(tensors: Mapping[str, Any], name: str) -> QuantSpec:
   """The QuantSpec of packed linear `name`, from its `.qspec` array (bits, group, super_groups, signed, symmetric,
-  codebook)."""
-  bits, group, super_groups, signed, symmetric, codebook = (int(v) for v in list(tensors[f"{name}.qspec"]))
-  return QuantSpec(bits, group, super_groups, bool(signed), bool(symmetric), bool(codebook))
+  codebook, k_scales)."""
+  bits, group, super_groups, signed, symmetric, codebook, k_scales = (int(v) for v in list(tensors[f"{name}.qspec"]))
+  return QuantSpec(bits, group, super_groups, bool(signed), bool(symmetric), bool(codebook), bool(k_scales))
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,7 @@ class LinearWeights:
 
   @property
   def in_features(self) -> int:
-    if self.format == PACKED: return self.scales.shape[1] * self.spec.group
+    if self.format == PACKED: return self.scales.shape[1] * self.spec.scale_inputs
     return self.weight.shape[1] * (8 if self.format == INT4 else 1)
 
   @property
