@@ -21,6 +21,7 @@ TINY_CONFIGS = {
                                "original_max_position_embeddings": 64}),
   "linear_rope": dict(num_attention_heads=4, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0}),
   "head_dim": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24),   # head_dim != hidden / heads
+  "odd_ffn": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=18),   # not whole runs of 4 (cpu_layer)
   "metal": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64),  # shapes the Metal kernels take
   # one layer, so the KV cache a backend writes is the same bits whatever its attention computes; long contexts
   "long": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=64, num_hidden_layers=1,

@@ -135,3 +135,11 @@ def test_byte_counts_include_a_padded_block():
   parts, spec = blocks.from_ggml(random_ggml("Q5_0", 8, 896, rng), "Q5_0", (8, 896))
   assert parts["weight"].shape == (8, 896 // 8 + 4 * 8)
   assert sum(a.nbytes for p, a in parts.items() if p != "qspec") == blocks.packed_nbytes(spec, 8, 896) > spec.bytes_per_weight() * 8 * 896
+
+
+def test_k_scales_only_for_the_layout_the_kernels_unpack():
+  """k_scales means 8 unsigned 6-bit scales and mins per super-block of 8 affine groups of 32 (Q4_K, Q5_K): the
+  kernels unpack exactly that, so any other spec with it is refused where it is made."""
+  assert blocks.GGML_SPECS["Q4_K"].k_scales and blocks.GGML_SPECS["Q4_K"].bytes_per_weight() == 4.5 / 8
+  for bad in (dict(bits=6, group=16, super_groups=16, signed_scales=True, symmetric=True), dict(bits=5, group=32)):
+    with pytest.raises(ValueError, match="k_scales"): QuantSpec(**bad, k_scales=True)

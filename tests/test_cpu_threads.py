@@ -164,7 +164,7 @@ def test_rows_shared_by_cost_when_parts_are_stored_differently(tmp_path):
   spec = cpu_layer.LinearSpec(parts)
   src = tmp_path / "share.c"
   src.write_text(C_PARALLEL_DECLS + spec.share_fn("qkv") + C_PARALLEL +
-                 "void share(int rows, int part, int nparts, int *out) { qkv_share(rows, part, nparts, out, out + 1); }\n")
+                 "void share(int part, int nparts, int *out) { qkv_share(part, nparts, out, out + 1); }\n")
   so = tmp_path / "share.so"
   subprocess.run(["clang", "-O2", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
   share = ctypes.CDLL(str(so)).share
@@ -173,7 +173,7 @@ def test_rows_shared_by_cost_when_parts_are_stored_differently(tmp_path):
   for nparts in range(1, 6):
     out, spans = np.zeros(2, np.int32), []
     for part in range(nparts):
-      share(spec.n, part, nparts, out.ctypes.data_as(ctypes.c_void_p))
+      share(part, nparts, out.ctypes.data_as(ctypes.c_void_p))
       spans.append(tuple(out))
     assert spans[0][0] == 0 and spans[-1][1] == spec.n
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and all(b <= e and b % 4 == 0 for b, e in spans)

@@ -35,7 +35,7 @@ def test_prefill_logits_every_position(tiny_model_factory, name):
   assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.97
 
 
-@pytest.mark.parametrize("name", ["gqa", "tied", "llama3", "head_dim"])
+@pytest.mark.parametrize("name", ["gqa", "tied", "llama3", "head_dim", "odd_ffn"])
 def test_engine_decode_steps_match_hf(tiny_model_factory, name):
   """Greedy generation through the engine: the same tokens as HF's greedy generate, and each step's logits (seen by
   the sampler) within tolerance of HF's logits for the same prefix."""

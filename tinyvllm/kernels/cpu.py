@@ -851,8 +851,9 @@ class _KQuantInt:
     # the scales of the row SCALE_AHEAD rows on, each line of them: read with masked loads, a tile's scales otherwise
     # came from memory while its codes streamed in (the 6-bit k_scales GEMV from memory took up to 1.31x as long)
     later, row_bytes = f"(n + {SCALE_AHEAD} < {self.N} ? n + {SCALE_AHEAD} : n)", 12 * NSB if spec.k_scales else NG if spec.symmetric else 2 * NG
-    prefetch = " ".join([*(f"_mm_prefetch((const char *)s + {later} * {row_bytes} + {o}, _MM_HINT_T0);" for o in range(0, row_bytes, 64)),
-                         *(f"_mm_prefetch((const char *)sd + {later} * {2 * NP} + {o}, _MM_HINT_T0);" for o in range(0, 2 * NP, 64))])
+    lines = lambda n: [*range(0, n - 1, 64), n - 1]   # a row need not start on a line: its last byte's line too
+    prefetch = " ".join([*(f"_mm_prefetch((const char *)s + {later} * {row_bytes} + {o}, _MM_HINT_T0);" for o in lines(row_bytes)),
+                         *(f"_mm_prefetch((const char *)sd + {later} * {2 * NP} + {o}, _MM_HINT_T0);" for o in lines(2 * NP))])
     load_d = f"""{prefetch}
         __m512 dm[{NV + 1}];   /* the row's float16 d (dmin) as floats, in registers (0 past the last) */
         for (int i = 0; i < {NV}; i++) dm[i] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16({mask(f"{NP} - 16 * i")}, sd + (long)n * {NP} + 16 * i));

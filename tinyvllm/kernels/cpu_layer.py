@@ -70,9 +70,10 @@ class Part:
 
 def _row_cost(p: Part) -> int:
   """What one row of a part costs a thread, in relative units: the bytes it reads (weights and scales), times 1.3 for
-  a layout whose codes have high bits to join on (Q5_K, Q6_K, ...). A Q6_K row is 1.42x a Q4_K row's bytes, but
-  took 1.84x its time from cache (512 x 2048 GEMVs, one thread: 25.0 and 13.6 us) and about 1.8x on two threads
-  from memory (a Q4_K_M 1B's q/k rows split evenly beside its Q6_K v rows: one thread 85 us a layer, the other 58)."""
+  a layout whose codes have high bits to join on (Q5_K, Q6_K, ...). A Q6_K row is 1.46x a Q4_K row's bytes (1.42x
+  when Q4_K's scales took a byte each), but took 1.84x its time from cache then (512 x 2048 GEMVs, one thread: 25.0
+  and 13.6 us) and about 1.8x on two threads from memory (a Q4_K_M 1B's q/k rows split evenly beside its Q6_K v
+  rows: one thread 85 us a layer, the other 58); the factor gives 1.9x."""
   if p.fmt == FLOAT: return 4 * p.k
   if p.fmt == INT4: return p.k // 2 + 4 * (p.k // p.group)
   if p.fmt == INT8: return p.k + 2 * (p.k // 32)
@@ -93,28 +94,26 @@ class LinearSpec:
   def part_names(self, name: str) -> list[str]: return [name] if len(self.parts) == 1 else [f"{name}{i}" for i in range(len(self.parts))]
 
   def share_fn(self, name: str) -> str:
-    """`static void name_share(int rows, int part, int nparts, int *nb, int *ne)`: the rows [nb, ne) of the projection's
-    `rows` that one pool part computes, in runs of 4, each row weighted by its part's `_row_cost`. Parts stored alike
-    split evenly (tv_share_rows); split by count, a Q4_K_M checkpoint's q/k in Q4_K beside its v in Q6_K left the
-    thread holding v's rows last to finish, 27 us a layer after the other (1B, two threads)."""
-    costs = {_row_cost(p) for p in self.parts}
-    head = f"static inline void {name}_share(int rows, int part, int nparts, int *nb, int *ne) {{\n"
-    if len(costs) == 1: return head + "  tv_share_rows(rows, part, nparts, nb, ne);\n}\n"
-    starts = [sum(p.n for p in self.parts[:i]) for i in range(len(self.parts) + 1)]
-    cost = ", ".join(str(_row_cost(p)) for p in self.parts)
-    return head + f"""  static const long start[] = {{{", ".join(map(str, starts))}}}, cost[] = {{{cost}}};
-  long total = 0;
-  for (int i = 0; i < {len(self.parts)} && start[i] < rows; i++) total += ((rows < start[i + 1] ? rows : start[i + 1]) - start[i]) * cost[i];
+    """`static inline void name_share(int part, int nparts, int *nb, int *ne)`: the rows [nb, ne) of the projection that
+    one pool part computes, in runs of 4, each row weighted by its part's `_row_cost`. Parts stored alike split evenly
+    (tv_share_rows); split by count, a Q4_K_M checkpoint's q/k in Q4_K beside its v in Q6_K left the thread holding
+    v's rows last to finish, 27 us a layer after the other (1B, two threads). Boundaries fall on runs of 4 of the whole
+    projection because every part but the last starts one (`takes`)."""
+    assert all(p.n % 4 == 0 for p in self.parts[:-1]), "parts must start on runs of 4"
+    head = f"static inline void {name}_share(int part, int nparts, int *nb, int *ne) {{\n"
+    if len({_row_cost(p) for p in self.parts}) == 1: return head + f"  tv_share_rows({self.n}, part, nparts, nb, ne);\n}}\n"
+    starts, costs = [sum(p.n for p in self.parts[:i]) for i in range(len(self.parts))], [_row_cost(p) for p in self.parts]
+    total = sum(p.n * c for p, c in zip(self.parts, costs))
+    return head + f"""  static const long long start[] = {{{", ".join(map(str, starts))}}}, rows[] = {{{", ".join(str(p.n) for p in self.parts)}}},
+                        cost[] = {{{", ".join(map(str, costs))}}};
   int at[2];
   for (int e = 0; e < 2; e++) {{   /* the first row whose cost before it reaches (part + e) / nparts of the total, to a run of 4 */
-    long target = total * (part + e) / nparts, before = 0;
-    int row = rows;
-    for (int i = 0; i < {len(self.parts)} && start[i] < rows; i++) {{
-      long n = (rows < start[i + 1] ? rows : start[i + 1]) - start[i];
-      if (target < before + n * cost[i]) {{ row = (int)(start[i] + ((target - before) / cost[i] + 3) / 4 * 4); break; }}
-      before += n * cost[i];
+    long long target = {total}LL * (part + e) / nparts, before = 0;
+    at[e] = {self.n};
+    for (int i = 0; i < {len(self.parts)}; i++) {{
+      if (target < before + rows[i] * cost[i]) {{ long long r = start[i] + ((target - before) / cost[i] + 3) / 4 * 4; at[e] = r < {self.n} ? (int)r : {self.n}; break; }}
+      before += rows[i] * cost[i];
     }}
-    at[e] = e == 0 && part == 0 ? 0 : e == 1 && part == nparts - 1 ? rows : row < rows ? row : rows;
   }}
   *nb = at[0];
   *ne = at[1];
@@ -492,9 +491,9 @@ static void attention_merge(float *restrict out, struct layer_ctx *c, int tb, in
 /* the thread pool's parts (kernels/threads.py): rows of each projection in runs of 4 (weighted by their cost where
    its parts are stored differently), key splits of attention, and of the MLP's intermediate units (a gate row, its
    up row and their product); norms, RoPE and residual adds are short and stay on the calling thread */
-#define SHARE_ROWS(lin, n) int nb, ne; lin##_share(n, part, nparts, &nb, &ne);
+#define SHARE_ROWS(lin) int nb, ne; lin##_share(part, nparts, &nb, &ne);
 static void part_qkv(void *ctx, int part, int nparts) {{
-  struct layer_ctx *c = ctx; SHARE_ROWS(qkv, {QKV}) {call("qkv", s.qkv, "c->qkv_out", "c->xn")}
+  struct layer_ctx *c = ctx; SHARE_ROWS(qkv) {call("qkv", s.qkv, "c->qkv_out", "c->xn")}
 }}
 static void part_attention(void *ctx, int part, int nparts) {{
   struct layer_ctx *c = ctx;
@@ -510,7 +509,7 @@ static void part_merge(void *ctx, int part, int nparts) {{
   attention_merge(c->att, c, tb, te);
 }}
 static void part_o(void *ctx, int part, int nparts) {{
-  struct layer_ctx *c = ctx; SHARE_ROWS(o, {E}) {call("o", s.o, "c->prod", "c->att")}
+  struct layer_ctx *c = ctx; SHARE_ROWS(o) {call("o", s.o, "c->prod", "c->att")}
 }}
 /* {"GELU" if s.gelu else "SiLU"}(gate) * up of tokens' intermediate units [ib, ie), 8 at a time */
 static void activate(struct layer_ctx *c, int ib, int ie) {{
@@ -524,7 +523,7 @@ static void activate(struct layer_ctx *c, int ib, int ie) {{
 }}
 {mlp_in}
 static void part_down(void *ctx, int part, int nparts) {{
-  struct layer_ctx *c = ctx; SHARE_ROWS(down, {E}) {call("down", s.down, "c->prod", "c->act")}
+  struct layer_ctx *c = ctx; SHARE_ROWS(down) {call("down", s.down, "c->prod", "c->act")}
 }}
 
 void {name}({", ".join(params)}) {{

@@ -83,10 +83,6 @@ def spec_array(spec: QuantSpec) -> np.ndarray:
   return np.array([spec.bits, spec.group, spec.super_groups, spec.signed_scales, spec.symmetric, spec.codebook, spec.k_scales], np.int32)
 
 
-def spec_from_array(a) -> QuantSpec:
-  bits, group, super_groups, signed, symmetric, codebook, k_scales = (int(v) for v in np.asarray(a).reshape(-1))
-  return QuantSpec(bits, group, super_groups, bool(signed), bool(symmetric), bool(codebook), bool(k_scales))
-
 
 def layout(codes: np.ndarray, spec: QuantSpec, scales: np.ndarray, scale_d: np.ndarray | None = None,
            biases: np.ndarray | None = None) -> dict[str, np.ndarray]:

@@ -38,6 +38,10 @@ class QuantSpec:
   k_scales: bool = False       # two-level affine, 8 groups: the 8 scales and 8 mins as 6-bit fields in 12 bytes per super-block,
                                # ggml's own packing (Q4_K, Q5_K), instead of a byte each (quant/blocks.py k_scales_mins)
 
+  def __post_init__(self):
+    if self.k_scales and (self.group, self.super_groups, self.symmetric, self.signed_scales) != (32, 8, False, False):
+      raise ValueError(f"k_scales packs 8 unsigned 6-bit scales and mins per super-block of 8 affine groups of 32: {self}")
+
   @property
   def offset(self) -> int: return 1 << (self.bits - 1) if self.symmetric and not self.codebook else 0
 
@@ -107,6 +111,7 @@ class LinearWeights:
   @property
   def group_size(self) -> int:
     """Inputs per scale (0 for float)."""
+    if self.format == PACKED: return self.spec.group
     return self.in_features // self.scales.shape[-1] if self.quantized else 0
 
   def tensors(self) -> list:
