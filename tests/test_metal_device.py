@@ -63,6 +63,26 @@ def test_int4_matmul_metal(shape, g, xdt):
   int4_case("metal", m, n, k, g, xdt)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_packed_linear_metal(qtype):
+  """A GGUF k-quant linear through the portable expression tinygrad compiles for the GPU (packed weights have no
+  shader of ours): Q4_K's and Q5_K's 6-bit scales and mins unpacked inside the matmul, against float64 numpy on the
+  exactly dequantized weights (quant/blocks.py; equal to gguf's dequantizer bit for bit, tests/test_blocks.py).
+  Tolerance 1e-5: float32 sums of 512 products (~1e-7 each) in another order than numpy's; a wrong scale bit moves
+  whole percents."""
+  from test_blocks import random_ggml
+  from tinyvllm.kernels import portable
+  from tinyvllm.quant import blocks
+  from tinyvllm.quant.formats import PACKED, LinearWeights
+  rng = np.random.default_rng(9)
+  parts, spec = blocks.from_ggml(random_ggml(qtype, 40, 768, rng), qtype, (40, 768))
+  x = rng.standard_normal((3, 768)).astype(np.float32)
+  lw = LinearWeights(PACKED, **{k: Tensor(v, device="METAL") for k, v in parts.items() if k != "qspec"}, spec=spec)
+  y = portable.packed_linear(Tensor(x, device="METAL"), lw).numpy()
+  ref = x.astype(np.float64) @ blocks.dequantize(parts, spec).T.astype(np.float64)
+  assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+
+
 def test_long_context_metal():
   decode_case("metal", 128, 16, (8, 2), (dtypes.float16, dtypes.float16), lens=(1500, 3, 700, 1024), seed=2)
 
