@@ -5,15 +5,16 @@
 # finishes, so a phase that hangs or crashes still leaves what came before; logs and the bench JSON go under $OUT.
 # A device call's start counts against the session's 15 minutes and took from 30 s to 7 minutes here: keep
 # TEST_SECONDS + BENCH_SECONDS near 6 minutes (150 240), so that a slow start still leaves the run its time; then, if
-# KERNEL_SECONDS (90) > 0, the device time of a batch-1 decode step kernel by kernel (0 skips it).
+# KERNEL_SECONDS (90) > 0, the device time of a batch-1 decode step kernel by kernel (0 skips it); then, if
+# PACKED_SECONDS (30) > 0, the GGUF k-quants' portable kernel with the file's 6-bit scales against byte scales.
 #
 #   bash ../shared/gpu/prepare.sh          # here, once: the wheels the GPU machine lacks, into .whl/
-#   device run (carry .whl):  bash bench/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS] [KERNEL_SECONDS]
+#   device run (carry .whl):  bash bench/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS] [KERNEL_SECONDS] [PACKED_SECONDS]
 #   (env: CAPTURE_MODES=pass,layer compares captures; BENCH_BEAM=2 searches the bench's kernels)
 set -uo pipefail
 source .whl/preamble.sh || exit 1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
-TEST_S=${1:-150} BENCH_S=${2:-240} KERNEL_S=${3:-90}
+TEST_S=${1:-150} BENCH_S=${2:-240} KERNEL_S=${3:-90} PACKED_S=${4:-30}
 MODEL=/tmp/llama-1b-f16
 python3 bench/gpu_session.py "$MODEL" > "$OUT/model.log" 2>&1 &
 writer=$!
@@ -36,4 +37,10 @@ if [ "$KERNEL_S" -gt 0 ]; then
   echo "== device time per kernel, batch-1 decode step (bench/gpu_kernel_times.py)"
   timeout -k 5 "$KERNEL_S" python3 bench/gpu_kernel_times.py "$MODEL" --batch-size 1 --json "$OUT/kernels-b1.json" 2>&1 \
     | tee "$OUT/kernels-b1.log" | tail -30
+fi
+
+if [ "$PACKED_S" -gt 0 ]; then
+  echo "== GGUF k-quant linears, portable kernel: the file's 6-bit scales against byte scales (bench/packed_portable.py)"
+  timeout -k 5 "$PACKED_S" python3 bench/packed_portable.py --rounds 7 --json "$OUT/packed.json" 2>&1 | tee "$OUT/packed.log" \
+    | grep -v 'kernels:' | tail -16
 fi

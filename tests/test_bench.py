@@ -293,3 +293,20 @@ def test_kernel_times_sum_a_decode_step_kernel_by_kernel(tiny_model, tmp_path):
   assert any(n.startswith("paged_scores") for n in names) and any(n.startswith("paged_values") for n in names)
   assert report["device_ms"] == pytest.approx(sum(k["us"] for k in report["by_kernel"]) / 1e3) and report["device_ms"] > 0
   assert "us/step" in r.stdout
+
+
+def test_packed_portable_times_both_scale_layouts(tmp_path):
+  """bench/packed_portable.py (the GPU session's k-quant phase) on the CPU device: Q4_K with the file's 6-bit scales and
+  with byte scales (checked equal inside: the same weights), Q6_K alone, each timed."""
+  import os, subprocess, sys
+  out = tmp_path / "packed.json"
+  r = subprocess.run([sys.executable, "bench/packed_portable.py", "--types", "Q4_K,Q6_K", "--shapes", "64x512", "--rows", "1,3",
+                      "--rounds", "2", "--json", str(out)],
+                     capture_output=True, text=True, timeout=600, env={**os.environ, "DEV": "CPU"}, cwd=Path(__file__).parent.parent)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = json.loads(out.read_text())
+  assert sorted((x["type"], x["M"], x["layout"]) for x in rows) == sorted(
+    [("Q4_K", m, lay) for m in (1, 3) for lay in ("file's scales", "byte scales")] + [("Q6_K", m, "file's scales") for m in (1, 3)])
+  assert all(x["ms"] > 0 and x["device"] == "CPU" for x in rows)
+  assert all(x["speed_vs_file_scales"] == 1.0 for x in rows if x["layout"] == "file's scales")
+  assert "speed vs file scales" in r.stdout
