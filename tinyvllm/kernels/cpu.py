@@ -430,15 +430,19 @@ class _PackedInt:
   (void)book;
   const __m256i hmask = _mm256_set1_epi16({self.high_mask << 4});   /* a run's high bits, moved to bits 4.. of a 16-bit code */
   const __m128i deint = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  (void)pair; (void)hmask; (void)deint; (void)nib;{self._kscale_consts()}"""
+
+  def _kscale_consts(self) -> str:
+    if not self.spec.k_scales: return ""
+    return """
   /* k_scales: output byte i (scales 0-7, then mins 0-7) takes its low bits from byte kfield[i] of the 12 (the low 6 of
      groups 0-3; a nibble of bytes 8-11 for groups 4-7, the high one for mins) and, for groups 4-7 (kupper), its top
      2 bits from the top of byte ktop[i] */
   const __m128i kfield = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
   const __m128i ktop = _mm_setr_epi8(-128, -128, -128, -128, 0, 1, 2, 3, -128, -128, -128, -128, 4, 5, 6, 7);
   const __m128i kupper = _mm_setr_epi8(0, 0, 0, 0, -1, -1, -1, -1, 0, 0, 0, 0, -1, -1, -1, -1);
-  const __m128i khigh = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1);
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  (void)pair; (void)hmask; (void)deint; (void)nib; (void)kfield; (void)ktop; (void)kupper; (void)khigh;"""
+  const __m128i khigh = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1);"""
 
   def x_prep(self, x: str) -> str:
     """C statements turning float row `x` into xq (16-bit codes in each run's even/odd order), dx (x's scale per

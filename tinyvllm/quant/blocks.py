@@ -22,9 +22,9 @@ Every conversion here is exact: dequantizing our arrays gives gguf.quants.dequan
 float32 values bit for bit. A two-level scale is the product of a float16 and an integer of at most 8 bits, exact in
 float32, and so is S * q; each weight is then rounded once, in the same place as ggml's reference code.
 
-Bits per weight as stored here (the GGUF file's in brackets): Q4_K 4.5 (4.5), Q5_K 5.5 (5.5), Q6_K 6.5625 (6.5625), Q3_K 4.5625 (3.4375: 3-bit codes in 4-bit planes), Q5_0 5.5 (5.5),
-Q5_1 6 (6), IQ4_XS 4.3125 (4.25) and IQ4_NL 4.5 (4.5: codes that index a table of 16 values, `codebook`); MLX b-bit
-with group G: b + 32/G (3-bit: as INT4, 4 + 32/G).
+Bits per weight as stored here (the GGUF file's in brackets): Q4_K 4.5 (4.5), Q5_K 5.5 (5.5), Q6_K 6.5625 (6.5625),
+Q3_K 4.5625 (3.4375: 3-bit codes in 4-bit planes), Q5_0 5.5 (5.5), Q5_1 6 (6), IQ4_XS 4.3125 (4.25) and IQ4_NL 4.5
+(4.5: codes that index a table of 16 values, `codebook`); MLX b-bit with group G: b + 32/G (3-bit: as INT4, 4 + 32/G).
 """
 from __future__ import annotations
 from collections.abc import Callable
