@@ -37,7 +37,7 @@ def main() -> None:
     engine.add_request(str(i), {"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
   for _ in range(4 + B): engine.step()   # prefills, then decode steps: the decode shape captured and bound
   runner = engine.runner
-  (shape, bound), = [(s, b) for s, b in runner.bound_passes.items() if s.query_len == 1]
+  (shape, bound), = [(s, b) for (s, _), b in runner.bound_passes.items() if s.query_len == 1]
   captured, inputs = bound[0][0].captured, tuple(bound[0][0].inputs)
   seqs = [s for seqs in engine.core.requests.values() for s in seqs]
   blocks = max(-(-s.num_tokens // runner.block_size) for s in seqs)

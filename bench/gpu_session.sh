@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # One lent-GPU session in one call (the `device` tool; ../shared/notes/gpu.md): the GPU tests against HF transformers,
-# then the benchmark on a Llama-3.2-1B-shaped float16 model (whole-pass captures, or CAPTURE_MODES=pass,layer to compare,
-# then HF eager and torch.compile on the same GPU). Each phase has its own time limit and every test and run prints its result as it
+# then the benchmark on a Llama-3.2-1B-shaped float16 model (whole-pass captures, or CAPTURE_MODES=pass,layer to compare;
+# one decode pass a step against multi-step runs of 8, SCHEDULER_STEPS=1,8; then HF eager and torch.compile on the same GPU). Each phase has its own time limit and every test and run prints its result as it
 # finishes, so a phase that hangs or crashes still leaves what came before; logs and the bench JSON go under $OUT.
 # A device call's start counts against the session's 15 minutes and took from 30 s to 7 minutes here: keep
-# TEST_SECONDS + BENCH_SECONDS near 6 minutes (150 240), so that a slow start still leaves the run its time; then, if
-# KERNEL_SECONDS (90) > 0, the device time of a batch-1 decode step kernel by kernel (0 skips it); then, if
+# TEST_SECONDS + BENCH_SECONDS near 7 minutes (150 270), so that a slow start still leaves the run its time; then, if
+# KERNEL_SECONDS (60) > 0, the device time of a batch-1 decode step kernel by kernel (0 skips it); then, if
 # PACKED_SECONDS (30) > 0, the GGUF k-quants' portable kernel with the file's 6-bit scales against byte scales.
 #
 #   bash ../shared/gpu/prepare.sh          # here, once: the wheels the GPU machine lacks, into .whl/
 #   device run (carry .whl):  bash bench/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS] [KERNEL_SECONDS] [PACKED_SECONDS]
-#   (env: CAPTURE_MODES=pass,layer compares captures; BENCH_BEAM=2 searches the bench's kernels)
+#   (env: CAPTURE_MODES=pass,layer compares captures; SCHEDULER_STEPS=1 drops the multi-step runs; BENCH_BEAM=2 searches
+#   the bench's kernels)
 set -uo pipefail
 source .whl/preamble.sh || exit 1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
-TEST_S=${1:-150} BENCH_S=${2:-240} KERNEL_S=${3:-90} PACKED_S=${4:-30}
+TEST_S=${1:-150} BENCH_S=${2:-270} KERNEL_S=${3:-60} PACKED_S=${4:-30}
 MODEL=/tmp/llama-1b-f16
 python3 bench/gpu_session.py "$MODEL" > "$OUT/model.log" 2>&1 &
 writer=$!
@@ -31,7 +32,7 @@ echo "== bench on $DEV"
 # BENCH_BEAM=N: tinygrad's BEAM search (width N) for the bench's kernels only (minutes of search per new kernel on a
 # first run; tinygrad caches the result on disk)
 BEAM=${BENCH_BEAM:-0} timeout -k 5 "$BENCH_S" python3 -m tinyvllm.bench --model "$MODEL" --runs decode,prefill --batch-sizes 1,32 \
-  --prefill-lens 128 --steps 32 --capture-mode "${CAPTURE_MODES:-pass}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '| *[0-9]*/[0-9]* \[\|^\s*$' | tail -45
+  --prefill-lens 128 --steps 32 --capture-mode "${CAPTURE_MODES:-pass}" --num-scheduler-steps "${SCHEDULER_STEPS:-1,8}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '| *[0-9]*/[0-9]* \[\|^\s*$' | tail -45
 
 if [ "$KERNEL_S" -gt 0 ]; then
   echo "== device time per kernel, batch-1 decode step (bench/gpu_kernel_times.py)"

@@ -78,6 +78,6 @@ def test_portable_decode_layer_kernels(tiny_model_factory, kv_cache_dtype, per_l
   engine.add_request("0", {"prompt_token_ids": list(range(4, 20))}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
   while engine.has_unfinished_requests(): engine.step()
   runner = engine.core.runner
-  (decode,) = [bound for shape, bound in runner.bound_passes.items() if shape.query_len == 1]
+  (decode,) = [bound for (shape, _), bound in runner.bound_passes.items() if shape.query_len == 1]
   layer, _ = decode[1]   # after the input replay: the first layer's
   assert sum(rt is not None for rt, *_ in layer.steps) == per_layer

@@ -210,6 +210,22 @@ def test_batch_of_64_matches_hf(tiny_model, torch_device):
   for p, out in zip(ps, outs): check_against_hf(hf, p, out)
 
 
+def test_multi_step_runs_match_hf(tiny_model, torch_device):
+  """num_scheduler_steps=8: greedy passes back to back on the GPU, each reading the tokens the pass before took there;
+  the tokens are HF's greedy ones (multi-step requests take no logprobs) and most passes ran in runs of 8."""
+  from tinyvllm import SamplingParams
+  hf = HF(tiny_model, torch_device)
+  ps = prompts([5, 19, 33, 12], seed=9)
+  eng = engine(tiny_model, num_scheduler_steps=8)
+  for i, p in enumerate(ps): eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+  outs, passes = {}, []
+  while eng.has_unfinished_requests():
+    for o in eng.step(): outs[o.request_id] = o
+    passes.append(eng.last_stats[0].num_decode_passes)
+  for i, p in enumerate(ps): assert outs[str(i)].outputs[0].token_ids == hf.greedy(p, 30), i
+  assert passes.count(8) >= 3, passes
+
+
 def test_a_4096_token_prompt_in_one_step_matches_hf(tmp_path_factory, torch_device):
   from conftest import make_tiny_llama
   from tinyvllm import SamplingParams

@@ -310,6 +310,11 @@ class EngineConfig:
                                      "GPU), layer (a decoder layer, replayed once per layer: cheaper to capture for each new "
                                      "batch shape); auto: pass on a GPU, layer on the CPU",
                             choices=CAPTURE_MODES)
+  num_scheduler_steps: int = _flag(1, "multi-step decoding: greedy decode passes a step runs back to back, each reading the "
+                                       "tokens the pass before took on the device, so the host waits for the GPU once "
+                                       "every N tokens (vLLM's multi-step scheduling). Taken by steps of decodes alone "
+                                       "whose every request is greedy without logprobs, penalties or a grammar; others "
+                                       "run one pass. Tokens stream N at a time and new requests wait up to N passes")
   enable_prefix_caching: bool = _flag(True, "reuse the KV cache of prompt prefixes seen before (shared system prompts, "
                                             "chat turns); --no-enable-prefix-caching turns it off")
 
@@ -345,6 +350,13 @@ class EngineConfig:
       raise ConfigError(f"num_threads must be a positive integer, got {self.num_threads!r}")
     if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) or self.tensor_parallel_size < 1:
       raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+    if not isinstance(self.num_scheduler_steps, int) or isinstance(self.num_scheduler_steps, bool) or not 1 <= self.num_scheduler_steps <= 64:
+      raise ConfigError(f"num_scheduler_steps must be an integer in [1, 64], got {self.num_scheduler_steps!r}")
+    if self.num_scheduler_steps > 1 and self.draft_model is not None:
+      raise ConfigError("num_scheduler_steps > 1 and draft_model: speculative decoding already takes several tokens a step; "
+                        "use one of them")
+    if self.num_scheduler_steps > 1 and self.tensor_parallel_size > 1:
+      raise ConfigError("num_scheduler_steps > 1 runs on one device; tensor_parallel_size must be 1")
     if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
       raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
 

@@ -84,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
   m.add_argument("--capture-mode", default="auto", type=_choices(CAPTURE_MODES),
                  help="what one captured replay holds: pass (the whole forward pass), layer (one decoder layer) or auto (pass "
                       "on a GPU, layer on the CPU); several, comma-separated, compare them in one run")
+  m.add_argument("--num-scheduler-steps", type=_ints, default="1",
+                 help="multi-step decoding: greedy decode passes per step, the tokens fed back on the device (the host waits "
+                      "once every N tokens); several, comma-separated, compare them in one run")
   # the cache is sized to the runs, and --seed seeds the prompts too; with --draft-model runs go with speculation off and on
   add_engine_args(m, exclude=BENCH_SETS)
   r = p.add_argument_group("runs")
@@ -124,24 +127,29 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-BENCH_SETS = ("quantization", "kv_cache_dtype", "capture_mode", "seed", "max_model_len", "num_kv_blocks", "max_num_seqs")
+BENCH_SETS = ("quantization", "kv_cache_dtype", "capture_mode", "num_scheduler_steps", "seed", "max_model_len", "num_kv_blocks", "max_num_seqs")
 SPECULATION_ARGS = ("draft_model", "num_speculative_tokens", "speculation")
 
 
 def _engine_kwargs(args, quantization: str, kv_cache_dtype: str, speculative: bool, max_len: int, num_blocks: int,
-                   max_seqs: int, capture_mode: str = "auto") -> dict:
+                   max_seqs: int, capture_mode: str = "auto", num_scheduler_steps: int = 1) -> dict:
   kw = engine_kwargs(args, exclude=BENCH_SETS + SPECULATION_ARGS)
   kw |= dict(max_model_len=max_len, num_kv_blocks=num_blocks, max_num_seqs=max_seqs, seed=args.seed, kv_cache_dtype=kv_cache_dtype,
-             capture_mode=capture_mode)
+             capture_mode=capture_mode, num_scheduler_steps=num_scheduler_steps)
   if quantization != "stored": kw["quantization"] = quantization
   if speculative: kw |= {name: getattr(args, name) for name in SPECULATION_ARGS}
   return kw
 
 
+def _tokens_per_step(args) -> int:
+  """The most tokens a sequence may take in one step: a speculative run's drafts plus one, or a multi-step run's passes."""
+  return max((args.num_speculative_tokens or 4) + 1 if args.draft_model else 1, max(args.num_scheduler_steps))
+
+
 def _cache_plan(args, runs: set[str]) -> tuple[int, int, int]:
   """(max_model_len, KV blocks, max sequences) that hold the largest run at once, with room for the tokens
   decoded while warming up and timing (speculation may run several ahead)."""
-  spec = (args.num_speculative_tokens or 4) + 1 if args.draft_model else 1
+  spec = _tokens_per_step(args)
   extra = (args.warmup + args.steps * args.repeats + 2) * spec + 16
   need, max_len, max_seqs = [], 64, 1
   if "decode" in runs:
@@ -161,7 +169,7 @@ def _cache_plan(args, runs: set[str]) -> tuple[int, int, int]:
 def _fit_to_model(args, runs: set[str], context: int, notes: list[str]) -> None:
   """Drop what cannot fit the model's context (`context` tokens), each with a note, so a model with a short context
   measures what it can instead of failing after the ceilings were measured."""
-  spec = (args.num_speculative_tokens or 4) + 1 if args.draft_model else 1
+  spec = _tokens_per_step(args)
   extra = (args.warmup + args.steps * args.repeats + 2) * spec + 16
   if "decode" in runs:
     fit = [c for c in args.context_lens if c + extra <= context]
@@ -209,13 +217,14 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
   from tinyvllm.engine.llm_engine import LLMEngine
   max_len, num_blocks, max_seqs = _cache_plan(args, runs)
   records = []
-  configs = [(q, kv, capture, spec) for q in args.quantization for kv in args.kv_cache_dtype for capture in args.capture_mode
-             for spec in [False] + ([True] if args.draft_model else [])]
-  for quantization, kv_cache_dtype, capture_mode, speculative in configs:
-    bar.set_postfix_str(f"loading the model ({quantization}, KV {kv_cache_dtype}, capture {capture_mode})" + (" with its draft" if speculative else ""))
+  configs = [(q, kv, capture, steps, spec) for q in args.quantization for kv in args.kv_cache_dtype for capture in args.capture_mode
+             for steps in args.num_scheduler_steps for spec in [False] + ([True] if args.draft_model and steps == 1 else [])]
+  for quantization, kv_cache_dtype, capture_mode, steps, speculative in configs:
+    bar.set_postfix_str(f"loading the model ({quantization}, KV {kv_cache_dtype}, capture {capture_mode}, {steps} passes a step)" +
+                        (" with its draft" if speculative else ""))
     try:   # in this thread: each step is timed alone, not overlapped with the engine's next one
       engine = LLMEngine.from_kwargs(args.model, **_engine_kwargs(args, quantization, kv_cache_dtype, speculative, max_len,
-                                                                  num_blocks, max_seqs, capture_mode))
+                                                                  num_blocks, max_seqs, capture_mode, steps))
     except (TypeError, ValueError) as e:   # e.g. an engine argument this version of tinyvllm does not know, a backend refusing the model
       sys.exit(f"tinyvllm's engine refused the arguments: {e}")
     bar.update()
@@ -227,10 +236,11 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
               "dtype": "float32" if engine.runner.model.dtype.itemsize == 4 else "float16",
               "kv_cache_dtype": engine.runner.kv_format.storage,
               "kernel_backend": engine.kernel_backend, "capture_mode": "pass" if engine.runner.whole_pass else "layer",
+              "num_scheduler_steps": steps,
               "speculative": speculative,
               "draft_model": args.draft_model if speculative else None,
               "num_speculative_tokens": args.num_speculative_tokens if speculative else None, "prompts": args.prompts}
-    who = f"tinyvllm ({common['capture_mode']} captures)"
+    who = f"tinyvllm ({common['capture_mode']} captures{f', {steps} passes a step' if steps > 1 else ''})"
     for b in args.batch_sizes if "decode" in runs else []:
       for ctx in args.context_lens:
         bar.set_postfix_str(f"decode B={b} ctx={ctx}")
@@ -323,7 +333,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
   except (ValueError, OSError) as e: sys.exit(f"--model: {e}")
   _fit_to_model(args, runs, context, notes)
   if not runs: sys.exit(f"nothing to measure: every run exceeds the model's context of {context} tokens ({'; '.join(notes)})")
-  n_configs = len(args.quantization) * len(args.kv_cache_dtype) * len(args.capture_mode) * (2 if args.draft_model else 1)
+  n_configs = len(args.quantization) * len(args.kv_cache_dtype) * len(args.capture_mode) * \
+    (len(args.num_scheduler_steps) + (1 if args.draft_model and 1 in args.num_scheduler_steps else 0))
   n_decode = len(args.batch_sizes) * len(args.context_lens) if "decode" in runs else 0
   n_prefill = len(args.prefill_lens) if "prefill" in runs else 0
   n_tasks = 1 + n_configs * (1 + n_decode + n_prefill + ("serving" in runs)) + len(peer_keys) * (1 + n_decode + n_prefill)

@@ -137,7 +137,11 @@ class Driver:
       log.copy_seconds += self.times.copy_seconds - copies
       log.pool_wait_seconds += self.pool_wait() - wait
       log.wait_seconds += self.times.wait_seconds - gpu_wait
-      if work: log.traffic = log.traffic + step_traffic(self.cfg, self.tensors, work, self.kv_vector_bytes, self.dtype_bytes)
+      # a multi-step run's passes each read the weights: one pass's traffic per token of each sequence
+      passes = self.engine.last_stats[0].num_decode_passes
+      for i in range(passes):
+        pass_work = [(c + i, 1) for c, _ in work] if passes > 1 else work
+        if pass_work: log.traffic = log.traffic + step_traffic(self.cfg, self.tensors, pass_work, self.kv_vector_bytes, self.dtype_bytes)
     return outs
 
   def pool_wait(self) -> float: return sum(pool.stats()[1] for pool in self.pools)

@@ -112,7 +112,7 @@ class EngineCore:
     with host_memory.huge_pages(weight_bytes <= HUGE_PAGES_UP_TO):
       model = self._build_model(ckpt.config, ckpt.tensors, dtype)
     self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.devices, config.max_num_seqs, self.kv_format,
-                              config.capture_mode)
+                              config.capture_mode, config.num_scheduler_steps)
     self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark, config.enable_prefix_caching)
     self.spec: SpeculativeDecoder | None = None
     if config.draft_model is not None:
@@ -224,8 +224,9 @@ class EngineCore:
     for seq in sched.decodes + [c.seq for c in sched.prefills]:
       if seq.metrics.first_scheduled_time is None: seq.metrics.first_scheduled_time = time.time()
     outputs: dict[Sequence, CoreOutput] = {}
+    steps = self._decode_steps(sched)
     try:
-      sampled, drafted, accepted = self._run_and_sample(sched, outputs)
+      sampled, drafted, accepted = self._run_and_sample(sched, outputs, steps)
     except Exception as e:   # the model pass itself failed: every sequence it carried fails, the rest go on
       carried = sched.decodes + [c.seq for c in sched.prefills]
       self.failures.record("model pass", e, [seq.request_id for seq in carried])
@@ -252,16 +253,21 @@ class EngineCore:
     stats = self.stats()
     stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits = \
       (now - before for now, before in zip(self._counters(), counters_before))
-    stats.num_draft_tokens, stats.num_accepted_tokens = drafted, accepted
+    stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_decode_passes = drafted, accepted, steps
     return self._collect(outputs), stats
 
   def _counters(self) -> tuple[int, int, int]:
     s = self.scheduler
     return s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits
 
-  def _run_and_sample(self, sched: SchedulerOutput, outputs: dict[Sequence, CoreOutput]):
+  def _run_and_sample(self, sched: SchedulerOutput, outputs: dict[Sequence, CoreOutput], steps: int = 1):
     """The model passes, then a token (or a verified run) per sequence. A sequence whose sampling raises fails
-    alone. Returns (new tokens per sequence, drafts proposed, drafts accepted)."""
+    alone. `steps` > 1: the decodes' passes of a multi-step run (`_decode_steps`). Returns (new tokens per sequence,
+    drafts proposed, drafts accepted)."""
+    if steps > 1:   # multi-step: passes back to back, the tokens fed back on the device
+      tokens = self.runner.execute_steps([WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:]) for s in sched.decodes], steps)
+      for seq in sched.decodes: seq.metrics.num_target_steps += steps
+      return {seq: row.tolist() for seq, row in zip(sched.decodes, tokens)}, 0, 0
     decodes, speculated, proposals = sched.decodes, [], []
     if self.spec and decodes and self.spec.policy.should_speculate(len(decodes)):
       # a run of k drafts must fit the context: sequences near max_model_len decode plainly in the same step
@@ -302,6 +308,16 @@ class EngineCore:
       self._guarded(seq, outputs, lambda: self._verify(seq, proposal, logits, outputs, sampled))
       accepted += max(0, len(sampled.get(seq, ())) - 1)
     return sampled, drafted, accepted
+
+  def _decode_steps(self, sched: SchedulerOutput) -> int:
+    """The passes this step runs back to back (num_scheduler_steps): more than one only for a step of decodes alone
+    whose every sequence takes the argmax of its raw logits, no more than the longest of them may still take before
+    max_tokens, none taking a token past max_model_len, and with room in the KV pool for them all."""
+    steps = self.config.num_scheduler_steps
+    if steps == 1 or sched.prefills or not all(self._argmax_only(s) for s in sched.decodes): return 1
+    left = [s.params.max_tokens - s.num_output_tokens if s.params.max_tokens is not None else steps for s in sched.decodes]
+    steps = min(steps, max(left), min(self.max_model_len - s.num_tokens for s in sched.decodes))   # tokens that still fit
+    return self.scheduler.reserve_steps(sched.decodes, steps) if steps > 1 else 1
 
   @staticmethod
   def _argmax_only(seq: Sequence) -> bool:

@@ -21,6 +21,7 @@ from tinyvllm.model.tensor_parallel import sharded_empty
 
 MAX_SHAPES = 64   # captured pass shapes kept; the least recently used one is dropped beyond this
 FIELDS = ("tokens", "positions", "slots", "q_pos", "token_seq", "rows", "ctx", "tables")
+PASS_FIELDS = ("tokens", "positions", "slots", "q_pos", "ctx")   # those that change between the passes of a multi-step run
 KV_HEAD_AXIS = 2  # of every cache tensor ([blocks, block_size, KV heads, ...]): split over the devices with tensor parallelism
 
 
@@ -75,7 +76,7 @@ class ModelRunner:
   With tensor parallelism `device` is a tuple of devices (model/tensor_parallel.py): the KV cache is split by KV head,
   the hidden state and the step's integers are copied to every device, and the logits come back on the first."""
   def __init__(self, model: Llama, num_blocks: int, block_size: int, max_model_len: int, device: str | tuple[str, ...],
-               max_num_seqs: int = 32, kv_format: KVCacheFormat | None = None, capture_mode: str = "auto"):
+               max_num_seqs: int = 32, kv_format: KVCacheFormat | None = None, capture_mode: str = "auto", decode_steps: int = 1):
     self.model, self.device, self.block_size, self.num_blocks = model, device, block_size, num_blocks
     self.devices = device if isinstance(device, tuple) else (device,)
     self.kind = self.devices[0].split(":")[0]
@@ -109,6 +110,10 @@ class ModelRunner:
     # run: with one capture, every layer would wait for the layer before it and the GPU would idle while Python
     # encodes the next. Two captures taken in turn wait only for the layer before last, while the last one runs.
     self.layer_graphs = 2 if self.kind == "METAL" else 1
+    # The same holds for the passes of a multi-step run: with one capture of the decode pass, each pass would wait for
+    # the one before it to finish before the host could encode it, so on Metal a decode shape that runs them has two
+    # whole-pass captures, taken in turn (pass i in capture i % 2).
+    self.run_graphs = 2 if self.kind == "METAL" and decode_steps > 1 else 1
     # Layers stored alike share their captures; a checkpoint that stores some layers differently (a Q4_K_M GGUF's v
     # and down projections in Q6_K in half the layers) needs one capture per kind of layer. layer_slot[i]: the replay
     # layer i runs in a shape's tuple of layer replays (kind-major, the captures of a kind taken in turn).
@@ -123,10 +128,18 @@ class ModelRunner:
     # On a GPU a greedy decode step needs only each row's argmax (`execute(decode_argmax=True)`): taken on the device, 4
     # bytes a row come back instead of the vocabulary's logits (Llama 3: 0.5 MB a row, 16 MB a step at batch 32) and the
     # host skips an argmax over them. On the CPU device logits are read in place and numpy's argmax is as fast.
-    self.argmax_on_device = self.kind != "CPU"
+    self.argmax_on_device = self.kind != "CPU" or decode_steps > 1
+    # Multi-step decoding (`execute_steps`): up to `decode_steps` greedy decode passes back to back, each reading the
+    # argmax tokens of the pass before from the device, so the host launches them all before it waits once and reads
+    # them all. A decode shape's capture then holds a history of the run's tokens and a pass counter
+    # (portable.fed_tokens, store_tokens), and its input holds every pass's fields, uploaded once a run (portable.split).
+    self.decode_steps = decode_steps
+    self.run_state: dict[PassShape, tuple[Tensor, Tensor]] = {}   # a decode shape's (token history, pass counter)
+    self.num_passes = 0   # passes run (the benchmark's traffic accounting counts a multi-step run's passes)
     self.input_buffers: dict[PassShape, Tensor] = {}
     self.hidden_buffers: dict[PassShape, tuple[Tensor, Tensor]] = {}
-    self.bound_passes: dict[PassShape, list[tuple[BoundReplay, bool]]] = {}   # a captured shape's calls, inputs bound
+    # (a captured shape, which of its whole-pass captures) -> its calls, inputs bound
+    self.bound_passes: dict[tuple[PassShape, int], list[tuple[BoundReplay, bool]]] = {}
     self.launch_times = LaunchTimes()   # the benchmark enables it
 
   def _zeroed(self, shape: tuple[int, ...], dtype) -> Tensor:
@@ -173,8 +186,8 @@ class ModelRunner:
     for i, items in enumerate((decodes, prefills, verifies)):
       if not items: continue
       shape = self._shape(i, items, prefill_all_logits)
-      packed, used_blocks = self.prepare(shape, items)
-      result = self._forward(shape, packed, used_blocks)
+      result = self._forward(shape, *(self._prepare_run(shape, [items]) if self._feeds_back(shape) else self.prepare(shape, items)))
+      self._timed_wait()
       if i == 0 and decode_argmax:
         out[0] = self._argmax(result)[:len(items)]
         continue
@@ -185,6 +198,41 @@ class ModelRunner:
       elif shape.all_logits: out[i] = logits.reshape(-1, shape.query_len, vocab)[:len(items)]
       else: out[i] = logits[:len(items)]
     return out[0], out[1], out[2]
+
+  def execute_steps(self, decodes: list[WorkItem], steps: int) -> np.ndarray:
+    """`steps` greedy decode passes over `decodes` back to back (multi-step decoding): pass i reads each sequence's
+    token at position start + i, which pass i - 1 took as the argmax of its logits on the device. The inputs of every
+    pass go to the device at once, the host launches the passes without waiting for any, and reads the tokens of all
+    of them at the end. Each table must hold slots up to start + steps - 1. Returns int64 `[len(decodes), steps]`:
+    row r is the tokens sequence r took, in order."""
+    assert 1 <= steps <= self.decode_steps, f"{steps} steps, but decode shapes keep a history of {self.decode_steps}"
+    shape = self._shape(0, decodes, False)
+    P = shape.num_seqs
+    passes = [decodes] + [[WorkItem(w.block_table, w.start + i, [-1 - (i - 1) * P - r]) for r, w in enumerate(decodes)]
+                          for i in range(1, steps)]   # a negative token: the one history[-t - 1] holds, sampled by pass i - 1
+    self._forward(shape, *self._prepare_run(shape, passes))
+    self._timed_wait()
+    history = self.run_state[shape][0].uop.buffer
+    tokens = np.frombuffer(history.as_memoryview(allow_zero_copy=True), np.int32).reshape(-1, P)
+    return tokens[:steps, :len(decodes)].T.astype(np.int64)
+
+  def _prepare_run(self, shape: PassShape, passes: list[list[WorkItem]]) -> tuple[np.ndarray, list[int]]:
+    """The inputs of a multi-step run's passes as one array (portable.split's layout): the fields that stay the same
+    (a pass's rows and block tables), then each pass's PASS_FIELDS, for `decode_steps` passes (the unused ones zero).
+    Returns it and the KV blocks each pass reads."""
+    sizes = dict(zip(FIELDS, shape.sizes(self.max_blocks)))
+    starts = dict(zip(FIELDS, np.cumsum([0, *sizes.values()])))
+    field = lambda packed, name: packed[starts[name]:starts[name] + sizes[name]]
+    prepared = [self.prepare(shape, items) for items in passes]
+    first = prepared[0][0]
+    per_pass = np.zeros((self.decode_steps, sum(sizes[n] for n in PASS_FIELDS)), np.int32)
+    for i, (packed, _) in enumerate(prepared): per_pass[i] = np.concatenate([field(packed, n) for n in PASS_FIELDS])
+    run = [field(first, n) for n in FIELDS if n not in PASS_FIELDS]
+    return np.concatenate([*run, per_pass.reshape(-1)]), [used for _, used in prepared]
+
+  def _feeds_back(self, shape: PassShape) -> bool:
+    """Does this shape's capture take part in multi-step runs: a decode shape of a runner that runs them."""
+    return self.decode_steps > 1 and shape.query_len == 1 and not shape.all_logits and not shape.packed
 
   def _shape(self, kind: int, items: list[WorkItem], prefill_all_logits: bool) -> PassShape:
     """The pass shape of decodes (kind 0), prefill chunks (1) or verified runs (2). Packed prefill passes fix their
@@ -238,29 +286,41 @@ class ModelRunner:
       start += n
     return np.concatenate([tokens, positions, slots, q_pos, token_seq, rows, ctx, tables.reshape(-1)]), max(-(-int(ctx.max()) // bs), 1)
 
-  def _forward(self, shape: PassShape, packed: np.ndarray, used_blocks: int) -> Tensor | tuple[Tensor, Tensor]:
-    """Run a pass; returns its capture's outputs on the device: the logits, with each row's argmax where `head` takes it."""
+  def _forward(self, shape: PassShape, packed: np.ndarray, used_blocks: int | list[int]) -> Tensor | tuple[Tensor, Tensor]:
+    """Run a pass, or a multi-step run's passes (`used_blocks` for each; `packed` holds them all); returns the last
+    one's capture's outputs on the device: the logits, with each row's argmax where `head` takes it."""
     replays = self._replays(shape)
     upload = self._upload(shape, packed)
+    if shape in self.run_state: self._copy_in(self.run_state[shape][1], np.zeros(1, np.int32))   # the run's first pass reads the first inputs
+    for i, used in enumerate(used_blocks if isinstance(used_blocks, list) else [used_blocks]):
+      out = self._pass(shape, replays, upload, used, i % len(replays) if self.whole_pass else 0)
+    return out
+
+  def _pass(self, shape: PassShape, replays: tuple, upload: Tensor, used_blocks: int, turn: int) -> Tensor | tuple[Tensor, Tensor]:
+    """One pass of `shape` through its capture `turn` (whole-pass captures; layer mode has one set)."""
     variable = self.extent_variable(shape)
     extent = lambda: (variable.bind(used_blocks),)   # a capture's bound Variable (9 us to make: first passes only)
-    if (bound := self.bound_passes.get(shape)) is None and self.whole_pass:   # the first pass of this shape: captured, then bound
-      out = replays[0](upload, bound=extent())
-      bound = self.bound_passes[shape] = [(replays[0].bind(upload, times=self.launch_times), True)]
+    if (bound := self.bound_passes.get((shape, turn))) is None and self.whole_pass:   # the capture's first pass: captured, then bound
+      out = replays[turn](upload, bound=extent())
+      bound = self.bound_passes[shape, turn] = [(replays[turn].bind(upload, times=self.launch_times), True)]
     elif bound is None:
       inputs = replays[0]
       calls = self._pass_calls(shape, inputs(upload))   # a replay returns its capture's own output tensors
       for replay, args, reads_extent in calls: out = replay(*args, bound=extent() if reads_extent else ())
-      bound = self.bound_passes[shape] = [(inputs.bind(upload, times=self.launch_times), False)] + [
+      bound = self.bound_passes[shape, turn] = [(inputs.bind(upload, times=self.launch_times), False)] + [
         (replay.bind(*args, times=self.launch_times), reads_extent) for replay, args, reads_extent in calls]
     else:
       var_vals = variable.var_vals(used_blocks)
       for call, reads_extent in bound: out = call(var_vals if reads_extent else {})
-    if self.launch_times.enabled:   # the benchmark: how long the host waits for the device's work of this pass
-      t = time.perf_counter()
-      Device[self.devices[0]].synchronize()
-      self.launch_times.wait_seconds += time.perf_counter() - t
+    self.num_passes += 1
     return out
+
+  def _timed_wait(self) -> None:
+    """The benchmark: how long the host waits for the device's work of the passes it launched."""
+    if not self.launch_times.enabled: return
+    t = time.perf_counter()
+    Device[self.devices[0]].synchronize()
+    self.launch_times.wait_seconds += time.perf_counter() - t
 
   def _host_logits(self, result: Tensor | tuple[Tensor, Tensor]) -> np.ndarray:
     """A pass's float32 logits `[rows, V]`, copied to the host."""
@@ -278,12 +338,12 @@ class ModelRunner:
     input would copy it first); a layer's output is read from the buffer passed, as a replay returns the tensor of
     its capture."""
     _, layers, head = self.replays[shape]
-    h, positions, slots, q_pos, token_seq, rows, ctx, tables = fields
+    h, positions, slots, q_pos, token_seq, rows, ctx, tables, tokens = fields
     hidden, calls = self._hidden_buffers(shape), []
     for i, (weights, cache) in enumerate(zip(self.layer_weights, self.kv_caches)):
       calls.append((layers[self.layer_slot[i]], (h, hidden[i % 2], positions, slots, q_pos, token_seq, ctx, tables, *cache.tensors(), *weights), True))
       h = hidden[i % 2]
-    return calls + [(head, (h, rows), False)]
+    return calls + [(head, (h, rows, tokens) if self._feeds_back(shape) else (h, rows), False)]
 
   def _hidden_buffers(self, shape: PassShape) -> tuple[Tensor, Tensor]:
     if shape not in self.hidden_buffers:
@@ -296,9 +356,14 @@ class ModelRunner:
     cost milliseconds: tinygrad's scheduler walks every live tensor (the weights included) on each realize."""
     if shape not in self.input_buffers:
       self.input_buffers[shape] = self._buffer((len(packed),), dtypes.int32, self.devices[0])
-    buf = self.input_buffers[shape].uop.buffer.ensure_allocated()
-    Device[buf.device].allocator._copyin(buf._buf, memoryview(np.ascontiguousarray(packed, np.int32)).cast("B"))
-    return self.input_buffers[shape]
+    return self._copy_in(self.input_buffers[shape], packed)
+
+  @staticmethod
+  def _copy_in(t: Tensor, values: np.ndarray) -> Tensor:
+    """Overwrite a realized int32 tensor's buffer with `values`, on the device's queue (after the work launched)."""
+    buf = t.uop.buffer.ensure_allocated()
+    Device[buf.device].allocator._copyin(buf._buf, memoryview(np.ascontiguousarray(values, np.int32)).cast("B"))
+    return t
 
   def captures(self) -> list[Replay]:
     """Every capture of every shape kept."""
@@ -310,33 +375,41 @@ class ModelRunner:
       self.replays.move_to_end(shape)
       return self.replays[shape]
     P, C, MB = shape.num_seqs, shape.query_len, self.max_blocks
+    history = counter = None   # multi-step runs: the tokens a decode pass took, read by the next; which pass runs
+    if self._feeds_back(shape):
+      history, counter = self.run_state[shape] = (self._buffer((self.decode_steps * P,), dtypes.int32), self._buffer((1,), dtypes.int32))
 
     def unpack(packed: Tensor):
+      """The step's integers -> the embedded tokens, the other fields (FIELDS order), and the token field as sent."""
       sizes = shape.sizes(MB)
-      if len(self.devices) == 1: fields = dict(zip(FIELDS, portable.split(packed, sizes)))   # one kernel, not one per field
+      if history is not None: fields = dict(zip(FIELDS, portable.split(packed, sizes, [n in PASS_FIELDS for n in FIELDS], counter)))
+      elif len(self.devices) == 1: fields = dict(zip(FIELDS, portable.split(packed, sizes)))   # one kernel, not one per field
       else:
         packed, fields, at = packed.shard(self.devices), {}, 0   # every device reads the step's integers
         for name, size in zip(FIELDS, sizes):
           fields[name], at = packed[at:at + size].clone(), at + size   # clone: a real buffer, not a view of packed
-      return (self.model.embed(fields["tokens"]).contiguous(), *(fields[n] for n in FIELDS[1:]))
+      tokens = fields["tokens"] if history is None else portable.fed_tokens(fields["tokens"], history)
+      return (self.model.embed(tokens).contiguous(), *(fields[n] for n in FIELDS[1:]), fields["tokens"])
 
     def model_inputs(positions, slots, q_pos, token_seq, ctx, tables, bound_extent) -> ModelInputs:
       group = AttentionGroup(P, C, tables.reshape(P, MB), CountVariable.count(bound_extent), q_pos.reshape(1 if shape.packed else P, C),
                              ctx, token_seq, packed=shape.packed, kernel_blocks=self.extent_variable(shape).kernel_count())
       return ModelInputs(None, positions, slots, [group], None)
 
-    def head(h: Tensor, rows: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    def head(h: Tensor, rows: Tensor, tokens: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
       logits = self.model.logits(h, rows)
       if not (self.argmax_on_device and shape.query_len == 1 and not shape.all_logits and not shape.packed): return logits
-      return logits, portable.argmax(logits)   # decode: greedy steps read only this
+      argmax = portable.argmax(logits)   # decode: greedy steps read only this
+      if history is not None: Tensor.realize(logits, argmax, *portable.store_tokens(history, counter, tokens, argmax))
+      return logits, argmax
 
     def whole(packed: Tensor, bound_extent):
-      h, positions, slots, q_pos, token_seq, rows, ctx, tables = fields = unpack(packed)
+      h, positions, slots, q_pos, token_seq, rows, ctx, tables, tokens = fields = unpack(packed)
       Tensor.realize(*fields)
       inputs = model_inputs(positions, slots, q_pos, token_seq, ctx, tables, bound_extent)
       for layer, cache in zip(self.model.layers, self.kv_caches):   # realized a layer at a time: small schedules
         h = layer(h, inputs, self.model.rope_table(layer), cache).realize()
-      return head(h, rows)
+      return head(h, rows, tokens)
 
     n_cache = len(self.kv_caches[0].tensors())
     def layer(template, h, out, positions, slots, q_pos, token_seq, ctx, tables, *cache_weights_and_extent):
@@ -345,7 +418,7 @@ class ModelRunner:
       inputs = model_inputs(positions, slots, q_pos, token_seq, ctx, tables, bound_extent)
       return template.with_tensors(weights)(h, inputs, self.model.rope_table(template), cache, out)
 
-    if self.whole_pass: replays = (Replay(whole),)
+    if self.whole_pass: replays = tuple(Replay(whole) for _ in range(self.run_graphs if history is not None else 1))
     else:
       layers = tuple(Replay(functools.partial(layer, template)) for template in self.layer_templates for _ in range(self.layer_graphs))
       replays = (Replay(unpack), layers, Replay(head))
@@ -355,4 +428,5 @@ class ModelRunner:
 
   def _drop(self, shape: PassShape) -> None:
     """Forget a shape's captures and buffers together."""
-    for kept in (self.replays, self.input_buffers, self.hidden_buffers, self.bound_passes): kept.pop(shape, None)
+    for kept in (self.replays, self.input_buffers, self.hidden_buffers, self.run_state): kept.pop(shape, None)
+    for turn in range(self.run_graphs): self.bound_passes.pop((shape, turn), None)

@@ -52,3 +52,4 @@ class SchedulerStats:
   prefix_cache_hits: int = 0                        # of those, tokens found in the prefix cache
   num_draft_tokens: int = 0                         # speculative decoding, in this step
   num_accepted_tokens: int = 0
+  num_decode_passes: int = 1                        # passes of the step's decodes (multi-step decoding: several)

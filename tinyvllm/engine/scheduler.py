@@ -102,6 +102,17 @@ class Scheduler:
       out.prefills.append(PrefillChunk(seq, chunk))
     return out
 
+  def reserve_steps(self, decodes: list[Sequence], steps: int) -> int:
+    """Multi-step decoding: room in each decode's table for `steps` tokens from its newest on (positions up to
+    num_tokens + steps - 2), taken when the free pool holds it above the watermark, with no one preempted. Returns the
+    steps the decodes may run: `steps`, or 1 (their room for one was made by `schedule`). Slots a run does not
+    use (a sequence that stops early) go back at the commit, as rejected drafts' do."""
+    if steps == 1: return 1
+    need = sum(self.blocks.blocks_missing(s.block_table, s.num_tokens + steps - 1) for s in decodes)
+    if need > self.blocks.num_free - self.blocks.watermark_blocks: return 1
+    for s in decodes: self.blocks.grow(s.block_table, s.num_tokens + steps - 1)
+    return steps
+
   def _slide(self, seq: Sequence) -> None:
     """Release the blocks wholly below seq's window: its next query is at position num_computed_tokens."""
     self.num_window_freed += self.blocks.release_passed(seq.block_table, seq.num_computed_tokens, self.window)

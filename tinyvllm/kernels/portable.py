@@ -82,24 +82,74 @@ def argmax(x: Tensor) -> Tensor:
   return V - 1 - (key.max(-1) - 1) % V
 
 
-def _split_kernel(sizes: tuple[int, ...], *bufs: UOp) -> UOp:
-  """outs[i] = the i-th run of `sizes` elements of src, back to back (bufs: the outputs, then src), on one grid of the
-  longest run's elements: a shorter output stores where the element is inside it."""
-  *outs, src = bufs
+def _split_kernel(sizes: tuple[int, ...], per_pass: tuple[bool, ...], *bufs: UOp) -> UOp:
+  """outs[i] = the i-th run of `sizes` elements of src (bufs: the outputs, then src, then with `per_pass` the pass
+  counter), on one grid of the longest run's elements: a shorter output stores where the element is inside it.
+  Without per_pass the runs are back to back. With it (a multi-step run's inputs, `split`), the runs not per pass come
+  first, then one group of the per-pass runs for each pass, and the group read is the counter's."""
+  *outs, src = bufs[:len(sizes) + 1]
   longest = max(sizes)
-  e, stores, at = UOp.range(longest, 0), [], 0
-  for out, size in zip(outs, sizes):
+  e, stores = UOp.range(longest, 0), []
+  run_len = sum(n for n, every in zip(sizes, per_pass) if not every)
+  step = (bufs[-1][0] * sum(n for n, every in zip(sizes, per_pass) if every)) if any(per_pass) else None
+  at = {False: 0, True: run_len}
+  for out, size, every in zip(outs, sizes, per_pass):
     inside = (e < size) if size < longest else None
-    stores.append(out[e if inside is None else e.valid(inside)].store(src[(at + e) if inside is None else (at + e).valid(inside)]))
-    at += size
-  return UOp.sink(UOp.group(*stores).end(e), arg=KernelInfo(name=f"split_{len(sizes)}_{at}", opts_to_apply=()))
+    index = at[every] + e + (step if every else 0)
+    ok = (index < src.shape[0]) if every else None   # a counter past the passes uploaded reads zeros, never past src
+    ok = ok if inside is None else inside if ok is None else ok & inside
+    stores.append(out[e if inside is None else e.valid(inside)].store(src[index if ok is None else index.valid(ok)]))
+    at[every] += size
+  return UOp.sink(UOp.group(*stores).end(e), arg=KernelInfo(name=f"split_{len(sizes)}_{sum(at.values())}", opts_to_apply=()))
 
 
-def split(src: Tensor, sizes: tuple[int, ...]) -> list[Tensor]:
+def split(src: Tensor, sizes: tuple[int, ...], per_pass: tuple[bool, ...] = (), counter: Tensor | None = None) -> list[Tensor]:
   """A 1-D tensor's consecutive runs of `sizes` elements as separate buffers, copied by one kernel (slices each cost
-  a copy kernel of their own wherever a kernel needs a real buffer)."""
+  a copy kernel of their own wherever a kernel needs a real buffer).
+
+  A multi-step run uploads its passes' inputs at once: the runs marked `per_pass` change from one pass to the next and
+  come after the others, one group per pass; `counter` `[1]` (int32, on the device) says which pass reads its group
+  (`store_tokens` advances it)."""
   outs = [Tensor.empty(n, dtype=src.dtype, device=src.device) for n in sizes]
-  return Tensor.custom_kernel(*outs, src, fxn=functools.partial(_split_kernel, tuple(sizes)))[:len(sizes)]
+  per_pass = tuple(per_pass) or (False,) * len(sizes)
+  return Tensor.custom_kernel(*outs, src, *([counter] if any(per_pass) else []),
+                              fxn=functools.partial(_split_kernel, tuple(sizes), per_pass))[:len(sizes)]
+
+
+# Multi-step decoding (ModelRunner.execute_steps) keeps the tokens it samples on the device: pass i of a run reads the
+# argmax tokens of pass i - 1 without a round trip to the host. Each decode shape has a history of its runs' tokens,
+# `[steps * P]` int32 (pass i's row p at i * P + p). A token field's entry t >= 0 is a token id; t < 0 means "the
+# token at history[-t - 1]", and that row's new token goes P entries further on (a row of the next pass).
+
+def _fed_tokens_kernel(out: UOp, tokens: UOp, history: UOp) -> UOp:
+  T = tokens.shape[0]
+  e = UOp.range(T, 0)
+  t = tokens[e]
+  earlier = history[(-t - 1).valid((t < 0) & (-t - 1 < history.shape[0]))]   # 0 where the index is out of range
+  return UOp.sink(out[e].store((t < 0).where(earlier, t)).end(e), arg=KernelInfo(name=f"fed_tokens_{T}", opts_to_apply=()))
+
+
+def fed_tokens(tokens: Tensor, history: Tensor) -> Tensor:
+  """tokens `[T]` int32 with each negative entry t replaced by history[-t - 1] (one kernel)."""
+  return Tensor.custom_kernel(Tensor.empty(*tokens.shape, dtype=tokens.dtype, device=tokens.device), tokens, history,
+                              fxn=_fed_tokens_kernel)[0]
+
+
+def _store_tokens_kernel(history: UOp, counter: UOp, tokens: UOp, sampled: UOp) -> UOp:
+  P = tokens.shape[0]
+  p = UOp.range(P, 0)
+  t = tokens[p]
+  slot = (t < 0).where(-t - 1 + P, p)
+  store = history[slot.valid(slot < history.shape[0])].store(sampled[p])
+  advance = counter[p.valid(p < 1)].store(counter[0] + 1)   # one thread moves the run on to its next pass
+  return UOp.sink(UOp.group(store, advance).end(p), arg=KernelInfo(name=f"store_tokens_{P}", opts_to_apply=()))
+
+
+def store_tokens(history: Tensor, counter: Tensor, tokens: Tensor, sampled: Tensor) -> tuple[Tensor, Tensor]:
+  """Write each row's sampled token `[P]` into history, in place: row p at history[-t - 1 + P] where its input token t
+  came from the history, else at history[p] (a run's first pass); and add 1 to the pass counter `[1]` (`split`).
+  Returns both ordered after the writes."""
+  return tuple(Tensor.custom_kernel(history, counter, tokens, sampled.cast(history.dtype), fxn=_store_tokens_kernel)[:2])
 
 
 def write_kv(caches: list[Tensor], rows: list[Tensor], slot_mapping: Tensor) -> list[Tensor]:
