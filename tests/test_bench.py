@@ -179,6 +179,18 @@ def test_kv_cache_dtypes_compared_in_one_bench(tiny_model, tmp_path):
   with pytest.raises(SystemExit): main(["--kv-cache-dtype", "fp8"])
 
 
+def test_multi_step_compared_in_one_bench(tiny_model, tmp_path, capsys):
+  """`--num-scheduler-steps 1,4`: two engines, each record labelled; a run of 4 passes takes 4 tokens a step and
+  reads the weights once per pass, so the weight bytes per token are the same as one pass a step's (counted by hand
+  from the model's parameters in test_decode_bytes_and_flops_by_hand)."""
+  records = small_decode_bench(tiny_model, tmp_path, "--num-scheduler-steps", "1,4", batch=2)
+  assert [r["num_scheduler_steps"] for r in records] == [1, 4]
+  assert [r["tokens_per_step"] for r in records] == [2, 8]
+  per_token = [r["weight_bytes_per_step"] / r["tokens_per_step"] for r in records]
+  assert per_token[1] == pytest.approx(per_token[0])
+  assert "(4 passes a step)" in capsys.readouterr().out
+
+
 def test_bench_sizes_runs_to_the_model_before_measuring(tiny_model, tmp_path, monkeypatch):
   """The tiny model's context is 256: a 1024-token decode context and a 512-token prefill are skipped with a note
   (not a failure after the ceilings), what fits still runs; a bad --model fails before anything is measured."""
