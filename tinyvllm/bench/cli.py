@@ -86,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
                       "on a GPU, layer on the CPU); several, comma-separated, compare them in one run")
   m.add_argument("--num-scheduler-steps", type=_ints, default="1",
                  help="multi-step decoding: greedy decode passes per step, the tokens fed back on the device (the host waits "
-                      "once every N tokens); several, comma-separated, compare them in one run")
+                      "once every N tokens); several, comma-separated, compare them in one run (the largest sizes "
+                      "every run's context)")
   # the cache is sized to the runs, and --seed seeds the prompts too; with --draft-model runs go with speculation off and on
   add_engine_args(m, exclude=BENCH_SETS)
   r = p.add_argument_group("runs")

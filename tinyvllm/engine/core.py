@@ -231,7 +231,7 @@ class EngineCore:
       carried = sched.decodes + [c.seq for c in sched.prefills]
       self.failures.record("model pass", e, [seq.request_id for seq in carried])
       for seq in carried: self._fail(seq, e, outputs)
-      return self._collect(outputs), self.stats()
+      return self._collect(outputs), dataclasses.replace(self.stats(), num_decode_passes=steps)
     kept, failed = self.scheduler.update_from_output(sched, sampled)
     for seq, error in failed.items():
       self.failures.record("committing sampled tokens", error, [seq.request_id])

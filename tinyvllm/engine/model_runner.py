@@ -6,7 +6,7 @@ attention sees one AttentionGroup. Shapes are rounded up to buckets; each shape 
 replayed after that (engine/replay.py).
 """
 from __future__ import annotations
-import dataclasses, functools, math, time
+import dataclasses, functools, itertools, math, time
 from collections import OrderedDict
 from dataclasses import dataclass
 import numpy as np
@@ -111,9 +111,10 @@ class ModelRunner:
     # encodes the next. Two captures taken in turn wait only for the layer before last, while the last one runs.
     self.layer_graphs = 2 if self.kind == "METAL" else 1
     # The same holds for the passes of a multi-step run: with one capture of the decode pass, each pass would wait for
-    # the one before it to finish before the host could encode it, so on Metal a decode shape that runs them has two
-    # whole-pass captures, taken in turn (pass i in capture i % 2).
-    self.run_graphs = 2 if self.kind == "METAL" and decode_steps > 1 else 1
+    # the one before it to finish before the host could encode it, so a decode shape that runs them has two whole-pass
+    # captures, taken in turn (pass i in capture i % 2), on Metal and on tinygrad's own drivers (NV, AMD: HCQGraph too
+    # waits for a graph's previous run). CUDA's graphs do not wait.
+    self.run_graphs = 2 if self.kind in ("METAL", "NV", "AMD") and decode_steps > 1 else 1
     # Layers stored alike share their captures; a checkpoint that stores some layers differently (a Q4_K_M GGUF's v
     # and down projections in Q6_K in half the layers) needs one capture per kind of layer. layer_slot[i]: the replay
     # layer i runs in a shape's tuple of layer replays (kind-major, the captures of a kind taken in turn).
@@ -186,7 +187,7 @@ class ModelRunner:
     for i, items in enumerate((decodes, prefills, verifies)):
       if not items: continue
       shape = self._shape(i, items, prefill_all_logits)
-      result = self._forward(shape, *(self._prepare_run(shape, [items]) if self._feeds_back(shape) else self.prepare(shape, items)))
+      result = self._forward(shape, *(self._prepare_run(shape, items, 1) if self._feeds_back(shape) else self.prepare(shape, items)))
       self._timed_wait()
       if i == 0 and decode_argmax:
         out[0] = self._argmax(result)[:len(items)]
@@ -207,28 +208,35 @@ class ModelRunner:
     row r is the tokens sequence r took, in order."""
     assert 1 <= steps <= self.decode_steps, f"{steps} steps, but decode shapes keep a history of {self.decode_steps}"
     shape = self._shape(0, decodes, False)
-    P = shape.num_seqs
-    passes = [decodes] + [[WorkItem(w.block_table, w.start + i, [-1 - (i - 1) * P - r]) for r, w in enumerate(decodes)]
-                          for i in range(1, steps)]   # a negative token: the one history[-t - 1] holds, sampled by pass i - 1
-    self._forward(shape, *self._prepare_run(shape, passes))
+    self._forward(shape, *self._prepare_run(shape, decodes, steps))
     self._timed_wait()
     history = self.run_state[shape][0].uop.buffer
-    tokens = np.frombuffer(history.as_memoryview(allow_zero_copy=True), np.int32).reshape(-1, P)
+    tokens = np.frombuffer(history.as_memoryview(allow_zero_copy=True), np.int32).reshape(-1, shape.num_seqs)
     return tokens[:steps, :len(decodes)].T.astype(np.int64)
 
-  def _prepare_run(self, shape: PassShape, passes: list[list[WorkItem]]) -> tuple[np.ndarray, list[int]]:
-    """The inputs of a multi-step run's passes as one array (portable.split's layout): the fields that stay the same
-    (a pass's rows and block tables), then each pass's PASS_FIELDS, for `decode_steps` passes (the unused ones zero).
-    Returns it and the KV blocks each pass reads."""
+  def _prepare_run(self, shape: PassShape, decodes: list[WorkItem], steps: int) -> tuple[np.ndarray, list[int]]:
+    """The inputs of a multi-step run's `steps` passes over `decodes` as one array (portable.split's layout): the
+    fields that stay the same (rows, block tables), then each pass's PASS_FIELDS, for `decode_steps` passes (the unused
+    ones zero). Pass i reads position start + i of each sequence, and as its token the negative entry -1 - (i - 1) P - r:
+    the one history[(i - 1) P + r] holds, sampled by pass i - 1. Returns it and the KV blocks each pass reads."""
+    packed, used = self.prepare(shape, decodes)
     sizes = dict(zip(FIELDS, shape.sizes(self.max_blocks)))
-    starts = dict(zip(FIELDS, np.cumsum([0, *sizes.values()])))
-    field = lambda packed, name: packed[starts[name]:starts[name] + sizes[name]]
-    prepared = [self.prepare(shape, items) for items in passes]
-    first = prepared[0][0]
-    per_pass = np.zeros((self.decode_steps, sum(sizes[n] for n in PASS_FIELDS)), np.int32)
-    for i, (packed, _) in enumerate(prepared): per_pass[i] = np.concatenate([field(packed, n) for n in PASS_FIELDS])
-    run = [field(first, n) for n in FIELDS if n not in PASS_FIELDS]
-    return np.concatenate([*run, per_pass.reshape(-1)]), [used for _, used in prepared]
+    field = dict(zip(FIELDS, np.split(packed, np.cumsum(list(sizes.values()))[:-1])))
+    P, k, bs = shape.num_seqs, len(decodes), self.block_size
+    per_pass = np.zeros((self.decode_steps, len(PASS_FIELDS), P), np.int32)   # every PASS_FIELDS field of a decode has P entries
+    per_pass[0] = [field[n] for n in PASS_FIELDS]
+    tables, used_blocks = field["tables"].reshape(P, self.max_blocks), [used]
+    for i in range(1, steps):
+      pos = field["positions"][:k] + i
+      if (pos // bs >= np.fromiter((len(w.block_table) for w in decodes), np.int64, k)).any():
+        raise IndexError(f"a block table holds fewer than the {steps} positions of a multi-step run")
+      later = dict(tokens=-1 - (i - 1) * P - np.arange(k), positions=pos, slots=tables[np.arange(k), pos // bs] * bs + pos % bs,
+                   q_pos=pos, ctx=pos + 1)
+      per_pass[i, :, :k] = [later[n] for n in PASS_FIELDS]
+      per_pass[i, PASS_FIELDS.index("slots"), k:] = -1   # padding rows write no K/V
+      used_blocks.append(-(-int(pos.max() + 1) // bs))
+    run = [field[n] for n in FIELDS if n not in PASS_FIELDS]
+    return np.concatenate([*run, per_pass.reshape(-1)]), used_blocks
 
   def _feeds_back(self, shape: PassShape) -> bool:
     """Does this shape's capture take part in multi-step runs: a decode shape of a runner that runs them."""
@@ -265,26 +273,35 @@ class ModelRunner:
 
   def prepare(self, shape: PassShape, items: list[WorkItem]) -> tuple[np.ndarray, int]:
     """Pack every integer input of a pass into one int32 array (one host->device copy), fields in FIELDS
-    order. Returns it and the number of KV blocks the longest block table uses."""
-    bs, C = self.block_size, shape.query_len
-    tokens, positions, slots, q_pos, token_seq, rows, ctx, tables = (np.zeros(n, np.int32) for n in shape.sizes(self.max_blocks))
+    order. Returns it and the number of KV blocks the longest block table uses. Vectorized over the items, in a
+    fixed number of numpy calls (a few microseconds each here): a loop of them per item cost 0.7 ms at batch 32."""
+    bs, P, MB, k = self.block_size, shape.num_seqs, self.max_blocks, len(items)
+    sizes = shape.sizes(MB)
+    packed, ends = np.zeros(sum(sizes), np.int32), list(itertools.accumulate(sizes))
+    tokens, positions, slots, q_pos, token_seq, rows, ctx, tables = (packed[end - n:end] for n, end in zip(sizes, ends))
     slots[:], token_seq[:] = -1, -1                  # padding tokens write no K/V and read nothing
-    tables = tables.reshape(shape.num_seqs, self.max_blocks)
-    start = 0
-    for i, w in enumerate(items):
-      n, start = len(w.tokens), start if shape.packed else i * C
-      pos = np.arange(w.start, w.start + n)
-      table = np.maximum(np.asarray(w.block_table, np.int32), 0)   # FREED entries (out of the window) read block 0, masked
-      tokens[start:start + n] = w.tokens
-      positions[start:start + n] = q_pos[start:start + n] = pos
-      token_seq[start:start + n] = i
-      slots[start:start + n] = table[pos // bs] * bs + pos % bs
-      tables[i, :len(table)] = table
-      ctx[i] = pos[-1] + 1
-      if shape.all_logits: rows[start:start + n] = np.arange(start, start + n)
-      else: rows[i] = start + n - 1
-      start += n
-    return np.concatenate([tokens, positions, slots, q_pos, token_seq, rows, ctx, tables.reshape(-1)]), max(-(-int(ctx.max()) // bs), 1)
+    lengths, widths, starts = np.array([(len(w.tokens), len(w.block_table), w.start) for w in items], np.int64).T
+    # row-major order of a mask's True entries is the order of the items' lists chained: one assignment fills them all
+    tables = tables.reshape(P, MB)
+    tables[:k][np.arange(MB) < widths[:, None]] = np.fromiter(itertools.chain.from_iterable(w.block_table for w in items), np.int32, widths.sum())
+    np.maximum(tables, 0, out=tables)                # FREED entries (out of the window) read block 0, masked
+    if shape.packed or shape.query_len > 1:
+      if shape.packed: at = np.arange(lengths.sum())   # each real token's slot in the pass
+      else: at = np.flatnonzero(np.arange(shape.query_len) < lengths[:, None])
+      item = np.repeat(np.arange(k), lengths)          # ... and its item
+      first = np.cumsum(lengths) - lengths if shape.packed else np.arange(k) * shape.query_len   # each item's first slot
+      pos = starts[item] + at - first[item]
+    else: at = item = first = np.arange(k); pos = starts   # decodes: a token each, in slot i
+    block = pos // bs
+    if (block >= widths[item]).any(): raise IndexError("a block table holds fewer than the positions its work item reads")
+    tokens[at] = np.fromiter(itertools.chain.from_iterable(w.tokens for w in items), np.int32, len(at))
+    positions[at] = q_pos[at] = pos
+    token_seq[at] = item
+    slots[at] = tables[item, block] * bs + pos % bs
+    ctx[:k] = starts + lengths
+    if shape.all_logits: rows[at] = at
+    else: rows[:k] = first + lengths - 1
+    return packed, max(-(-int(ctx.max()) // bs), 1)
 
   def _forward(self, shape: PassShape, packed: np.ndarray, used_blocks: int | list[int]) -> Tensor | tuple[Tensor, Tensor]:
     """Run a pass, or a multi-step run's passes (`used_blocks` for each; `packed` holds them all); returns the last
@@ -366,8 +383,9 @@ class ModelRunner:
     return t
 
   def captures(self) -> list[Replay]:
-    """Every capture of every shape kept."""
-    return [r for replays in self.replays.values() for r in (replays if self.whole_pass else (replays[0], *replays[1], replays[2]))]
+    """Every capture of every shape kept (a decode shape's second capture for multi-step runs once a run took it)."""
+    return [r for replays in self.replays.values() for r in (replays if self.whole_pass else (replays[0], *replays[1], replays[2]))
+            if r.jit.captured is not None]
 
   def _replays(self, shape: PassShape) -> tuple[Replay] | tuple[Replay, tuple[Replay, ...], Replay]:
     """A whole pass's capture, or the input, layer and head captures of layer mode."""

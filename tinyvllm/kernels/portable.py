@@ -100,7 +100,8 @@ def _split_kernel(sizes: tuple[int, ...], per_pass: tuple[bool, ...], *bufs: UOp
     ok = ok if inside is None else inside if ok is None else ok & inside
     stores.append(out[e if inside is None else e.valid(inside)].store(src[index if ok is None else index.valid(ok)]))
     at[every] += size
-  return UOp.sink(UOp.group(*stores).end(e), arg=KernelInfo(name=f"split_{len(sizes)}_{sum(at.values())}", opts_to_apply=()))
+  name = f"split_{len(sizes)}_{sum(at.values())}" + (f"_pass_{run_len}" if any(per_pass) else "")
+  return UOp.sink(UOp.group(*stores).end(e), arg=KernelInfo(name=name, opts_to_apply=()))
 
 
 def split(src: Tensor, sizes: tuple[int, ...], per_pass: tuple[bool, ...] = (), counter: Tensor | None = None) -> list[Tensor]:
