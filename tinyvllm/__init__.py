@@ -6,10 +6,10 @@ if os.environ.get("TINYVLLM_EMULATE_METAL") == "1":   # tinygrad's METAL device 
   install()
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "GenerationError"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+           "Logprob", "GenerationError"]
 _HOMES = {"LLM": "tinyvllm.llm", "AsyncLLM": "tinyvllm.engine.async_llm", "SamplingParams": "tinyvllm.sampling_params",
-          "StructuredOutputsParams": "tinyvllm.sampling_params", "RequestOutput": "tinyvllm.outputs",
+          "StructuredOutputsParams": "tinyvllm.sampling_params", "RequestOutputKind": "tinyvllm.sampling_params", "RequestOutput": "tinyvllm.outputs",
           "CompletionOutput": "tinyvllm.outputs", "Logprob": "tinyvllm.outputs", "GenerationError": "tinyvllm.outputs"}
 
 

@@ -1,7 +1,7 @@
 """`LLM`: the notebook-facing API, shaped like vLLM's. A thin front on a `ThreadedEngine`: every method works from
 any thread, and calls from several threads at once share the engine's batches."""
 from __future__ import annotations
-import itertools, sys, weakref
+import dataclasses, itertools, sys, weakref
 from collections.abc import Iterator, Sequence as SequenceABC
 from queue import SimpleQueue
 from tqdm import tqdm
@@ -9,7 +9,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.engine.request import EngineRequest
 from tinyvllm.engine.threaded_engine import OutputStream, ThreadedEngine, error_output
 from tinyvllm.outputs import GenerationError, RequestOutput
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -51,6 +51,8 @@ class LLM:
     requests: list[EngineRequest] = []
     for i, (prompt, p) in enumerate(zip(prompts, params)):
       rid = self._next_id()
+      # only each request's final output is read here: no snapshot per step (vLLM's LLM does the same)
+      if isinstance(p, SamplingParams): p = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
       try:
         requests.append(self.llm_engine.input_processor.process(rid, prompt, p))
         results.append(None)
@@ -97,11 +99,12 @@ class LLM:
     return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
   def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-    """Yield a RequestOutput snapshot of one request as it advances; the last one is finished. Several streams
+    """Yield a RequestOutput snapshot of one request as it advances (with output_kind DELTA, what is new since the
+    last one yielded); the last one is finished. Several streams
     may be open at once and advanced in any order, from any threads. Closing a stream early aborts its request.
     A request the engine fails raises `GenerationError` (with the failed output) instead of a last snapshot."""
     request = self.llm_engine.input_processor.process(self._next_id(), prompt, sampling_params)
-    stream = OutputStream()
+    stream = OutputStream(delta=request.params.output_kind is RequestOutputKind.DELTA)
     self.llm_engine.submit(request, stream.put)
     finished = False
     try:
@@ -117,6 +120,8 @@ class LLM:
     """Yield the text of one completion piece by piece as it is generated (for notebooks)."""
     if sampling_params is not None and sampling_params.n != 1:
       raise ValueError("generate_stream streams one completion: SamplingParams.n must be 1")
+    if sampling_params is not None:   # it cuts the pieces from cumulative text itself
+      sampling_params = dataclasses.replace(sampling_params, output_kind=RequestOutputKind.CUMULATIVE)
     sent = 0
     for out in self.stream(prompt, sampling_params):
       text = out.outputs[0].text

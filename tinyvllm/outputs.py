@@ -71,6 +71,24 @@ class RequestOutput:
   prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # per prompt token (the first is None)
   num_cached_tokens: int = 0          # prompt tokens whose KV cache was reused
 
+  def add(self, next_output: RequestOutput, aggregate: bool = True) -> None:
+    """Take in the request's next output, in place (vLLM's method): with `aggregate`, `next_output` is a delta
+    (RequestOutputKind.DELTA) whose tokens, text and logprobs are appended; without, it replaces what this one holds."""
+    if not aggregate:
+      self.__dict__.update(next_output.__dict__)
+      return
+    mine = {c.index: c for c in self.outputs}
+    for c in next_output.outputs:
+      if (old := mine.get(c.index)) is None:
+        self.outputs.append(c)
+        continue
+      old.text, old.token_ids = old.text + c.text, old.token_ids + c.token_ids
+      if c.logprobs is not None: old.logprobs = (old.logprobs or []) + c.logprobs
+      old.cumulative_logprob, old.finish_reason, old.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
+    if next_output.prompt_logprobs: self.prompt_logprobs = (self.prompt_logprobs or []) + next_output.prompt_logprobs
+    self.finished, self.metrics, self.num_cached_tokens = next_output.finished, next_output.metrics, next_output.num_cached_tokens
+    self.error = next_output.error or self.error
+
 
 class GenerationError(RuntimeError):
   """Raised by `LLM.generate`/`chat`/`stream` and `AsyncLLM.generate` when the engine failed requests (a model pass

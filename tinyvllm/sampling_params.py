@@ -1,7 +1,7 @@
 """SamplingParams and StructuredOutputsParams: vLLM's names and defaults, validated once when built."""
 from __future__ import annotations
 import json as jsonlib
-import math, numbers
+import enum, math, numbers
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -9,6 +9,15 @@ GREEDY_BELOW = 1e-5   # temperatures this small sample as greedy (vLLM's rule): 
 
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class RequestOutputKind(enum.Enum):
+  """What each RequestOutput of a request holds (vLLM's names): CUMULATIVE, everything so far (the default); DELTA,
+  only what is new since the request's last output (streams that forward pieces); FINAL_ONLY, a single output when
+  the request finishes (`LLM.generate` asks for it: no snapshot is built per step)."""
+  CUMULATIVE = 0
+  DELTA = 1
+  FINAL_ONLY = 2
 
 
 @dataclass
@@ -80,6 +89,7 @@ class SamplingParams:
   skip_special_tokens: bool = True
   include_stop_str_in_output: bool = False
   structured_outputs: StructuredOutputsParams | None = None   # a JSON schema, regex, choice or grammar the output obeys
+  output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # what each RequestOutput holds
   stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
   def __post_init__(self):
@@ -126,6 +136,7 @@ class SamplingParams:
       self.logit_bias = bias or None
     if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
       bad("structured_outputs", "must be a StructuredOutputsParams")
+    if not isinstance(self.output_kind, RequestOutputKind): bad("output_kind", "must be a RequestOutputKind")
 
   @property
   def greedy(self) -> bool: return self.temperature < GREEDY_BELOW

@@ -13,7 +13,7 @@ import numpy as np
 from tinyvllm.bench.accounting import TensorInfo, Traffic, step_traffic
 from tinyvllm.engine.sequence import SequenceStatus
 from tinyvllm.outputs import GenerationError
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def model_tensors(model) -> list[TensorInfo]:
@@ -179,7 +179,8 @@ def decode_run(drv: Driver, batch: int, context: int, steps: int, warmup: int, r
                repeats: int = 1) -> dict:
   """`batch` requests with `context`-token prompts; prefill them all, warm up, then time `steps` decode steps,
   `repeats` times in a row (reported: the median repeat, and every repeat's tok/s)."""
-  params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+  # FINAL_ONLY: what LLM.generate asks for (no output snapshot per step); the steps' outputs are only checked for errors
+  params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
   ids = [drv.add(drv.prompt(rng, context), params) for _ in range(batch)]
   seqs = [s for rid in ids for s in drv.engine.core.requests[rid]]
   while any(s.is_prefilling or s.status is SequenceStatus.WAITING for s in seqs): drv.run_step()
@@ -209,7 +210,7 @@ def decode_run(drv: Driver, batch: int, context: int, steps: int, warmup: int, r
 def prefill_run(drv: Driver, prompt_len: int, rng, repeats: int = 1) -> dict:
   """Time prompts from admission to their first token, `repeats` times; a first prompt of the same length,
   not timed, captures the shapes."""
-  params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+  params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
   log, runs = StepLog(), []
   for i in range(1 + repeats):
     start_seconds, start_steps = log.seconds, log.steps

@@ -14,20 +14,22 @@ from collections.abc import AsyncIterator, Iterable
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.threaded_engine import StatLogger, ThreadedEngine
 from tinyvllm.outputs import GenerationError, RequestOutput
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class AsyncOutputStream:
-  """One request's outputs, put by the engine thread, awaited in the event loop. Outputs are cumulative snapshots:
-  an output not yet read is replaced by the newer one, so a slow client never makes a backlog."""
-  def __init__(self, loop: asyncio.AbstractEventLoop):
-    self._loop, self._latest, self._ready = loop, None, asyncio.Event()
+  """One request's outputs, put by the engine thread, awaited in the event loop. Cumulative snapshots: an output not
+  yet read is replaced by the newer one, so a slow client never makes a backlog; deltas (`delta`) are merged into it
+  instead (`RequestOutput.add`)."""
+  def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool = False):
+    self._loop, self._latest, self._ready, self._delta = loop, None, asyncio.Event(), delta
 
   def put(self, out: RequestOutput) -> None:   # engine thread
     with contextlib.suppress(RuntimeError): self._loop.call_soon_threadsafe(self._set, out)   # the loop has closed: nobody waits
 
   def _set(self, out: RequestOutput) -> None:
-    self._latest = out
+    if self._delta and self._latest is not None: self._latest.add(out)
+    else: self._latest = out
     self._ready.set()
 
   async def get(self) -> RequestOutput:
@@ -91,7 +93,7 @@ class AsyncLLM:
     TypeError here, before anything is queued (a server answers 400 before it starts a response)."""
     request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
     request = self.engine.input_processor.process(request_id, prompt, params)
-    stream = AsyncOutputStream(asyncio.get_running_loop())
+    stream = AsyncOutputStream(asyncio.get_running_loop(), delta=request.params.output_kind is RequestOutputKind.DELTA)
     self.engine.submit(request, stream.put)
     return RequestStream(self.engine, request_id, stream)
 

@@ -11,6 +11,7 @@ from tinyvllm.engine.failure_log import FailureLog
 from tinyvllm.engine.request import CoreOutput, EngineRequest, TopLogprobs
 from tinyvllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput
+from tinyvllm.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -41,6 +42,8 @@ class CompletionState:
   cumulative_logprob: float = 0.0
   finish_reason: str | None = None
   stop_reason: int | str | None = None
+  sent_tokens: int = 0   # DELTA outputs: the tokens and characters of visible text already handed out
+  sent_chars: int = 0
 
 
 @dataclass
@@ -50,6 +53,7 @@ class RequestState:
   prompt_logprobs: list[dict[int, Logprob] | None] | None = None
   error: str | None = None
   last_token_time: float | None = None
+  sent_prompt_logprobs: int = 0   # DELTA outputs: prompt logprob entries already handed out
 
   @property
   def finished(self) -> bool: return all(c.finish_reason is not None for c in self.completions)
@@ -84,7 +88,7 @@ class OutputProcessor:
         for out in outs:
           if self._apply(state, out, stats): to_abort.append((rid, out.index, "stop"))
         self._step_stats(state, now, stats)
-        results.append(self._output(state))
+        if state.finished or state.request.params.output_kind is not RequestOutputKind.FINAL_ONLY: results.append(self._output(state))
       except Exception as e:
         self.failures.record("output processing", e, [rid])
         results.append(self._fail(state, f"output processing failed: {type(e).__name__}: {e}"))
@@ -188,15 +192,21 @@ class OutputProcessor:
     if state.finished: m.finished_time = now
 
   def _output(self, state: RequestState) -> RequestOutput:
-    """A snapshot: later steps never change an output already handed out (it may be read in another thread)."""
-    req = state.request
-    outs = [CompletionOutput(c.index, _visible_text(c, req.params.stop_strings), list(c.token_ids),
-                             c.cumulative_logprob if c.logprobs is not None else None,
-                             list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
-            for c in state.completions]
+    """A snapshot: later steps never change an output already handed out (it may be read in another thread). With
+    output_kind DELTA, only what this request's earlier outputs did not hold (cumulative_logprob stays the running
+    total, as in vLLM)."""
+    req, delta = state.request, state.request.params.output_kind is RequestOutputKind.DELTA
+    outs = []
+    for c in state.completions:
+      text = _visible_text(c, req.params.stop_strings)
+      tokens, chars = (c.sent_tokens, c.sent_chars) if delta else (0, 0)
+      outs.append(CompletionOutput(c.index, text[chars:], c.token_ids[tokens:], c.cumulative_logprob if c.logprobs is not None else None,
+                                   c.logprobs[tokens:] if c.logprobs is not None else None, c.finish_reason, c.stop_reason))
+      if delta: c.sent_tokens, c.sent_chars = len(c.token_ids), len(text)
+    prompt_logprobs = state.prompt_logprobs[state.sent_prompt_logprobs if delta else 0:] if state.prompt_logprobs is not None else None
+    if delta and prompt_logprobs is not None: state.sent_prompt_logprobs = len(state.prompt_logprobs)
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, state.finished,
-                         dataclasses.replace(req.metrics), error=state.error,
-                         prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
+                         dataclasses.replace(req.metrics), error=state.error, prompt_logprobs=prompt_logprobs,
                          num_cached_tokens=req.metrics.num_cached_tokens or 0)
 
 

@@ -36,15 +36,19 @@ class StatLogger(Protocol):
 
 
 class OutputStream:
-  """One request's outputs, handed from the engine thread to one consumer. Outputs are cumulative snapshots, so a
-  consumer slower than the engine needs only the newest: `put` replaces an output not yet read."""
-  def __init__(self):
+  """One request's outputs, handed from the engine thread to one consumer. Cumulative snapshots: a consumer slower
+  than the engine needs only the newest, so `put` replaces an output not yet read. Deltas (`delta`:
+  RequestOutputKind.DELTA) are merged into the one not yet read instead (`RequestOutput.add`): nothing is lost, and
+  still no backlog."""
+  def __init__(self, delta: bool = False):
     self._cond = threading.Condition()
     self._latest: RequestOutput | None = None
+    self._delta = delta
 
   def put(self, out: RequestOutput) -> None:
     with self._cond:
-      self._latest = out
+      if self._delta and self._latest is not None: self._latest.add(out)
+      else: self._latest = out
       self._cond.notify()
 
   def get(self) -> RequestOutput:
