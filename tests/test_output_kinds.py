@@ -117,3 +117,21 @@ def test_async_streams_merge_deltas(tiny_model, hf_tokens):
     finally: engine.shutdown()
   pieces = asyncio.run(main())
   assert [t for o in pieces for t in o.outputs[0].token_ids] == hf_tokens and pieces[-1].finished and len(pieces) < len(hf_tokens)
+
+
+def test_a_failed_delta_request_repeats_nothing(tiny_model, hf_tokens, monkeypatch):
+  """Output processing that raises fails the request (finish_reason "error"); its last DELTA output holds only what
+  the earlier ones did not, so the pieces still add up to the tokens it had."""
+  eng = engine(tiny_model)
+  eng.add_request("0", {"prompt_token_ids": PROMPT}, params(RequestOutputKind.DELTA))
+  outs = []
+  for _ in range(6): outs += eng.step()
+  def fail_after_one(state, c, out):
+    c.token_ids.append(out.new_token_ids[0])   # a token taken in before the failure
+    raise RuntimeError("detokenizer broke")
+  monkeypatch.setattr(eng.output_processor, "_add_tokens", fail_after_one)
+  outs += eng.step()
+  assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "error" and "detokenizer broke" in outs[-1].error
+  tokens = [t for o in outs for t in o.outputs[0].token_ids]
+  assert tokens == hf_tokens[:len(tokens)] and len(outs[-1].outputs[0].token_ids) == 1
+  assert not eng.has_unfinished_requests()

@@ -123,9 +123,10 @@ class OutputProcessor:
       if c.finish_reason is None: c.finish_reason = "error"
     state.error = state.error or error
     state.request.metrics.finished_time = time.time()
-    req = state.request
+    req, delta = state.request, state.request.params.output_kind is RequestOutputKind.DELTA
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                         [CompletionOutput(c.index, c.text, list(c.token_ids), finish_reason=c.finish_reason) for c in state.completions],
+                         [CompletionOutput(c.index, c.text[c.sent_chars if delta else 0:], c.token_ids[c.sent_tokens if delta else 0:],
+                                           finish_reason=c.finish_reason) for c in state.completions],
                          True, dataclasses.replace(req.metrics), error=state.error)
 
   def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
