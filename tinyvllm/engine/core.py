@@ -265,7 +265,7 @@ class EngineCore:
     alone. `steps` > 1: the decodes' passes of a multi-step run (`_decode_steps`). Returns (new tokens per sequence,
     drafts proposed, drafts accepted)."""
     if steps > 1:   # multi-step: passes back to back, the tokens fed back on the device
-      tokens = self.runner.execute_steps([WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:]) for s in sched.decodes], steps)
+      tokens = self.runner.execute_steps([self._decode_item(s) for s in sched.decodes], steps)
       for seq in sched.decodes: seq.metrics.num_target_steps += steps
       return {seq: row.tolist() for seq, row in zip(sched.decodes, tokens)}, 0, 0
     decodes, speculated, proposals = sched.decodes, [], []
@@ -282,7 +282,7 @@ class EngineCore:
     argmax = bool(decodes) and self.runner.argmax_on_device and all(self._argmax_only(s) for s in decodes)
     try:
       decode_out, prefill_logits, verify_logits = self.runner.execute(
-        [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:]) for s in decodes],
+        [self._decode_item(s) for s in decodes],
         [WorkItem(c.seq.block_table, c.seq.num_computed_tokens, c.seq.token_ids[c.seq.num_computed_tokens:][:c.num_tokens])
          for c in sched.prefills],
         [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:] + p.drafts) for s, p in zip(speculated, proposals)],
@@ -308,6 +308,11 @@ class EngineCore:
       self._guarded(seq, outputs, lambda: self._verify(seq, proposal, logits, outputs, sampled))
       accepted += max(0, len(sampled.get(seq, ())) - 1)
     return sampled, drafted, accepted
+
+  @staticmethod
+  def _decode_item(seq: Sequence) -> WorkItem:
+    """A decode's work: its newest token, at the first position without K/V."""
+    return WorkItem(seq.block_table, seq.num_computed_tokens, seq.token_ids[-1:])
 
   def _decode_steps(self, sched: SchedulerOutput) -> int:
     """The passes this step runs back to back (num_scheduler_steps): more than one only for a step of decodes alone

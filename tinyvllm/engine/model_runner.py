@@ -58,6 +58,8 @@ class PassShape:
   def num_tokens(self) -> int: return self.query_len if self.packed else self.num_seqs * self.query_len
   @property
   def num_rows(self) -> int: return self.num_tokens if self.all_logits else self.num_seqs
+  @property
+  def is_decode(self) -> bool: return self.query_len == 1 and not self.all_logits and not self.packed   # a token a sequence
 
   def sizes(self, max_blocks: int) -> tuple[int, ...]:
     T, P = self.num_tokens, self.num_seqs
@@ -226,10 +228,11 @@ class ModelRunner:
     per_pass = np.zeros((self.decode_steps, len(PASS_FIELDS), P), np.int32)   # every PASS_FIELDS field of a decode has P entries
     per_pass[0] = [field[n] for n in PASS_FIELDS]
     tables, used_blocks = field["tables"].reshape(P, self.max_blocks), [used]
+    last = field["positions"][:k] + steps - 1   # positions only grow: the last pass's must fit the tables
+    if (last // bs >= np.fromiter((len(w.block_table) for w in decodes), np.int64, k)).any():
+      raise IndexError(f"a block table holds fewer than the {steps} positions of a multi-step run")
     for i in range(1, steps):
       pos = field["positions"][:k] + i
-      if (pos // bs >= np.fromiter((len(w.block_table) for w in decodes), np.int64, k)).any():
-        raise IndexError(f"a block table holds fewer than the {steps} positions of a multi-step run")
       later = dict(tokens=-1 - (i - 1) * P - np.arange(k), positions=pos, slots=tables[np.arange(k), pos // bs] * bs + pos % bs,
                    q_pos=pos, ctx=pos + 1)
       per_pass[i, :, :k] = [later[n] for n in PASS_FIELDS]
@@ -240,7 +243,7 @@ class ModelRunner:
 
   def _feeds_back(self, shape: PassShape) -> bool:
     """Does this shape's capture take part in multi-step runs: a decode shape of a runner that runs them."""
-    return self.decode_steps > 1 and shape.query_len == 1 and not shape.all_logits and not shape.packed
+    return self.decode_steps > 1 and shape.is_decode
 
   def _shape(self, kind: int, items: list[WorkItem], prefill_all_logits: bool) -> PassShape:
     """The pass shape of decodes (kind 0), prefill chunks (1) or verified runs (2). Packed prefill passes fix their
@@ -416,7 +419,7 @@ class ModelRunner:
 
     def head(h: Tensor, rows: Tensor, tokens: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
       logits = self.model.logits(h, rows)
-      if not (self.argmax_on_device and shape.query_len == 1 and not shape.all_logits and not shape.packed): return logits
+      if not (self.argmax_on_device and shape.is_decode): return logits
       argmax = portable.argmax(logits)   # decode: greedy steps read only this
       if history is not None: Tensor.realize(logits, argmax, *portable.store_tokens(history, counter, tokens, argmax))
       return logits, argmax
