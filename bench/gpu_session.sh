@@ -6,16 +6,17 @@
 # A device call's start counts against the session's 15 minutes and took from 30 s to 7 minutes here: keep
 # TEST_SECONDS + BENCH_SECONDS near 7 minutes (150 270), so that a slow start still leaves the run its time; then, if
 # KERNEL_SECONDS (60) > 0, the device time of a batch-1 decode step kernel by kernel (0 skips it); then, if
-# PACKED_SECONDS (30) > 0, the GGUF k-quants' portable kernel with the file's 6-bit scales against byte scales.
+# GEMV_SECONDS (45) > 0, the decode projections' GEMV kernel against the tinygrad ops it replaced (bench/gemv.py); then,
+# if PACKED_SECONDS (30) > 0, the GGUF k-quants' portable kernel with the file's 6-bit scales against byte scales.
 #
 #   bash ../shared/gpu/prepare.sh          # here, once: the wheels the GPU machine lacks, into .whl/
-#   device run (carry .whl):  bash bench/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS] [KERNEL_SECONDS] [PACKED_SECONDS]
+#   device run (carry .whl):  bash bench/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS] [KERNEL_SECONDS] [PACKED_SECONDS] [GEMV_SECONDS]
 #   (env: CAPTURE_MODES=pass,layer compares captures; SCHEDULER_STEPS=1 drops the multi-step runs; BENCH_BEAM=2 searches
 #   the bench's kernels)
 set -uo pipefail
 source .whl/preamble.sh || exit 1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
-TEST_S=${1:-150} BENCH_S=${2:-270} KERNEL_S=${3:-60} PACKED_S=${4:-30}
+TEST_S=${1:-150} BENCH_S=${2:-270} KERNEL_S=${3:-60} PACKED_S=${4:-30} GEMV_S=${5:-45}
 MODEL=/tmp/llama-1b-f16
 python3 bench/gpu_session.py "$MODEL" > "$OUT/model.log" 2>&1 &
 writer=$!
@@ -38,6 +39,11 @@ if [ "$KERNEL_S" -gt 0 ]; then
   echo "== device time per kernel, batch-1 decode step (bench/gpu_kernel_times.py)"
   timeout -k 5 "$KERNEL_S" python3 bench/gpu_kernel_times.py "$MODEL" --batch-size 1 --json "$OUT/kernels-b1.json" 2>&1 \
     | tee "$OUT/kernels-b1.log" | tail -30
+fi
+
+if [ "$GEMV_S" -gt 0 ]; then
+  echo "== decode projections: our GEMV (norm, gating, residual inside) against tinygrad's ops (bench/gemv.py)"
+  timeout -k 5 "$GEMV_S" python3 bench/gemv.py --rows 1,8 --rounds 5 --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | grep -v 'projections:' | tail -40
 fi
 
 if [ "$PACKED_S" -gt 0 ]; then

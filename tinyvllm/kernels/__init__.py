@@ -9,9 +9,9 @@ from __future__ import annotations
 import platform, re, sys
 from dataclasses import dataclass
 from tinygrad import Device, Tensor, dtypes
-from tinyvllm.kernels import cpu, cpu_layer, metal, paged, portable
+from tinyvllm.kernels import cpu, cpu_layer, gemv, metal, paged, portable
 from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
-from tinyvllm.quant.formats import INT4, INT8, PACKED, LinearWeights
+from tinyvllm.quant.formats import FLOAT, INT4, INT8, PACKED, LinearWeights
 from tinyvllm.kernels.threads import ThreadPool, default_threads
 
 BACKENDS = ("portable", "cpu", "metal", "emulator")
@@ -105,6 +105,7 @@ class Kernels:
   packs_prefill = False   # can prefill chunks go back to back (packed AttentionGroups) rather than padded to the longest?
   shards = 1              # devices a layer is split over (tensor parallelism: kernels/sharded.py)
   keeps = frozenset({INT4, INT8, PACKED})   # quantized formats these kernels run as stored (others load as floats)
+  gemv_formats = frozenset({FLOAT, INT4, INT8})   # formats whose decode projections on a GPU run as kernels/gemv.py's
 
   def __init__(self, device: str = "CPU", num_threads: int | None = None):
     self.device = device
@@ -151,22 +152,36 @@ class Kernels:
   def norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights) -> Tensor:
     """RMSNorm(x) * norm_weight @ W^T (+ bias): where a backend's matmul can norm x itself, one kernel instead of three
     (the norm's reduction, its application, the matmul)."""
+    if self.takes_gemv(x, w): return gemv.gemv(x, w, norm=(norm_weight, eps))
     return self.linear(self.rms_norm(x, norm_weight, eps), w)
+
+  def norm_glu(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights, inter: int, act: str = "silu") -> Tensor:
+    """act(gate) * up of the fused gate/up projection (`[2 inter, in]`) of RMSNorm(x) * norm_weight: one kernel for a
+    GPU's decode step, where the norm, the projection and the gating were three."""
+    if self.takes_gemv(x, w): return gemv.gemv(x, w, norm=(norm_weight, eps), act=act)
+    return self.glu(self.norm_linear(x, norm_weight, eps, w), inter, act)
 
   def residual_linear(self, x: Tensor, w: LinearWeights, residual: Tensor, out: Tensor | None = None) -> Tensor:
     """residual + x @ W^T (+ bias), written into `out` when given (a realized buffer): where a backend's matmul can
     add the residual stream as it writes its output, one kernel instead of two."""
+    if self.takes_gemv(x, w): return gemv.gemv(x, w, residual=residual, out=out)
     y = residual + self.linear(x, w)
     return y if out is None else out.assign(y)
 
   def linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     """x `[T, in]` @ W^T (+ bias), W in any stored format (quant/formats.py)."""
+    if self.takes_gemv(x, w): return gemv.gemv(x, w)
     if w.format == INT8: y = self.q8_linear(x, w)
     elif w.format == INT4: y = self.int4_linear(x, w)
     elif w.format == PACKED: y = self.packed_linear(x, w)
     elif self.cpu and x.dtype == w.weight.dtype == dtypes.float32: return cpu.linear_f32(x, w.weight, w.bias, self.pool)
     else: return portable.linear(x, w.weight, w.bias)
     return y if w.bias is None else y + w.bias
+
+  def takes_gemv(self, x: Tensor, w: LinearWeights) -> bool:
+    """Does a projection of these few rows on a GPU run as our GEMV kernel (kernels/gemv.py)? tinygrad's matmul
+    misses its matrix-vector schedule for float16 weights, dequantized codes and normed inputs."""
+    return not self.cpu and self.shards == 1 and w.format in self.gemv_formats and gemv.applies(x, w)
 
   def q8_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     if self.cpu and x.dtype == dtypes.float32: return cpu.q8_linear(x, w.weight, w.scales, self.pool)
@@ -257,6 +272,7 @@ class CpuKernels(Kernels):
 class ShaderKernels(Kernels):
   """`metal` (DEV=METAL) and `emulator` (the same .metal shaders run on the CPU device by our MSL emulator; slow, for
   tests and debugging): RoPE + cache write, attention and 4-bit linears are our shaders (kernels/metal.py)."""
+  gemv_formats = frozenset({FLOAT, INT8})   # INT4: the shaders' own GEMV
   def __init__(self, name: str, device: str = "CPU", num_threads: int | None = None):
     super().__init__(device, num_threads)
     self.name = name

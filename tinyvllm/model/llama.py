@@ -89,6 +89,13 @@ class LlamaLayer:
     if len(parts) == 1: return self.kernels.norm_linear(h, self.weights[norm], eps, parts[0])
     return self.linear(name, self.kernels.rms_norm(h, self.weights[norm], eps))
 
+  def gated_linear(self, name: str, h: Tensor, norm: str) -> Tensor:
+    """act(gate) * up of the fused gate/up projection `name` of RMSNorm(h) * weights[norm]: one kernel where the
+    backend norms x and gates the product inside its matmul (a GPU's decode step)."""
+    parts, cfg = projection_parts(self.linears, name), self.cfg
+    if len(parts) == 1: return self.kernels.norm_glu(h, self.weights[norm], cfg.rms_norm_eps, parts[0], cfg.intermediate_size, cfg.hidden_act)
+    return self.kernels.glu(self.normed_linear(name, h, norm), cfg.intermediate_size, cfg.hidden_act)
+
   def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None) -> Tensor:
     """h `[T, hidden]` -> the layer's output, written into `out` when given (a realized buffer)."""
     cfg, kn, w = self.cfg, self.kernels, self.weights
@@ -117,9 +124,8 @@ class LlamaLayer:
       att = outs[0] if len(outs) == 1 else outs[0].cat(*outs[1:])   # [T, H * D]
     if cfg.sandwich_norms: h = h + kn.rms_norm(self.linear("self_attn.o_proj", att), w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
     else: h = self.residual_linear("self_attn.o_proj", att, h)
-    gate_up = self.normed_linear("mlp.gate_up_proj", h, self.mlp_norm)
     # materialise the activation: fused into the down projection it is recomputed for every output row
-    act = kn.glu(gate_up, cfg.intermediate_size, cfg.hidden_act).contiguous()
+    act = self.gated_linear("mlp.gate_up_proj", h, self.mlp_norm).contiguous()
     # into `out` straight from the sum: the last kernel writes the layer's output buffer (no copy after it)
     if cfg.sandwich_norms:
       mlp = kn.rms_norm(self.linear("mlp.down_proj", act), w["post_feedforward_layernorm.weight"], cfg.rms_norm_eps)

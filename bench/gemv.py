@@ -1,0 +1,113 @@
+"""A decode step's projections on the device: our GEMV kernel (kernels/gemv.py, one kernel with the norm, the gating
+or the residual inside) against the tinygrad ops it replaced (the norm's reduction, tinygrad's matmul, the gating),
+on the projection shapes of Llama-3.2-1B and Llama-3.1-8B, with float16 weights and with INT4 weights (groups of 64,
+quantized at load by `quantization="int4"`). Run it where the GPU is (bench/gpu_session.sh).
+
+    python bench/gemv.py [--models 1b,8b] [--formats float16,int4] [--rows 1,8] [--rounds 9] [--json out.json]
+
+Each variant's kernels are timed by tinygrad's device timer (CUDA events on a GPU) one call at a time, the L2 cache
+flushed before each call (a 1B layer's weights fit the H100's 50 MB L2; a decode step streams them from memory), and
+summed per variant; the median of --rounds. Both variants are first checked to agree (relative error below 2e-3:
+float16 outputs). Printed: microseconds each, kernels each, our speed over tinygrad's, and the weight bytes per second
+ours reads (against the device's bandwidth: `python -m tinyvllm.bench` measures it).
+"""
+from __future__ import annotations
+import argparse, json, sys
+from pathlib import Path
+import numpy as np
+from tqdm import tqdm
+
+# (name, N, K, fusion): the projections of a decode layer and the LM head, with what each fuses
+MODELS = {
+  "1b": [("qkv", 3072, 2048, "norm"), ("o", 2048, 2048, "residual"), ("gate_up", 16384, 2048, "glu"),
+         ("down", 2048, 8192, "residual"), ("lm_head", 128256, 2048, "norm")],
+  "8b": [("qkv", 6144, 4096, "norm"), ("o", 4096, 4096, "residual"), ("gate_up", 28672, 4096, "glu"),
+         ("down", 4096, 14336, "residual")],
+}
+EPS = 1e-5
+
+
+GROUP = 64
+
+
+def weights(fmt: str, N: int, K: int, rng, device: str):
+  """A random `[N, K]` weight as float16, or as INT4 codes with a float16 scale and bias per 64 (quant/formats.py)."""
+  from tinygrad import Tensor
+  from tinyvllm.quant.formats import FLOAT, INT4, LinearWeights
+  if fmt == "float16":
+    return LinearWeights(FLOAT, Tensor((rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K)).astype(np.float16), device=device).realize())
+  words = rng.integers(0, 2**32, (N, K // 8), dtype=np.uint32)
+  scales = (rng.uniform(0.5, 1.5, (N, K // GROUP)) / 8 / np.sqrt(K)).astype(np.float16)
+  return LinearWeights(INT4, *(Tensor(a, device=device).realize() for a in (words, scales)), biases=Tensor(-7.5 * scales, device=device).realize())
+
+
+def variants(fusion: str, x, w, g, r):
+  """(ours, tinygrad's): the same projection as our kernel and as the tensor ops it replaced."""
+  from tinyvllm.kernels import gemv, portable
+  from tinyvllm.quant.formats import INT4
+  def matmul(x):
+    if w.format == INT4: return portable.int4_linear(x, w.weight, w.scales, w.biases, GROUP)
+    return portable.linear(x, w.weight)
+  if fusion == "norm": return lambda: gemv.gemv(x, w, norm=(g, EPS)), lambda: matmul(portable.rms_norm(x, g, EPS))
+  if fusion == "glu":
+    inter = w.weight.shape[0] // 2
+    def composed():
+      gate_up = matmul(portable.rms_norm(x, g, EPS))
+      return portable.gated(gate_up[:, :inter], gate_up[:, inter:], "silu").contiguous()
+    return lambda: gemv.gemv(x, w, norm=(g, EPS), act="silu"), composed
+  return lambda: gemv.gemv(x, w, residual=r), lambda: r + matmul(x)
+
+
+def device_seconds(fn, rounds: int) -> tuple[float, int]:
+  """Median device time of the kernels `fn` schedules (summed), and how many there are."""
+  from tinygrad.engine.realize import time_call
+  from tinygrad.uop.ops import Ops
+  linear, var_vals = fn().linear_with_vars()
+  calls = [c for c in linear.src if c.op is Ops.CALL and c.src[0].op is Ops.SINK]
+  timers = [time_call(c, var_vals, clear_l2=True) for c in calls]
+  return float(np.median([sum(next(t) for t in timers) for _ in range(rounds)])), len(calls)
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--models", default="1b,8b")
+  ap.add_argument("--shapes", default=None, help="NxK:fusion,... instead of --models (fusion: norm, glu, residual)")
+  ap.add_argument("--formats", default="float16,int4", help="weight formats: float16, int4 (groups of 64)")
+  ap.add_argument("--rows", default="1,8", help="rows of x (decode sequences)")
+  ap.add_argument("--rounds", type=int, default=9)
+  ap.add_argument("--json", type=Path, default=None)
+  args = ap.parse_args()
+  from tinygrad import Device, Tensor
+  dev = Device.DEFAULT
+  if args.shapes:
+    shapes = [("custom", *map(int, s.split(":")[0].split("x")), s.split(":")[1]) for s in args.shapes.split(",")]
+    cases = [("-", *s) for s in shapes]
+  else: cases = [(m, *s) for m in args.models.split(",") for s in MODELS[m]]
+  cases = [(fmt, *case) for case in cases for fmt in args.formats.split(",")]
+  rng, rows = np.random.default_rng(0), []
+  # each row printed as it is measured: the GPU session's time limit may cut the run short
+  print(f"{'model':5} {'projection':>10} {'weights':>7} {'N x K':>14} {'T':>2} {'us ours':>9} {'us tinygrad':>11} {'kernels':>8} "
+        f"{'speedup':>8} {'GB/s ours':>9}   ({dev}, float16 x, device time, L2 flushed)", flush=True)
+  for fmt, model, name, N, K, fusion in tqdm(cases, desc="projections", file=sys.stderr, disable=None):
+    w = weights(fmt, N, K, rng, dev)
+    g = Tensor((1 + 0.1 * rng.standard_normal(K)).astype(np.float16), device=dev).realize()
+    for T in map(int, args.rows.split(",")):
+      x = Tensor(rng.standard_normal((T, K)).astype(np.float16), device=dev).realize()
+      r = Tensor(rng.standard_normal((T, N)).astype(np.float16), device=dev).realize()
+      ours, theirs = variants(fusion, x, w, g, r)
+      a, b = ours().numpy().astype(np.float64), theirs().numpy().astype(np.float64)
+      err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+      assert err < 2e-3, f"{model} {name} T={T}: our GEMV and tinygrad's ops disagree (relative error {err:.2e})"
+      (s_ours, k_ours), (s_theirs, k_theirs) = device_seconds(ours, args.rounds), device_seconds(theirs, args.rounds)
+      rows.append({"model": model, "projection": name, "format": fmt, "N": N, "K": K, "rows": T, "fusion": fusion, "device": dev,
+                   "us_ours": s_ours * 1e6, "us_tinygrad": s_theirs * 1e6, "kernels_ours": k_ours, "kernels_tinygrad": k_theirs,
+                   "speedup": s_theirs / s_ours, "weight_gbps_ours": sum(t.nbytes() for t in w.tensors()) / s_ours / 1e9, "rel_err": err})
+      r = rows[-1]
+      tqdm.write(f"{r['model']:5} {r['projection']:>10} {r['format']:>7} {r['N']:>6} x {r['K']:<6} {r['rows']:>2} {r['us_ours']:9.1f} "
+                 f"{r['us_tinygrad']:11.1f} {r['kernels_ours']:>3} / {r['kernels_tinygrad']:<2} {r['speedup']:8.2f} {r['weight_gbps_ours']:9.1f}",
+                 file=sys.stdout)
+  if args.json: args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+  main()

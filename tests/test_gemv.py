@@ -1,0 +1,206 @@
+"""kernels/gemv.py, the decode-step projections on a GPU, against float64 numpy on every device kind the suite reaches:
+the CPU device (the kernel's loops as written), tinygrad's METAL device through our emulator and the GPU named by
+TINYVLLM_TEST_DEVICE (both with the GPU schedule: the group's threads, shared-memory sums, vector loads). Its schedule
+is also lowered for an H100 without one (nvrtc), beside tinygrad's own matmul, whose miss is the reason for the kernel.
+
+Tolerances, relative (‖out−ref‖/‖ref‖) against float64 sums of the same rounded inputs: float32 1e-5 (summation
+order only); float16 2e-3 (the output is rounded to float16 once, up to 2^-11 relative an element)."""
+from __future__ import annotations
+import numpy as np
+import pytest
+from tinygrad import Tensor, dtypes
+from tinyvllm.kernels import gemv
+from tinyvllm.quant.formats import FLOAT, INT4, INT8, LinearWeights
+from test_replay import DEVICES
+
+TOL = {"float32": 1e-5, "float16": 2e-3}
+EPS = 1e-5
+
+
+def silu(z): return z / (1 + np.exp(-z))
+def gelu_tanh(z): return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+
+
+def rel(out: Tensor, ref: np.ndarray) -> float:
+  return float(np.linalg.norm(out.numpy().astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+def inputs(rng, T: int, K: int, N: int, dtype: str, device: str):
+  """Random x `[T, K]`, W `[N, K]` (floats), norm weight, bias, residual: as device tensors of `dtype` and as float64
+  arrays of the same rounded values."""
+  arrays = [rng.standard_normal((T, K)), rng.standard_normal((N, K)) / np.sqrt(K), 1 + 0.5 * rng.standard_normal(K),
+            rng.standard_normal(N), rng.standard_normal((T, N // 2))]
+  rounded = [a.astype(dtype).astype(np.float64) for a in arrays]
+  return [Tensor(a.astype(dtype), device=device).realize() for a in arrays], rounded
+
+
+def quantized(rng, fmt: str, N: int, K: int, device: str, group: int = 32) -> tuple[LinearWeights, np.ndarray]:
+  """A random weight stored as `fmt` (quant/formats.py) on the device, and the float64 matrix it holds, from its codes:
+  INT4, codes 0..15 packed 8 a uint32 (code i in bits 4i..4i+3) times a float16 scale plus a bias per `group`; INT8,
+  codes -127..127 times a float16 scale per 32."""
+  if fmt == INT4:
+    codes = rng.integers(0, 16, (N, K)).astype(np.uint32)
+    scales, biases = (rng.standard_normal((N, K // group)) * 0.05).astype(np.float16), (rng.standard_normal((N, K // group)) * 0.1).astype(np.float16)
+    words = sum(codes.reshape(N, K // 8, 8)[..., i] << np.uint32(4 * i) for i in range(8)).astype(np.uint32)
+    W = codes * np.repeat(scales.astype(np.float64), group, 1) + np.repeat(biases.astype(np.float64), group, 1)
+    return LinearWeights(INT4, *(Tensor(a, device=device).realize() for a in (words, scales)), biases=Tensor(biases, device=device).realize()), W
+  codes, scales = rng.integers(-127, 128, (N, K)).astype(np.int8), (rng.uniform(0.5, 1.5, (N, K // 32)) / 127 / np.sqrt(K)).astype(np.float16)
+  W = codes * np.repeat(scales.astype(np.float64), 32, 1)
+  return LinearWeights(INT8, Tensor(codes, device=device).realize(), Tensor(scales, device=device).realize()), W
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("T,K,N", [(1, 256, 64), (3, 128, 96), (8, 576, 32), (2, 40, 6)])
+def test_every_fusion_matches_numpy(device, dtype, T, K, N):
+  """Plain (+ bias), normed (+ bias), normed and gated (SwiGLU and GeGLU), and with the residual added into a given
+  buffer. K = 576 (SmolLM2's hidden size) takes a group of 8 threads; 40 and 6 divide no full vector or group."""
+  rng = np.random.default_rng(T * 1000 + K + N)
+  (x, w, g, b, r), (X, W, G, B, R) = inputs(rng, T, K, N, dtype, device)
+  half = N // 2
+  normed = X / np.sqrt((X * X).mean(-1, keepdims=True) + EPS) * G
+  tol = TOL[dtype]
+  assert rel(gemv.gemv(x, LinearWeights(FLOAT, w)), X @ W.T) < tol
+  assert rel(gemv.gemv(x, LinearWeights(FLOAT, w, bias=b)), X @ W.T + B) < tol
+  assert rel(gemv.gemv(x, LinearWeights(FLOAT, w, bias=b), norm=(g, EPS)), normed @ W.T + B) < tol
+  gate_up = normed @ W.T
+  assert rel(gemv.gemv(x, LinearWeights(FLOAT, w), norm=(g, EPS), act="silu"), silu(gate_up[:, :half]) * gate_up[:, half:]) < tol
+  gate_up = normed @ W.T + B
+  assert rel(gemv.gemv(x, LinearWeights(FLOAT, w, bias=b), norm=(g, EPS), act="gelu_pytorch_tanh"),
+             gelu_tanh(gate_up[:, :half]) * gate_up[:, half:]) < tol
+  w_half = LinearWeights(FLOAT, w[:half].contiguous().realize())
+  out = Tensor.empty(T, half, dtype=x.dtype, device=device).realize()
+  y = gemv.gemv(x, w_half, residual=r, out=out).realize()
+  assert rel(y, X @ W[:half].T + R) < tol
+  assert rel(out, X @ W[:half].T + R) < tol, "the residual sum goes into the given buffer"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt,group", [(INT4, 32), (INT4, 64), (INT8, 32)])
+@pytest.mark.parametrize("T,K,N", [(1, 1024, 16), (5, 128, 12)])
+def test_quantized_weights_match_numpy(device, fmt, group, T, K, N):
+  """Codes read and scaled inside the kernel, against numpy's dequantized matrix: plain, normed and gated, and with
+  the residual. K = 1024 takes the GPU's whole schedule (32 INT4 codes a thread, 4 words, 32 threads a row)."""
+  rng = np.random.default_rng(K + N + T + group)
+  (x, _, g, _, r), (X, _, G, _, R) = inputs(rng, T, K, N, "float16", device)
+  lw, W = quantized(rng, fmt, N, K, device, group)
+  normed = X / np.sqrt((X * X).mean(-1, keepdims=True) + EPS) * G
+  tol = TOL["float16"]
+  assert rel(gemv.gemv(x, lw), X @ W.T) < tol
+  gate_up = normed @ W.T
+  assert rel(gemv.gemv(x, lw, norm=(g, EPS), act="silu"), silu(gate_up[:, :N // 2]) * gate_up[:, N // 2:]) < tol
+  r_full = Tensor(np.concatenate([R, R], 1).astype(np.float16), device=device)
+  assert rel(gemv.gemv(x, lw, residual=r_full), X @ W.T + np.concatenate([R, R], 1)) < tol
+
+
+def test_which_projections_take_it():
+  """A GPU's float, INT4 and INT8 projections of at most MAX_ROWS rows; not the CPU device (our C kernels), not more
+  rows (tinygrad's matmul and its tensor cores), not packed k-quants, not a sharded layer, and not INT4 on the metal
+  backend (its shaders' own GEMV)."""
+  from tinyvllm.kernels import Kernels, ShaderKernels
+  from tinyvllm.quant.formats import PACKED
+  w = LinearWeights(FLOAT, Tensor.empty(64, 32))
+  rows = lambda T, device="CUDA": type("Rows", (), {"shape": (T, 32), "device": device, "ndim": 2})   # x, without a GPU
+  def kernels(cpu: bool, shards: int = 1, base=Kernels) -> Kernels:   # the fields takes_gemv reads, without a device
+    k = object.__new__(type("Backend", (base,), {"shards": shards}))
+    k.cpu = cpu
+    return k
+  gpu = kernels(False)
+  assert gpu.takes_gemv(rows(1), w) and gpu.takes_gemv(rows(gemv.MAX_ROWS), w)
+  assert not gpu.takes_gemv(rows(gemv.MAX_ROWS + 1), w)
+  int8 = LinearWeights(INT8, Tensor.empty(64, 32, dtype=dtypes.int8), Tensor.empty(64, 1))
+  int4 = LinearWeights(INT4, Tensor.empty(64, 4, dtype=dtypes.uint32), Tensor.empty(64, 1), biases=Tensor.empty(64, 1))
+  assert gpu.takes_gemv(rows(1), int8) and gpu.takes_gemv(rows(1), int4)
+  assert not gpu.takes_gemv(rows(1), LinearWeights(PACKED, Tensor.empty(64, 16, dtype=dtypes.uint8), Tensor.empty(64, 1)))
+  assert not gpu.takes_gemv(rows(1, "CPU"), w)
+  assert not kernels(False, shards=2).takes_gemv(rows(1), w)
+  assert not kernels(True).takes_gemv(rows(1), w)
+  shaders = kernels(False, base=ShaderKernels)
+  assert shaders.takes_gemv(rows(1), w) and not shaders.takes_gemv(rows(1), int4)
+
+
+def test_gpu_schedule():
+  """The opts for the 1B model's shapes: 16 bytes of a row a thread, 32 threads a row, 4 rows a block, 2 a thread; none
+  on the CPU device. Sizes that do not divide take the largest that do."""
+  from tinygrad.codegen.opt import Opt, OptOps
+  assert gemv.kernel_opts("CPU", FLOAT, 1, 3072, 2048) == ()
+  assert gemv.kernel_opts("CUDA", FLOAT, 1, 3072, 2048) == (Opt(OptOps.UNROLL, 0, 8), Opt(OptOps.GROUP, 0, 32), Opt(OptOps.LOCAL, 0, 4),
+                                                        Opt(OptOps.UPCAST, 0, 2))
+  assert gemv.kernel_opts("METAL", FLOAT, 4, 3072, 2048, itemsize=4) == (Opt(OptOps.UNROLL, 0, 4), Opt(OptOps.GROUP, 0, 32), Opt(OptOps.LOCAL, 1, 4),
+                                                         Opt(OptOps.UPCAST, 1, 2), Opt(OptOps.UPCAST, 0, 4))
+  assert gemv.kernel_opts("CUDA", FLOAT, 1, 6, 40) == (Opt(OptOps.UNROLL, 0, 8), Opt(OptOps.LOCAL, 0, 2))   # 40 = 5 vectors of 8
+
+
+def _lowered_for_h100(fn, fmt: str = FLOAT, group: int = 0):
+  """(name, global size, local size) of every kernel `fn` schedules on the CPU device, lowered and compiled for sm_90 as
+  on a GPU: our GEMV with its GPU schedule, tinygrad's kernels with its heuristic."""
+  import dataclasses, os
+  from test_cuda_compile import NVRTC
+  if NVRTC is None: pytest.skip("nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
+  os.environ["NVRTC_PATH"] = NVRTC
+  from tinygrad.codegen import to_program
+  from tinygrad.helpers import Target
+  from tinygrad.renderer.cstyle import CUDARenderer
+  from tinygrad.engine import realize
+  from tinygrad.uop.ops import Ops
+  asts, lower = [], realize.lower_and_compile
+  def record(linear):
+    asts.extend(a[0] for c in linear.toposort() if c.op is Ops.CALL and (a := realize._get_call_to_compile(c)) and a[0].op is Ops.SINK)
+    return lower(linear)
+  realize.lower_and_compile = record
+  try: fn().realize()
+  finally: realize.lower_and_compile = lower
+  renderer, out = CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA")), []
+  for ast in asts:
+    if ast.arg.name.startswith("gemv"):
+      T, N, K = map(int, ast.arg.name.split("_")[-3:])
+      ast = ast.replace(arg=dataclasses.replace(ast.arg, opts_to_apply=gemv.kernel_opts("CUDA", fmt, T, N, K, group)))
+    program = to_program(ast, renderer)
+    assert program.src[-1].op is Ops.BINARY and len(program.src[-1].arg) > 0, program.arg.name   # nvrtc compiled it
+    out.append((program.arg.name, *program.arg.launch_dims({})))
+  return out
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_h100_launch_against_tinygrads_matmul(T):
+  """A float16 qkv projection of the 1B model (3072 x 2048), normed: tinygrad's matmul gives its kernel fewer threads
+  than outputs (each looping over whole rows alone; its matrix-vector schedule needs plain loads on both sides), and
+  the norm's reduction a kernel of its own. Ours: one kernel, 32 threads a row, 16 a row's output with two rows a
+  thread. If tinygrad starts grouping the half matvec itself, the first assert fails: this module may then go."""
+  from tinyvllm.kernels import portable
+  x = Tensor.randn(T, 2048, dtype=dtypes.half).realize()
+  w, g = Tensor.randn(3072, 2048, dtype=dtypes.half).realize(), Tensor.randn(2048, dtype=dtypes.half).realize()
+  threads = lambda gs, ls: int(np.prod(gs) * np.prod(ls))
+  theirs = _lowered_for_h100(lambda: portable.linear(portable.rms_norm(x, g, EPS), w))
+  assert len(theirs) == 2 and threads(*theirs[1][1:]) < 3072 * T, theirs
+  ours = _lowered_for_h100(lambda: gemv.gemv(x, LinearWeights(FLOAT, w), norm=(g, EPS)))
+  (name, gs, ls), = ours
+  assert name == f"gemv_norm_{T}_3072_2048" and threads(gs, ls) == 3072 * 16 and np.prod(ls) == 128, ours
+
+
+def test_h100_launch_of_8b_shapes():
+  """Llama-3.1-8B's projections at batch 1 (gate/up gated, down with the residual; 14336 = 56 x 256) compile with the
+  full schedule."""
+  x, xi = Tensor.randn(1, 4096, dtype=dtypes.half).realize(), Tensor.randn(1, 14336, dtype=dtypes.half).realize()
+  gu, down = Tensor.empty(2 * 14336, 4096, dtype=dtypes.half), Tensor.empty(4096, 14336, dtype=dtypes.half)
+  g = Tensor.randn(4096, dtype=dtypes.half).realize()
+  (name, gs, ls), = _lowered_for_h100(lambda: gemv.gemv(x, LinearWeights(FLOAT, gu), norm=(g, EPS), act="silu"))
+  assert name == "gemv_norm_glu_1_14336_4096" and gs[0] * 8 == 14336 and np.prod(ls) == 128
+  (name, gs, ls), = _lowered_for_h100(lambda: gemv.gemv(xi, LinearWeights(FLOAT, down), residual=x))
+  assert name == "gemv_res_1_4096_14336" and gs[0] * 8 == 4096 and np.prod(ls) == 128
+
+
+def test_h100_launch_of_int4_weights():
+  """An INT4 qkv projection of the 1B model (groups of 64), normed: tinygrad's matmul over the unpacked codes gives
+  fewer threads than outputs; ours reads 4 words (32 codes) a thread with one scale and bias, 32 threads a row, after
+  a kernel of x's 1/RMS (a quantized weight's input axis is several ranges: `gemv._gemv_kernel`)."""
+  from tinyvllm.kernels import portable
+  rng = np.random.default_rng(3)
+  lw, _ = quantized(rng, INT4, 3072, 2048, "CPU", 64)
+  x, g = Tensor.randn(1, 2048, dtype=dtypes.half).realize(), Tensor.randn(2048, dtype=dtypes.half).realize()
+  threads = lambda gs, ls: int(np.prod(gs) * np.prod(ls))
+  theirs = _lowered_for_h100(lambda: portable.int4_linear(portable.rms_norm(x, g, EPS), lw.weight, lw.scales, lw.biases, 64))
+  assert threads(*theirs[-1][1:]) < 3072, theirs
+  ours = _lowered_for_h100(lambda: gemv.gemv(x, lw, norm=(g, EPS)), INT4, 64)
+  assert len(ours) == 2 and ours[-1][0] == "gemv_int4_norm_1_3072_2048", ours
+  assert threads(*ours[-1][1:]) == 3072 * 16 and np.prod(ours[-1][2]) == 128, ours
