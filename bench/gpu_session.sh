@@ -5,8 +5,8 @@
 # finishes, so a phase that hangs or crashes still leaves what came before; logs and the bench JSON go under $OUT.
 # A device call's start counts against the session's 15 minutes and took from 30 s to 7 minutes here: keep
 # TEST_SECONDS + BENCH_SECONDS near 7 minutes (150 270), so that a slow start still leaves the run its time; then, if
-# KERNEL_SECONDS (60) > 0, the device time of a batch-1 decode step kernel by kernel (0 skips it); then, if
-# GEMV_SECONDS (45) > 0, the decode projections' GEMV kernel against the tinygrad ops it replaced (bench/gemv.py); then,
+# KERNEL_SECONDS (45) > 0, the device time of a batch-1 decode step kernel by kernel (0 skips it); then, if
+# GEMV_SECONDS (60) > 0, the decode projections' GEMV kernel against the tinygrad ops it replaced (bench/gemv.py); then,
 # if PACKED_SECONDS (30) > 0, the GGUF k-quants' portable kernel with the file's 6-bit scales against byte scales.
 #
 #   bash ../shared/gpu/prepare.sh          # here, once: the wheels the GPU machine lacks, into .whl/
@@ -16,7 +16,7 @@
 set -uo pipefail
 source .whl/preamble.sh || exit 1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
-TEST_S=${1:-150} BENCH_S=${2:-270} KERNEL_S=${3:-60} PACKED_S=${4:-30} GEMV_S=${5:-45}
+TEST_S=${1:-150} BENCH_S=${2:-270} KERNEL_S=${3:-45} PACKED_S=${4:-30} GEMV_S=${5:-60}
 MODEL=/tmp/llama-1b-f16
 python3 bench/gpu_session.py "$MODEL" > "$OUT/model.log" 2>&1 &
 writer=$!
@@ -43,7 +43,7 @@ fi
 
 if [ "$GEMV_S" -gt 0 ]; then
   echo "== decode projections: our GEMV (norm, gating, residual inside) against tinygrad's ops (bench/gemv.py)"
-  timeout -k 5 "$GEMV_S" python3 bench/gemv.py --rows 1,8 --rounds 5 --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | grep -v 'projections:' | tail -40
+  timeout -k 5 "$GEMV_S" python3 bench/gemv.py --rows 1,8,32 --rounds 5 --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | grep -v 'projections:' | tail -60
 fi
 
 if [ "$PACKED_S" -gt 0 ]; then

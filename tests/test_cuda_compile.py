@@ -6,7 +6,7 @@ schedule on the CPU device (portable backend: what a CUDA run uses) for the shap
 4096-token prefill step and a 64-sequence decode step. Each is lowered for the H100 (sm_90) exactly as tinygrad's
 compile workers would, compiled, and its launch checked at the KV-extent variable's least and greatest values:
 every size positive (a CUDA graph is built at the variables' 0: engine/replay.py, rule 1), grid y and z at most
-65535, at most 1024 threads a block, and the KV cache write's grid linear in its work. A change to our kernels or a tinygrad upgrade that breaks the CUDA path fails
+65535, at most 1024 threads a block, and the KV cache write's grid linear in its work, in blocks of at least a warp. A change to our kernels or a tinygrad upgrade that breaks the CUDA path fails
 here, in CI."""
 from __future__ import annotations
 import glob, os, re
@@ -60,9 +60,15 @@ def scheduled_kernels(tmp_path_factory):
 
 def as_on_a_gpu(ast):
   """A kernel recorded on the CPU device with the optimizations a GPU run gives it: kernels/paged.py's kernels run
-  unoptimized on the CPU device, tinygrad's heuristic (and, for decode values, a split reduction) on a GPU."""
+  unoptimized on the CPU device, tinygrad's heuristic (and, for decode values, a split reduction) on a GPU; our
+  elementwise kernels (cache writes, the input split) get blocks of threads (`portable.block_opts`)."""
   import dataclasses, re
-  from tinyvllm.kernels import paged
+  from tinyvllm.kernels import paged, portable
+  if ast.arg.name.startswith(("kv_write_rope_", "kv_cache_write_", "split_")):
+    sizes = [r.src[0].arg for r in sorted({u for u in ast.toposort() if u.op is Ops.RANGE}, key=lambda r: r.arg)]
+    if len(sizes) == 1: sizes = [1] + sizes   # the split: elements only
+    opts = portable.block_opts("CUDA", sizes[0], sizes[-1], axes=len(sizes))
+    return ast.replace(arg=dataclasses.replace(ast.arg, opts_to_apply=opts))
   if not (m := re.fullmatch(r"paged_(scores|values)_(\d+)_(\d+)_(\d+)", ast.arg.name)): return ast
   scores_opts, values_opts = paged.kernel_opts("CUDA", int(m[4]), 16)   # the engines below keep the default block_size, 16
   return ast.replace(arg=dataclasses.replace(ast.arg, opts_to_apply=scores_opts if m[1] == "scores" else values_opts))
@@ -95,6 +101,8 @@ def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kern
         T, *rows = map(int, re.findall(r"_(\d+)", program.arg.name))
         if launch_threads(g, l) > 2 * T * sum(rows):   # a grid per cache, multiplied (T^2 (KVH D)^2: minutes on the H100)
           problems.append((program.arg.name, "threads", g, l))
+        if l[0] * l[1] * l[2] < 32:   # without opts tinygrad launches one thread a block (portable.block_opts)
+          problems.append((program.arg.name, "threads a block", g, l))
   assert not problems, problems
   assert {"paged_scores", "paged_values"} <= paged_kernels, paged_kernels
   assert cache_writes > 0

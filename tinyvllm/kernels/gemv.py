@@ -73,7 +73,9 @@ def kernel_opts(device: str, fmt: str, T: int, N: int, K: int, group: int = 0, i
   if threads > 1: opts.append(Opt(OptOps.GROUP, 0, threads))
   if local > 1: opts.append(Opt(OptOps.LOCAL, outputs, local))
   if per_thread > 1: opts.append(Opt(OptOps.UPCAST, outputs, per_thread))
-  if T > 1: opts.append(Opt(OptOps.UPCAST, 0, T))
+  # every x row a thread up to MAX_ROWS (the weight read once); beyond (bench/gemv.py's larger rows), 8 a thread and
+  # the rest a grid axis of their own, whose blocks re-read the weight from L2
+  if T > 1 and (rows := T if T <= MAX_ROWS else math.gcd(T, MAX_ROWS)) > 1: opts.append(Opt(OptOps.UPCAST, 0, rows))
   return tuple(opts)
 
 

@@ -65,23 +65,26 @@ def _read(cache: UOp, scale: UOp | None, slot: UOp, kvh: UOp, d: UOp, KVH: int, 
   return x if scale is None else x * scale[slot * KVH + kvh].cast(dtypes.float32)
 
 
-def _write_kernel(n_heads: int, D: int, q_out: UOp, k: UOp, v: UOp, qkv: UOp, positions: UOp, cos_sin: UOp, slots: UOp) -> UOp:
+def _write_kernel(n_heads: int, D: int, opts: tuple, q_out: UOp, k: UOp, v: UOp, qkv: UOp, positions: UOp, cos_sin: UOp,
+                  slots: UOp) -> UOp:
   """From the qkv projection's rows `[T, (H + 2 KVH) D]`: q rotated into q_out `[T, H * D]` (float32), and k rotated
   and v into the caches `[NB, BS, KVH, D]` at each token's slot (padding tokens, slot -1, write no K/V). One grid of
-  (token, element of q): k and v store where the element is inside their shorter rows."""
+  (token, q head, element): k and v store where the head is one of theirs. The head and the element are ranges of
+  their own, so that no index divides: tinygrad would split a divided range into others, and `opts` (a GPU's block
+  of threads along the element, `portable.block_opts`) name the axes as written."""
   (T, width), KVH = qkv.shape, k.shape[2]
   q_out, k, v, qkv, cos_sin = q_out.flatten(), k.flatten(), v.flatten(), qkv.flatten(), cos_sin.flatten()
-  t, e = UOp.range(T, 0), UOp.range(n_heads * D, 1)
+  t, h, d = UOp.range(T, 0), UOp.range(n_heads, 1), UOp.range(D, 2)
   pos, slot, row = positions[t], slots[t], t * width
-  stores = [q_out[t * (n_heads * D) + e].store(rotated(qkv, row + e // D * D, e % D, D, cos_sin, pos))]
+  stores = [q_out[(t * n_heads + h) * D + d].store(rotated(qkv, row + h * D, d, D, cos_sin, pos))]
   inside = (slot >= 0) & (slot < k.shape[0] // (KVH * D))
-  if KVH < n_heads: inside = inside & (e < KVH * D)
-  at = (slot * (KVH * D) + e).valid(inside)
-  kv_e = e % (KVH * D) if KVH < n_heads else e   # loads stay inside the row where the stores are masked off
-  key = rotated(qkv, row + (n_heads + kv_e // D) * D, kv_e % D, D, cos_sin, pos)
-  value = qkv[row + (n_heads + KVH) * D + kv_e]
+  if KVH < n_heads: inside = inside & (h < KVH)
+  kv_h = (h < KVH).where(h, KVH - 1) if KVH < n_heads else h   # loads stay inside the row where the stores are masked off
+  at = (slot * (KVH * D) + kv_h * D + d).valid(inside)
+  key = rotated(qkv, row + (n_heads + kv_h) * D, d, D, cos_sin, pos)
+  value = qkv[row + (n_heads + KVH + kv_h) * D + d]
   stores += [k[at].store(key.cast(k.dtype)), v[at].store(value.cast(v.dtype))]
-  return UOp.sink(UOp.group(*stores).end(t, e), arg=KernelInfo(name=f"kv_write_rope_{T}_{KVH * D}_{n_heads * D}", opts_to_apply=()))
+  return UOp.sink(UOp.group(*stores).end(t, h, d), arg=KernelInfo(name=f"kv_write_rope_{T}_{KVH * D}_{n_heads * D}", opts_to_apply=opts))
 
 
 def _scores_kernel(opts, block_size: int, scale: float, window: int | None, S: UOp, scores: UOp, q: UOp, tables: UOp, q_pos: UOp,
@@ -168,7 +171,7 @@ def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor
   else:
     q = Tensor.empty(T, n_heads, D, dtype=dtypes.float32, device=qkv.device)
     q, k, v = Tensor.custom_kernel(q, cache.k, cache.v, qkv, positions, cos_sin, slot_mapping,
-                                   fxn=functools.partial(_write_kernel, n_heads, D))[:3]
+                                   fxn=functools.partial(_write_kernel, n_heads, D, portable.block_opts(qkv.device, T, D, axes=3)))[:3]
     cache = cache.written(k, v)
   scores_opts, values_opts = kernel_opts(str(qkv.device), C, BS)
   blocks = group.kernel_blocks if group.kernel_blocks is not None else group.used_blocks

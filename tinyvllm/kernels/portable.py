@@ -6,6 +6,7 @@ KVH key/value heads, D head_dim, MB blocks per block table, BS block_size.
 from __future__ import annotations
 import functools, math
 from tinygrad import Tensor, UOp, dtypes
+from tinygrad.codegen.opt import Opt, OptOps
 from tinygrad.uop.ops import KernelInfo
 from tinyvllm.kernels.kv_cache import INT4_MAX, INT8_MAX, PagedKVCache, hadamard_tensor
 from tinyvllm.quant.blocks import high_blocks
@@ -43,7 +44,17 @@ def rope(x: Tensor, cos_sin: Tensor) -> Tensor:
   return (x1 * cos - x2 * sin).cat(x2 * cos + x1 * sin, dim=-1)
 
 
-def _cache_write_kernel(n: int, *bufs: UOp) -> UOp:
+def block_opts(device: str | tuple[str, ...], T: int, size: int, axes: int = 2) -> tuple:
+  """tinygrad's opts for an elementwise custom kernel whose `axes` ranges are (T tokens, ..., `size` elements), no
+  index dividing one (tinygrad would split it): on a GPU a block of up to 128 threads along the elements (without
+  opts tinygrad launches such a kernel one thread a block: a 4096-token cache write of a 1B model was 8 million
+  one-thread blocks a layer); on the CPU device none."""
+  n = next((n for n in (128, 64, 32, 16, 8, 4, 2) if size % n == 0), 1)
+  if (device[0] if isinstance(device, tuple) else device).split(":")[0] == "CPU" or n == 1: return ()   # a tuple: sharded
+  return (Opt(OptOps.LOCAL, axes - 1 - int(T == 1), n),)   # tinygrad's axes drop a range of size 1
+
+
+def _cache_write_kernel(n: int, opts: tuple, *bufs: UOp) -> UOp:
   """caches[i][slot] = its row of token t, for every t with a slot in range and each of the n caches, in one kernel
   (bufs: the caches, their row tensors, the slots). A cache's row is everything after its first two axes (block,
   offset): `[KVH, D]` of K or V, `[KVH]` of scales. The rows are one tensor `[T, ...]` per cache, or one `[T, n, ...]`
@@ -70,7 +81,7 @@ def _cache_write_kernel(n: int, *bufs: UOp) -> UOp:
     at = t * width + first + e
     stores.append(dst.store(src.flatten()[at if inside is None else at.valid(inside)].cast(cache.dtype)))
   name = "_".join(f"{size}{c.dtype.name}" for c, size in zip(caches, sizes))
-  return UOp.sink(UOp.group(*stores).end(t, e), arg=KernelInfo(name=f"kv_cache_write_{T}_{name}", opts_to_apply=()))
+  return UOp.sink(UOp.group(*stores).end(t, e), arg=KernelInfo(name=f"kv_cache_write_{T}_{name}", opts_to_apply=opts))
 
 
 def argmax(x: Tensor) -> Tensor:
@@ -82,7 +93,7 @@ def argmax(x: Tensor) -> Tensor:
   return V - 1 - (key.max(-1) - 1) % V
 
 
-def _split_kernel(sizes: tuple[int, ...], per_pass: tuple[bool, ...], *bufs: UOp) -> UOp:
+def _split_kernel(sizes: tuple[int, ...], per_pass: tuple[bool, ...], opts: tuple, *bufs: UOp) -> UOp:
   """outs[i] = the i-th run of `sizes` elements of src (bufs: the outputs, then src, then with `per_pass` the pass
   counter), on one grid of the longest run's elements: a shorter output stores where the element is inside it.
   Without per_pass the runs are back to back. With it (a multi-step run's inputs, `split`), the runs not per pass come
@@ -101,7 +112,7 @@ def _split_kernel(sizes: tuple[int, ...], per_pass: tuple[bool, ...], *bufs: UOp
     stores.append(out[e if inside is None else e.valid(inside)].store(src[index if ok is None else index.valid(ok)]))
     at[every] += size
   name = f"split_{len(sizes)}_{sum(at.values())}" + (f"_pass_{run_len}" if any(per_pass) else "")
-  return UOp.sink(UOp.group(*stores).end(e), arg=KernelInfo(name=name, opts_to_apply=()))
+  return UOp.sink(UOp.group(*stores).end(e), arg=KernelInfo(name=name, opts_to_apply=opts))
 
 
 def split(src: Tensor, sizes: tuple[int, ...], per_pass: tuple[bool, ...] = (), counter: Tensor | None = None) -> list[Tensor]:
@@ -114,7 +125,7 @@ def split(src: Tensor, sizes: tuple[int, ...], per_pass: tuple[bool, ...] = (), 
   outs = [Tensor.empty(n, dtype=src.dtype, device=src.device) for n in sizes]
   per_pass = tuple(per_pass) or (False,) * len(sizes)
   return Tensor.custom_kernel(*outs, src, *([counter] if any(per_pass) else []),
-                              fxn=functools.partial(_split_kernel, tuple(sizes), per_pass))[:len(sizes)]
+                              fxn=functools.partial(_split_kernel, tuple(sizes), per_pass, block_opts(src.device, 1, max(sizes))))[:len(sizes)]
 
 
 # Multi-step decoding (ModelRunner.execute_steps) keeps the tokens it samples on the device: pass i of a run reads the
@@ -160,8 +171,9 @@ def write_kv(caches: list[Tensor], rows: list[Tensor], slot_mapping: Tensor) -> 
 
   Returns the caches ordered after the write; read them through the returned tensors. Writing with
   `cache[...].assign(...)` instead rewrites the whole cache each step (cost grows with the cache)."""
+  T, longest = slot_mapping.shape[0], max(math.prod(cache.shape[2:]) for cache in caches)
   return Tensor.custom_kernel(*caches, *(r.contiguous() for r in rows), slot_mapping,
-                              fxn=functools.partial(_cache_write_kernel, len(caches)))[:len(caches)]
+                              fxn=functools.partial(_cache_write_kernel, len(caches), block_opts(slot_mapping.device, T, longest)))[:len(caches)]
 
 
 def quantize(rows: Tensor, levels: int) -> tuple[Tensor, Tensor]:
