@@ -50,14 +50,16 @@ def test_a_step_with_any_other_request_reads_logits(tiny_model):
   assert len(on["1"].outputs[0].logprobs) == 6
 
 
-def test_device_argmax_is_numpys():
-  """portable.argmax picks the first of equal maxima (ties do happen in float16 logits) and a row's first NaN, as
-  numpy's argmax (the host path) does; tinygrad's own argmax skips NaN on the CPU device. Random rows, with ties, NaN,
-  infinities; checked captured and replayed, as the runner's decode passes run it."""
+@pytest.mark.parametrize("kernel", ["portable", "cpu"])
+def test_device_argmax_is_numpys(kernel):
+  """portable.argmax (every device) and cpu.argmax (the C pass the CPU device's kernels take) pick the first of equal
+  maxima (ties do happen in float16 logits) and a row's first NaN, as numpy's argmax (the host path) does; tinygrad's
+  own argmax skips NaN on the CPU device. Random rows, with ties, NaN, infinities, a row of -inf; checked captured and
+  replayed, as the runner's decode passes run it."""
   from tinygrad import TinyJit
-  from tinyvllm.kernels import portable
+  from tinyvllm.kernels import cpu, portable
   rng = np.random.default_rng(3)
-  step = TinyJit(lambda x: portable.argmax(x).realize())
+  step = TinyJit(lambda x: (portable if kernel == "portable" else cpu).argmax(x).realize())
   for _ in range(3):
     logits = rng.standard_normal((9, 1000)).astype(np.float32)
     for row, cols in enumerate([(5, 700), (0, 999), (998, 999)]): logits[row, list(cols)] = 9.0

@@ -420,7 +420,7 @@ class ModelRunner:
     def head(h: Tensor, rows: Tensor, tokens: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
       logits = self.model.logits(h, rows)
       if not (self.argmax_on_device and shape.is_decode): return logits
-      argmax = portable.argmax(logits)   # decode: greedy steps read only this
+      argmax = self.model.kernels.argmax(logits)   # decode: greedy steps read only this
       if history is not None: Tensor.realize(logits, argmax, *portable.store_tokens(history, counter, tokens, argmax))
       return logits, argmax
 

@@ -226,6 +226,12 @@ class Kernels:
     norm = lambda x, w: self.rms_norm(x.reshape(-1, x.shape[-1]), w, eps).reshape(x.shape)
     return norm(q, wq), norm(k, wk), v
 
+  def argmax(self, logits: Tensor) -> Tensor:
+    """int32 index of each row's largest logit `[R, V] -> [R]`, numpy's choice among ties and NaNs: the greedy token a
+    decode pass takes on the device. On the CPU device one C pass over each row."""
+    if self.cpu and isinstance(logits.device, str) and logits.dtype == dtypes.float32 and logits.ndim == 2: return cpu.argmax(logits)
+    return portable.argmax(logits)
+
   def glu(self, gate_up: Tensor, inter: int, act: str = "silu") -> Tensor:
     """act(gate) * up of the fused gate/up projection's output `[T, 2 * inter]`: SwiGLU, or GeGLU with "gelu_pytorch_tanh"."""
     return portable.gated(gate_up[:, :inter], gate_up[:, inter:], act)
