@@ -145,3 +145,36 @@ def test_a_32_head_prefill_lowers_to_programs_a_gpu_graph_can_hash(tmp_path, mon
       assert sym_infer(est.ops, values) == sym_infer(bare_est.ops, values)   # simplified, not changed
       assert sym_infer(est.mem, values) >= sym_infer(bare_est.mem, values) > 0   # at most rounded up to its bound
   assert deep > 0, "no kernel's estimates are too deep to print any more: rule 3 of engine/replay.py may be obsolete"
+
+
+@pytest.mark.parametrize("KVH,D", [(2, 64), (8, 128)])
+def test_a_sharded_cache_write_lowers_for_each_gpu(KVH, D, monkeypatch):
+  """Tensor parallelism over 2 GPUs: each device's cache write sees its share of the KV heads, and the block of
+  threads it asks for (`portable.block_opts`) must divide that share's rows, not the whole cache's (KVH 2, D 64 on 2
+  GPUs: 64 elements a device, where 128 would not divide). The kernel is recorded for CPU shards with the GPUs'
+  names and lowered for sm_90."""
+  import functools
+  from tinygrad import Tensor, dtypes
+  from tinygrad.codegen import to_program
+  from tinygrad.engine import realize
+  from tinygrad.helpers import Target
+  from tinygrad.renderer.cstyle import CUDARenderer
+  from tinyvllm.kernels import portable
+  monkeypatch.setenv("NVRTC_PATH", NVRTC)
+  devs = ("CPU:0", "CPU:1")
+  k, v = (Tensor.zeros(4, 16, KVH, D).contiguous().shard(devs, 2).realize() for _ in range(2))
+  rows = Tensor.randn(3, 2, KVH, D).shard(devs, 2).realize()
+  slots = Tensor([0, 1, 5], dtype=dtypes.int32).shard(devs).realize()
+  asts, lower = [], realize.lower_and_compile
+  def record(linear):
+    asts.extend(a[0] for c in linear.toposort() if c.op is Ops.CALL and (a := realize._get_call_to_compile(c)) and a[0].op is Ops.SINK)
+    return lower(linear)
+  write = functools.partial(portable._cache_write_kernel, 2, ("CUDA:0", "CUDA:1"))   # the opts a GPU pair's kernel takes
+  monkeypatch.setattr(realize, "lower_and_compile", record)
+  with pytest.raises(Exception): Tensor.custom_kernel(k, v, rows, slots, fxn=write)[0].realize()   # the CPU cannot run GPU opts
+  writes = [ast for ast in asts if ast.arg.name.startswith("kv_cache_write")]
+  assert writes and all(ast.arg.opts_to_apply for ast in writes)
+  renderer = CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA"))
+  for ast in writes:
+    g, l = to_program(ast, renderer).arg.launch_dims({})
+    assert l[0] * l[1] * l[2] >= 32 and launch_threads(g, l) == 3 * KVH * D // 2

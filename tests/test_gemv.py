@@ -94,6 +94,19 @@ def test_quantized_weights_match_numpy(device, fmt, group, T, K, N):
   assert rel(gemv.gemv(x, lw, residual=r_full), X @ W.T + np.concatenate([R, R], 1)) < tol
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt,group,K", [(INT8, 32, 32), (INT4, 32, 32), (INT4, 64, 576)])
+def test_quantized_weights_of_few_groups(device, fmt, group, K):
+  """An input of one group (no threads to share a row's groups), and SmolLM2's 576 in groups of 64 (9: one thread a
+  row, so a block takes more rows), normed and gated, against numpy."""
+  rng = np.random.default_rng(K + group)
+  (x, _, g, _, _), (X, _, G, _, _) = inputs(rng, 2, K, 16, "float16", device)
+  lw, W = quantized(rng, fmt, 16, K, device, group)
+  normed = X / np.sqrt((X * X).mean(-1, keepdims=True) + EPS) * G
+  gate_up = normed @ W.T
+  assert rel(gemv.gemv(x, lw, norm=(g, EPS), act="silu"), silu(gate_up[:, :8]) * gate_up[:, 8:]) < TOL["float16"]
+
+
 def test_which_projections_take_it():
   """A GPU's float, INT4 and INT8 projections of at most MAX_ROWS rows; not the CPU device (our C kernels), not more
   rows (tinygrad's matmul and its tensor cores), not packed k-quants, not a sharded layer, and not INT4 on the metal

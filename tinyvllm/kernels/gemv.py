@@ -63,10 +63,11 @@ def kernel_opts(device: str, fmt: str, T: int, N: int, K: int, group: int = 0, i
     else:
       words = math.gcd(4, group // 8)
       opts = [Opt(OptOps.UNROLL, len(sizes) - 1, 8)] + ([Opt(OptOps.UNROLL, len(sizes) - 2, words)] if words > 1 else [])
-    rest = K // (32 if fmt == INT8 else group)   # the groups, over the threads (none when there is one)
-    if rest == 1: rest = 0
+    rest = K // (32 if fmt == INT8 else group)   # the groups, over the threads
   threads = next(g for g in (THREADS_PER_ROW, 16, 8, 4, 2, 1) if rest % g == 0)
-  local = next(n for n in (ROWS_PER_BLOCK, 2, 1) if N % n == 0)
+  # rows a block: 4, or more where fewer threads share a row (a quantized K of few groups: 576 in groups of 64 is 9, one
+  # thread a row), so that a block still holds a warp or more
+  local = next(n for n in (128, 64, 32, 16, 8, 4, 2, 1) if n <= max(ROWS_PER_BLOCK, THREADS_PER_ROW // threads) and N % n == 0)
   per_thread = next(n for n in (ROWS_PER_THREAD, 1) if N % (local * n) == 0)
   # global axes: x's rows (absent when there is one: tinygrad drops axes of size 1), then the outputs
   outputs = int(T > 1)

@@ -54,7 +54,7 @@ def block_opts(device: str | tuple[str, ...], T: int, size: int, axes: int = 2) 
   return (Opt(OptOps.LOCAL, axes - 1 - int(T == 1), n),)   # tinygrad's axes drop a range of size 1
 
 
-def _cache_write_kernel(n: int, opts: tuple, *bufs: UOp) -> UOp:
+def _cache_write_kernel(n: int, device: str | tuple[str, ...], *bufs: UOp) -> UOp:
   """caches[i][slot] = its row of token t, for every t with a slot in range and each of the n caches, in one kernel
   (bufs: the caches, their row tensors, the slots). A cache's row is everything after its first two axes (block,
   offset): `[KVH, D]` of K or V, `[KVH]` of scales. The rows are one tensor `[T, ...]` per cache, or one `[T, n, ...]`
@@ -81,6 +81,8 @@ def _cache_write_kernel(n: int, opts: tuple, *bufs: UOp) -> UOp:
     at = t * width + first + e
     stores.append(dst.store(src.flatten()[at if inside is None else at.valid(inside)].cast(cache.dtype)))
   name = "_".join(f"{size}{c.dtype.name}" for c, size in zip(caches, sizes))
+  # the opts from the sizes this kernel sees: a tensor-parallel shard's rows are a part of the whole cache's
+  opts = block_opts(device, T, longest)
   return UOp.sink(UOp.group(*stores).end(t, e), arg=KernelInfo(name=f"kv_cache_write_{T}_{name}", opts_to_apply=opts))
 
 
@@ -171,9 +173,8 @@ def write_kv(caches: list[Tensor], rows: list[Tensor], slot_mapping: Tensor) -> 
 
   Returns the caches ordered after the write; read them through the returned tensors. Writing with
   `cache[...].assign(...)` instead rewrites the whole cache each step (cost grows with the cache)."""
-  T, longest = slot_mapping.shape[0], max(math.prod(cache.shape[2:]) for cache in caches)
   return Tensor.custom_kernel(*caches, *(r.contiguous() for r in rows), slot_mapping,
-                              fxn=functools.partial(_cache_write_kernel, len(caches), block_opts(slot_mapping.device, T, longest)))[:len(caches)]
+                              fxn=functools.partial(_cache_write_kernel, len(caches), slot_mapping.device))[:len(caches)]
 
 
 def quantize(rows: Tensor, levels: int) -> tuple[Tensor, Tensor]:
