@@ -9,7 +9,7 @@ every size positive (a CUDA graph is built at the variables' 0: engine/replay.py
 65535, at most 1024 threads a block, and the KV cache write's grid linear in its work, in blocks of at least a warp. A change to our kernels or a tinygrad upgrade that breaks the CUDA path fails
 here, in CI."""
 from __future__ import annotations
-import glob, os, re
+import contextlib, glob, os, re
 import pytest
 from tinygrad.uop.ops import Ops
 from conftest import largest_output, launch_threads
@@ -26,22 +26,35 @@ NVRTC = os.environ.get("NVRTC_PATH") or _nvrtc()
 pytestmark = pytest.mark.skipif(NVRTC is None, reason="nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
 
 
-def run_and_record_kernels(engine_kwargs: dict, requests: list[tuple[list[int], int]]):
-  """Run an engine (portable backend, float16: what a CUDA run uses) on the CPU device through `requests` (prompt ids,
-  max_tokens) and record the kernel ASTs tinygrad compiles for its captures, before lowering. Returns (engine, ASTs)."""
+@contextlib.contextmanager
+def recording_kernels():
+  """Yields a list that collects the kernel ASTs tinygrad compiles inside the block, before lowering, in order."""
   from tinygrad.engine import realize
-  from tinyvllm import SamplingParams
-  from tinyvllm.engine.llm_engine import LLMEngine
   asts, lower = [], realize.lower_and_compile
   def record(linear):
     asts.extend(a[0] for c in linear.toposort() if c.op is Ops.CALL and (a := realize._get_call_to_compile(c)) and a[0].op is Ops.SINK)
     return lower(linear)
   realize.lower_and_compile = record
-  try:
+  try: yield asts
+  finally: realize.lower_and_compile = lower
+
+
+def h100_renderer():
+  """tinygrad's CUDA renderer for an H100 (sm_90), as its compile workers there would build it."""
+  from tinygrad.helpers import Target
+  from tinygrad.renderer.cstyle import CUDARenderer
+  return CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA"))
+
+
+def run_and_record_kernels(engine_kwargs: dict, requests: list[tuple[list[int], int]]):
+  """Run an engine (portable backend, float16: what a CUDA run uses) on the CPU device through `requests` (prompt ids,
+  max_tokens) and record the kernel ASTs tinygrad compiles for its captures, before lowering. Returns (engine, ASTs)."""
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
+  with recording_kernels() as asts:
     engine = LLMEngine.from_kwargs(**{"kernel_backend": "portable", "dtype": "float16", **engine_kwargs})
     for i, (ids, n) in enumerate(requests): engine.add_request(str(i), {"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0))
     while engine.has_unfinished_requests(): engine.step()
-  finally: realize.lower_and_compile = lower
   return engine, list(dict.fromkeys(asts))
 
 
@@ -77,9 +90,7 @@ def as_on_a_gpu(ast):
 def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kernels, monkeypatch):
   monkeypatch.setenv("NVRTC_PATH", NVRTC)
   from tinygrad.codegen import to_program
-  from tinygrad.helpers import Target
-  from tinygrad.renderer.cstyle import CUDARenderer
-  renderer = CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA"))
+  renderer = h100_renderer()
   symbolic, problems, cache_writes, paged_kernels = 0, [], 0, set()
   for ast in scheduled_kernels:
     ast = as_on_a_gpu(ast)
@@ -117,8 +128,6 @@ def test_a_32_head_prefill_lowers_to_programs_a_gpu_graph_can_hash(tmp_path, mon
   (`replay.lower_in_process`), every program hashes, and its estimates still bound the kernel's work."""
   from conftest import make_tiny_llama
   from tinygrad.codegen import do_to_program
-  from tinygrad.helpers import Target
-  from tinygrad.renderer.cstyle import CUDARenderer
   from tinygrad.uop.ops import sym_infer
   from tinyvllm.engine.replay import MAX_ESTIMATE_DEPTH, _depth, _has_variables, lower_in_process
   monkeypatch.setenv("NVRTC_PATH", NVRTC)
@@ -130,7 +139,7 @@ def test_a_32_head_prefill_lowers_to_programs_a_gpu_graph_can_hash(tmp_path, mon
   monkeypatch.setattr(paged, "applies", lambda *args: False)
   _, asts = run_and_record_kernels(dict(model=str(path), max_num_batched_tokens=512, max_model_len=1024, num_kv_blocks=64),
                                    [([5 + i] * 128, 1) for i in range(4)])
-  renderer = CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA"))
+  renderer = h100_renderer()
   symbolic = [ast for ast in asts if _has_variables(ast)]
   deep = 0
   for ast in symbolic:
@@ -156,25 +165,17 @@ def test_a_sharded_cache_write_lowers_for_each_gpu(KVH, D, monkeypatch):
   import functools
   from tinygrad import Tensor, dtypes
   from tinygrad.codegen import to_program
-  from tinygrad.engine import realize
-  from tinygrad.helpers import Target
-  from tinygrad.renderer.cstyle import CUDARenderer
   from tinyvllm.kernels import portable
   monkeypatch.setenv("NVRTC_PATH", NVRTC)
   devs = ("CPU:0", "CPU:1")
   k, v = (Tensor.zeros(4, 16, KVH, D).contiguous().shard(devs, 2).realize() for _ in range(2))
   rows = Tensor.randn(3, 2, KVH, D).shard(devs, 2).realize()
   slots = Tensor([0, 1, 5], dtype=dtypes.int32).shard(devs).realize()
-  asts, lower = [], realize.lower_and_compile
-  def record(linear):
-    asts.extend(a[0] for c in linear.toposort() if c.op is Ops.CALL and (a := realize._get_call_to_compile(c)) and a[0].op is Ops.SINK)
-    return lower(linear)
   write = functools.partial(portable._cache_write_kernel, 2, ("CUDA:0", "CUDA:1"))   # the opts a GPU pair's kernel takes
-  monkeypatch.setattr(realize, "lower_and_compile", record)
-  with pytest.raises(Exception): Tensor.custom_kernel(k, v, rows, slots, fxn=write)[0].realize()   # the CPU cannot run GPU opts
+  with recording_kernels() as asts, pytest.raises(Exception):   # the CPU cannot run GPU opts
+    Tensor.custom_kernel(k, v, rows, slots, fxn=write)[0].realize()
   writes = [ast for ast in asts if ast.arg.name.startswith("kv_cache_write")]
   assert writes and all(ast.arg.opts_to_apply for ast in writes)
-  renderer = CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA"))
   for ast in writes:
-    g, l = to_program(ast, renderer).arg.launch_dims({})
+    g, l = to_program(ast, h100_renderer()).arg.launch_dims({})
     assert l[0] * l[1] * l[2] >= 32 and launch_threads(g, l) == 3 * KVH * D // 2

@@ -149,22 +149,13 @@ def _lowered_for_h100(fn, fmt: str = FLOAT, group: int = 0):
   """(name, global size, local size) of every kernel `fn` schedules on the CPU device, lowered and compiled for sm_90 as
   on a GPU: our GEMV with its GPU schedule, tinygrad's kernels with its heuristic."""
   import dataclasses, os
-  from test_cuda_compile import NVRTC
+  from test_cuda_compile import NVRTC, h100_renderer, recording_kernels
   if NVRTC is None: pytest.skip("nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
   os.environ["NVRTC_PATH"] = NVRTC
   from tinygrad.codegen import to_program
-  from tinygrad.helpers import Target
-  from tinygrad.renderer.cstyle import CUDARenderer
-  from tinygrad.engine import realize
   from tinygrad.uop.ops import Ops
-  asts, lower = [], realize.lower_and_compile
-  def record(linear):
-    asts.extend(a[0] for c in linear.toposort() if c.op is Ops.CALL and (a := realize._get_call_to_compile(c)) and a[0].op is Ops.SINK)
-    return lower(linear)
-  realize.lower_and_compile = record
-  try: fn().realize()
-  finally: realize.lower_and_compile = lower
-  renderer, out = CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA")), []
+  with recording_kernels() as asts: fn().realize()
+  renderer, out = h100_renderer(), []
   for ast in asts:
     if ast.arg.name.startswith("gemv"):
       T, N, K = map(int, ast.arg.name.split("_")[-3:])

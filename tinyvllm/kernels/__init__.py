@@ -109,7 +109,7 @@ class Kernels:
 
   def __init__(self, device: str = "CPU", num_threads: int | None = None):
     self.device = device
-    self.cpu = device.split(":")[0] == "CPU"
+    self.cpu = portable.on_cpu(device)
     self.threads = ThreadPool(num_threads or default_threads(), device) if self.cpu else None
     self.pool = self.threads.buffer if self.threads else None
 

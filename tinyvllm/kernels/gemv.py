@@ -26,6 +26,7 @@ import functools, math
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.codegen.opt import Opt, OptOps
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+from tinyvllm.kernels import portable
 from tinyvllm.quant.formats import FLOAT, INT4, INT8, LinearWeights
 
 # the stored parts of each format the kernel reads
@@ -38,7 +39,7 @@ ROWS_PER_THREAD = 2
 
 def applies(x: Tensor, w: LinearWeights) -> bool:
   """At most MAX_ROWS rows of x on a GPU device, times a weight stored as floats, INT4 groups or INT8."""
-  return (x.shape[0] <= MAX_ROWS and str(x.device).split(":")[0] != "CPU" and x.ndim == 2 and w.format in PARTS
+  return (x.shape[0] <= MAX_ROWS and not portable.on_cpu(x.device) and x.ndim == 2 and w.format in PARTS
           and (w.format != FLOAT or dtypes.is_float(w.weight.dtype)))
 
 
@@ -49,11 +50,11 @@ def ranges_of(fmt: str, K: int, group: int) -> tuple[int, ...]:
   return (K,) if fmt == FLOAT else (K // 32, 32) if fmt == INT8 else (K // group, group // 8, 8)
 
 
-def kernel_opts(device: str, fmt: str, T: int, N: int, K: int, group: int = 0, itemsize: int = 2) -> tuple:
+def kernel_opts(device: str | tuple[str, ...], fmt: str, T: int, N: int, K: int, group: int = 0, itemsize: int = 2) -> tuple:
   """tinygrad's optimizations for a GEMV of T rows, weights stored as `fmt` (INT4's `group`, a float's `itemsize`): on
   a GPU the schedule in the module's docstring, shrunk where a size does not divide; on the CPU device none (its loops
   as written: only tests run it there)."""
-  if device.split(":")[0] == "CPU": return ()
+  if portable.on_cpu(device): return ()
   if fmt == FLOAT:   # one reduction axis: a vector of it a thread, then the threads over the rest
     vector = next(v for v in (16 // itemsize, 4, 2, 1) if K % v == 0)
     opts, rest = ([Opt(OptOps.UNROLL, 0, vector)] if vector > 1 else []), K // vector
@@ -157,9 +158,9 @@ def gemv(x: Tensor, w: LinearWeights, *, norm: tuple[Tensor, float] | None = Non
   assert act is None or residual is None, "a gated projection's output is not the residual stream's"
   N = parts[0].shape[0] // 2 if act is not None else parts[0].shape[0]
   y = Tensor.empty(T, N, dtype=x.dtype, device=x.device) if out is None else out
-  opts = kernel_opts(str(x.device), w.format, T, N, K, w.group_size, parts[0].dtype.itemsize)
+  opts = kernel_opts(x.device, w.format, T, N, K, w.group_size, parts[0].dtype.itemsize)
   inputs = [x.contiguous(), *parts] + ([norm[0]] if norm is not None else [])
-  if norm is not None and w.format != FLOAT: inputs.append((x.float().square().mean(-1, keepdim=True) + norm[1]).rsqrt().contiguous())
+  if norm is not None and w.format != FLOAT: inputs.append(portable.inverse_rms(x, norm[1]).contiguous())
   inputs += ([w.bias] if w.bias is not None else []) + ([residual.contiguous()] if residual is not None else [])
   fxn = functools.partial(_gemv_kernel, opts, w.format, norm[1] if norm is not None else None, act, N if act is not None else 0,
                           w.bias is not None, residual is not None)

@@ -153,7 +153,7 @@ def kernel_opts(device: str, query_len: int, block_size: int) -> tuple[tuple | N
   CPU device none: its heuristic unrolls every small axis of the two reductions (a 120 KB C source that took clang 5 s
   for 4 sequences), and there these kernels only serve the portable backend's tests. For decode on a GPU, the values'
   sum over a block's offsets split over 16 threads an output (`_values_kernel`)."""
-  if device.split(":")[0] == "CPU": return (), ()
+  if portable.on_cpu(device): return (), ()
   return None, ((Opt(OptOps.GROUPTOP, 0, math.gcd(16, block_size)),) if query_len == 1 else None)
 
 

@@ -13,9 +13,19 @@ from tinyvllm.quant.blocks import high_blocks
 from tinyvllm.quant.formats import CODEBOOK
 
 
+def on_cpu(device: str | tuple[str, ...]) -> bool:
+  """Is this tinygrad's CPU device (a tuple: the devices a sharded tensor lives on)?"""
+  return (device[0] if isinstance(device, tuple) else device).split(":")[0] == "CPU"
+
+
+def inverse_rms(x: Tensor, eps: float) -> Tensor:
+  """1 / sqrt(mean(x^2) + eps) of each row `[..., E] -> [..., 1]`, in float32: what RMSNorm scales a row by."""
+  return (x.float().square().mean(-1, keepdim=True) + eps).rsqrt()
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
   xf = x.float()
-  return (xf * (xf.square().mean(-1, keepdim=True) + eps).rsqrt()).cast(x.dtype) * weight
+  return (xf * inverse_rms(xf, eps)).cast(x.dtype) * weight
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -50,7 +60,7 @@ def block_opts(device: str | tuple[str, ...], T: int, size: int, axes: int = 2) 
   opts tinygrad launches such a kernel one thread a block: a 4096-token cache write of a 1B model was 8 million
   one-thread blocks a layer); on the CPU device none."""
   n = next((n for n in (128, 64, 32, 16, 8, 4, 2) if size % n == 0), 1)
-  if (device[0] if isinstance(device, tuple) else device).split(":")[0] == "CPU" or n == 1: return ()   # a tuple: sharded
+  if on_cpu(device) or n == 1: return ()
   return (Opt(OptOps.LOCAL, axes - 1 - int(T == 1), n),)   # tinygrad's axes drop a range of size 1
 
 

@@ -29,7 +29,7 @@ class ShardedKernels(Kernels):
   def __init__(self, devices: tuple[str, ...], num_threads: int | None = None):
     self.device, self.devices = devices, devices
     self.shards = len(devices)
-    self.cpu = devices[0].split(":")[0] == "CPU"
+    self.cpu = portable.on_cpu(devices)
     self.threads, self.pool = None, None
     if self.cpu:
       share = max(1, (num_threads or default_threads()) // self.shards)
