@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random checkpoints (Llama and the other families) in HF layout, written by transformers, with a tokenizer."""
 from __future__ import annotations
-import contextlib, json, math, os
+import contextlib, glob, json, math, os
 from pathlib import Path
 import pytest
 
@@ -42,6 +42,17 @@ def write_tokenizer(path: Path) -> int:
   (path / "tokenizer_config.json").write_text(json.dumps({
     "bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE, "add_bos_token": False}))
   return tok.get_vocab_size()
+
+
+def _nvrtc() -> str | None:
+  """nvrtc's library from the `nvidia-cuda-nvrtc` wheel of the test extra (Linux x86_64): tinygrad compiles CUDA with it."""
+  try: import nvidia
+  except ImportError: return None
+  found = sorted(p for base in nvidia.__path__ for p in glob.glob(os.path.join(base, "*", "lib", "libnvrtc.so*")) if "builtins" not in p)
+  return found[-1] if found else None
+
+
+NVRTC = os.environ.get("NVRTC_PATH") or _nvrtc()
 
 
 def make_tiny_llama(path: Path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:

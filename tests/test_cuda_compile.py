@@ -9,20 +9,12 @@ every size positive (a CUDA graph is built at the variables' 0: engine/replay.py
 65535, at most 1024 threads a block, and the KV cache write's grid linear in its work, in blocks of at least a warp. A change to our kernels or a tinygrad upgrade that breaks the CUDA path fails
 here, in CI."""
 from __future__ import annotations
-import contextlib, glob, os, re
+import contextlib, re
 import pytest
 from tinygrad.uop.ops import Ops
-from conftest import largest_output, launch_threads
+from conftest import NVRTC, largest_output, launch_threads
 
 
-def _nvrtc() -> str | None:
-  try: import nvidia
-  except ImportError: return None
-  found = sorted(p for base in nvidia.__path__ for p in glob.glob(os.path.join(base, "*", "lib", "libnvrtc.so*")) if "builtins" not in p)
-  return found[-1] if found else None
-
-
-NVRTC = os.environ.get("NVRTC_PATH") or _nvrtc()
 pytestmark = pytest.mark.skipif(NVRTC is None, reason="nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
 
 
@@ -179,3 +171,73 @@ def test_a_sharded_cache_write_lowers_for_each_gpu(KVH, D, monkeypatch):
   for ast in writes:
     g, l = to_program(ast, h100_renderer()).arg.launch_dims({})
     assert l[0] * l[1] * l[2] >= 32 and launch_threads(g, l) == 3 * KVH * D // 2
+
+
+NULL_CUDA = "NULL:CUDA:sm_90"   # tinygrad's NULL device with the H100's renderer: kernels compiled, launched into nothing
+
+
+@contextlib.contextmanager
+def on_null_cuda(monkeypatch):
+  """Run the block on tinygrad's NULL device lowering for the H100: the engine takes its GPU path (our GPU kernels and
+  opts, nvrtc-compiled programs, captures batched into graphs) while nothing computes. Copies back read zeros."""
+  from tinygrad.helpers import Context
+  monkeypatch.setenv("NVRTC_PATH", NVRTC)
+  with Context(DEV=NULL_CUDA, NULL_ALLOW_COPYOUT=1): yield
+
+
+def _requests(engine, tag: str, n: int, prompt_len: int, max_tokens: int) -> None:
+  from tinyvllm import SamplingParams
+  for i in range(n):
+    engine.add_request(f"{tag}{i}", {"prompt_token_ids": [5 + i] * prompt_len}, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+
+def test_the_engine_runs_its_gpu_path_lowered_for_the_h100(tiny_model_factory, monkeypatch):
+  """The whole engine on the H100's lowering: chunked prefill, single and multi-step decode and a sampled request run
+  to their lengths, every graphed program fits CUDA's launch limits at the KV extent's least and greatest values, and
+  the decode projections are our GEMV (kernels/gemv.py, the GPU routing the CPU device never takes)."""
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
+  with on_null_cuda(monkeypatch):
+    engine = LLMEngine.from_kwargs(str(tiny_model_factory("gqa", dtype="float16")), num_kv_blocks=64, block_size=16,
+                                   max_num_batched_tokens=32, num_scheduler_steps=4)
+    _requests(engine, "g", 3, 40, 9)
+    engine.add_request("s", {"prompt_token_ids": [9] * 20}, SamplingParams(max_tokens=5, temperature=0.8, seed=1, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+      for out in engine.step():
+        if out.finished: finished[out.request_id] = out
+  assert {r: (o.error, len(o.outputs[0].token_ids)) for r, o in finished.items()} == {"g0": (None, 9), "g1": (None, 9), "g2": (None, 9), "s": (None, 5)}
+  programs = [c.src[0] for r in engine.runner.captures() for call in r.jit.captured.linear.src
+              for c in ([call] if call.src[0].op is Ops.PROGRAM else call.src[0].src[0].src if call.src[0].arg == "graph" else [])
+              if c.src[0].op is Ops.PROGRAM]
+  assert any(p.arg.name.startswith("gemv") for p in programs), sorted({p.arg.name for p in programs})
+  for p in programs:
+    for values in ({v.expr: v.vmin for v in p.arg.vars}, {v.expr: v.vmax for v in p.arg.vars}):
+      g, l = p.arg.launch_dims(values)
+      assert min(*g, *l) > 0 and g[0] <= 2**31 - 1 and max(g[1], g[2]) <= 65535 and l[0] * l[1] * l[2] <= 1024, (p.arg.name, g, l)
+
+
+def test_a_gpu_step_schedules_nothing_once_its_shapes_are_captured(tiny_model_factory, monkeypatch):
+  """After its shapes are captured, a step on a GPU asks tinygrad to schedule nothing: inputs go in and tokens or
+  logits come back through the device's allocator (engine/replay.py `to_host`). tinygrad's own copy back from a
+  device without host-visible memory (CUDA, NV) schedules a COPY call: about 0.5 ms of Python on every step, more than
+  the H100 takes for a batch-1 decode pass of a 1B model at half its bandwidth."""
+  from tinygrad import tensor
+  from tinygrad.engine import realize
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
+  with on_null_cuda(monkeypatch):
+    engine = LLMEngine.from_kwargs(str(tiny_model_factory("gqa", dtype="float16")), num_kv_blocks=64, block_size=16, num_scheduler_steps=4)
+    def run(tag):
+      _requests(engine, tag, 2, 24, 9)
+      engine.add_request(f"{tag}-logprobs", {"prompt_token_ids": [7] * 24}, SamplingParams(max_tokens=3, temperature=0, logprobs=2))
+      steps = 0
+      while engine.has_unfinished_requests(): engine.step(); steps += 1
+      return steps
+    run("first"), run("second")   # the second's prompts hit the prefix cache: a shorter prefill; the third takes no new shape
+    scheduled = []
+    for module in (realize, tensor):
+      original = module.run_linear
+      monkeypatch.setattr(module, "run_linear", lambda *a, _run=original, **kw: scheduled.append(a) or _run(*a, **kw))
+    steps = run("third")
+  assert steps >= 4 and not scheduled, f"{len(scheduled)} tinygrad schedules in {steps} steps"

@@ -333,3 +333,23 @@ def test_prefill_scratch_follows_the_context_not_the_model(device, tiny_model):
   for shape, (capture,) in ((s, r) for s, r in runner.replays.items() if s.query_len > 1):
     scores = [p for p, _ in graph_programs(capture.jit.captured.linear) if p.arg.name.startswith("paged_scores")]
     assert scores and all(largest_output(p, p.src[0]) == shape.num_seqs * 2 * 2 * shape.query_len * shape.extent * 8 for p in scores)
+
+
+@pytest.mark.parametrize("device", DEVICES + ["PYTHON"])
+@pytest.mark.parametrize("host_visible", [True, False])
+def test_to_host_reads_a_buffer_and_its_views(device, host_visible, monkeypatch):
+  """`to_host` reads a device's memory in place where the host sees it (CPU, Metal) and through the allocator's copy
+  out where it does not (CUDA, NV): the second branch is taken here by hiding `_as_buffer` from a device that has one.
+  Both read whole buffers and views at an offset, of int32 and float32, as numpy wrote them."""
+  from tinyvllm.engine.replay import to_host
+  rng = np.random.default_rng(1)
+  ints, floats = rng.integers(-2**31, 2**31 - 1, 300, dtype=np.int32), rng.standard_normal(300).astype(np.float32)
+  tensors = [Tensor(ints, device=device).realize(), Tensor(floats, device=device).realize()]
+  allocator = tensors[0].uop.buffer.allocator
+  if not host_visible:
+    if not hasattr(allocator, "_as_buffer"): pytest.skip(f"{device} has no host-visible memory to hide")
+    monkeypatch.delattr(type(allocator), "_as_buffer")
+  for t, ref in zip(tensors, (ints, floats)):
+    np.testing.assert_array_equal(to_host(t.uop.buffer), ref)
+    view = t.uop.buffer.view(100, t.uop.buffer.dtype, 37 * ref.itemsize).ensure_allocated()
+    np.testing.assert_array_equal(to_host(view), ref[37:137])

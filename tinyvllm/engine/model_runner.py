@@ -13,7 +13,7 @@ import numpy as np
 from tinygrad import Device, Tensor, dtypes
 from tinyvllm.config import CAPTURE_MODES
 from tinyvllm.host_memory import fresh_pages, lend, lend_buffer
-from tinyvllm.engine.replay import BoundReplay, CountVariable, LaunchTimes, Replay
+from tinyvllm.engine.replay import BoundReplay, CountVariable, LaunchTimes, Replay, to_host
 from tinyvllm.kernels import AttentionGroup, portable
 from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
 from tinyvllm.model.llama import Llama, ModelInputs
@@ -212,8 +212,7 @@ class ModelRunner:
     shape = self._shape(0, decodes, False)
     self._forward(shape, *self._prepare_run(shape, decodes, steps))
     self._timed_wait()
-    history = self.run_state[shape][0].uop.buffer
-    tokens = np.frombuffer(history.as_memoryview(allow_zero_copy=True), np.int32).reshape(-1, shape.num_seqs)
+    tokens = to_host(self.run_state[shape][0].uop.buffer).reshape(-1, shape.num_seqs)
     return tokens[:steps, :len(decodes)].T.astype(np.int64)
 
   def _prepare_run(self, shape: PassShape, decodes: list[WorkItem], steps: int) -> tuple[np.ndarray, list[int]]:
@@ -345,12 +344,12 @@ class ModelRunner:
   def _host_logits(self, result: Tensor | tuple[Tensor, Tensor]) -> np.ndarray:
     """A pass's float32 logits `[rows, V]`, copied to the host."""
     logits = (result[0] if isinstance(result, tuple) else result).uop.buffer
-    return np.frombuffer(logits.as_memoryview(allow_zero_copy=True), np.float32).reshape(-1, self.model.cfg.vocab_size).copy()
+    return to_host(logits).reshape(-1, self.model.cfg.vocab_size)
 
   def _argmax(self, result: Tensor | tuple[Tensor, Tensor]) -> np.ndarray:
     """Each row's argmax token: the device's where the pass took one (numpy's rule: portable.argmax), else numpy's."""
     if not isinstance(result, tuple): return np.argmax(self._host_logits(result), axis=-1)
-    return np.frombuffer(result[1].uop.buffer.as_memoryview(allow_zero_copy=True), np.int32).astype(np.int64)
+    return to_host(result[1].uop.buffer).astype(np.int64)
 
   def _pass_calls(self, shape: PassShape, fields: tuple[Tensor, ...]) -> list[tuple[Replay, tuple[Tensor, ...], bool]]:
     """The pass after its input replay, whose outputs are `fields`: (replay, its inputs, whether it reads the KV

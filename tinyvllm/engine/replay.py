@@ -10,7 +10,8 @@ and a GPU when TINYVLLM_TEST_DEVICE names one), so a tinygrad upgrade that chang
 - `TinyJit.cnt` (set to 1 to capture on the first call) and `TinyJit.captured` (a `CapturedJit`);
 - `CapturedJit.linear.src`: the calls of a capture, each `CALL(PROGRAM | COPY | graph CUSTOM_FUNCTION, *args)`;
   `CapturedJit._written_uops` and `expected_input_info`;
-- `get_call_arg_uops`, `get_runtime`, `ProgramInfo.launch_dims/vals`, `Buffer._buf`, `Allocator._copyin/_transfer`;
+- `get_call_arg_uops`, `get_runtime`, `ProgramInfo.launch_dims/vals`, `Buffer._buf`, `Allocator._copyin/_copyout/_transfer`
+  and `_as_buffer` (host-visible memory);
 - the compile worker pool of `tinygrad.engine.realize.lower_and_compile` (see `compile_symbolic_kernels_in_process`).
 
 Two rules of tinygrad's GPU graphs shape what a capture may contain (docs/architecture.md, "Devices"):
@@ -34,8 +35,9 @@ from __future__ import annotations
 import contextlib, ctypes, functools, time
 from dataclasses import dataclass, replace
 from typing import Callable
+import numpy as np
 from tinygrad import Tensor, TinyJit, UOp
-from tinygrad.dtype import AddrSpace
+from tinygrad.dtype import AddrSpace, _to_np_dtype
 from tinygrad.renderer import Estimates
 from tinygrad.uop.ops import KernelInfo, Ops, sym_infer
 
@@ -402,6 +404,19 @@ def _copy(dest, src):
   if hasattr(dest.allocator, "_as_buffer"):
     return functools.partial(src.allocator._copyout, dest.as_memoryview(force_zero_copy=True), src._buf)
   return functools.partial(dest.allocator._copyin, dest._buf, src.as_memoryview(allow_zero_copy=True))
+
+
+def to_host(buf) -> np.ndarray:
+  """A realized Buffer's contents, copied into a new numpy array once the device's queued work is done. tinygrad's
+  `Buffer.as_memoryview` copies from a device without host-visible memory (CUDA, NV) by scheduling a COPY call: about
+  0.5 ms of Python on every step that reads tokens or logits back. The allocator's own copy-out waits for the device
+  and costs microseconds; host-visible memory (CPU, Metal) is read in place after a synchronize, as tinygrad does."""
+  out, allocator = np.zeros(buf.size, _to_np_dtype(buf.dtype)), buf.allocator
+  if hasattr(allocator, "_as_buffer"):
+    allocator.dev.synchronize()
+    out[:] = np.frombuffer(allocator._as_buffer(buf._buf), out.dtype, buf.size)
+  else: allocator._copyout(memoryview(out).cast("B"), buf._buf)
+  return out
 
 
 def input_uop(t: Tensor) -> UOp:
