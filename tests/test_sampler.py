@@ -98,3 +98,92 @@ def test_logit_bias_is_added_after_penalties():
   logits = np.array([1.0, 2.0, 3.0], np.float32)
   out = sampler.apply_penalties(logits, [0, 2], 1, SamplingParams(repetition_penalty=2.0, logit_bias={0: 10.0, 1: -1.0}))
   np.testing.assert_allclose(out, [1.0 / 2.0 + 10.0, 2.0 - 1.0, 3.0 / 2.0])   # tokens 0 and 2 seen: penalized, then biased
+
+
+def reference_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+  """The sampling distribution written out over the whole vocabulary in float64, independent of tinyvllm.sampler:
+  softmax at the temperature, the k most likely tokens, the most likely tokens until their mass reaches top_p (the one
+  crossing it kept), tokens at least min_p times the most likely."""
+  p = softmax(logits.astype(np.float64) / params.temperature)
+  if 0 < params.top_k < p.size: p[np.argsort(-p, kind="stable")[params.top_k:]] = 0
+  p /= p.sum()
+  if params.top_p < 1:
+    order = np.argsort(-p, kind="stable")
+    p[order[np.cumsum(p[order]) - p[order] >= params.top_p]] = 0
+  if params.min_p > 0: p[p < params.min_p * p.max()] = 0
+  return p / p.sum()
+
+
+def reference_token(logits: np.ndarray, params: SamplingParams, u: float) -> int:
+  """Inverse CDF: the first token (in id order) whose cumulative probability exceeds u."""
+  cdf = np.cumsum(reference_distribution(logits, params))
+  return int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+
+
+@pytest.mark.parametrize("vocab", [7, 5000, 128256])
+def test_sampling_takes_the_reference_token(vocab):
+  """`sample` avoids the float64 distribution over the whole vocabulary (float32 weights, top-k by partition, top-p by
+  binned weights, a blocked inverse CDF); for the same uniform it must take the token the written-out rule takes.
+  Peaked and flat logits, banned tokens (-inf), top-p near 1 and every filter combined. The tokens kept are the
+  reference's support, their weights its probabilities; the generator's seeds are fixed, and a token could differ only
+  where float32 rounding moves a boundary onto the uniform (about 1e-7 of them)."""
+  rng = np.random.default_rng(vocab)
+  combos = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=40), dict(temperature=0.8, min_p=0.05),
+            dict(temperature=0.6, top_k=20, top_p=0.8, min_p=0.02), dict(temperature=1.0, top_p=0.9999), dict(temperature=2.0, top_p=0.3)]
+  draws = 0
+  for spread in (0.3, 3.0, 12.0):   # flat to peaked
+    logits = (rng.standard_normal(vocab) * spread).astype(np.float32)
+    logits[rng.choice(vocab, vocab // 10, replace=False)] = -np.inf
+    for kwargs in combos:
+      params = SamplingParams(**kwargs)
+      want = reference_distribution(logits, params)
+      tokens, weights = sampler._kept(logits, logits.max(), params)   # the tokens kept and their unnormalised weights
+      tokens = np.arange(vocab) if tokens is None else tokens
+      # the same support, but for tokens under float32's smallest weight (probability below 1e-38 of the top's)
+      kept = tokens[weights > 0]
+      assert (want[kept] > 0).all() and np.isin(np.flatnonzero(want > 1e-30), kept).all(), (spread, kwargs)
+      np.testing.assert_allclose(weights / weights.sum(dtype=np.float64), want[tokens], rtol=1e-5, atol=1e-12)   # float32 weights
+      for seed in range(12):
+        u = np.random.default_rng(seed).random()
+        assert sampler.sample(logits, params, np.random.default_rng(seed)) == reference_token(logits, params, u), (spread, kwargs, seed)
+        draws += 1
+  assert draws == 3 * len(combos) * 12
+
+
+def test_sampling_follows_the_distribution_and_uses_one_uniform():
+  """Frequencies over 20000 draws against the written-out distribution (chi-square), with each draw consuming exactly
+  one uniform of the request's generator (a seeded request's tokens do not depend on its batch)."""
+  rng = np.random.default_rng(3)
+  logits = (rng.standard_normal(20000) * 4).astype(np.float32)
+  params = SamplingParams(temperature=0.9, top_p=0.95)
+  p = softmax(logits.astype(np.float64) / 0.9)
+  order = np.argsort(-p, kind="stable")
+  p[order[np.cumsum(p[order]) - p[order] >= 0.95]] = 0
+  p /= p.sum()
+  g, twin = np.random.default_rng(7), np.random.default_rng(7)
+  tokens = []
+  for _ in range(20000):
+    tokens.append(sampler.sample(logits, params, g))
+    twin.random()
+  assert g.random() == twin.random()
+  likely = np.argsort(-p)[:30]   # the 30 most likely tokens and the rest pooled: expected counts well above 5
+  counts = np.bincount(tokens, minlength=p.size)
+  observed, expected = np.append(counts[likely], counts.sum() - counts[likely].sum()), 20000 * np.append(p[likely], 1 - p[likely].sum())
+  assert expected.min() > 5
+  # chi-square with 30 degrees of freedom: 59.7 is the 0.1% critical value
+  assert ((observed - expected) ** 2 / expected).sum() < 59.7
+
+
+def test_sampling_edge_cases_match_the_reference_path():
+  """One token allowed (every other banned), NaN logits and top_k beyond the vocabulary take what `draw(probabilities(...))` takes."""
+  logits = np.full(3000, -np.inf, np.float32)
+  logits[1234] = 0.5
+  assert sampler.sample(logits, SamplingParams(temperature=0.8, top_p=0.5), np.random.default_rng(0)) == 1234
+  assert sampler.sample(logits, SamplingParams(temperature=0.8, top_k=5, min_p=0.5), np.random.default_rng(0)) == 1234
+  nan = np.random.default_rng(1).standard_normal(100).astype(np.float32)
+  nan[17] = np.nan
+  params = SamplingParams(temperature=1.0)
+  assert sampler.sample(nan, params, np.random.default_rng(2)) == sampler.draw(sampler.probabilities(nan, params), np.random.default_rng(2))
+  small = np.random.default_rng(4).standard_normal(10).astype(np.float32)
+  params = SamplingParams(temperature=1.0, top_k=50)
+  assert sampler.sample(small, params, np.random.default_rng(5)) == reference_token(small, params, np.random.default_rng(5).random())
