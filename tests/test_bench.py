@@ -7,6 +7,7 @@ import pytest
 from tinyvllm.bench import accounting, device
 from tinyvllm.bench.accounting import TensorInfo
 from tinyvllm.config import ModelConfig
+from conftest import NVRTC
 
 # A made-up model small enough to count by hand: 2 layers, hidden 8, FFN 12, 2 heads of 4, 1 KV head, vocab 10.
 CFG = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
@@ -261,6 +262,24 @@ def test_bench_on_a_gpu_device_splits_host_wait_and_gpu_time(tiny_model, tmp_pat
     assert t["host_ms"] > 0 and t["gpu_wait_ms"] >= 0 and t["gpu_ms"] is not None and t["gpu_ms"] >= 0
     assert t["host_ms"] + t["gpu_wait_ms"] == pytest.approx(1e3 * x["seconds"] / x["tokens"], rel=1e-9)
     assert t["launch_ms"] <= t["host_ms"]
+
+
+@pytest.mark.skipif(NVRTC is None, reason="nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
+def test_bench_on_the_null_device_times_the_hosts_work_alone(tiny_model, tmp_path):
+  """On tinygrad's NULL device lowering for the H100 (kernels compiled by nvrtc, launched into nothing) the bench times
+  the GPU path's host work alone: no ceilings to measure, no roofline, no peers, no GPU time, and it says so."""
+  import os, subprocess, sys
+  out = tmp_path / "bench.json"
+  r = subprocess.run([sys.executable, "-m", "tinyvllm.bench", "--model", str(tiny_model), "--runs", "decode", "--batch-sizes", "2",
+                      "--context-lens", "8", "--steps", "3", "--warmup", "1", "--json", str(out)], capture_output=True, text=True,
+                     timeout=600, env={**os.environ, "DEV": "NULL:CUDA:sm_90", "NULL_ALLOW_COPYOUT": "1", "NVRTC_PATH": NVRTC})
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "runs none: times are the host's work alone" in r.stdout and "measured bandwidth" not in r.stdout
+  (record,) = json.loads(out.read_text())["records"]
+  assert record["engine"] == "tinyvllm" and record["device"] == "NULL" and record["tokens_per_s"] > 0
+  assert record["roofline_fraction"] is None and record["bandwidth_fraction"] is None
+  t = record["time_per_token"]
+  assert t["gpu_ms"] is None and t["host_ms"] > 0 and t["kernels_per_step"] > 0
 
 
 def test_compiled_transformers_peer_runs(tiny_model):

@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
   if runs - RUN_KINDS: sys.exit(f"--runs: unknown run kind(s) {', '.join(sorted(runs - RUN_KINDS))}; choose from {', '.join(RUN_KINDS)}")
   from tinyvllm.bench import device, peers as peers_mod, report
   from tinygrad import Device
-  if args.peers is None: args.peers = peers_mod.DEFAULT_PEERS["CPU" if Device.DEFAULT.split(":")[0] == "CPU" else "GPU"]
+  if args.peers is None:
+    args.peers = "" if device.runs_nothing(Device.DEFAULT) else peers_mod.DEFAULT_PEERS["CPU" if Device.DEFAULT.split(":")[0] == "CPU" else "GPU"]
   peer_keys = [] if args.no_peers else [x.strip() for x in args.peers.split(",") if x.strip()]
   bad = [k for k in peer_keys if k not in peers_mod.PEERS]
   if bad: sys.exit(f"--peers: unknown peer(s) {', '.join(bad)}; choose from {', '.join(peers_mod.PEERS)}")
@@ -360,6 +361,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
   if ceilings.device.split(":")[0] == "CPU":
     notes.append(f"tinygrad's CPU device runs each kernel on one thread; the engine's C kernels and the measured bandwidth "
                  f"ceiling use {ceilings.threads} (--num-threads)")
+  if device.runs_nothing(ceilings.device):
+    notes.append("tinygrad's NULL device compiles every kernel (for the GPU DEV names after it: NULL:CUDA:sm_90, an H100) "
+                 "and runs none: times are the host's work alone (scheduling, inputs, graph launches, reading back, outputs)")
   if args.draft_model:
     notes.append("speculative runs: bytes count the target model's steps only (the draft's reads are not counted)")
   print()

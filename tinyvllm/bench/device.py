@@ -211,6 +211,12 @@ def matmul_rates(n: int = 1024, reps: int = 5, threads: int | None = None, dtype
   return rates[0], rates[1]
 
 
+def runs_nothing(device: str) -> bool:
+  """tinygrad's NULL device (`DEV=NULL:CUDA:sm_90`: the H100's lowering) compiles and launches every kernel into nothing
+  and copies back zeros (with NULL_ALLOW_COPYOUT=1): a run there times the host's work alone."""
+  return device.split(":")[0] == "NULL"
+
+
 def measure(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5, matmul_n: int | None = None, numpy_mib: int | None = None,
             threads: int | None = None) -> Ceilings:
   """The device's ceilings; `threads`: the engine's CPU threads (default every core). The matmul is float32 at n=1024
@@ -222,6 +228,7 @@ def measure(sizes_mib=BANDWIDTH_SIZES_MIB, reps: int = 5, matmul_n: int | None =
     brand = nvidia_gpu()
     gbps, source = published_nvidia_bandwidth(brand)
   c = Ceilings(device=Device.DEFAULT, chip=brand, published_gbps=gbps, published_source=source, published_unsure=unsure)
+  if runs_nothing(c.device): return Ceilings(device=c.device)   # nothing to measure: no roofline
   c.bandwidth_by_size = tinygrad_bandwidth(sizes_mib, reps)
   c.bandwidth_gbps = max(c.bandwidth_by_size.values())
   if c.device.split(":")[0] == "CPU":   # the engine's kernels use every core: so must its ceiling

@@ -29,7 +29,7 @@ def finalize(run: dict, ceilings: Ceilings, common: dict) -> dict:
     "published_bandwidth_fraction": achieved / ceilings.published_gbps if ceilings.published_gbps else None,
     # time the roofline allows (bytes at the measured bandwidth or FLOPs at the measured matmul rate, whichever is
     # longer) over the time taken: 1.0 is the ceiling
-    "roofline_fraction": ideal / step_s if step_s else None,
+    "roofline_fraction": ideal / step_s if step_s and ideal else None,
     "roofline_tokens_per_s": tokens_per_step / ideal if ideal else None,
   })
   return rec
@@ -55,6 +55,7 @@ def print_ceilings(c: Ceilings, file=None) -> None:
   file = file or sys.stdout   # looked up per call: sys.stdout may be replaced after import
   sizes = ", ".join(f"{m} MiB {g:.1f}" for m, g in c.bandwidth_by_size.items())
   print(f"device {c.device}" + (f", chip {c.chip}" if c.chip else ""), file=file)
+  if not c.bandwidth_gbps: return   # the NULL device: no ceilings
   where = "tinygrad, one thread" if c.device.split(":")[0] == "CPU" else "tinygrad's kernel"
   print(f"  measured bandwidth (read+write): {c.bandwidth_gbps:.1f} GB/s  [{where}: {sizes}]" +
         (f"  [our C kernel on {c.threads} threads: {c.threaded_bandwidth_gbps:.1f}]" if c.threaded_bandwidth_gbps else ""), file=file)

@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 import numpy as np
 from tinyvllm.bench.accounting import TensorInfo, Traffic, step_traffic
+from tinyvllm.bench.device import runs_nothing
 from tinyvllm.engine.sequence import SequenceStatus
 from tinyvllm.outputs import GenerationError
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
@@ -110,6 +111,7 @@ class Driver:
     self.times.enabled = True    # two clock reads per kernel launch, ~5 us a step: the time split of every record
     self.pools = model.kernels.thread_pools   # the target model's, one per device with tensor parallelism
     self.gpu = engine.runner.kind != "CPU"     # kernels run asynchronously: split into host, wait and GPU time
+    self.timed_by_gpu = self.gpu and not runs_nothing(engine.runner.kind)   # profiled steps
 
   def live(self) -> list:
     sch = self.engine.scheduler
@@ -191,7 +193,7 @@ def decode_run(drv: Driver, batch: int, context: int, steps: int, warmup: int, r
     start_tokens, start_seconds = [s.num_tokens for s in seqs], log.seconds
     for _ in range(steps): drv.run_step(log)
     runs.append((log.seconds - start_seconds, sum(s.num_tokens - n for s, n in zip(seqs, start_tokens)), steps))
-  if drv.gpu:
+  if drv.timed_by_gpu:
     for _ in range(2):
       before = sum(s.num_tokens for s in seqs)
       log.device_seconds += drv.profiled_step()
@@ -217,7 +219,7 @@ def prefill_run(drv: Driver, prompt_len: int, rng, repeats: int = 1) -> dict:
     rid = drv.add(drv.prompt(rng, prompt_len), params)
     while drv.unfinished(rid): drv.run_step(log if i else None)
     if i: runs.append((log.seconds - start_seconds, prompt_len, log.steps - start_steps))
-  if drv.gpu:   # one more prompt, profiled step by step
+  if drv.timed_by_gpu:   # one more prompt, profiled step by step
     rid = drv.add(drv.prompt(rng, prompt_len), params)
     while drv.unfinished(rid): log.device_seconds += drv.profiled_step()
     log.profiled_tokens += prompt_len
