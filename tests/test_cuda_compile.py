@@ -1,13 +1,13 @@
 """Every kernel of the engine's passes compiles for an NVIDIA GPU and fits CUDA's launch limits, checked without one.
 
 tinygrad lowers a kernel for CUDA with its CUDA renderer and compiles it with nvrtc, neither of which needs a GPU
-(nvrtc comes from the `nvidia-cuda-nvrtc` wheel of the test extra). The kernels are the ones the engine's captures
-schedule on the CPU device (portable backend: what a CUDA run uses) for the shapes a GPU user hits first: a
-4096-token prefill step and a 64-sequence decode step. Each is lowered for the H100 (sm_90) exactly as tinygrad's
-compile workers would, compiled, and its launch checked at the KV-extent variable's least and greatest values:
-every size positive (a CUDA graph is built at the variables' 0: engine/replay.py, rule 1), grid y and z at most
-65535, at most 1024 threads a block, and the KV cache write's grid linear in its work, in blocks of at least a warp. A change to our kernels or a tinygrad upgrade that breaks the CUDA path fails
-here, in CI."""
+(nvrtc comes from the `nvidia-cuda-nvrtc` wheel of the test extra), and its NULL device launches programs into nothing:
+`DEV=NULL:CUDA:sm_90` runs the engine as an H100 would (the GPU routing, its opts, graphs), computing nothing. The
+shapes a GPU user hits first, a 4096-token prefill step and a 64-sequence decode step, run there, and every program
+of their captures is checked at the KV-extent variable's least and greatest values: every size positive (a CUDA
+graph is built at the variables' 0: engine/replay.py, rule 1), grid y and z at most 65535, at most 1024 threads a
+block, and the KV cache write's grid linear in its work, in blocks of at least a warp. A change to our kernels or a
+tinygrad upgrade that breaks the CUDA path fails here, in CI."""
 from __future__ import annotations
 import contextlib, re
 import pytest
@@ -38,6 +38,30 @@ def h100_renderer():
   return CUDARenderer(Target(device="CUDA", arch="sm_90", interface="CUDA"))
 
 
+NULL_CUDA = "NULL:CUDA:sm_90"   # tinygrad's NULL device with the H100's renderer: kernels compiled, launched into nothing
+
+
+@contextlib.contextmanager
+def on_null_cuda():
+  """Run the block on tinygrad's NULL device lowering for the H100: the engine takes its GPU path (our GPU kernels and
+  opts, nvrtc-compiled programs, captures batched into graphs) while nothing computes. Copies back read zeros."""
+  from tinygrad.helpers import Context
+  with pytest.MonkeyPatch.context() as mp, Context(DEV=NULL_CUDA, NULL_ALLOW_COPYOUT=1):
+    mp.setenv("NVRTC_PATH", NVRTC)
+    yield
+
+
+def captured_programs(engine) -> list:
+  """Every program of the engine's captures, those inside graph batches included."""
+  programs = []
+  for replay in engine.runner.captures():
+    for call in replay.jit.captured.linear.src:
+      ast = call.src[0]
+      inner = [c.src[0] for c in ast.src[0].src] if ast.op is Ops.CUSTOM_FUNCTION and ast.arg == "graph" else [ast]
+      programs += [u for u in inner if u.op is Ops.PROGRAM]
+  return list(dict.fromkeys(programs))
+
+
 def run_and_record_kernels(engine_kwargs: dict, requests: list[tuple[list[int], int]]):
   """Run an engine (portable backend, float16: what a CUDA run uses) on the CPU device through `requests` (prompt ids,
   max_tokens) and record the kernel ASTs tinygrad compiles for its captures, before lowering. Returns (engine, ASTs)."""
@@ -51,65 +75,52 @@ def run_and_record_kernels(engine_kwargs: dict, requests: list[tuple[list[int], 
 
 
 @pytest.fixture(scope="module")
-def scheduled_kernels(tmp_path_factory):
-  """The kernel ASTs (before lowering) of a 4096-token prefill and a 64-sequence decode on a tiny model."""
+def gpu_programs(tmp_path_factory):
+  """The programs of a 4096-token prefill and a 64-sequence decode on a tiny model (portable backend, float16: what a
+  CUDA run uses), as the engine captures them on the H100's lowering."""
   from conftest import make_tiny_llama
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
   path = make_tiny_llama(tmp_path_factory.mktemp("tiny-cuda"), hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=64, max_position_embeddings=4608)
-  engine, asts = run_and_record_kernels(dict(model=str(path), max_num_batched_tokens=4096, max_model_len=4608, num_kv_blocks=700,
-                                             max_num_seqs=64), [([7] * 4095, 2)] + [([5 + i] * 9, 3) for i in range(64)])
+  with on_null_cuda():
+    engine = LLMEngine.from_kwargs(str(path), kernel_backend="portable", dtype="float16", max_num_batched_tokens=4096, max_model_len=4608,
+                                   num_kv_blocks=700, max_num_seqs=64)
+    for i, (ids, n) in enumerate([([7] * 4095, 2)] + [([5 + i] * 9, 3) for i in range(64)]):
+      engine.add_request(str(i), {"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0))
+    while engine.has_unfinished_requests(): engine.step()
   shapes = {(s.num_seqs, s.query_len) for s in engine.runner.replays}
   assert (1, 4096) in shapes and (64, 1) in shapes, shapes
-  return asts
+  return captured_programs(engine)
 
 
-def as_on_a_gpu(ast):
-  """A kernel recorded on the CPU device with the optimizations a GPU run gives it: kernels/paged.py's kernels run
-  unoptimized on the CPU device, tinygrad's heuristic (and, for decode values, a split reduction) on a GPU; our
-  elementwise kernels (cache writes, the input split) get blocks of threads (`portable.block_opts`)."""
-  import dataclasses, re
-  from tinyvllm.kernels import paged, portable
-  if ast.arg.name.startswith(("kv_write_rope_", "kv_cache_write_", "split_")):
-    sizes = [r.src[0].arg for r in sorted({u for u in ast.toposort() if u.op is Ops.RANGE}, key=lambda r: r.arg)]
-    if len(sizes) == 1: sizes = [1] + sizes   # the split: elements only
-    opts = portable.block_opts("CUDA", sizes[0], sizes[-1], axes=len(sizes))
-    return ast.replace(arg=dataclasses.replace(ast.arg, opts_to_apply=opts))
-  if not (m := re.fullmatch(r"paged_(scores|values)_(\d+)_(\d+)_(\d+)", ast.arg.name)): return ast
-  scores_opts, values_opts = paged.kernel_opts("CUDA", int(m[4]), 16)   # the engines below keep the default block_size, 16
-  return ast.replace(arg=dataclasses.replace(ast.arg, opts_to_apply=scores_opts if m[1] == "scores" else values_opts))
-
-
-def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(scheduled_kernels, monkeypatch):
-  monkeypatch.setenv("NVRTC_PATH", NVRTC)
-  from tinygrad.codegen import to_program
-  renderer = h100_renderer()
-  symbolic, problems, cache_writes, paged_kernels = 0, [], 0, set()
-  for ast in scheduled_kernels:
-    ast = as_on_a_gpu(ast)
-    paged_kernels.add(ast.arg.name.rsplit("_", 3)[0] if ast.arg.name.startswith("paged_") else None)
-    program = to_program(ast, renderer)   # lowered and compiled by nvrtc, as a compile worker would
-    assert program.src[-1].op is Ops.BINARY and len(program.src[-1].arg) > 0, program.arg.name
+def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(gpu_programs):
+  symbolic, problems, cache_writes, names = 0, [], 0, set()
+  for program in gpu_programs:
+    name = program.arg.name
+    names.add(name.rsplit("_", 3)[0] if name.startswith("paged_") else name.split("_")[0])
+    assert program.src[-1].op is Ops.BINARY and len(program.src[-1].arg) > 0, name   # nvrtc's cubin
     variables = program.arg.vars
     symbolic += bool(variables)
     for values in ({v.expr: v.vmin for v in variables}, {v.expr: 0 for v in variables}, {v.expr: v.vmax for v in variables}):
       g, l = program.arg.launch_dims(values)
       if min(*g, *l) <= 0 or g[1] > 65535 or g[2] > 65535 or g[0] > 2**31 - 1 or l[0] * l[1] * l[2] > 1024 or l[2] > 64:
-        problems.append((program.arg.name, values, g, l))
+        problems.append((name, values, g, l))
       # a grid is its kernel's outputs (a few threads each where they share a reduction), never a product of loops: a
       # custom kernel's separate ranges all become grid axes on a GPU (the cache write below launched 2.7e11 threads)
-      if launch_threads(g, l) > 64 * largest_output(program, ast):
-        problems.append((program.arg.name, "threads beyond its outputs", g, l))
-      if program.arg.name.startswith(("kv_cache_write_", "kv_write_rope_")):   # T tokens' rows into caches of the given row sizes
+      if launch_threads(g, l) > 64 * largest_output(program, program.src[0]):
+        problems.append((name, "threads beyond its outputs", g, l))
+      if name.startswith(("kv_cache_write_", "kv_write_rope_")):   # T tokens' rows into caches of the given row sizes
         cache_writes += 1
-        T, *rows = map(int, re.findall(r"_(\d+)", program.arg.name))
+        T, *rows = map(int, re.findall(r"_(\d+)", name))
         if launch_threads(g, l) > 2 * T * sum(rows):   # a grid per cache, multiplied (T^2 (KVH D)^2: minutes on the H100)
-          problems.append((program.arg.name, "threads", g, l))
+          problems.append((name, "threads", g, l))
         if l[0] * l[1] * l[2] < 32:   # without opts tinygrad launches one thread a block (portable.block_opts)
-          problems.append((program.arg.name, "threads a block", g, l))
+          problems.append((name, "threads a block", g, l))
   assert not problems, problems
-  assert {"paged_scores", "paged_values"} <= paged_kernels, paged_kernels
+  assert {"paged_scores", "paged_values", "gemv"} <= names, names   # the decode projections at batch 1: kernels/gemv.py
   assert cache_writes > 0
-  assert symbolic > 0 and len(scheduled_kernels) > 50   # the attention kernels over the KV extent were among them
+  assert symbolic > 0 and len(gpu_programs) > 50   # the attention kernels over the KV extent were among them
 
 
 def test_a_32_head_prefill_lowers_to_programs_a_gpu_graph_can_hash(tmp_path, monkeypatch):
@@ -173,31 +184,19 @@ def test_a_sharded_cache_write_lowers_for_each_gpu(KVH, D, monkeypatch):
     assert l[0] * l[1] * l[2] >= 32 and launch_threads(g, l) == 3 * KVH * D // 2
 
 
-NULL_CUDA = "NULL:CUDA:sm_90"   # tinygrad's NULL device with the H100's renderer: kernels compiled, launched into nothing
-
-
-@contextlib.contextmanager
-def on_null_cuda(monkeypatch):
-  """Run the block on tinygrad's NULL device lowering for the H100: the engine takes its GPU path (our GPU kernels and
-  opts, nvrtc-compiled programs, captures batched into graphs) while nothing computes. Copies back read zeros."""
-  from tinygrad.helpers import Context
-  monkeypatch.setenv("NVRTC_PATH", NVRTC)
-  with Context(DEV=NULL_CUDA, NULL_ALLOW_COPYOUT=1): yield
-
-
 def _requests(engine, tag: str, n: int, prompt_len: int, max_tokens: int) -> None:
   from tinyvllm import SamplingParams
   for i in range(n):
     engine.add_request(f"{tag}{i}", {"prompt_token_ids": [5 + i] * prompt_len}, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
-def test_the_engine_runs_its_gpu_path_lowered_for_the_h100(tiny_model_factory, monkeypatch):
+def test_the_engine_runs_its_gpu_path_lowered_for_the_h100(tiny_model_factory):
   """The whole engine on the H100's lowering: chunked prefill, single and multi-step decode and a sampled request run
   to their lengths, every graphed program fits CUDA's launch limits at the KV extent's least and greatest values, and
   the decode projections are our GEMV (kernels/gemv.py, the GPU routing the CPU device never takes)."""
   from tinyvllm import SamplingParams
   from tinyvllm.engine.llm_engine import LLMEngine
-  with on_null_cuda(monkeypatch):
+  with on_null_cuda():
     engine = LLMEngine.from_kwargs(str(tiny_model_factory("gqa", dtype="float16")), num_kv_blocks=64, block_size=16,
                                    max_num_batched_tokens=32, num_scheduler_steps=4)
     _requests(engine, "g", 3, 40, 9)
@@ -207,9 +206,7 @@ def test_the_engine_runs_its_gpu_path_lowered_for_the_h100(tiny_model_factory, m
       for out in engine.step():
         if out.finished: finished[out.request_id] = out
   assert {r: (o.error, len(o.outputs[0].token_ids)) for r, o in finished.items()} == {"g0": (None, 9), "g1": (None, 9), "g2": (None, 9), "s": (None, 5)}
-  programs = [c.src[0] for r in engine.runner.captures() for call in r.jit.captured.linear.src
-              for c in ([call] if call.src[0].op is Ops.PROGRAM else call.src[0].src[0].src if call.src[0].arg == "graph" else [])
-              if c.src[0].op is Ops.PROGRAM]
+  programs = captured_programs(engine)
   assert any(p.arg.name.startswith("gemv") for p in programs), sorted({p.arg.name for p in programs})
   for p in programs:
     for values in ({v.expr: v.vmin for v in p.arg.vars}, {v.expr: v.vmax for v in p.arg.vars}):
@@ -226,7 +223,7 @@ def test_a_gpu_step_schedules_nothing_once_its_shapes_are_captured(tiny_model_fa
   from tinygrad.engine import realize
   from tinyvllm import SamplingParams
   from tinyvllm.engine.llm_engine import LLMEngine
-  with on_null_cuda(monkeypatch):
+  with on_null_cuda():
     engine = LLMEngine.from_kwargs(str(tiny_model_factory("gqa", dtype="float16")), num_kv_blocks=64, block_size=16, num_scheduler_steps=4)
     def run(tag):
       _requests(engine, tag, 2, 24, 9)
