@@ -59,11 +59,34 @@ def test_greedy_and_seeded_sampling():
 
 
 def test_top_logprobs_ranks():
-  lp = sampler.log_softmax(np.array([1.0, 3.0, 2.0, 0.0]))
-  top = sampler.top_logprobs(lp, token=3, k=2)
+  logits = np.array([[1.0, 3.0, 2.0, 0.0]])
+  lp = np.log(softmax(logits[0]))
+  top = sampler.token_logprobs(logits, [3], k=2)[0]
   assert [(t, r) for t, _, r in top] == [(3, 4), (1, 1), (2, 2)]
-  np.testing.assert_allclose(np.exp(lp).sum(), 1.0)
-  assert sampler.top_logprobs(lp, token=1, k=0) == [(1, float(lp[1]), 1)]
+  np.testing.assert_allclose([v for _, v, _ in top], lp[[3, 1, 2]], rtol=1e-6)
+  assert sampler.token_logprobs(logits, [1], k=0) == [[(1, pytest.approx(lp[1], rel=1e-6), 1)]]
+
+
+@pytest.mark.parametrize("vocab", [50, 128256])
+def test_token_logprobs_against_a_float64_log_softmax(vocab, monkeypatch):
+  """Each row's entry against numpy's float64 log-softmax of the whole row: the k most likely tokens in order with
+  ranks 1..k, the token first with its rank when it is not among them, every logprob within 1e-6 (the log-sum-exp sums
+  float32 exps: ~1e-7 off). 9 rows in blocks of 4 (the exps are formed a block of rows at a time)."""
+  monkeypatch.setattr(sampler, "_LOGPROB_ELEMENTS", 4 * vocab)
+  rng = np.random.default_rng(vocab)
+  rows = (rng.standard_normal((9, vocab)) * 4).astype(np.float32)
+  rows[2, rng.choice(vocab, vocab // 5, replace=False)] = -np.inf   # masked tokens (a grammar's), logprob -inf
+  for k in (0, 1, 5, 20):
+    tokens = [int(rng.integers(vocab)) for _ in range(9)]
+    tokens[0] = int(np.argmax(rows[0]))   # a token inside the top
+    for row, token, entry in zip(rows, tokens, sampler.token_logprobs(rows, tokens, k)):
+      ref = row.astype(np.float64) - row.max() - np.log(np.exp(row.astype(np.float64) - row.max()).sum())
+      order = np.argsort(-ref, kind="stable")[:k]
+      want = [(int(t), i + 1) for i, t in enumerate(order)]
+      if token not in order: want.insert(0, (token, int((ref > ref[token]).sum()) + 1))
+      assert [(t, r) for t, _, r in entry] == want
+      got = np.array([v for _, v, _ in entry])
+      np.testing.assert_allclose(got, ref[[t for t, _, _ in entry]], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -187,3 +210,15 @@ def test_sampling_edge_cases_match_the_reference_path():
   small = np.random.default_rng(4).standard_normal(10).astype(np.float32)
   params = SamplingParams(temperature=1.0, top_k=50)
   assert sampler.sample(small, params, np.random.default_rng(5)) == reference_token(small, params, np.random.default_rng(5).random())
+
+
+def test_largest_finds_the_k_largest_entries():
+  """`largest` (the k largest entries by widening thresholds) against a full sort, on flat, peaked and stepped rows."""
+  rng = np.random.default_rng(11)
+  rows = [rng.standard_normal(128256).astype(np.float32) * s for s in (0.1, 3.0, 40.0)] + [np.repeat(np.arange(300, dtype=np.float32), 7)]
+  for row in rows:
+    for k in (1, 7, 50, 700, 5000, row.size - 1, row.size, row.size + 3):
+      got = sampler.largest(row, k)
+      assert got.size == min(k, row.size) and np.unique(got).size == got.size
+      want = np.sort(row)[::-1][:k]   # the values of the k largest (ties may pick either index)
+      np.testing.assert_array_equal(np.sort(row[got])[::-1], want)

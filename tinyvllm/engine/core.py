@@ -366,7 +366,7 @@ class EngineCore:
     sampled[seq] = tokens
     if seq.params.logprobs is not None:
       out = outputs.setdefault(seq, CoreOutput(seq.request_id, seq.index))
-      out.new_logprobs = [sampler.top_logprobs(sampler.log_softmax(logits[i]), t, seq.params.logprobs) for i, t in enumerate(tokens)]
+      out.new_logprobs = sampler.token_logprobs(logits[:len(tokens)], tokens, seq.params.logprobs)   # row i produced token i
 
   @staticmethod
   def _wants_prompt_logprobs(seq: Sequence) -> bool:
@@ -374,14 +374,12 @@ class EngineCore:
 
   def _prompt_logprobs(self, seq: Sequence, start: int, logits: np.ndarray, outputs) -> None:
     """Logprobs of prompt tokens start+1 .. from the logits at positions start ..: row i predicts token start+i+1."""
-    entries: list[TopLogprobs] = []
-    for i, row in enumerate(logits):
-      pos = start + i + 1
-      if pos >= seq.num_prompt_tokens: break
-      if pos <= seq.num_prompt_logprobs_sent: continue
-      entries.append(sampler.top_logprobs(sampler.log_softmax(row), seq.token_ids[pos], seq.params.prompt_logprobs))
-      seq.num_prompt_logprobs_sent = pos
-    if entries: outputs.setdefault(seq, CoreOutput(seq.request_id, seq.index)).prompt_logprobs = entries
+    first = max(start + 1, seq.num_prompt_logprobs_sent + 1)   # the first position not sent yet
+    last = min(start + len(logits), seq.num_prompt_tokens - 1)
+    if first > last: return
+    entries: list[TopLogprobs] = sampler.token_logprobs(logits[first - start - 1:last - start], seq.token_ids[first:last + 1], seq.params.prompt_logprobs)
+    seq.num_prompt_logprobs_sent = last
+    outputs.setdefault(seq, CoreOutput(seq.request_id, seq.index)).prompt_logprobs = entries
 
   def _penalized(self, seq: Sequence, logits: np.ndarray, extra: list[int] = ()) -> np.ndarray:
     """Logits after penalties and logit bias, as if `extra` tokens had already been appended to seq."""
