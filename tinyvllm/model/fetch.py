@@ -138,7 +138,9 @@ def _download(url: str, dest: Path):
 
 def _extract(src, dest: Path, size: int):
   dest.parent.mkdir(parents=True, exist_ok=True)
-  part = dest.with_name(dest.name + ".part")  # a crash mid-copy must not leave a truncated file that looks complete
+  # a crash mid-copy must not leave a truncated file that looks complete; each process its own (servers or test
+  # workers fetching at once)
+  part = dest.with_name(f"{dest.name}.part{os.getpid()}")
   with src, open(part, "wb") as out: shutil.copyfileobj(src, out, 1 << 20)
   if part.stat().st_size != size: raise FetchError(f"{dest.name}: extracted {part.stat().st_size} of {size} bytes")
   part.replace(dest)
