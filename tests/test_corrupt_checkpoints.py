@@ -427,7 +427,9 @@ def test_fuzz_corrupt_checkpoints(tiny_hf, tiny_gguf, tmp_path):
     print(f"fuzz, {label} loads: {sum(outcomes.values())} cases: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
   print(f"fuzz: slowest case {slowest[0][0] * 1000:.0f} ms ({slowest[0][1]}); peak RSS growth {growth_mib:.0f} MiB")
   assert not failures, f"{len(failures)} case(s) failed:\n" + "\n".join(failures[:30])
-  assert slowest[0][0] < 2.0, f"a case took {slowest[0][0]:.1f} s: {slowest[0][1]}"
+  # a guard against a header that makes loading loop or allocate without end, not a speed target: a case that loads
+  # takes about a second, two with the suite's other worker on the same cores
+  assert slowest[0][0] < 10.0, f"a case took {slowest[0][0]:.1f} s: {slowest[0][1]}"
   assert growth_mib < 1024, f"peak RSS grew by {growth_mib:.0f} MiB"
   for label in ("GGUF checkpoint", "safetensors checkpoint"):   # the mutations reach both sides
     assert results[label].get("loaded", 0) > 0 and results[label].get("ModelLoadError", 0) > 0 and results[label].get("ConfigError", 0) > 0

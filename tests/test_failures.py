@@ -75,6 +75,37 @@ def test_a_failing_sampler_or_detokenizer_fails_only_its_request(tiny_model):
   assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
+def test_rows_drawn_on_threads_are_the_rows_drawn_in_turn(tiny_model, monkeypatch):
+  """A step's sampled rows of a large vocabulary are drawn on the sampling threads (core.PARALLEL_SAMPLING_VOCAB, set
+  to 0 here to take the tiny model's): seeded requests with top-p, top-k and logprobs get the tokens and logprobs of
+  rows drawn one after another, and a row whose draw raises fails only its request."""
+  import threading
+  from tinyvllm.engine import core
+  params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=12, ignore_eos=True, logprobs=3) for s in range(3)] + \
+           [SamplingParams(temperature=0.7, top_k=5, seed=9, max_tokens=12, ignore_eos=True)]
+  def generate(on_threads: bool) -> tuple[dict, set]:
+    monkeypatch.setattr(core, "PARALLEL_SAMPLING_VOCAB", 0 if on_threads else 1 << 30)
+    engine = engine_for(tiny_model)
+    threads, draw, penalized = set(), engine.core._draw, engine.core._penalized
+    def recorded(seq, logits, mask):
+      threads.add(threading.current_thread().name)
+      return draw(seq, logits, mask)
+    def bad_penalty(seq, logits, extra=()):
+      if seq.request_id == "bad" and seq.num_output_tokens == 4: raise ValueError("injected sampling failure")
+      return penalized(seq, logits, extra)
+    engine.core._draw, engine.core._penalized = recorded, bad_penalty
+    for i, p in enumerate(params): engine.add_request(str(i), "Hello world", p)
+    engine.add_request("bad", "Hello there", params[0])
+    finals = run(engine)
+    return {rid: (o.error is not None, o.outputs[0].token_ids, o.outputs[0].logprobs) for rid, o in finals.items()}, threads
+  (on_threads, used), (in_turn, main) = generate(True), generate(False)
+  assert on_threads == in_turn
+  assert on_threads["bad"][0] and len(on_threads["bad"][1]) == 4 and not any(on_threads[str(i)][0] for i in range(4))
+  assert all(len(on_threads[str(i)][1]) == 12 for i in range(4)) and on_threads["0"][2] is not None
+  assert not any(name.startswith("tinyvllm-sample") for name in main)
+  if core.default_threads() > 1: assert any(name.startswith("tinyvllm-sample") for name in used)   # one core: no threads
+
+
 def test_speculation_near_the_end_of_the_context(tiny_model):
   """A sequence a few tokens from max_model_len decodes plainly while its neighbours speculate; both finish
   with the tokens of an engine without a draft."""

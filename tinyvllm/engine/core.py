@@ -7,6 +7,7 @@ fails its own request; the others go on, and the engine stays consistent for the
 """
 from __future__ import annotations
 import dataclasses, os, sys, time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import numpy as np
 from tinygrad import Device
@@ -28,6 +29,8 @@ from tinyvllm.model.tensor_parallel import parallel_backend, parallel_devices
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.model.weights import Checkpoint, load_checkpoint, select_tensors
 from tinyvllm.structured_output import MaskWorker, apply_bias
+
+PARALLEL_SAMPLING_VOCAB = 16384   # rows of a smaller vocabulary cost less than handing them to a thread
 
 
 def available_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
@@ -132,6 +135,8 @@ class EngineCore:
     # structured output: a step's token masks, on a worker thread while the model runs if the step leaves a core idle
     cores = default_threads()
     self.masks = MaskWorker(spare_core=self.device.split(":")[0] != "CPU" or (config.num_threads or cores) < cores)
+    # a step's sampled rows of a large vocabulary, drawn on every core (numpy releases the GIL in its passes over a row)
+    self.sampling_threads = ThreadPoolExecutor(min(cores, 8), thread_name_prefix="tinyvllm-sample") if cores > 1 else None
 
   def _build_model(self, cfg, tensors, dtype: str) -> Llama:
     self.kernels.check_model(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, self.config.block_size, dtype)
@@ -290,12 +295,11 @@ class EngineCore:
     finally: pending.wait()   # even when the pass failed: the worker must be done with the matchers
     sampled: dict[Sequence, list[int]] = {}
     drafted = accepted = 0
-    for seq, out in zip(decodes, decode_out):
-      if argmax:
+    if argmax:
+      for seq, out in zip(decodes, decode_out):
         seq.metrics.num_target_steps += 1
         sampled[seq] = [int(out)]
-        continue
-      self._guarded(seq, outputs, lambda: self._sample(seq, out[None], outputs, sampled, seq.grammar and pending.bias(seq.grammar)))
+    else: self._sample_rows(decodes, decode_out, pending, outputs, sampled)
     for chunk, logits in zip(sched.prefills, prefill_logits):
       rows = logits if want_prompt_logprobs else logits[None]     # every slot of the chunk, or its last
       def sample_chunk(chunk=chunk, rows=rows):
@@ -342,9 +346,32 @@ class EngineCore:
     output: -inf for the tokens it does not allow there), applied first, so penalties, sampling and logprobs all
     see it."""
     seq.metrics.num_target_steps += 1
+    token, logprobs = self._draw(seq, logits, mask)
+    self._record(seq, [token], logprobs, outputs, sampled)
+
+  def _draw(self, seq: Sequence, logits: np.ndarray, mask: np.ndarray | None) -> tuple[int, list | None]:
+    """`_sample`'s token and its logprobs entry (when asked for), without touching anything shared: rows of one step
+    are drawn on several threads, each with its own sequence's generator."""
     if mask is not None: logits = apply_bias(logits, mask)
     token = sampler.sample(self._penalized(seq, logits[0]), seq.params, seq.generator)
-    self._record(seq, [token], logits, outputs, sampled)
+    return token, sampler.token_logprobs(logits[:1], [token], seq.params.logprobs) if seq.params.logprobs is not None else None
+
+  def _sample_rows(self, seqs: list[Sequence], rows: np.ndarray, pending, outputs, sampled) -> None:
+    """`_sample` for each decode of a step (`pending`: the step's grammar masks, computed by now): rows of a large
+    vocabulary on the sampling threads (a 128k-token row costs 0.3-1.5 ms), the tokens and logprobs those of drawing one
+    row after another. A row whose draw raises fails its own request."""
+    def draw(i: int):
+      seq = seqs[i]
+      try: return self._draw(seq, rows[i][None], seq.grammar and pending.bias(seq.grammar)), None
+      except Exception as e: return None, e
+    parallel = self.sampling_threads is not None and len(seqs) > 1 and rows.shape[-1] >= PARALLEL_SAMPLING_VOCAB
+    drawn = list(self.sampling_threads.map(draw, range(len(seqs))) if parallel else map(draw, range(len(seqs))))
+    for seq, (result, error) in zip(seqs, drawn):
+      seq.metrics.num_target_steps += 1
+      if error is not None:
+        self.failures.record("sampling", error, [seq.request_id])
+        self._fail(seq, error, outputs)
+      else: self._record(seq, [result[0]], result[1], outputs, sampled)
 
   def _verify(self, seq: Sequence, proposal, logits: np.ndarray, outputs, sampled) -> None:
     """Check one speculated run: logits `[k+1, V]` are the target's at the last token and at each draft."""
@@ -359,14 +386,13 @@ class EngineCore:
       tokens = sampler.speculative_accept(p, proposal.q, drafts, seq.generator)
     m = seq.metrics
     m.num_draft_tokens, m.num_accepted_tokens, m.num_target_steps = m.num_draft_tokens + k, m.num_accepted_tokens + len(tokens) - 1, m.num_target_steps + 1
-    self._record(seq, tokens, logits, outputs, sampled)
+    logprobs = sampler.token_logprobs(logits[:len(tokens)], tokens, seq.params.logprobs) if seq.params.logprobs is not None else None
+    self._record(seq, tokens, logprobs, outputs, sampled)   # row i of logits produced token i
 
-  def _record(self, seq: Sequence, tokens: list[int], logits: np.ndarray, outputs, sampled) -> None:
-    """The sampled tokens (row i of `logits` produced token i) and, when asked for, their logprobs."""
+  def _record(self, seq: Sequence, tokens: list[int], logprobs: list | None, outputs, sampled) -> None:
+    """The sampled tokens and, when asked for, their logprobs entries (`sampler.token_logprobs`)."""
     sampled[seq] = tokens
-    if seq.params.logprobs is not None:
-      out = outputs.setdefault(seq, CoreOutput(seq.request_id, seq.index))
-      out.new_logprobs = sampler.token_logprobs(logits[:len(tokens)], tokens, seq.params.logprobs)   # row i produced token i
+    if logprobs is not None: outputs.setdefault(seq, CoreOutput(seq.request_id, seq.index)).new_logprobs = logprobs
 
   @staticmethod
   def _wants_prompt_logprobs(seq: Sequence) -> bool:
