@@ -51,6 +51,12 @@ def on_null_cuda():
     yield
 
 
+def within_cuda_limits(g, l) -> bool:
+  """A launch CUDA accepts: every size positive, grid x below 2^31, y and z at most 65535, a block of at most 1024
+  threads and at most 64 along z."""
+  return min(*g, *l) > 0 and g[0] <= 2**31 - 1 and max(g[1], g[2]) <= 65535 and l[0] * l[1] * l[2] <= 1024 and l[2] <= 64
+
+
 def captured_programs(engine) -> list:
   """Every program of the engine's captures, those inside graph batches included."""
   programs = []
@@ -104,8 +110,7 @@ def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(gpu_programs):
     symbolic += bool(variables)
     for values in ({v.expr: v.vmin for v in variables}, {v.expr: 0 for v in variables}, {v.expr: v.vmax for v in variables}):
       g, l = program.arg.launch_dims(values)
-      if min(*g, *l) <= 0 or g[1] > 65535 or g[2] > 65535 or g[0] > 2**31 - 1 or l[0] * l[1] * l[2] > 1024 or l[2] > 64:
-        problems.append((name, values, g, l))
+      if not within_cuda_limits(g, l): problems.append((name, values, g, l))
       # a grid is its kernel's outputs (a few threads each where they share a reduction), never a product of loops: a
       # custom kernel's separate ranges all become grid axes on a GPU (the cache write below launched 2.7e11 threads)
       if launch_threads(g, l) > 64 * largest_output(program, program.src[0]):
@@ -211,7 +216,7 @@ def test_the_engine_runs_its_gpu_path_lowered_for_the_h100(tiny_model_factory):
   for p in programs:
     for values in ({v.expr: v.vmin for v in p.arg.vars}, {v.expr: v.vmax for v in p.arg.vars}):
       g, l = p.arg.launch_dims(values)
-      assert min(*g, *l) > 0 and g[0] <= 2**31 - 1 and max(g[1], g[2]) <= 65535 and l[0] * l[1] * l[2] <= 1024, (p.arg.name, g, l)
+      assert within_cuda_limits(g, l), (p.arg.name, g, l)
 
 
 def test_a_gpu_step_schedules_nothing_once_its_shapes_are_captured(tiny_model_factory, monkeypatch):

@@ -81,17 +81,18 @@ def sample(logits: np.ndarray, params: SamplingParams, generator: np.random.Gene
   """logits already penalized. Greedy (temperature 0) takes the argmax and leaves the generator untouched.
 
   The token `draw(probabilities(logits, params), generator)` takes, without building the distribution over the whole
-  vocabulary in float64: with Llama 3's 128256 tokens that cost 2-30 ms a row on one core (two exps, sorts and cumulative
-  sums over all of it; top-p over a flat distribution the most), more than the model's pass on a GPU for a batch of
-  32. Here the weights are float32
-  exps (one pass, or none under top-k), the filters are thresholds on them, and the draw walks blocks of the vocabulary:
-  the same tokens in the same order and one uniform, so the same token but where float rounding moves a boundary."""
+  vocabulary in float64: with Llama 3's 128256 tokens that cost 2-30 ms a row on one core (two exps, sorts and
+  cumulative sums over all of it; top-p over a flat distribution the most), more than the model's pass on a GPU for a
+  batch of 32. Here the weights are float32 exps (one pass, or none under top-k), the filters are thresholds on them,
+  and the draw walks blocks of the vocabulary: the same tokens in the same order and one uniform, so the same token
+  but where float rounding moves a boundary."""
   if params.greedy: return int(np.argmax(logits))
   x = np.asarray(logits, np.float32).reshape(-1)
   top = x.max()
   if not np.isfinite(top): return draw(probabilities(logits, params), generator)   # every token banned, or NaN
   tokens, weights = _kept(x, top, params)
-  return int(tokens[_inverse_cdf(weights, generator.random())] if tokens is not None else _inverse_cdf(weights, generator.random()))
+  at = _inverse_cdf(weights, generator.random())
+  return int(at if tokens is None else tokens[at])
 
 
 def _kept(x: np.ndarray, top: float, params: SamplingParams) -> tuple[np.ndarray | None, np.ndarray]:

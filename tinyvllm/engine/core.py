@@ -337,9 +337,11 @@ class EngineCore:
 
   def _guarded(self, seq: Sequence, outputs: dict[Sequence, CoreOutput], fn) -> None:
     try: fn()
-    except Exception as e:
-      self.failures.record("sampling", e, [seq.request_id])
-      self._fail(seq, e, outputs)
+    except Exception as e: self._sampling_failed(seq, e, outputs)
+
+  def _sampling_failed(self, seq: Sequence, error: Exception, outputs) -> None:
+    self.failures.record("sampling", error, [seq.request_id])
+    self._fail(seq, error, outputs)
 
   def _sample(self, seq: Sequence, logits: np.ndarray, outputs, sampled, mask: np.ndarray | None = None) -> None:
     """One token from logits `[1, V]` at the sequence's newest token; `mask`: the grammar's bias row (structured
@@ -354,7 +356,7 @@ class EngineCore:
     are drawn on several threads, each with its own sequence's generator."""
     if mask is not None: logits = apply_bias(logits, mask)
     token = sampler.sample(self._penalized(seq, logits[0]), seq.params, seq.generator)
-    return token, sampler.token_logprobs(logits[:1], [token], seq.params.logprobs) if seq.params.logprobs is not None else None
+    return token, self._logprobs(seq, logits, [token])
 
   def _sample_rows(self, seqs: list[Sequence], rows: np.ndarray, pending, outputs, sampled) -> None:
     """`_sample` for each decode of a step (`pending`: the step's grammar masks, computed by now): rows of a large
@@ -368,9 +370,7 @@ class EngineCore:
     drawn = list(self.sampling_threads.map(draw, range(len(seqs))) if parallel else map(draw, range(len(seqs))))
     for seq, (result, error) in zip(seqs, drawn):
       seq.metrics.num_target_steps += 1
-      if error is not None:
-        self.failures.record("sampling", error, [seq.request_id])
-        self._fail(seq, error, outputs)
+      if error is not None: self._sampling_failed(seq, error, outputs)
       else: self._record(seq, [result[0]], result[1], outputs, sampled)
 
   def _verify(self, seq: Sequence, proposal, logits: np.ndarray, outputs, sampled) -> None:
@@ -386,8 +386,12 @@ class EngineCore:
       tokens = sampler.speculative_accept(p, proposal.q, drafts, seq.generator)
     m = seq.metrics
     m.num_draft_tokens, m.num_accepted_tokens, m.num_target_steps = m.num_draft_tokens + k, m.num_accepted_tokens + len(tokens) - 1, m.num_target_steps + 1
-    logprobs = sampler.token_logprobs(logits[:len(tokens)], tokens, seq.params.logprobs) if seq.params.logprobs is not None else None
-    self._record(seq, tokens, logprobs, outputs, sampled)   # row i of logits produced token i
+    self._record(seq, tokens, self._logprobs(seq, logits, tokens), outputs, sampled)
+
+  @staticmethod
+  def _logprobs(seq: Sequence, logits: np.ndarray, tokens: list[int]) -> list | None:
+    """The logprobs entries of the sampled tokens (row i of `logits` produced token i), when the request asks for them."""
+    return sampler.token_logprobs(logits[:len(tokens)], tokens, seq.params.logprobs) if seq.params.logprobs is not None else None
 
   def _record(self, seq: Sequence, tokens: list[int], logprobs: list | None, outputs, sampled) -> None:
     """The sampled tokens and, when asked for, their logprobs entries (`sampler.token_logprobs`)."""
