@@ -57,15 +57,19 @@ def within_cuda_limits(g, l) -> bool:
   return min(*g, *l) > 0 and g[0] <= 2**31 - 1 and max(g[1], g[2]) <= 65535 and l[0] * l[1] * l[2] <= 1024 and l[2] <= 64
 
 
+def captured_programs_of(replay) -> list:
+  """The programs one capture runs, in order, those inside graph batches included."""
+  programs = []
+  for call in replay.jit.captured.linear.src:
+    ast = call.src[0]
+    inner = [c.src[0] for c in ast.src[0].src] if ast.op is Ops.CUSTOM_FUNCTION and ast.arg == "graph" else [ast]
+    programs += [u for u in inner if u.op is Ops.PROGRAM]
+  return programs
+
+
 def captured_programs(engine) -> list:
   """Every program of the engine's captures, those inside graph batches included."""
-  programs = []
-  for replay in engine.runner.captures():
-    for call in replay.jit.captured.linear.src:
-      ast = call.src[0]
-      inner = [c.src[0] for c in ast.src[0].src] if ast.op is Ops.CUSTOM_FUNCTION and ast.arg == "graph" else [ast]
-      programs += [u for u in inner if u.op is Ops.PROGRAM]
-  return list(dict.fromkeys(programs))
+  return list(dict.fromkeys(p for replay in engine.runner.captures() for p in captured_programs_of(replay)))
 
 
 def run_and_record_kernels(engine_kwargs: dict, requests: list[tuple[list[int], int]]):
@@ -213,6 +217,12 @@ def test_the_engine_runs_its_gpu_path_lowered_for_the_h100(tiny_model_factory):
   assert {r: (o.error, len(o.outputs[0].token_ids)) for r, o in finished.items()} == {"g0": (None, 9), "g1": (None, 9), "g2": (None, 9), "s": (None, 5)}
   programs = captured_programs(engine)
   assert any(p.arg.name.startswith("gemv") for p in programs), sorted({p.arg.name for p in programs})
+  # a decode pass's qkv projection writes q and the cache itself (gemv.qkv_rope_write): no write kernel of its own
+  layers = engine.model_config.num_hidden_layers
+  for shape, replays in engine.runner.replays.items():
+    if shape.query_len == 1:
+      names = [p.arg.name for r in replays if r.jit.captured is not None for p in captured_programs_of(r)]
+      assert sum(n.startswith("gemv_norm_rope") for n in names) == layers and not any(n.startswith("kv_write") for n in names), names
   for p in programs:
     for values in ({v.expr: v.vmin for v in p.arg.vars}, {v.expr: v.vmax for v in p.arg.vars}):
       g, l = p.arg.launch_dims(values)

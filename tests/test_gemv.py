@@ -107,6 +107,49 @@ def test_quantized_weights_of_few_groups(device, fmt, group, K):
   assert rel(gemv.gemv(x, lw, norm=(g, EPS), act="silu"), silu(gate_up[:, :8]) * gate_up[:, 8:]) < TOL["float16"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt,dtype,T,H,KVH,D,K,pad", [
+    (FLOAT, "float16", 1, 4, 2, 64, 256, None),   # batch-1 decode, GQA 2
+    (FLOAT, "float32", 3, 6, 2, 32, 96, 1),       # 3 rows, one a padding token
+    (FLOAT, "float32", 2, 2, 1, 32, 64, 0),       # the first row a padding token
+    (FLOAT, "float32", 1, 2, 1, 32, 64, 0),       # one row, a padding token: tinygrad dropped its mask once (writes none)
+    (FLOAT, "float16", 8, 2, 2, 80, 64, 5),       # MAX_ROWS rows, no GQA, a head_dim that is not a power of two
+    (INT4, "float16", 2, 4, 1, 64, 128, None),
+    (INT8, "float16", 1, 4, 2, 64, 128, None)])
+def test_qkv_projection_with_rope_and_cache_write(device, fmt, dtype, T, H, KVH, D, K, pad):
+  """`qkv_rope_write` against numpy: RMSNorm, the projection (+ bias), HF's rotate-half RoPE at each token's position
+  (tests/test_metal_kernels.py's reference) and the cache write: q rotated, k rotated and v in their slots, every other
+  slot untouched (a padding token, slot -1, writes nothing)."""
+  from test_metal_kernels import rope_ref, rope_table
+  from tinyvllm.kernels.kv_cache import PagedKVCache
+  rng = np.random.default_rng(T * 100 + H + D + K)
+  N, NB, BS = (H + 2 * KVH) * D, 12, 16
+  (x, w, g, b, _), (X, W, G, B, _) = inputs(rng, T, K, N, dtype, device)
+  if fmt == FLOAT: lw = LinearWeights(FLOAT, w, bias=b)
+  else: (lw, W), B = quantized(rng, fmt, N, K, device), np.zeros(N)
+  positions = rng.integers(0, 200, T).astype(np.int32)
+  slots = rng.permutation(NB * BS)[:T].astype(np.int32)
+  if pad is not None: slots[pad] = -1
+  table = rope_table(256, D, theta=500.0)
+  np_dtype = np.float32 if dtype == "float32" else np.float16
+  cache_np = [rng.standard_normal((NB, BS, KVH, D)).astype(np_dtype) for _ in range(2)]
+  cache = PagedKVCache(*(Tensor(a.copy(), device=device).realize() for a in cache_np))
+  q, written = gemv.qkv_rope_write(x, lw, (g, EPS), H, KVH, Tensor(positions, device=device), Tensor(table, device=device), cache,
+                                   Tensor(slots, device=device))
+  q, k, v = q.numpy(), written.k.numpy(), written.v.numpy()
+  heads = ((X / np.sqrt((X * X).mean(-1, keepdims=True) + EPS) * G) @ W.T + B).reshape(T, H + 2 * KVH, D)
+  rotated = rope_ref(heads, positions, table)
+  tol = TOL[dtype]
+  assert q.dtype == np.float32 and rel(Tensor(q), rotated[:, :H]) < tol
+  for got, before, ref in ((k, cache_np[0], rotated[:, H:H + KVH]), (v, cache_np[1], heads[:, H + KVH:])):
+    got, want = got.reshape(NB * BS, KVH, D), before.reshape(NB * BS, KVH, D).astype(np.float64).copy()
+    kept = slots >= 0
+    want[slots[kept]] = ref[kept]
+    others = np.setdiff1d(np.arange(NB * BS), slots[kept])
+    assert (got[others] == want[others]).all(), "only the tokens' slots are written"
+    if kept.any(): assert rel(Tensor(got[slots[kept]].astype(np.float64)), want[slots[kept]]) < tol
+
+
 def test_which_projections_take_it():
   """A GPU's float, INT4 and INT8 projections of at most MAX_ROWS rows; not the CPU device (our C kernels), not more
   rows (tinygrad's matmul and its tensor cores), not packed k-quants, not a sharded layer, and not INT4 on the metal

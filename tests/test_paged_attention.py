@@ -15,7 +15,7 @@ from test_metal_kernels import F16_TOL, F32_TOL, attention_ref, random_heads, re
 from kv_reference import dequantize_int8_ref, quantize_int8_ref
 from test_replay import DEVICES
 from tinyvllm.engine.replay import CountVariable
-from tinyvllm.kernels import AttentionGroup, paged
+from tinyvllm.kernels import AttentionGroup, paged, portable
 from tinyvllm.kernels.kv_cache import PagedKVCache
 
 NP = {dtypes.float32: np.float32, dtypes.float16: np.float16}
@@ -101,3 +101,31 @@ def test_int8_cache_is_read_through_its_scales(P, C):
   rng = np.random.default_rng(11 + P + C)
   for out, ref in run_case(rng, P, C, 4, 2, 64, 16, dtypes.float32, "int8"):
     assert rel_err(out, ref) < F32_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slot", [-1, 37])
+def test_a_lone_token_writes_its_slot_or_nothing(device, slot):
+  """One token: its K and V into its slot, or with slot -1 (padding) nowhere, through both cache writes: this module's
+  with RoPE and portable.write_kv's of given rows. With one token tinygrad dropped the store masks' check of the slot
+  once (portable.slot_in_range), and slot -1 overwrote the cache's last row."""
+  rng = np.random.default_rng(5)
+  H, KVH, D, NB, BS = 4, 2, 32, 6, 8
+  qkv, pos, table = random_heads(rng, (1, H + 2 * KVH, D)).astype(np.float32), np.array([9], np.int32), rope_table(64, D)
+  rotated = rope_ref(qkv.astype(np.float64), pos, table)
+  rows = [rotated[0, H:H + KVH].astype(np.float32), qkv[0, H + KVH:]]
+  with Context(DEV=device):
+    for write in ("rope", "rows"):
+      before = [random_heads(rng, (NB, BS, KVH, D)).astype(np.float32) for _ in range(2)]
+      cache = PagedKVCache(*(Tensor(a.copy()).realize() for a in before))
+      slots = Tensor(np.array([slot], np.int32))
+      if write == "rope":
+        q, cache = paged.write(Tensor(qkv.reshape(1, -1)), H, KVH, Tensor(pos), Tensor(table), cache, slots)
+        assert rel_err(q.numpy(), rotated[:, :H]) < F32_TOL
+        got = [cache.k.numpy(), cache.v.numpy()]
+      else: got = [t.numpy() for t in portable.write_kv([cache.k, cache.v], [Tensor(r[None]) for r in rows], slots)]
+      for g, b, row in zip(got, before, rows):
+        g, b = g.reshape(NB * BS, KVH, D), b.reshape(NB * BS, KVH, D)
+        others = np.arange(NB * BS) != slot
+        assert (g[others] == b[others]).all(), f"{write}: a row other than slot {slot} changed"
+        if slot >= 0: assert rel_err(g[slot], row.astype(np.float64)) < F32_TOL

@@ -219,6 +219,16 @@ class Kernels:
       qkv = Tensor.cat(*(x.reshape(T, -1) for x in self.head_norms(*portable.split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)), dim=1)
     return paged.rope_attention(qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, group, scale, window)
 
+  def norm_qkv_rope_attention(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights, n_heads: int, n_kv_heads: int,
+                              positions: Tensor, cos_sin: Tensor, cache: PagedKVCache, slot_mapping: Tensor, group: AttentionGroup,
+                              scale: float, window: int | None = None, softcap: float | None = None) -> tuple[Tensor, PagedKVCache] | None:
+    """`rope_attention` of the qkv projection `w` of RMSNorm(x) * norm_weight, where a GPU's decode step can write q and
+    the cache from its GEMV (kernels/gemv.py `qkv_rope_write`: a launch a layer fewer) and attend in the kernels of
+    kernels/paged.py: a float cache, no head norms (the caller's). None: project, then `rope_attention`."""
+    if not (self.takes_gemv(x, w) and paged.applies(cache, group.packed, softcap) and not cache.quantized): return None
+    q, cache = gemv.qkv_rope_write(x, w, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping)
+    return paged.attention(q, cache, group, scale, window, x.dtype), cache
+
   def head_norms(self, q: Tensor, k: Tensor, v: Tensor, qk_norms: tuple | None) -> tuple[Tensor, Tensor, Tensor]:
     """q `[T, H, D]`, k and v `[T, KVH, D]`, q and k RMS-normed head by head when `qk_norms` (q weight, k weight, eps)."""
     if qk_norms is None: return q, k, v
@@ -308,6 +318,7 @@ class ShaderKernels(Kernels):
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, residual=residual, out=out)
 
   def rope_attention(self, *args, **kwargs) -> None: return None   # our shaders below
+  def norm_qkv_rope_attention(self, *args, **kwargs) -> None: return None
 
   def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, qk_norms=None):
     if qk_norms is not None:   # q and k normed head by head first (Qwen3): the shader reads the row rebuilt from them

@@ -72,14 +72,14 @@ def _write_kernel(n_heads: int, D: int, opts: tuple, q_out: UOp, k: UOp, v: UOp,
   (token, q head, element): k and v store where the head is one of theirs. The head and the element are ranges of
   their own, so that no index divides: tinygrad would split a divided range into others, and `opts` (a GPU's block
   of threads along the element, `portable.block_opts`) name the axes as written."""
-  (T, width), KVH = qkv.shape, k.shape[2]
+  (T, width), (NB, BS, KVH, _) = qkv.shape, k.shape
   q_out, k, v, qkv, cos_sin = q_out.flatten(), k.flatten(), v.flatten(), qkv.flatten(), cos_sin.flatten()
   t, h, d = UOp.range(T, 0), UOp.range(n_heads, 1), UOp.range(D, 2)
   pos, slot, row = positions[t], slots[t], t * width
   stores = [q_out[(t * n_heads + h) * D + d].store(rotated(qkv, row + h * D, d, D, cos_sin, pos))]
-  inside = (slot >= 0) & (slot < k.shape[0] // (KVH * D))
-  if KVH < n_heads: inside = inside & (h < KVH)
   kv_h = (h < KVH).where(h, KVH - 1) if KVH < n_heads else h   # loads stay inside the row where the stores are masked off
+  inside = portable.slot_in_range(slot, KVH * D, kv_h * D + d, NB * BS)
+  if KVH < n_heads: inside = inside & (h < KVH)
   at = (slot * (KVH * D) + kv_h * D + d).valid(inside)
   key = rotated(qkv, row + (n_heads + kv_h) * D, d, D, cos_sin, pos)
   value = qkv[row + (n_heads + KVH + kv_h) * D + d]
@@ -161,19 +161,32 @@ def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor
                    slot_mapping: Tensor, group: AttentionGroup, scale: float, window: int | None = None) -> tuple[Tensor, PagedKVCache]:
   """RoPE, the cache write and attention of one group (kernels.AttentionGroup) from the qkv projection's output
   `[T, (H + 2 KVH) D]`. Returns (attention output `[T, H*D]`, the cache ordered after the write)."""
-  T, D, BS = qkv.shape[0], cache.head_dim, cache.k.shape[1]
-  P, C, G = group.num_seqs, group.query_len, n_heads // n_kv_heads
+  q, cache = write(qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping)
+  return attention(q, cache, group, scale, window, qkv.dtype), cache
+
+
+def write(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
+          slot_mapping: Tensor) -> tuple[Tensor, PagedKVCache]:
+  """q rotated `[T, H, D]` (float32) from the qkv projection's output, and the cache after k rotated and v are written
+  into their slots."""
+  T, D = qkv.shape[0], cache.head_dim
   qkv, cos_sin = qkv.contiguous(), cos_sin.contiguous()
   if cache.quantized:   # int8: the scale of each head vector is a row maximum, which tensor ops compute first
     q, k, v = portable.split_qkv(qkv, n_heads, n_kv_heads, D)
     q, cache = portable.rope_and_write_cache(q.float(), k, v, positions, cos_sin, cache, slot_mapping)
-    q = q.contiguous()
-  else:
-    q = Tensor.empty(T, n_heads, D, dtype=dtypes.float32, device=qkv.device)
-    q, k, v = Tensor.custom_kernel(q, cache.k, cache.v, qkv, positions, cos_sin, slot_mapping,
-                                   fxn=functools.partial(_write_kernel, n_heads, D, portable.block_opts(qkv.device, T, D, axes=3)))[:3]
-    cache = cache.written(k, v)
-  scores_opts, values_opts = kernel_opts(str(qkv.device), C, BS)
+    return q.contiguous(), cache
+  q = Tensor.empty(T, n_heads, D, dtype=dtypes.float32, device=qkv.device)
+  q, k, v = Tensor.custom_kernel(q, cache.k, cache.v, qkv, positions, cos_sin, slot_mapping,
+                                 fxn=functools.partial(_write_kernel, n_heads, D, portable.block_opts(qkv.device, T, D, axes=3)))[:3]
+  return q, cache.written(k, v)
+
+
+def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: float, window: int | None, dtype) -> Tensor:
+  """Attention of one group's rotated q `[T, H, D]` (float32) over the cache it was written into: the output `[T, H*D]`
+  as `dtype` (the model's), as the o projection reads it."""
+  (T, n_heads, D), BS, n_kv_heads = q.shape, cache.k.shape[1], cache.k.shape[2]
+  P, C, G = group.num_seqs, group.query_len, n_heads // n_kv_heads
+  scores_opts, values_opts = kernel_opts(str(q.device), C, BS)
   blocks = group.kernel_blocks if group.kernel_blocks is not None else group.used_blocks
   S_kernel, S = blocks * BS, group.used_blocks * BS
   k_scale = (cache.k_scale,) if cache.quantized else ()
@@ -181,14 +194,13 @@ def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor
   tables, q_pos = group.block_tables.contiguous(), group.q_pos.contiguous()
   # as wide as the extent can be: the Variable's maximum (a prefill shape's bound, or the table's width)
   width = blocks.vmax if isinstance(blocks, UOp) else tables.shape[1]
-  full = Tensor.empty(P, n_kv_heads, G * C, width * BS, dtype=dtypes.float32, device=qkv.device)
+  full = Tensor.empty(P, n_kv_heads, G * C, width * BS, dtype=dtypes.float32, device=q.device)
   full = Tensor.custom_kernel(full, q, tables, q_pos, cache.k, *k_scale,
                               fxn=functools.partial(_scores_kernel, scores_opts, BS, scale, window, S_kernel))[0]
   row_max = full[..., :S].max(-1, keepdim=True).contiguous()
   exponentiated = C > 1 or P * n_heads > EXP_INLINE_ROWS
   if exponentiated: full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, S_kernel))[0]
-  out = Tensor.empty(T, n_heads * D, dtype=qkv.dtype, device=qkv.device)
+  out = Tensor.empty(T, n_heads * D, dtype=dtype, device=q.device)
   out = Tensor.custom_kernel(out, full, tables, cache.v, *v_scale, *(() if exponentiated else (row_max,)),
                              fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, blocks))[0]
-  return out, cache
-
+  return out

@@ -64,6 +64,16 @@ def block_opts(device: str | tuple[str, ...], T: int, size: int, axes: int = 2) 
   return (Opt(OptOps.LOCAL, axes - 1 - int(T == 1), n),)   # tinygrad's axes drop a range of size 1
 
 
+def slot_in_range(slot: UOp, row_size: int, e: UOp, n_slots: int) -> UOp:
+  """The mask of a cache store at `slot * row_size + e` (e in [0, row_size), with a range of the store's index): is the
+  slot one of the cache's n_slots (a padding token's -1 is not)? Written as bounds on that index, not on the slot:
+  tinygrad, flattening a buffer's shape inside a kernel, drops a store mask's clauses that name no range of the index,
+  and with one token (its range of size 1 gone) a check on the slot alone is such a clause: slot -1 then wrapped onto
+  the cache's last row."""
+  at = slot * row_size + e
+  return (at >= 0) & (at < n_slots * row_size)
+
+
 def _cache_write_kernel(n: int, device: str | tuple[str, ...], *bufs: UOp) -> UOp:
   """caches[i][slot] = its row of token t, for every t with a slot in range and each of the n caches, in one kernel
   (bufs: the caches, their row tensors, the slots). A cache's row is everything after its first two axes (block,
@@ -85,7 +95,7 @@ def _cache_write_kernel(n: int, device: str | tuple[str, ...], *bufs: UOp) -> UO
     src = rows[i] if len(rows) == n else rows[0]
     width, first = math.prod(src.shape[1:]), 0 if len(rows) == n else i * row_size
     inside = (e < row_size) if row_size < longest else None
-    ok = (slot >= 0) & (slot < cache.shape[0] * cache.shape[1])
+    ok = slot_in_range(slot, row_size, e, cache.shape[0] * cache.shape[1])
     # guard the index itself: 0.14 rejects gated stores on an INDEX built from a multi-dim subscript
     dst = cache.flatten()[(slot * row_size + e).valid(ok if inside is None else ok & inside)]
     at = t * width + first + e

@@ -110,10 +110,15 @@ class LlamaLayer:
   def _compose(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None) -> Tensor:
     cfg, kn, w = self.cfg, self.kernels, self.weights
     H, KVH = cfg.num_attention_heads, cfg.num_key_value_heads
-    qkv = self.normed_linear("self_attn.qkv_proj", h, "input_layernorm.weight")
-    qk_norms = (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"], cfg.rms_norm_eps) if cfg.qk_norm else None
-    fused = kn.rope_attention(qkv, H, KVH, inp.positions, cos_sin, cache, inp.slot_mapping, inp.groups[0], cfg.attention_scale,
-                              self.window, cfg.attn_logit_softcapping, qk_norms) if len(inp.groups) == 1 else None
+    one_group, qkv_parts, fused = len(inp.groups) == 1, projection_parts(self.linears, "self_attn.qkv_proj"), None
+    if one_group and len(qkv_parts) == 1 and not cfg.qk_norm:   # where the projection can write q and the cache itself
+      fused = kn.norm_qkv_rope_attention(h, w["input_layernorm.weight"], cfg.rms_norm_eps, qkv_parts[0], H, KVH, inp.positions, cos_sin,
+                                         cache, inp.slot_mapping, inp.groups[0], cfg.attention_scale, self.window, cfg.attn_logit_softcapping)
+    if fused is None:
+      qkv = self.normed_linear("self_attn.qkv_proj", h, "input_layernorm.weight")
+      qk_norms = (w["self_attn.q_norm.weight"], w["self_attn.k_norm.weight"], cfg.rms_norm_eps) if cfg.qk_norm else None
+      fused = kn.rope_attention(qkv, H, KVH, inp.positions, cos_sin, cache, inp.slot_mapping, inp.groups[0], cfg.attention_scale,
+                                self.window, cfg.attn_logit_softcapping, qk_norms) if one_group else None
     if fused is not None: att, cache = fused
     else:
       q, cache = kn.rope_and_cache_write(qkv, H, KVH, inp.positions, cos_sin, cache, inp.slot_mapping, qk_norms)
