@@ -417,7 +417,7 @@ class ModelRunner:
       return ModelInputs(None, positions, slots, [group], None)
 
     def head(h: Tensor, rows: Tensor, tokens: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-      logits = self.model.logits(h, rows)
+      logits = self.model.logits(h, None if shape.is_decode else rows)   # decode: row i is sequence i's token
       if not (self.argmax_on_device and shape.is_decode): return logits
       argmax = self.model.kernels.argmax(logits)   # decode: greedy steps read only this
       if history is not None: Tensor.realize(logits, argmax, *portable.store_tokens(history, counter, tokens, argmax))

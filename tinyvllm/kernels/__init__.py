@@ -318,7 +318,15 @@ class ShaderKernels(Kernels):
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, residual=residual, out=out)
 
   def rope_attention(self, *args, **kwargs) -> None: return None   # our shaders below
-  def norm_qkv_rope_attention(self, *args, **kwargs) -> None: return None
+
+  def norm_qkv_rope_attention(self, x, norm_weight, eps, w, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, group, scale,
+                              window=None, softcap=None):
+    """Where the qkv projection is our GEMV (float or INT8 weights, a decode step's few rows) and the cache is float,
+    the GEMV writes q (in the model's dtype, as the attention shaders read it) and the cache, and the RoPE shader's
+    launch goes; the attention is the shaders'. An int8 cache's scales stay the RoPE shader's to write."""
+    if not self.takes_gemv(x, w) or cache.quantized: return None
+    q, cache = gemv.qkv_rope_write(x, w, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, q_dtype=x.dtype)
+    return self.attention(q, cache, group, scale, window, softcap), cache
 
   def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, qk_norms=None):
     if qk_norms is not None:   # q and k normed head by head first (Qwen3): the shader reads the row rebuilt from them

@@ -163,7 +163,7 @@ def _gemv_kernel(opts: tuple, fmt: str, eps: float | None, act: str | None, inte
 def _qkv_rope_kernel(opts: tuple, fmt: str, eps: float | None, has_bias: bool, q_out: UOp, k_cache: UOp, v_cache: UOp, x: UOp,
                      *rest: UOp) -> UOp:
   """The qkv projection of x `[T, K]` (weight rows: H q heads, KVH k heads, KVH v heads of D) with RoPE and the cache
-  write done at the store: q rotated into q_out `[T, H, D]` (float32), k rotated and v into the caches `[NB, BS, KVH,
+  write done at the store: q rotated into q_out `[T, H, D]`, k rotated and v into the caches `[NB, BS, KVH,
   D]` at each token's slot (slot -1, a padding token, writes no K/V: `portable.slot_in_range`). rest: the inputs `_projector` reads, then the
   positions `[T]`, the cos/sin table `[positions, D]` (kernels/paged.py's `rotated`) and the slots `[T]`.
 
@@ -188,7 +188,7 @@ def _qkv_rope_kernel(opts: tuple, fmt: str, eps: float | None, has_bias: bool, q
     element = kv_h * D + i + offset
     slot_ok = portable.slot_in_range(slot, rows_per_slot, element, NB * BS)
     kv_at = slot * rows_per_slot + element
-    stores += [q_out[((t * H + is_q.where(h, 0)) * D + i + offset).valid(is_q)].store(rot),
+    stores += [q_out[((t * H + is_q.where(h, 0)) * D + i + offset).valid(is_q)].store(rot.cast(q_out.dtype)),
                k_cache[kv_at.valid(is_k & slot_ok)].store(rot.cast(k_cache.dtype)), v_cache[kv_at.valid(is_v & slot_ok)].store(raw.cast(v_cache.dtype))]
   name = "_".join(["gemv", *_tags(fmt, eps), "rope", str(T), str(H), str(KVH), str(D), str(x.shape[1])])
   return UOp.sink(UOp.group(*stores).end(t, h, i), arg=KernelInfo(name=name, opts_to_apply=opts))
@@ -222,15 +222,15 @@ def gemv(x: Tensor, w: LinearWeights, *, norm: tuple[Tensor, float] | None = Non
 
 
 def qkv_rope_write(x: Tensor, w: LinearWeights, norm: tuple[Tensor, float], n_heads: int, n_kv_heads: int, positions: Tensor,
-                   cos_sin: Tensor, cache: PagedKVCache, slot_mapping: Tensor) -> tuple[Tensor, PagedKVCache]:
+                   cos_sin: Tensor, cache: PagedKVCache, slot_mapping: Tensor, q_dtype=dtypes.float32) -> tuple[Tensor, PagedKVCache]:
   """The qkv projection of RMSNorm(x) (W `[(H + 2 KVH) D, K]`, any format `applies` takes), RoPE (HF's rotate-half,
   from the `[positions, D]` cos/sin table) and the write of k and v into their slots of a float cache, in one kernel:
-  the decode step's projection stores its heads where they go. Returns (q rotated `[T, H, D]` in float32, the cache
-  ordered after the write)."""
+  the decode step's projection stores its heads where they go. Returns (q rotated `[T, H, D]` as `q_dtype`: float32
+  for kernels/paged.py, the model's for the attention shaders; the cache ordered after the write)."""
   T, K = x.shape
   D = cache.head_dim
   assert w.in_features == K and w.weight.shape[0] == (n_heads + 2 * n_kv_heads) * D and not cache.quantized, (x.shape, w.weight.shape)
-  q = Tensor.empty(T, n_heads, D, dtype=dtypes.float32, device=x.device)
+  q = Tensor.empty(T, n_heads, D, dtype=q_dtype, device=x.device)
   opts = kernel_opts(x.device, w.format, T, D // 2, K, w.group_size, w.weight.dtype.itemsize, paired=True)
   fxn = functools.partial(_qkv_rope_kernel, opts, w.format, norm[1], w.bias is not None)
   q, k, v = Tensor.custom_kernel(q, cache.k, cache.v, *_projection_inputs(x, w, norm), positions.contiguous(), cos_sin.contiguous(),

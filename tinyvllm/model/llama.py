@@ -285,8 +285,11 @@ class Llama:
     if not self.cfg.scale_embeddings: return rows
     return rows * Tensor(self.cfg.hidden_size ** 0.5, dtype=self.dtype, device=rows.device)
 
-  def logits(self, h: Tensor, rows: Tensor) -> Tensor:
-    logits = self.kernels.norm_linear(h[rows], self.norm, self.cfg.rms_norm_eps, self.lm_head).float()   # (R, vocab)
+  def logits(self, h: Tensor, rows: Tensor | None) -> Tensor:
+    """float32 logits of h's `rows` (None: every row, as in a decode pass, where each row is its sequence's last token
+    and gathering them would be a copy of h: a launch a step)."""
+    h = h if rows is None else h[rows]
+    logits = self.kernels.norm_linear(h, self.norm, self.cfg.rms_norm_eps, self.lm_head).float()   # (R, vocab)
     if (cap := self.cfg.final_logit_softcapping) is not None: logits = (logits / cap).tanh() * cap
     # tensor parallel: each device's share of the vocabulary (or a whole copy), gathered on the first device
     return logits if isinstance(logits.device, str) else logits.to(logits.device[0])
