@@ -108,6 +108,17 @@ def test_quantized_weights_of_few_groups(device, fmt, group, K):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,K,N", [(1, 256, 96), (8, 64, 40)])
+def test_float32_logits_from_half_rows(device, T, K, N):
+  """The LM head's GEMV (`Kernels.norm_logits`) stores float32 from float16 x and weights: the float32 sum unrounded,
+  so within float32's tolerance of the float64 reference, where a float16 output would be 2^-11 off."""
+  rng = np.random.default_rng(T + K + N)
+  (x, w, g, _, _), (X, W, G, _, _) = inputs(rng, T, K, N, "float16", device)
+  y = gemv.gemv(x, LinearWeights(FLOAT, w), norm=(g, EPS), dtype=dtypes.float32)
+  assert y.dtype == dtypes.float32 and rel(y, (X / np.sqrt((X * X).mean(-1, keepdims=True) + EPS) * G) @ W.T) < TOL["float32"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt,dtype,T,H,KVH,D,K,pad", [
     (FLOAT, "float16", 1, 4, 2, 64, 256, None),   # batch-1 decode, GQA 2
     (FLOAT, "float32", 3, 6, 2, 32, 96, 1),       # 3 rows, one a padding token

@@ -79,7 +79,7 @@ def cpu_tokens(model, dtype: str, quant: str, backend: str, prompts=PROMPTS, max
 
 
 LAYERS = 4
-OUTSIDE_LAYERS = 8   # launches of a step's input replay and LM head (5; 7 with INT4's head, 8 in float16: its logits cast)
+OUTSIDE_LAYERS = 8   # launches of a step's input replay and LM head (5; 7 with INT4's head, 8 with it in float16: its logits cast)
 # launches per layer (docs/kernels.md, "Kernels per decode step"): with float weights, the qkv projection (our GEMV,
 # kernels/gemv.py, norms x inside and writes q, k and v rotated where they go: no RoPE shader), attention, o (+
 # residual), gate/up (normed and gated inside: no SwiGLU kernel), down (+ residual) (5); with INT4 the shader GEMV norms

@@ -155,6 +155,12 @@ class Kernels:
     if self.takes_gemv(x, w): return gemv.gemv(x, w, norm=(norm_weight, eps))
     return self.linear(self.rms_norm(x, norm_weight, eps), w)
 
+  def norm_logits(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights) -> Tensor:
+    """`norm_linear` as float32: the LM head's logits. A GPU decode step's GEMV stores them as float32 itself (summed in
+    float32 and rounded once), where a cast after it was a launch of its own."""
+    if self.takes_gemv(x, w): return gemv.gemv(x, w, norm=(norm_weight, eps), dtype=dtypes.float32)
+    return self.norm_linear(x, norm_weight, eps, w).float()
+
   def norm_glu(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights, inter: int, act: str = "silu") -> Tensor:
     """act(gate) * up of the fused gate/up projection (`[2 inter, in]`) of RMSNorm(x) * norm_weight: one kernel for a
     GPU's decode step, where the norm, the projection and the gating were three."""

@@ -202,18 +202,19 @@ def _projection_inputs(x: Tensor, w: LinearWeights, norm: tuple[Tensor, float] |
 
 
 def gemv(x: Tensor, w: LinearWeights, *, norm: tuple[Tensor, float] | None = None, act: str | None = None,
-         residual: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+         residual: Tensor | None = None, out: Tensor | None = None, dtype=None) -> Tensor:
   """x `[T, K]` @ W^T (+ W's bias), W `[N, K]` stored as floats, INT4 groups or INT8 (`applies`), in one kernel:
     norm=(w, eps)   x RMS-normed (times w) first
     act             W is gate and up stacked (`[2 I, K]`): returns act(gate) * up, `[T, I]` (SwiGLU "silu", GeGLU
                     "gelu_pytorch_tanh")
     residual        `[T, N]` added to the product
-    out             a realized `[T, N]` buffer to write (the layer's output)"""
+    out             a realized `[T, N]` buffer to write (the layer's output)
+    dtype           the output's, when not x's (the LM head's float32 logits: no cast kernel after it)"""
   T, K = x.shape
   assert w.in_features == K, (x.shape, w.in_features)
   assert act is None or residual is None, "a gated projection's output is not the residual stream's"
   N = w.weight.shape[0] // 2 if act is not None else w.weight.shape[0]
-  y = Tensor.empty(T, N, dtype=x.dtype, device=x.device) if out is None else out
+  y = Tensor.empty(T, N, dtype=dtype or x.dtype, device=x.device) if out is None else out
   opts = kernel_opts(x.device, w.format, T, N, K, w.group_size, w.weight.dtype.itemsize)
   inputs = _projection_inputs(x, w, norm) + ([residual.contiguous()] if residual is not None else [])
   fxn = functools.partial(_gemv_kernel, opts, w.format, norm[1] if norm is not None else None, act, N if act is not None else 0,

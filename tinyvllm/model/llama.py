@@ -289,7 +289,7 @@ class Llama:
     """float32 logits of h's `rows` (None: every row, as in a decode pass, where each row is its sequence's last token
     and gathering them would be a copy of h: a launch a step)."""
     h = h if rows is None else h[rows]
-    logits = self.kernels.norm_linear(h, self.norm, self.cfg.rms_norm_eps, self.lm_head).float()   # (R, vocab)
+    logits = self.kernels.norm_logits(h, self.norm, self.cfg.rms_norm_eps, self.lm_head)   # (R, vocab), float32
     if (cap := self.cfg.final_logit_softcapping) is not None: logits = (logits / cap).tanh() * cap
     # tensor parallel: each device's share of the vocabulary (or a whole copy), gathered on the first device
     return logits if isinstance(logits.device, str) else logits.to(logits.device[0])
