@@ -107,12 +107,18 @@ def _cache_write_kernel(n: int, device: str | tuple[str, ...], *bufs: UOp) -> UO
 
 
 def argmax(x: Tensor) -> Tensor:
-  """int32 index of each row's largest value `[..., V] -> [...]`, as numpy's argmax picks it: the first of equal maxima,
-  and the first NaN of a row holding one (tinygrad's own argmax ignores NaN on some devices). Two kernels: the row's
-  max, then the largest key of NaN (2V) / equal to the max (V) / neither (0), plus V minus the index."""
+  """int32 index of each row's largest value `[..., V] -> [...]`, as numpy's argmax picks it: the first of equal maxima
+  (-0.0 equal to 0.0), and the first NaN of a row holding one (tinygrad's own argmax ignores NaN on some devices).
+
+  One reduction, so one kernel: the max of a 64-bit key per element, the value's float32 bits made to order as the
+  floats do (negatives' bits inverted, positives' top bit set; every NaN the largest key, -0.0 taken as 0.0) above
+  V - 1 - its index (the first of equal values the largest). Two reductions (the max, then the first index at it) were
+  two launches a decode step."""
   V = x.shape[-1]
-  key = x.isnan().where(2 * V, (x == x.max(-1, keepdim=True)).where(V, 0)) + Tensor.arange(V, 0, -1, dtype=dtypes.int32).to(x.device)
-  return V - 1 - (key.max(-1) - 1) % V
+  bits = (x == 0).where(0.0, x.float()).bitcast(dtypes.uint32)
+  ordered = x.isnan().where(0xFFFFFFFF, (bits >= 0x80000000).where(bits ^ 0xFFFFFFFF, bits | 0x80000000))
+  key = (ordered.cast(dtypes.uint64) << 32) | Tensor.arange(V - 1, -1, -1, dtype=dtypes.uint64).to(x.device)
+  return (V - 1 - (key.max(-1) & 0xFFFFFFFF).cast(dtypes.int32)).cast(dtypes.int32)
 
 
 def _split_kernel(sizes: tuple[int, ...], per_pass: tuple[bool, ...], opts: tuple, *bufs: UOp) -> UOp:
