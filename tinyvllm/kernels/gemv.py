@@ -163,9 +163,9 @@ def _gemv_kernel(opts: tuple, fmt: str, eps: float | None, act: str | None, inte
 def _qkv_rope_kernel(opts: tuple, fmt: str, eps: float | None, has_bias: bool, q_out: UOp, k_cache: UOp, v_cache: UOp, x: UOp,
                      *rest: UOp) -> UOp:
   """The qkv projection of x `[T, K]` (weight rows: H q heads, KVH k heads, KVH v heads of D) with RoPE and the cache
-  write done at the store: q rotated into q_out `[T, H, D]`, k rotated and v into the caches `[NB, BS, KVH,
-  D]` at each token's slot (slot -1, a padding token, writes no K/V: `portable.slot_in_range`). rest: the inputs `_projector` reads, then the
-  positions `[T]`, the cos/sin table `[positions, D]` (kernels/paged.py's `rotated`) and the slots `[T]`.
+  write done at the store: q rotated into q_out `[T, H, D]`, k rotated and v into the caches `[NB, BS, KVH, D]` at
+  each token's slot (slot -1, a padding token, writes no K/V: `portable.slot_in_range`). rest: the inputs `_projector`
+  reads, then the positions `[T]`, the cos/sin table `[positions, D]` (kernels/paged.py's `rotated`) and the slots.
 
   HF's rotate-half RoPE mixes element i of a head with element i + D/2, so a thread computes that pair of weight rows
   (ranges: token, head, i < D/2) and stores both; v heads are stored as they are."""
@@ -189,7 +189,8 @@ def _qkv_rope_kernel(opts: tuple, fmt: str, eps: float | None, has_bias: bool, q
     slot_ok = portable.slot_in_range(slot, rows_per_slot, element, NB * BS)
     kv_at = slot * rows_per_slot + element
     stores += [q_out[((t * H + is_q.where(h, 0)) * D + i + offset).valid(is_q)].store(rot.cast(q_out.dtype)),
-               k_cache[kv_at.valid(is_k & slot_ok)].store(rot.cast(k_cache.dtype)), v_cache[kv_at.valid(is_v & slot_ok)].store(raw.cast(v_cache.dtype))]
+               k_cache[kv_at.valid(is_k & slot_ok)].store(rot.cast(k_cache.dtype)),
+               v_cache[kv_at.valid(is_v & slot_ok)].store(raw.cast(v_cache.dtype))]
   name = "_".join(["gemv", *_tags(fmt, eps), "rope", str(T), str(H), str(KVH), str(D), str(x.shape[1])])
   return UOp.sink(UOp.group(*stores).end(t, h, i), arg=KernelInfo(name=name, opts_to_apply=opts))
 
