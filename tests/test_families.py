@@ -181,6 +181,41 @@ def test_engine_greedy_matches_hf_generate(family_model, name, backend):
     assert outputs[i] == want.tolist(), f"prompt {i}"
 
 
+@pytest.mark.parametrize("name", ["qwen2_metal", "phi4_metal"])
+def test_gpu_decode_path_matches_hf(family_model, name):
+  """A GPU's decode step for the families (here the emulated METAL device, metal backend, float32): the qkv
+  projection is our GEMV, which writes q and the cache rotated (kernels/gemv.py `qkv_rope_write`), with q/k/v biases
+  (Qwen2) or RoPE on 0.75 of each head (Phi-4's partial rotary). Greedy tokens equal HF's generate; each token's
+  logprob within TOL of HF's log-softmax at its position."""
+  from tinygrad.helpers import Context
+  from test_cuda_compile import captured_programs
+  from test_replay import DEVICES
+  if "METAL" not in DEVICES: pytest.skip("no METAL device here (TINYVLLM_EMULATE_METAL=0)")
+  path = family_model(name)
+  prompts = [np.random.default_rng(i).integers(0, 380, n).tolist() for i, n in enumerate((9, 14))]
+  outs = {}
+  with Context(DEV="METAL"):
+    engine = LLMEngine.from_kwargs(str(path), dtype="float32", kernel_backend="metal", block_size=16, max_model_len=64)
+    for i, p in enumerate(prompts):
+      engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1))
+    while engine.has_unfinished_requests():
+      for out in engine.step():
+        if out.finished: outs[int(out.request_id)] = out.outputs[0]
+    names = {p.arg.name for p in captured_programs(engine)}
+  assert any(n.startswith("gemv_norm_rope") for n in names), sorted(names)
+  model = hf_model(path)
+  for i, prompt in enumerate(prompts):
+    c = outs[i]
+    with torch.no_grad():
+      want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=10,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert c.token_ids == want
+    logits = hf_logits(model, prompt + want)[len(prompt) - 1:-1]
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    got = np.array([lp[t].logprob for lp, t in zip(c.logprobs, want)])
+    assert np.abs(got - ref[np.arange(len(want)), want]).max() < TOL
+
+
 def test_a_fused_tensor_of_the_wrong_size_is_named(family_model, tmp_path):
   import shutil
   from safetensors.numpy import load_file, save_file
