@@ -177,11 +177,15 @@ def largest(x: np.ndarray, k: int) -> np.ndarray:
   if k >= x.size: return np.arange(x.size)
   top = x.max()
   for gap in (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0):
-    if (count := np.count_nonzero(x >= top - gap)) >= k:
+    near = x >= top - gap
+    if (count := np.count_nonzero(near)) >= k:
       if count > max(64 * k, 4096): break   # a flat row: as many as the whole
-      near = np.flatnonzero(x >= top - gap)
+      near = np.flatnonzero(near)
       return near if near.size == k else near[np.argpartition(-x[near], k - 1)[:k]]
   return np.argpartition(-x, k - 1)[:k]
+
+
+_LOGPROB_ELEMENTS = 1 << 23   # 32 MB of float32 exps at once: 64 rows of a 128k vocabulary
 
 
 def token_logprobs(rows: np.ndarray, tokens: list[int], k: int) -> list[list[tuple[int, float, int]]]:
@@ -201,12 +205,9 @@ def token_logprobs(rows: np.ndarray, tokens: list[int], k: int) -> list[list[tup
       best = largest(row, k)
       best = best[np.lexsort((best, -row[best]))]
       entry = [(int(t), float(row[t]) - norm, i + 1) for i, t in enumerate(best)]
-      if token not in best: entry.insert(0, (token, float(row[token]) - norm, np.count_nonzero(row > row[token]) + 1))
+      if token not in best: entry.insert(0, (token, float(row[token]) - norm, int(np.count_nonzero(row > row[token])) + 1))
       out.append(entry)
   return out
-
-
-_LOGPROB_ELEMENTS = 1 << 23   # 32 MB of float32 exps at once: 64 rows of a 128k vocabulary
 
 
 def speculative_accept(p: np.ndarray, q: np.ndarray, drafts: list[int], generator: np.random.Generator) -> list[int]:

@@ -118,7 +118,7 @@ def argmax(x: Tensor) -> Tensor:
   bits = (x == 0).where(0.0, x.float()).bitcast(dtypes.uint32)
   ordered = x.isnan().where(0xFFFFFFFF, (bits >= 0x80000000).where(bits ^ 0xFFFFFFFF, bits | 0x80000000))
   key = (ordered.cast(dtypes.uint64) << 32) | Tensor.arange(V - 1, -1, -1, dtype=dtypes.uint64).to(x.device)
-  return (V - 1 - (key.max(-1) & 0xFFFFFFFF).cast(dtypes.int32)).cast(dtypes.int32)
+  return V - 1 - (key.max(-1) & 0xFFFFFFFF).cast(dtypes.int32)
 
 
 def _split_kernel(sizes: tuple[int, ...], per_pass: tuple[bool, ...], opts: tuple, *bufs: UOp) -> UOp:
