@@ -10,14 +10,17 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 from tinyvllm.kernels import gemv
-from tinyvllm.quant.formats import FLOAT, INT4, INT8, LinearWeights
+from tinyvllm.quant import blocks
+from tinyvllm.quant.formats import FLOAT, INT4, INT8, PACKED, LinearWeights
+from test_blocks import random_ggml
 from test_replay import DEVICES
 
 TOL = {"float32": 1e-5, "float16": 2e-3}
 EPS = 1e-5
 
 
-def silu(z): return z / (1 + np.exp(-z))
+def silu(z):
+  with np.errstate(over="ignore"): return z / (1 + np.exp(-z))   # exp(-z) overflows to inf for z < -709: silu -> -0
 def gelu_tanh(z): return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
 
 
@@ -37,7 +40,14 @@ def inputs(rng, T: int, K: int, N: int, dtype: str, device: str):
 def quantized(rng, fmt: str, N: int, K: int, device: str, group: int = 32) -> tuple[LinearWeights, np.ndarray]:
   """A random weight stored as `fmt` (quant/formats.py) on the device, and the float64 matrix it holds, from its codes:
   INT4, codes 0..15 packed 8 a uint32 (code i in bits 4i..4i+3) times a float16 scale plus a bias per `group`; INT8,
-  codes -127..127 times a float16 scale per 32."""
+  codes -127..127 times a float16 scale per 32; a GGUF type's name (Q4_K, ...), random valid blocks repacked
+  (quant/blocks.py), the matrix the `gguf` package's dequantizer reads from them."""
+  if fmt in blocks.GGML_TYPES:
+    import gguf
+    raw = random_ggml(fmt, N, K, rng)
+    parts, spec = blocks.from_ggml(raw, fmt, (N, K))
+    W = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).reshape(N, K).astype(np.float64)
+    return LinearWeights(PACKED, **{k: Tensor(v, device=device).realize() for k, v in parts.items() if k != "qspec"}, spec=spec), W
   if fmt == INT4:
     codes = rng.integers(0, 16, (N, K)).astype(np.uint32)
     scales, biases = (rng.standard_normal((N, K // group)) * 0.05).astype(np.float16), (rng.standard_normal((N, K // group)) * 0.1).astype(np.float16)
@@ -107,6 +117,70 @@ def test_quantized_weights_of_few_groups(device, fmt, group, K):
   assert rel(gemv.gemv(x, lw, norm=(g, EPS), act="silu"), silu(gate_up[:, :8]) * gate_up[:, 8:]) < TOL["float16"]
 
 
+PACKED_CASES = [(q, 512) for q in blocks.GGML_TYPES] + [("Q4_K", 2048), ("Q6_K", 4352), ("affine6g64", 512), ("affine8g32", 256)]
+# on the emulated METAL device (the GPU schedule; a few seconds a kernel to compile there), one case of each way of
+# reading a code and its scale: 6-bit fields and 32 threads (Q4_K), 2 high bits and signed two-level scales (Q6_K), 1
+# high bit and float16 scale and bias (Q5_1), a codebook (IQ4_NL), 4 high bits in groups of 32 (MLX 8-bit)
+ON_METAL = {("Q4_K", 2048), ("Q6_K", 512), ("Q5_1", 512), ("IQ4_NL", 512), ("affine8g32", 256)}
+
+
+def packed(rng, name: str, N: int, K: int, device: str) -> tuple[LinearWeights, np.ndarray]:
+  """A packed weight (quant/blocks.py) and its float64 matrix: a GGUF type's (`quantized`), or MLX's affine b-bit with
+  groups of G ("affine6g64"), laid out from random codes, scales and biases (its matrix computed from those)."""
+  if name in blocks.GGML_TYPES: return quantized(rng, name, N, K, device)
+  bits, G = map(int, name[len("affine"):].split("g"))
+  codes = rng.integers(0, 1 << bits, (N, K), dtype=np.uint8)
+  s, b = (rng.uniform(0.001, 0.02, (N, K // G)) * rng.choice([-1, 1], (N, K // G))).astype(np.float16), rng.uniform(-0.3, 0.3, (N, K // G)).astype(np.float16)
+  spec = blocks.QuantSpec(bits, G)
+  parts = blocks.layout(codes, spec, s, None, b)
+  W = codes * np.repeat(s.astype(np.float64), G, 1) + np.repeat(b.astype(np.float64), G, 1)
+  return LinearWeights(PACKED, **{k: Tensor(v, device=device).realize() for k, v in parts.items() if k != "qspec"}, spec=spec), W
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,K", PACKED_CASES, ids=[f"{q}-K{K}" for q, K in PACKED_CASES])
+def test_packed_weights_match_gguf(device, name, K):
+  """Every packed layout (GGUF's k-quants, Q5_0/Q5_1, IQ4_XS/IQ4_NL; MLX's 6- and 8-bit) read inside the kernel,
+  normed and gated (both halves of the rows: two reads of the weight a thread), against the `gguf` package's
+  dequantizer (MLX's: numpy from the codes). K = 2048 gives Q4_K's row its 32 threads over 3 ranges of k's bits
+  (`gemv._packed_opts`); 4352 is 17 super-blocks (a top range that is no power of two). Tolerance: float32 outputs,
+  1e-5 (summation order only)."""
+  if device != "CPU" and (name, K) not in ON_METAL: pytest.skip("read the same way as a case that runs here")
+  rng = np.random.default_rng(K + len(name))
+  N = 16
+  (x, _, g, _, _), (X, _, G, _, _) = inputs(rng, 2, K, N, "float32", device)
+  lw, W = packed(rng, name, N, K, device)
+  normed = X / np.sqrt((X * X).mean(-1, keepdims=True) + EPS) * G
+  gate_up = normed @ W.T
+  assert rel(gemv.gemv(x, lw, norm=(g, EPS), act="silu"), silu(gate_up[:, :N // 2]) * gate_up[:, N // 2:]) < TOL["float32"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gate_and_up_stored_apart(device):
+  """Gate (Q4_K) and up (Q6_K) in different formats, as a Q4_K_M file may store them: the up GEMV gates its product by
+  the gate GEMV's output (`gate=`), against numpy."""
+  rng = np.random.default_rng(9)
+  (x, _, g, _, _), (X, _, G, _, _) = inputs(rng, 3, 256, 32, "float32", device)
+  (gate, Wg), (up, Wu) = quantized(rng, "Q4_K", 32, 256, device), quantized(rng, "Q6_K", 32, 256, device)
+  normed = X / np.sqrt((X * X).mean(-1, keepdims=True) + EPS) * G
+  y = gemv.gemv(x, up, norm=(g, EPS), act="silu", gate=gemv.gemv(x, gate, norm=(g, EPS)))
+  assert rel(y, silu(normed @ Wg.T) * (normed @ Wu.T)) < TOL["float32"]
+
+
+def test_packed_layouts_it_takes():
+  """A packed layout whose index bits the kernel can name as ranges: every unit (nibble word, run of 32, block of high
+  bits, group, super-block) a power of two and K a whole number of the largest. Q5_0 rows of 416 (13 runs; a block of
+  high bits holds 8) and MLX's 5-bit in groups of 32 at K = 416 keep tinygrad's matmul."""
+  x = type("Rows", (), {"shape": (1, 416), "device": "CUDA", "ndim": 2})
+  for q, spec in blocks.GGML_SPECS.items():
+    assert gemv.packed_cuts(spec, 768) is not None and gemv.packed_cuts(spec, 512) is not None, q
+  assert gemv.packed_cuts(blocks.GGML_SPECS["Q4_K"], 2048) == (3, 5, 7, 8)   # nibble, run, half of the 8 scales, super-block
+  assert gemv.ranges_of(blocks.GGML_SPECS["Q4_K"], 2048, 0) == (8, 2, 4, 4, 8)
+  assert gemv.packed_cuts(blocks.GGML_SPECS["Q5_0"], 416) is None and gemv.packed_cuts(blocks.QuantSpec(5, 32), 416) is None
+  assert not gemv.applies(x, LinearWeights(PACKED, Tensor.empty(4, 416 // 8 + 16, dtype=dtypes.uint32), Tensor.empty(4, 13),
+                                           spec=blocks.GGML_SPECS["Q5_0"]))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T,K,N", [(1, 256, 96), (8, 64, 40)])
 def test_float32_logits_from_half_rows(device, T, K, N):
@@ -126,7 +200,10 @@ def test_float32_logits_from_half_rows(device, T, K, N):
     (FLOAT, "float32", 1, 2, 1, 32, 64, 0),       # one row, a padding token: tinygrad dropped its mask once (writes none)
     (FLOAT, "float16", 8, 2, 2, 80, 64, 5),       # MAX_ROWS rows, no GQA, a head_dim that is not a power of two
     (INT4, "float16", 2, 4, 1, 64, 128, None),
-    (INT8, "float16", 1, 4, 2, 64, 128, None)])
+    (INT8, "float16", 1, 4, 2, 64, 128, None),
+    ("Q4_K", "float32", 2, 4, 2, 64, 512, None),       # a packed qkv, stored fused
+    ("Q4_K+Q4_K+Q6_K", "float16", 1, 4, 2, 64, 256, None),   # q, k and v stored apart (Q4_K_M's): a kernel each
+    ("Q5_0+Q8_0+Q5_K", "float32", 3, 2, 1, 32, 256, 1)])
 def test_qkv_projection_with_rope_and_cache_write(device, fmt, dtype, T, H, KVH, D, K, pad):
   """`qkv_rope_write` against numpy: RMSNorm, the projection (+ bias), HF's rotate-half RoPE at each token's position
   (tests/test_metal_kernels.py's reference) and the cache write: q rotated, k rotated and v in their slots, every other
@@ -137,6 +214,9 @@ def test_qkv_projection_with_rope_and_cache_write(device, fmt, dtype, T, H, KVH,
   N, NB, BS = (H + 2 * KVH) * D, 12, 16
   (x, w, g, b, _), (X, W, G, B, _) = inputs(rng, T, K, N, dtype, device)
   if fmt == FLOAT: lw = LinearWeights(FLOAT, w, bias=b)
+  elif "+" in fmt:   # parts apart: q, k, v
+    made = [quantized(rng, f if f != "Q8_0" else INT8, rows * D, K, device) for f, rows in zip(fmt.split("+"), (H, KVH, KVH))]
+    lw, W, B = [m[0] for m in made], np.concatenate([m[1] for m in made]), np.zeros(N)
   else: (lw, W), B = quantized(rng, fmt, N, K, device), np.zeros(N)
   positions = rng.integers(0, 200, T).astype(np.int32)
   slots = rng.permutation(NB * BS)[:T].astype(np.int32)
@@ -162,13 +242,12 @@ def test_qkv_projection_with_rope_and_cache_write(device, fmt, dtype, T, H, KVH,
 
 
 def test_which_projections_take_it():
-  """A GPU's float, INT4 and INT8 projections of at most MAX_ROWS rows; not the CPU device (our C kernels), not more
-  rows (tinygrad's matmul and its tensor cores), not packed k-quants, not a sharded layer, and not INT4 on the metal
+  """A GPU's float, INT4, INT8 and packed (k-quant) projections of at most MAX_ROWS rows; not the CPU device (our C
+  kernels), not more rows (tinygrad's matmul and its tensor cores), not a sharded layer, and not INT4 on the metal
   backend (its shaders' own GEMV)."""
   from tinyvllm.kernels import Kernels, ShaderKernels
-  from tinyvllm.quant.formats import PACKED
   w = LinearWeights(FLOAT, Tensor.empty(64, 32))
-  rows = lambda T, device="CUDA": type("Rows", (), {"shape": (T, 32), "device": device, "ndim": 2})   # x, without a GPU
+  rows = lambda T, device="CUDA", K=32: type("Rows", (), {"shape": (T, K), "device": device, "ndim": 2})   # x, without a GPU
   def kernels(cpu: bool, shards: int = 1, base=Kernels) -> Kernels:   # the fields takes_gemv reads, without a device
     k = object.__new__(type("Backend", (base,), {"shards": shards}))
     k.cpu = cpu
@@ -178,8 +257,9 @@ def test_which_projections_take_it():
   assert not gpu.takes_gemv(rows(gemv.MAX_ROWS + 1), w)
   int8 = LinearWeights(INT8, Tensor.empty(64, 32, dtype=dtypes.int8), Tensor.empty(64, 1))
   int4 = LinearWeights(INT4, Tensor.empty(64, 4, dtype=dtypes.uint32), Tensor.empty(64, 1), biases=Tensor.empty(64, 1))
-  assert gpu.takes_gemv(rows(1), int8) and gpu.takes_gemv(rows(1), int4)
-  assert not gpu.takes_gemv(rows(1), LinearWeights(PACKED, Tensor.empty(64, 16, dtype=dtypes.uint8), Tensor.empty(64, 1)))
+  q4k = LinearWeights(PACKED, Tensor.empty(64, 32, dtype=dtypes.uint32), Tensor.empty(64, 1, 12, dtype=dtypes.uint8),
+                      Tensor.empty(64, 1, 2, dtype=dtypes.float16), spec=blocks.GGML_SPECS["Q4_K"])
+  assert gpu.takes_gemv(rows(1), int8) and gpu.takes_gemv(rows(1), int4) and gpu.takes_gemv(rows(1, K=256), q4k)
   assert not gpu.takes_gemv(rows(1, "CPU"), w)
   assert not kernels(False, shards=2).takes_gemv(rows(1), w)
   assert not kernels(True).takes_gemv(rows(1), w)
@@ -199,7 +279,7 @@ def test_gpu_schedule():
   assert gemv.kernel_opts("CUDA", FLOAT, 1, 6, 40) == (Opt(OptOps.UNROLL, 0, 8), Opt(OptOps.LOCAL, 0, 2))   # 40 = 5 vectors of 8
 
 
-def _lowered_for_h100(fn, fmt: str = FLOAT, group: int = 0):
+def _lowered_for_h100(fn, fmt=FLOAT, group: int = 0):
   """(name, global size, local size) of every kernel `fn` schedules on the CPU device, lowered and compiled for sm_90 as
   on a GPU: our GEMV with its GPU schedule, tinygrad's kernels with its heuristic."""
   import dataclasses, os
@@ -262,4 +342,22 @@ def test_h100_launch_of_int4_weights():
   assert threads(*theirs[-1][1:]) < 3072, theirs
   ours = _lowered_for_h100(lambda: gemv.gemv(x, lw, norm=(g, EPS)), INT4, 64)
   assert len(ours) == 2 and ours[-1][0] == "gemv_int4_norm_1_3072_2048", ours
+  assert threads(*ours[-1][1:]) == 3072 * 16 and np.prod(ours[-1][2]) == 128, ours
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_h100_launch_of_kquant_weights(qtype):
+  """A Q4_K_M file's two k-quants as the 1B model's qkv projection (3072 x 2048), normed: 32 threads a row over the
+  ranges of k's bits, each reading a run of 32 codes (16 bytes of nibbles, 4 neighbours 64 contiguous bytes), 4 rows a
+  block, after the kernel of x's 1/RMS; tinygrad's matmul over the same codes unpacked in its expression gives fewer
+  threads than outputs."""
+  from tinyvllm.kernels import portable
+  rng = np.random.default_rng(4)
+  lw, _ = quantized(rng, qtype, 3072, 2048, "CPU")
+  x, g = Tensor.randn(1, 2048, dtype=dtypes.half).realize(), Tensor.randn(2048, dtype=dtypes.half).realize()
+  threads = lambda gs, ls: int(np.prod(gs) * np.prod(ls))
+  theirs = _lowered_for_h100(lambda: portable.packed_linear(portable.rms_norm(x, g, EPS), lw))
+  assert threads(*theirs[-1][1:]) < 3072, theirs
+  ours = _lowered_for_h100(lambda: gemv.gemv(x, lw, norm=(g, EPS)), lw.spec)
+  assert len(ours) == 2 and ours[-1][0] == "gemv_packed_norm_1_3072_2048", ours
   assert threads(*ours[-1][1:]) == 3072 * 16 and np.prod(ours[-1][2]) == 128, ours

@@ -105,7 +105,7 @@ class Kernels:
   packs_prefill = False   # can prefill chunks go back to back (packed AttentionGroups) rather than padded to the longest?
   shards = 1              # devices a layer is split over (tensor parallelism: kernels/sharded.py)
   keeps = frozenset({INT4, INT8, PACKED})   # quantized formats these kernels run as stored (others load as floats)
-  gemv_formats = frozenset({FLOAT, INT4, INT8})   # formats whose decode projections on a GPU run as kernels/gemv.py's
+  gemv_formats = frozenset({FLOAT, INT4, INT8, PACKED})   # formats whose decode projections on a GPU run as kernels/gemv.py's
 
   def __init__(self, device: str = "CPU", num_threads: int | None = None):
     self.device = device
@@ -167,6 +167,13 @@ class Kernels:
     if self.takes_gemv(x, w): return gemv.gemv(x, w, norm=(norm_weight, eps), act=act)
     return self.glu(self.norm_linear(x, norm_weight, eps, w), inter, act)
 
+  def norm_glu_apart(self, x: Tensor, norm_weight: Tensor, eps: float, gate: LinearWeights, up: LinearWeights,
+                     act: str = "silu") -> Tensor | None:
+    """`norm_glu` of a gate and an up projection stored apart (in different formats): on a GPU's decode step two GEMVs,
+    the second gating its product by the first's output. None elsewhere: the caller joins the parts."""
+    if not self.takes_gemv(x, gate, up): return None
+    return gemv.gemv(x, up, norm=(norm_weight, eps), act=act, gate=gemv.gemv(x, gate, norm=(norm_weight, eps)))
+
   def residual_linear(self, x: Tensor, w: LinearWeights, residual: Tensor, out: Tensor | None = None) -> Tensor:
     """residual + x @ W^T (+ bias), written into `out` when given (a realized buffer): where a backend's matmul can
     add the residual stream as it writes its output, one kernel instead of two."""
@@ -184,10 +191,10 @@ class Kernels:
     else: return portable.linear(x, w.weight, w.bias)
     return y if w.bias is None else y + w.bias
 
-  def takes_gemv(self, x: Tensor, w: LinearWeights) -> bool:
-    """Does a projection of these few rows on a GPU run as our GEMV kernel (kernels/gemv.py)? tinygrad's matmul
-    misses its matrix-vector schedule for float16 weights, dequantized codes and normed inputs."""
-    return not self.cpu and self.shards == 1 and w.format in self.gemv_formats and gemv.applies(x, w)
+  def takes_gemv(self, x: Tensor, *weights: LinearWeights) -> bool:
+    """Does a projection of these few rows by each of `weights` on a GPU run as our GEMV kernel (kernels/gemv.py)?
+    tinygrad's matmul misses its matrix-vector schedule for float16 weights, dequantized codes and normed inputs."""
+    return not self.cpu and self.shards == 1 and all(w.format in self.gemv_formats and gemv.applies(x, w) for w in weights)
 
   def q8_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     if self.cpu and x.dtype == dtypes.float32: return cpu.q8_linear(x, w.weight, w.scales, self.pool)
@@ -225,14 +232,16 @@ class Kernels:
       qkv = Tensor.cat(*(x.reshape(T, -1) for x in self.head_norms(*portable.split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)), dim=1)
     return paged.rope_attention(qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, group, scale, window)
 
-  def norm_qkv_rope_attention(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights, n_heads: int, n_kv_heads: int,
-                              positions: Tensor, cos_sin: Tensor, cache: PagedKVCache, slot_mapping: Tensor, group: AttentionGroup,
-                              scale: float, window: int | None = None, softcap: float | None = None) -> tuple[Tensor, PagedKVCache] | None:
-    """`rope_attention` of the qkv projection `w` of RMSNorm(x) * norm_weight, where a GPU's decode step can write q and
-    the cache from its GEMV (kernels/gemv.py `qkv_rope_write`: a launch a layer fewer) and attend in the kernels of
-    kernels/paged.py: a float cache, no head norms (the caller's). None: project, then `rope_attention`."""
-    if not (self.takes_gemv(x, w) and paged.applies(cache, group.packed, softcap) and not cache.quantized): return None
-    q, cache = gemv.qkv_rope_write(x, w, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping)
+  def norm_qkv_rope_attention(self, x: Tensor, norm_weight: Tensor, eps: float, parts: list[LinearWeights], n_heads: int,
+                              n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache, slot_mapping: Tensor,
+                              group: AttentionGroup, scale: float, window: int | None = None,
+                              softcap: float | None = None) -> tuple[Tensor, PagedKVCache] | None:
+    """`rope_attention` of the qkv projection of RMSNorm(x) * norm_weight (`parts`: the fused qkv, or q, k and v stored
+    apart), where a GPU's decode step can write q and the cache from its GEMV (kernels/gemv.py `qkv_rope_write`: no
+    write kernel; parts apart, a GEMV each and no kernel joining them) and attend in the kernels of kernels/paged.py:
+    a float cache, no head norms (the caller's). None: project, then `rope_attention`."""
+    if not (self.takes_gemv(x, *parts) and paged.applies(cache, group.packed, softcap) and not cache.quantized): return None
+    q, cache = gemv.qkv_rope_write(x, parts, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping)
     return paged.attention(q, cache, group, scale, window, x.dtype), cache
 
   def head_norms(self, q: Tensor, k: Tensor, v: Tensor, qk_norms: tuple | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -294,7 +303,7 @@ class CpuKernels(Kernels):
 class ShaderKernels(Kernels):
   """`metal` (DEV=METAL) and `emulator` (the same .metal shaders run on the CPU device by our MSL emulator; slow, for
   tests and debugging): RoPE + cache write, attention and 4-bit linears are our shaders (kernels/metal.py)."""
-  gemv_formats = frozenset({FLOAT, INT8})   # INT4: the shaders' own GEMV
+  gemv_formats = frozenset({FLOAT, INT8, PACKED})   # INT4: the shaders' own GEMV
   def __init__(self, name: str, device: str = "CPU", num_threads: int | None = None):
     super().__init__(device, num_threads)
     self.name = name
@@ -325,13 +334,13 @@ class ShaderKernels(Kernels):
 
   def rope_attention(self, *args, **kwargs) -> None: return None   # our shaders below
 
-  def norm_qkv_rope_attention(self, x, norm_weight, eps, w, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, group, scale,
-                              window=None, softcap=None):
+  def norm_qkv_rope_attention(self, x, norm_weight, eps, parts, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, group,
+                              scale, window=None, softcap=None):
     """Where the qkv projection is our GEMV (float or INT8 weights, a decode step's few rows) and the cache is float,
     the GEMV writes q (in the model's dtype, as the attention shaders read it) and the cache, and the RoPE shader's
     launch goes; the attention is the shaders'. An int8 cache's scales stay the RoPE shader's to write."""
-    if not self.takes_gemv(x, w) or cache.quantized: return None
-    q, cache = gemv.qkv_rope_write(x, w, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, q_dtype=x.dtype)
+    if not self.takes_gemv(x, *parts) or cache.quantized: return None
+    q, cache = gemv.qkv_rope_write(x, parts, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, q_dtype=x.dtype)
     return self.attention(q, cache, group, scale, window, softcap), cache
 
   def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, qk_norms=None):

@@ -1,6 +1,6 @@
 """Decode-step projections on a GPU, each one tinygrad custom kernel: x `[T, K]` (a few rows) times a weight `[N, K]`
-stored as floats, INT4 groups or INT8, with the RMSNorm before it, the SwiGLU after it or the residual sum after it
-inside the same kernel.
+stored as floats, INT4 groups, INT8 or a packed layout (GGUF's k-quants and their kin: `_packed_reader`), with the
+RMSNorm before it, the SwiGLU after it or the residual sum after it inside the same kernel.
 
 Why not tinygrad's matmul: its GPU heuristic has a matrix-vector schedule (a reduction split over 8 threads an output,
 4 outputs a thread) that it takes only when the reduction multiplies two plain loads. A float16 weight is cast to
@@ -8,7 +8,8 @@ float32 for the sum, a code is dequantized and a normed x is computed, so none o
 lowered for the H100, the 1B model's float16 qkv projection at batch 1 ran on 32 blocks of 32 threads, each thread
 looping over 3 weight rows alone (uncoalesced: a warp's loads 12 KB apart). Here the opts are ours (`kernel_opts`):
 
-  UNROLL  16 bytes of a weight row a thread (8 halves, 4 floats, 16 INT8 codes, 32 INT4 codes: one vector load)
+  UNROLL  16 bytes of a weight row a thread (8 halves, 4 floats, 16 INT8 codes, 32 INT4 or packed codes' nibbles: one
+          vector load)
   GROUP   32 threads a row, side by side: a warp reads 512 contiguous bytes of it each iteration
   LOCAL   4 rows a block (128 threads); UPCAST 2 rows a thread and every x row (the weight read once for all T)
 
@@ -29,9 +30,10 @@ from tinygrad.codegen.opt import Opt, OptOps
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 from tinyvllm.kernels import portable
 from tinyvllm.kernels.kv_cache import PagedKVCache
-from tinyvllm.quant.formats import FLOAT, INT4, INT8, LinearWeights
+from tinyvllm.quant.blocks import part_shapes
+from tinyvllm.quant.formats import CODEBOOK, FLOAT, INT4, INT8, PACKED, LinearWeights, QuantSpec
 
-# the stored parts of each format the kernel reads
+# the stored parts of each format the kernel reads (a packed layout's: `parts_of`)
 PARTS = {FLOAT: ("weight",), INT4: ("weight", "scales", "biases"), INT8: ("weight", "scales")}
 MAX_ROWS = 8          # x rows (decode sequences) a kernel takes; more go to tinygrad's matmul
 THREADS_PER_ROW = 32  # a SIMD group (Apple) or warp (NVIDIA) shares a weight row
@@ -39,60 +41,114 @@ ROWS_PER_BLOCK = 4
 ROWS_PER_THREAD = 2
 
 
+def layout_of(w: LinearWeights) -> str | QuantSpec:
+  """What the kernel needs to know of how W is stored: its format, or a packed linear's QuantSpec."""
+  return w.spec if w.format == PACKED else w.format
+
+
+def parts_of(layout: str | QuantSpec) -> tuple[str, ...]:
+  return tuple(part_shapes(layout, 1, 1 << 12)) if isinstance(layout, QuantSpec) else PARTS[layout]
+
+
 def applies(x: Tensor, w: LinearWeights) -> bool:
-  """At most MAX_ROWS rows of x on a GPU device, times a weight stored as floats, INT4 groups or INT8."""
-  return (x.shape[0] <= MAX_ROWS and not portable.on_cpu(x.device) and x.ndim == 2 and w.format in PARTS
+  """At most MAX_ROWS rows of x on a GPU device, times a weight stored as floats, INT4 groups, INT8 or a packed layout
+  whose index bits `packed_cuts` can name."""
+  return (x.shape[0] <= MAX_ROWS and not portable.on_cpu(x.device) and x.ndim == 2
+          and (w.format in PARTS or (w.format == PACKED and packed_cuts(w.spec, x.shape[1]) is not None))
           and (w.format != FLOAT or dtypes.is_float(w.weight.dtype)))
 
 
-def ranges_of(fmt: str, K: int, group: int) -> tuple[int, ...]:
+def packed_cuts(spec: QuantSpec, K: int) -> tuple[int, ...] | None:
+  """The bit positions at which a packed layout's indices cut input k (quant/blocks.py), lowest first: the nibble in
+  its word (3); with high bits, a byte in its word (2), the run of 32 (5) and the block of R runs; the group and the
+  super-block of groups; Q4_K's 6-bit scale fields (groups 0-3 or 4-7 of a super-block: 7). Only cuts an index needs:
+  tinygrad merges two adjacent ranges that no index tells apart. None when a size is not a power of two or K is not a
+  whole number of the largest unit (those layouts keep tinygrad's matmul)."""
+  units = [8, spec.group] + ([spec.group * spec.super_groups] if spec.super_groups else [])
+  if spec.bits > 4: units += [4, 32, 32 * (8 // (spec.bits - 4))]
+  if spec.k_scales: units += [32, 128]
+  if any(u & (u - 1) for u in units) or K % max(units): return None
+  return tuple(sorted({u.bit_length() - 1 for u in units}))
+
+
+def ranges_of(layout: str | QuantSpec, K: int, group: int) -> tuple[int, ...]:
   """The input axis as the ranges the weight's layout splits it into (input k = their mixed-radix number), so that no
   index divides: tinygrad splits a range that an index divides into ranges of its own, under the opts. Floats: k;
-  INT8: the group of 32, the code in it; INT4: the group, its uint32 word, the code (nibble) in the word."""
-  return (K,) if fmt == FLOAT else (K // 32, 32) if fmt == INT8 else (K // group, group // 8, 8)
+  INT8: the group of 32, the code in it; INT4: the group, its uint32 word, the code (nibble) in the word; packed: k's
+  bits between consecutive `packed_cuts`, the highest first."""
+  if isinstance(layout, QuantSpec):
+    cuts = packed_cuts(layout, K)
+    return (K >> cuts[-1], *(1 << (hi - lo) for hi, lo in zip(cuts[::-1], (*cuts[-2::-1], 0))))
+  return (K,) if layout == FLOAT else (K // 32, 32) if layout == INT8 else (K // group, group // 8, 8)
 
 
-def kernel_opts(device: str | tuple[str, ...], fmt: str, T: int, N: int, K: int, group: int = 0, itemsize: int = 2,
-                paired: bool = False) -> tuple:
-  """tinygrad's optimizations for a GEMV of T rows, weights stored as `fmt` (INT4's `group`, a float's `itemsize`): on
+def kernel_opts(device: str | tuple[str, ...], layout: str | QuantSpec, T: int, N: int, K: int, group: int = 0, itemsize: int = 2,
+                heads: int = 0) -> tuple:
+  """tinygrad's optimizations for a GEMV of T rows, weights stored as `layout` (INT4's `group`, a float's `itemsize`): on
   a GPU the schedule in the module's docstring, shrunk where a size does not divide; on the CPU device none (its loops
-  as written: only tests run it there). `paired`: the qkv projection with RoPE (`_qkv_rope_kernel`), whose outputs
-  are N pairs of rows a head, after an axis of heads: a thread's two rows are its pair."""
+  as written: only tests run it there). `heads`: the qkv projection with RoPE (`_qkv_rope_kernel`), whose outputs
+  are N pairs of rows a head, after an axis of that many heads: a thread's two rows are its pair."""
   if portable.on_cpu(device): return ()
-  if fmt == FLOAT:   # one reduction axis: a vector of it a thread, then the threads over the rest
+  if layout == FLOAT:   # one reduction axis: a vector of it a thread, then the threads over the rest
     vector = next(v for v in (16 // itemsize, 4, 2, 1) if K % v == 0)
     opts, rest = ([Opt(OptOps.UNROLL, 0, vector)] if vector > 1 else []), K // vector
+  elif isinstance(layout, QuantSpec):
+    return _packed_opts(layout, T, N, K, heads)
   else:   # INT8: 16 codes of a group of 32 a thread; INT4: a word's 8 codes and up to 4 words of its group (16 bytes)
-    sizes = [size for size in (ranges_of(fmt, K, group)) if size > 1]   # tinygrad's axes drop ranges of size 1
-    if fmt == INT8: opts = [Opt(OptOps.UNROLL, len(sizes) - 1, 16)]
+    sizes = [size for size in (ranges_of(layout, K, group)) if size > 1]   # tinygrad's axes drop ranges of size 1
+    if layout == INT8: opts = [Opt(OptOps.UNROLL, len(sizes) - 1, 16)]
     else:
       words = math.gcd(4, group // 8)
       opts = [Opt(OptOps.UNROLL, len(sizes) - 1, 8)] + ([Opt(OptOps.UNROLL, len(sizes) - 2, words)] if words > 1 else [])
-    rest = K // (32 if fmt == INT8 else group)   # the groups, over the threads
+    rest = K // (32 if layout == INT8 else group)   # the groups, over the threads
   threads = next(g for g in (THREADS_PER_ROW, 16, 8, 4, 2, 1) if rest % g == 0)
+  return tuple(opts + ([Opt(OptOps.GROUP, 0, threads)] if threads > 1 else []) + _output_opts(T, N, threads, heads))
+
+
+def _packed_opts(spec: QuantSpec, T: int, N: int, K: int, heads: int) -> tuple:
+  """A packed layout's schedule: a run of 32 codes a thread (k's bits 0-4 unrolled: 16 bytes of nibbles), and the
+  row's threads over the runs, the lowest bits first, so that a warp's neighbours read neighbouring 16 bytes. k is
+  several ranges (`ranges_of`), each a power of two but the highest: an UNROLL or a GROUP each, the last of the
+  unrolled ones partly when it spans bit 5 (tinygrad takes an opt's amount from a range's low end)."""
+  sizes = [size for size in ranges_of(spec, K, 0) if size > 1]   # tinygrad's axes drop ranges of size 1
+  opts, codes, threads = [], 32, 1
+  for axis in range(len(sizes) - 1, -1, -1):   # lowest bits first: an opt on an axis shifts no lower axis's number
+    if codes > 1:
+      amount = math.gcd(sizes[axis], codes)
+      opts.append(Opt(OptOps.UNROLL, axis, amount))
+      codes, sizes[axis] = codes // amount, sizes[axis] // amount
+      if codes > 1 or sizes[axis] == 1: continue
+    if (amount := math.gcd(sizes[axis], THREADS_PER_ROW // threads)) > 1:
+      opts.append(Opt(OptOps.GROUP, axis, amount))
+      threads *= amount
+  return tuple(opts + _output_opts(T, N, threads, heads))
+
+
+def _output_opts(T: int, N: int, threads: int, heads: int) -> list:
+  """The opts over a GEMV's outputs, once `threads` share a row: rows a block, rows a thread, x's rows a thread."""
   # rows a block: 4, or more where fewer threads share a row (a quantized K of few groups: 576 in groups of 64 is 9, one
   # thread a row), so that a block still holds a warp or more
   local = next(n for n in (128, 64, 32, 16, 8, 4, 2, 1) if n <= max(ROWS_PER_BLOCK, THREADS_PER_ROW // threads) and N % n == 0)
-  per_thread = next(n for n in (1 if paired else ROWS_PER_THREAD, 1) if N % (local * n) == 0)
+  per_thread = next(n for n in (1 if heads else ROWS_PER_THREAD, 1) if N % (local * n) == 0)
   # global axes: x's rows (absent when there is one: tinygrad drops axes of size 1), (the heads,) then the outputs
-  outputs = int(T > 1) + int(paired)
-  if threads > 1: opts.append(Opt(OptOps.GROUP, 0, threads))
+  outputs, opts = int(T > 1) + int(heads > 1), []
   if local > 1: opts.append(Opt(OptOps.LOCAL, outputs, local))
   if per_thread > 1: opts.append(Opt(OptOps.UPCAST, outputs, per_thread))
   # every x row a thread up to MAX_ROWS (the weight read once); beyond (bench/gemv.py's larger rows), 8 a thread and
   # the rest a grid axis of their own, whose blocks re-read the weight from L2
   if T > 1 and (rows := T if T <= MAX_ROWS else math.gcd(T, MAX_ROWS)) > 1: opts.append(Opt(OptOps.UPCAST, 0, rows))
-  return tuple(opts)
+  return opts
 
 
-def _weight_reader(fmt: str, K: int, parts: list[UOp], ranges: tuple[UOp, ...]):
+def _weight_reader(layout: str | QuantSpec, K: int, parts: list[UOp], ranges: tuple[UOp, ...]):
   """row -> its weight element at the reduction's input (`ranges`, `_projector`) in float32, from the stored parts
   (quant/formats.py): floats; INT8, a code times a scale per 32; INT4, 8 codes a uint32 (code i of a word in bits
-  4i..4i+3) times a scale plus a bias per group."""
-  if fmt == FLOAT:
+  4i..4i+3) times a scale plus a bias per group; a packed layout, `_packed_reader`."""
+  if isinstance(layout, QuantSpec): return _packed_reader(layout, K, parts, ranges)
+  if layout == FLOAT:
     w, (k,) = parts[0].flatten(), ranges
     return lambda row: w[row * K + k].cast(dtypes.float32)
-  if fmt == INT8:
+  if layout == INT8:
     (codes, scales), (g, j) = (p.flatten() for p in parts), ranges
     return lambda row: codes[row * K + g * 32 + j].cast(dtypes.float32) * scales[row * (K // 32) + g].cast(dtypes.float32)
   (packed, scales, biases), (g, word, nibble) = (p.flatten() for p in parts), ranges
@@ -105,7 +161,57 @@ def _weight_reader(fmt: str, K: int, parts: list[UOp], ranges: tuple[UOp, ...]):
   return int4
 
 
-def _projector(fmt: str, eps: float | None, has_bias: bool, x: UOp, t: UOp, rest: list[UOp], first_range: int):
+def _packed_reader(spec: QuantSpec, K: int, parts: list[UOp], ranges: tuple[UOp, ...]):
+  """row -> its weight at input k of a packed layout (quant/blocks.py), k's bit fields taken from the ranges
+  (`ranges_of`: one range a span between `packed_cuts`) so that no index divides. The code: its nibble (word k >> 3,
+  bits 4 (k & 7)) plus, above 4 bits, its high bits (block k >> (5 + log2 R) of 8 words after the nibbles, word
+  (k >> 2) & 7, bits 8 (k & 3) + h ((k >> 5) & (R - 1))) times 16; a codebook's value for it. Its scale and bias:
+  float16 per group; or a two-level scale, an integer per group times a float16 per super-block (Q4_K and Q5_K: 6-bit
+  scales and mins unpacked as ggml's get_scale_min_k4 does). All in float32, where a two-level product is exact."""
+  cuts = packed_cuts(spec, K)
+  span = dict(zip(cuts[::-1] + (0,), ranges))   # the lowest bit of each range's span -> the range
+  def field(lo: int, hi: int = 64) -> UOp:   # k's bits lo..hi-1 (both cut positions) as a number
+    return functools.reduce(UOp.__add__, [span[b] * (1 << (b - lo)) for b in span if lo <= b < hi])
+  packed, scales, *rest = (p.flatten() for p in parts)
+  words, groups, u32 = parts[0].shape[1], K // spec.group, dtypes.uint32
+  code = lambda row: (packed[row * words + field(3)] >> (field(0, 3) * 4).cast(u32)) & 0xF
+  if spec.bits > 4:
+    h = spec.bits - 4
+    log_r = (8 // h).bit_length() - 1
+    nibble_code = code
+    def code(row):
+      high = packed[row * words + K // 8 + field(5 + log_r) * 8 + field(2, 5)] >> (field(0, 2) * 8 + field(5, 5 + log_r) * h).cast(u32)
+      return nibble_code(row) + (high & ((1 << h) - 1)) * 16
+  def value(row) -> UOp:   # the code as the float it stands for, less the symmetric layouts' centre
+    q = code(row)
+    if spec.codebook:
+      first = q.eq(1).where(float(CODEBOOK[1]), float(CODEBOOK[0]))
+      return functools.reduce(lambda acc, i: q.eq(i).where(float(CODEBOOK[i]), acc), range(2, 16), first)
+    return q.cast(dtypes.float32) - spec.offset if spec.offset else q.cast(dtypes.float32)
+  f32 = lambda u: u.cast(dtypes.float32)
+  g = field(spec.group.bit_length() - 1)
+  if not spec.super_groups:
+    if spec.symmetric: return lambda row: f32(scales[row * groups + g]) * value(row)
+    return lambda row: f32(scales[row * groups + g]) * value(row) + f32(rest[0][row * groups + g])
+  supers = groups // spec.super_groups
+  sb = field((spec.group * spec.super_groups).bit_length() - 1)
+  d = rest[0]
+  if spec.symmetric: return lambda row: f32(scales[row * groups + g]) * f32(d[row * supers + sb]) * value(row)
+  if spec.k_scales:   # 12 bytes a super-block; group 4 half + j: half 0 in bytes j (scale) and 4 + j (min), 6 bits;
+    half, j = field(7, 8), field(5, 7)   # half 1: low 4 bits in byte 8 + j (scale low nibble, min high), top 2 bits in the
+    def scale_min(row):                  # top of bytes j and 4 + j
+      byte = lambda i: scales[(row * supers + sb) * 12 + i].cast(dtypes.int32)
+      mask, top = 63 - 48 * half, lambda i: ((byte(i) >> 6) << 4) * half
+      return (byte(j + 8 * half) & mask) | top(j), ((byte(j + 4 + 4 * half) >> (4 * half)) & mask) | top(j + 4)
+  else: scale_min = lambda row: (scales[(row * groups + g) * 2], scales[(row * groups + g) * 2 + 1])
+  def affine(row):
+    sc, mn = scale_min(row)
+    at = (row * supers + sb) * 2
+    return f32(sc) * f32(d[at]) * value(row) - f32(mn) * f32(d[at + 1])
+  return affine
+
+
+def _projector(layout: str | QuantSpec, eps: float | None, has_bias: bool, x: UOp, t: UOp, rest: list[UOp], first_range: int):
   """row -> the projection of x's row t by weight row `row` in float32 (its norm and bias applied), from the kernel's
   inputs in `rest`, which it takes from the front: the weight's stored parts, then the norm's weight when `eps`, then
   x's rows' 1/RMS `[T, 1]` for a quantized weight, then the bias when `has_bias`. The reduction's ranges are numbered
@@ -115,14 +221,14 @@ def _projector(fmt: str, eps: float | None, has_bias: bool, x: UOp, t: UOp, rest
   and a sum over x alone would have them merged back into one by tinygrad (its index needs no division then): a
   second loop over the input, which the opts, written for the weight's ranges, would leave to one thread an output."""
   K = x.shape[1]
-  parts = [rest.pop(0) for _ in range(len(PARTS[fmt]))]
+  parts = [rest.pop(0) for _ in parts_of(layout)]
   norm_w = rest.pop(0).flatten() if eps is not None else None
-  row_scale = rest.pop(0).flatten() if eps is not None and fmt != FLOAT else None
+  row_scale = rest.pop(0).flatten() if eps is not None and layout != FLOAT else None
   bias = rest.pop(0).flatten() if has_bias else None
   x = x.flatten()
-  sizes = ranges_of(fmt, K, K // parts[1].shape[1] if fmt == INT4 else 0)
+  sizes = ranges_of(layout, K, K // parts[1].shape[1] if layout == INT4 else 0)
   ranges = tuple(UOp.range(size, first_range + i, AxisType.REDUCE) for i, size in enumerate(sizes))
-  weight_at = _weight_reader(fmt, K, parts, ranges)
+  weight_at = _weight_reader(layout, K, parts, ranges)
   k = functools.reduce(lambda acc, r: acc * (r.vmax + 1) + r, ranges[1:], ranges[0])   # the input these ranges name
   xk = x[t * K + k].cast(dtypes.float32)
   xin = xk * norm_w[k].cast(dtypes.float32) if norm_w is not None else xk
@@ -136,105 +242,128 @@ def _projector(fmt: str, eps: float | None, has_bias: bool, x: UOp, t: UOp, rest
   return project
 
 
-def _tags(fmt: str, eps: float | None) -> list[str]:
-  return ([] if fmt == FLOAT else [fmt]) + (["norm"] if eps is not None else [])
+def _tags(layout: str | QuantSpec, eps: float | None) -> list[str]:
+  return ([] if layout == FLOAT else [PACKED if isinstance(layout, QuantSpec) else layout]) + (["norm"] if eps is not None else [])
 
 
-def _gemv_kernel(opts: tuple, fmt: str, eps: float | None, act: str | None, inter: int, has_bias: bool, has_residual: bool,
+def _gemv_kernel(opts: tuple, layout: str | QuantSpec, eps: float | None, act: str | None, inter: int, has_bias: bool, other: str | None,
                  out: UOp, x: UOp, *rest: UOp) -> UOp:
   """out[t, n] = the projection of x's row t by weight row n, in float32 (rest: the inputs `_projector` reads, then
-  the residual `[T, N]` when `has_residual`). With `act`, out[t, n] = act(gate) * up of weight rows n and inter + n
-  (the fused gate/up projection, `[2 inter, K]`)."""
+  the `other` `[T, N]` tensor). With `act`, out[t, n] = act(gate) * up: of weight rows n and inter + n (the fused
+  gate/up projection, `[2 inter, K]`), or with `other` "gate", of the gate projection's output and this one (gate and
+  up stored apart). `other` "res": the residual, added."""
   T, N = out.shape
   rest = list(rest)
   t, n = UOp.range(T, 0), UOp.range(N, 1)
-  project = _projector(fmt, eps, has_bias, x, t, rest, 2)
-  residual = rest.pop(0).flatten() if has_residual else None
+  project = _projector(layout, eps, has_bias, x, t, rest, 2)
+  other_at = rest.pop(0).flatten()[t * N + n].cast(dtypes.float32) if other is not None else None
   out = out.flatten()
   y = project(n)
-  if act is not None: y = (y.silu() if act == "silu" else y.gelu()) * project(n + inter)
-  if residual is not None: y = y + residual[t * N + n].cast(dtypes.float32)
+  if act is not None:
+    gate, up = (other_at, y) if other == "gate" else (y, project(n + inter))
+    y = (gate.silu() if act == "silu" else gate.gelu()) * up
+  if other == "res": y = y + other_at
   store = out[t * N + n].store(y.cast(out.dtype))
-  tags = _tags(fmt, eps) + (["glu"] if act else []) + (["res"] if has_residual else [])
+  tags = _tags(layout, eps) + (["glu"] if act else []) + ([other] if other else [])
   name = "_".join(["gemv", *tags, str(T), str(N), str(x.shape[1])])
   return UOp.sink(store.end(t, n), arg=KernelInfo(name=name, opts_to_apply=opts))
 
 
-def _qkv_rope_kernel(opts: tuple, fmt: str, eps: float | None, has_bias: bool, q_out: UOp, k_cache: UOp, v_cache: UOp, x: UOp,
-                     *rest: UOp) -> UOp:
-  """The qkv projection of x `[T, K]` (weight rows: H q heads, KVH k heads, KVH v heads of D) with RoPE and the cache
-  write done at the store: q rotated into q_out `[T, H, D]`, k rotated and v into the caches `[NB, BS, KVH, D]` at
-  each token's slot (slot -1, a padding token, writes no K/V: `portable.slot_in_range`). rest: the inputs `_projector`
-  reads, then the positions `[T]`, the cos/sin table `[positions, D]` (kernels/paged.py's `rotated`) and the slots.
+def _qkv_rope_kernel(opts: tuple, layout: str | QuantSpec, eps: float | None, has_bias: bool, dims: tuple[int, int, int],
+                     heads: tuple[int, int], *bufs: UOp) -> UOp:
+  """The qkv projection of x `[T, K]` (weight rows: H q heads, KVH k heads, KVH v heads of D = `dims`; or `heads` =
+  (first, count) of them, a part stored apart) with RoPE and the cache write done at the store: q rotated into q_out
+  `[T, H, D]`, k rotated and v into the caches `[NB, BS, KVH, D]` at each token's slot (slot -1, a padding token, writes
+  no K/V: `portable.slot_in_range`). bufs: the outputs the heads reach (q_out, k_cache, v_cache: a part stored apart
+  writes one), x, the inputs `_projector` reads, then the positions `[T]`, the cos/sin table `[positions, D]`
+  (kernels/paged.py's `rotated`) and the slots.
 
   HF's rotate-half RoPE mixes element i of a head with element i + D/2, so a thread computes that pair of weight rows
   (ranges: token, head, i < D/2) and stores both; v heads are stored as they are."""
-  (T, H, D), (NB, BS, KVH, _) = q_out.shape, k_cache.shape
+  (H, KVH, D), (first, count) = dims, heads
+  owns = [first < H, first < H + KVH and first + count > H, first + count > H + KVH]   # q, k, v
+  bufs = list(bufs)
+  q_out, k_cache, v_cache = (bufs.pop(0) if own else None for own in owns)
+  x, rest = bufs[0], bufs[1:]
+  T, (NB, BS) = x.shape[0], next(c for c in (k_cache, v_cache, q_out) if c is not None).shape[:2]
   half, rows_per_slot = D // 2, KVH * D
-  rest = list(rest)
-  t, h, i = UOp.range(T, 0), UOp.range(H + 2 * KVH, 1), UOp.range(half, 2)
-  project = _projector(fmt, eps, has_bias, x, t, rest, 3)
+  t, local_h, i = UOp.range(T, 0), UOp.range(count, 1), UOp.range(half, 2)
+  project = _projector(layout, eps, has_bias, x, t, rest, 3)
   positions, cos_sin, slots = (u.flatten() for u in rest)
-  q_out, k_cache, v_cache = q_out.flatten(), k_cache.flatten(), v_cache.flatten()
-  first, second = project(h * D + i), project(h * D + half + i)
-  pos, slot = positions[t], slots[t]
+  first_row, second_row = project(local_h * D + i), project(local_h * D + half + i)
+  pos, slot, h = positions[t], slots[t], local_h + first   # h: the head among all H + 2 KVH (a part's: a constant apart)
   cos, sin = cos_sin[pos * D + i].cast(dtypes.float32), cos_sin[pos * D + half + i].cast(dtypes.float32)
-  rotated = (first * cos - second * sin, second * cos + first * sin)
+  rotated = (first_row * cos - second_row * sin, second_row * cos + first_row * sin)
   is_q, is_v = h < H, h >= H + KVH
   is_k = (h >= H) & (h < H + KVH)
   kv_h = is_k.where(h - H, is_v.where(h - H - KVH, 0))   # in range for every head: the stores it does not own are masked
   stores = []
-  for offset, rot, raw in ((0, rotated[0], first), (half, rotated[1], second)):
+  for offset, rot, raw in ((0, rotated[0], first_row), (half, rotated[1], second_row)):
     element = kv_h * D + i + offset
     slot_ok = portable.slot_in_range(slot, rows_per_slot, element, NB * BS)
     kv_at = slot * rows_per_slot + element
-    stores += [q_out[((t * H + is_q.where(h, 0)) * D + i + offset).valid(is_q)].store(rot.cast(q_out.dtype)),
-               k_cache[kv_at.valid(is_k & slot_ok)].store(rot.cast(k_cache.dtype)),
-               v_cache[kv_at.valid(is_v & slot_ok)].store(raw.cast(v_cache.dtype))]
-  name = "_".join(["gemv", *_tags(fmt, eps), "rope", str(T), str(H), str(KVH), str(D), str(x.shape[1])])
-  return UOp.sink(UOp.group(*stores).end(t, h, i), arg=KernelInfo(name=name, opts_to_apply=opts))
+    if q_out is not None:
+      stores.append(q_out.flatten()[((t * H + is_q.where(h, 0)) * D + i + offset).valid(is_q)].store(rot.cast(q_out.dtype)))
+    if k_cache is not None: stores.append(k_cache.flatten()[kv_at.valid(is_k & slot_ok)].store(rot.cast(k_cache.dtype)))
+    if v_cache is not None: stores.append(v_cache.flatten()[kv_at.valid(is_v & slot_ok)].store(raw.cast(v_cache.dtype)))
+  which = "" if all(owns) else "q" if owns[0] else "k" if owns[1] else "v"   # a part's heads
+  name = "_".join(["gemv", *_tags(layout, eps), "rope" + which, str(T), str(H), str(KVH), str(D), str(x.shape[1])])
+  return UOp.sink(UOp.group(*stores).end(t, local_h, i), arg=KernelInfo(name=name, opts_to_apply=opts))
 
 
 def _projection_inputs(x: Tensor, w: LinearWeights, norm: tuple[Tensor, float] | None) -> list[Tensor]:
   """x and what `_projector` reads of a projection of x by w (normed first when `norm`), in its order."""
-  inputs = [x.contiguous(), *(getattr(w, name) for name in PARTS[w.format])] + ([norm[0]] if norm is not None else [])
+  inputs = [x.contiguous(), *(getattr(w, name) for name in parts_of(layout_of(w)))] + ([norm[0]] if norm is not None else [])
   if norm is not None and w.format != FLOAT: inputs.append(portable.inverse_rms(x, norm[1]).contiguous())
   return inputs + ([w.bias] if w.bias is not None else [])
 
 
 def gemv(x: Tensor, w: LinearWeights, *, norm: tuple[Tensor, float] | None = None, act: str | None = None,
-         residual: Tensor | None = None, out: Tensor | None = None, dtype=None) -> Tensor:
-  """x `[T, K]` @ W^T (+ W's bias), W `[N, K]` stored as floats, INT4 groups or INT8 (`applies`), in one kernel:
+         residual: Tensor | None = None, gate: Tensor | None = None, out: Tensor | None = None, dtype=None) -> Tensor:
+  """x `[T, K]` @ W^T (+ W's bias), W `[N, K]` stored as floats, INT4 groups, INT8 or packed (`applies`), in one kernel:
     norm=(w, eps)   x RMS-normed (times w) first
     act             W is gate and up stacked (`[2 I, K]`): returns act(gate) * up, `[T, I]` (SwiGLU "silu", GeGLU
-                    "gelu_pytorch_tanh")
+                    "gelu_pytorch_tanh"); with `gate`, W is the up projection alone
+    gate            `[T, N]`, the gate projection's output (gate and up stored apart): returns act(gate) * x @ W^T
     residual        `[T, N]` added to the product
     out             a realized `[T, N]` buffer to write (the layer's output)
     dtype           the output's, when not x's (the LM head's float32 logits: no cast kernel after it)"""
   T, K = x.shape
   assert w.in_features == K, (x.shape, w.in_features)
   assert act is None or residual is None, "a gated projection's output is not the residual stream's"
-  N = w.weight.shape[0] // 2 if act is not None else w.weight.shape[0]
+  assert gate is None or act is not None, "a gate needs its activation"
+  inter = w.weight.shape[0] // 2 if act is not None and gate is None else 0
+  N = inter or w.weight.shape[0]
   y = Tensor.empty(T, N, dtype=dtype or x.dtype, device=x.device) if out is None else out
-  opts = kernel_opts(x.device, w.format, T, N, K, w.group_size, w.weight.dtype.itemsize)
-  inputs = _projection_inputs(x, w, norm) + ([residual.contiguous()] if residual is not None else [])
-  fxn = functools.partial(_gemv_kernel, opts, w.format, norm[1] if norm is not None else None, act, N if act is not None else 0,
-                          w.bias is not None, residual is not None)
+  opts = kernel_opts(x.device, layout_of(w), T, N, K, w.group_size, w.weight.dtype.itemsize)
+  other = "res" if residual is not None else "gate" if gate is not None else None
+  inputs = _projection_inputs(x, w, norm) + ([(residual if residual is not None else gate).contiguous()] if other else [])
+  fxn = functools.partial(_gemv_kernel, opts, layout_of(w), norm[1] if norm is not None else None, act, inter, w.bias is not None, other)
   return Tensor.custom_kernel(y, *inputs, fxn=fxn)[0]
 
 
-def qkv_rope_write(x: Tensor, w: LinearWeights, norm: tuple[Tensor, float], n_heads: int, n_kv_heads: int, positions: Tensor,
-                   cos_sin: Tensor, cache: PagedKVCache, slot_mapping: Tensor, q_dtype=dtypes.float32) -> tuple[Tensor, PagedKVCache]:
+def qkv_rope_write(x: Tensor, w: LinearWeights | list[LinearWeights], norm: tuple[Tensor, float], n_heads: int, n_kv_heads: int,
+                   positions: Tensor, cos_sin: Tensor, cache: PagedKVCache, slot_mapping: Tensor,
+                   q_dtype=dtypes.float32) -> tuple[Tensor, PagedKVCache]:
   """The qkv projection of RMSNorm(x) (W `[(H + 2 KVH) D, K]`, any format `applies` takes), RoPE (HF's rotate-half,
   from the `[positions, D]` cos/sin table) and the write of k and v into their slots of a float cache, in one kernel:
-  the decode step's projection stores its heads where they go. Returns (q rotated `[T, H, D]` as `q_dtype`: float32
-  for kernels/paged.py, the model's for the attention shaders; the cache ordered after the write)."""
+  the decode step's projection stores its heads where they go. `w` a list: q, k and v stored apart (in different
+  formats), a kernel each. Returns (q rotated `[T, H, D]` as `q_dtype`: float32 for kernels/paged.py, the model's for
+  the attention shaders; the cache ordered after the write)."""
   T, K = x.shape
-  D = cache.head_dim
-  assert w.in_features == K and w.weight.shape[0] == (n_heads + 2 * n_kv_heads) * D and not cache.quantized, (x.shape, w.weight.shape)
-  q = Tensor.empty(T, n_heads, D, dtype=q_dtype, device=x.device)
-  opts = kernel_opts(x.device, w.format, T, D // 2, K, w.group_size, w.weight.dtype.itemsize, paired=True)
-  fxn = functools.partial(_qkv_rope_kernel, opts, w.format, norm[1], w.bias is not None)
-  q, k, v = Tensor.custom_kernel(q, cache.k, cache.v, *_projection_inputs(x, w, norm), positions.contiguous(), cos_sin.contiguous(),
-                                 slot_mapping.contiguous(), fxn=fxn)[:3]
+  D, parts = cache.head_dim, w if isinstance(w, list) else [w]
+  heads = [n_heads + 2 * n_kv_heads] if len(parts) == 1 else [n_heads, n_kv_heads, n_kv_heads]
+  assert not cache.quantized and len(parts) == len(heads), (len(parts), cache.quantized)
+  outputs = [Tensor.empty(T, n_heads, D, dtype=q_dtype, device=x.device), cache.k, cache.v]
+  tail = [positions.contiguous(), cos_sin.contiguous(), slot_mapping.contiguous()]
+  first = 0
+  for i, (part, count) in enumerate(zip(parts, heads)):
+    assert part.in_features == K and part.weight.shape[0] == count * D, (x.shape, part.weight.shape)
+    opts = kernel_opts(x.device, layout_of(part), T, D // 2, K, part.group_size, part.weight.dtype.itemsize, heads=count)
+    fxn = functools.partial(_qkv_rope_kernel, opts, layout_of(part), norm[1], part.bias is not None, (n_heads, n_kv_heads, D), (first, count))
+    written = range(3) if len(parts) == 1 else [i]   # the outputs this kernel stores into
+    after = Tensor.custom_kernel(*(outputs[j] for j in written), *_projection_inputs(x, part, norm), *tail, fxn=fxn)
+    for j, out in zip(written, after): outputs[j] = out
+    first += count
+  q, k, v = outputs
   return q, cache.written(k, v)

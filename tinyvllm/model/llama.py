@@ -94,6 +94,7 @@ class LlamaLayer:
     backend norms x and gates the product inside its matmul (a GPU's decode step)."""
     parts, cfg = projection_parts(self.linears, name), self.cfg
     if len(parts) == 1: return self.kernels.norm_glu(h, self.weights[norm], cfg.rms_norm_eps, parts[0], cfg.intermediate_size, cfg.hidden_act)
+    if (y := self.kernels.norm_glu_apart(h, self.weights[norm], cfg.rms_norm_eps, *parts, cfg.hidden_act)) is not None: return y
     return self.kernels.glu(self.normed_linear(name, h, norm), cfg.intermediate_size, cfg.hidden_act)
 
   def __call__(self, h: Tensor, inp: ModelInputs, cos_sin: Tensor, cache: PagedKVCache, out: Tensor | None = None) -> Tensor:
@@ -111,8 +112,8 @@ class LlamaLayer:
     cfg, kn, w = self.cfg, self.kernels, self.weights
     H, KVH = cfg.num_attention_heads, cfg.num_key_value_heads
     one_group, qkv_parts, fused = len(inp.groups) == 1, projection_parts(self.linears, "self_attn.qkv_proj"), None
-    if one_group and len(qkv_parts) == 1 and not cfg.qk_norm:   # where the projection can write q and the cache itself
-      fused = kn.norm_qkv_rope_attention(h, w["input_layernorm.weight"], cfg.rms_norm_eps, qkv_parts[0], H, KVH, inp.positions, cos_sin,
+    if one_group and not cfg.qk_norm:   # where the projection can write q and the cache itself
+      fused = kn.norm_qkv_rope_attention(h, w["input_layernorm.weight"], cfg.rms_norm_eps, qkv_parts, H, KVH, inp.positions, cos_sin,
                                          cache, inp.slot_mapping, inp.groups[0], cfg.attention_scale, self.window, cfg.attn_logit_softcapping)
     if fused is None:
       qkv = self.normed_linear("self_attn.qkv_proj", h, "input_layernorm.weight")
