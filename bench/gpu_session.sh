@@ -6,7 +6,8 @@
 # A device call's start counts against the session's 15 minutes and took from 30 s to 7 minutes here: keep
 # TEST_SECONDS + BENCH_SECONDS near 7 minutes (150 270), so that a slow start still leaves the run its time; then, if
 # KERNEL_SECONDS (45) > 0, the device time of a batch-1 decode step kernel by kernel (0 skips it); then, if
-# GEMV_SECONDS (60) > 0, the decode projections' GEMV kernel against the tinygrad ops it replaced (bench/gemv.py); then,
+# GEMV_SECONDS (60) > 0, the decode projections' GEMV kernel against the tinygrad ops it replaced (bench/gemv.py; then
+# 2/3 of that again for the k-quants Q4_K and Q6_K); then,
 # if PACKED_SECONDS (30) > 0, the GGUF k-quants' portable kernel with the file's 6-bit scales against byte scales.
 #
 #   bash ../shared/gpu/prepare.sh          # here, once: the wheels the GPU machine lacks, into .whl/
@@ -44,6 +45,9 @@ fi
 if [ "$GEMV_S" -gt 0 ]; then
   echo "== decode projections: our GEMV (norm, gating, residual inside) against tinygrad's ops (bench/gemv.py)"
   timeout -k 5 "$GEMV_S" python3 bench/gemv.py --rows 1,8,32 --rounds 5 --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | grep -v 'projections:' | tail -60
+  echo "== the same for a Q4_K_M file's k-quants (Q4_K, Q6_K), 1B shapes"
+  timeout -k 5 "$((GEMV_S * 2 / 3))" python3 bench/gemv.py --models 1b --formats q4_k,q6_k --rows 1,8 --rounds 5 --json "$OUT/gemv-kquant.json" 2>&1 \
+    | tee "$OUT/gemv-kquant.log" | grep -v 'projections:' | tail -24
 fi
 
 if [ "$PACKED_S" -gt 0 ]; then

@@ -345,19 +345,20 @@ def test_packed_portable_times_both_scale_layouts(tmp_path):
 
 def test_gemv_bench_times_both_variants(tmp_path):
   """bench/gemv.py (the GPU session's projection phase) on the CPU device: each fusion's GEMV and the tinygrad ops it
-  replaced, for float16 and INT4 weights, checked to agree inside, each timed, with their kernel counts (the norm and
-  the gating apart in tinygrad's; an INT4 norm's 1/RMS apart in ours)."""
+  replaced, for float16, INT4 and Q4_K weights, checked to agree inside, each timed, with their kernel counts (the norm
+  and the gating apart in tinygrad's; a quantized weight's norm's 1/RMS apart in ours)."""
   import os, subprocess, sys
   out = tmp_path / "gemv.json"
-  r = subprocess.run([sys.executable, "bench/gemv.py", "--shapes", "96x128:norm,64x128:glu,32x128:residual", "--rows", "1,2",
-                      "--formats", "float16,int4", "--rounds", "2", "--json", str(out)],
+  r = subprocess.run([sys.executable, "bench/gemv.py", "--shapes", "96x256:norm,64x256:glu,32x256:residual", "--rows", "1,2",
+                      "--formats", "float16,int4,q4_k", "--rounds", "2", "--json", str(out)],
                      capture_output=True, text=True, timeout=600, env={**os.environ, "DEV": "CPU"}, cwd=Path(__file__).parent.parent)
   assert r.returncode == 0, r.stderr[-3000:]
   rows = json.loads(out.read_text())
   assert sorted((x["format"], x["fusion"], x["rows"]) for x in rows) == sorted(
-    (fmt, f, t) for fmt in ("float16", "int4") for f in ("norm", "glu", "residual") for t in (1, 2))
-  assert all(x["us_ours"] > 0 and x["us_tinygrad"] > 0 and x["rel_err"] < 2e-3 for x in rows)
+    (fmt, f, t) for fmt in ("float16", "int4", "q4_k") for f in ("norm", "glu", "residual") for t in (1, 2))
+  assert all(x["us_ours"] > 0 and x["us_tinygrad"] > 0 and x["rel_err"] < (2e-3 if x["format"] != "q4_k" else 1e-2) for x in rows)
   assert {(x["format"], x["fusion"]): (x["kernels_ours"], x["kernels_tinygrad"]) for x in rows} == {
     ("float16", "norm"): (1, 2), ("float16", "glu"): (1, 3), ("float16", "residual"): (1, 1),
-    ("int4", "norm"): (2, 2), ("int4", "glu"): (2, 3), ("int4", "residual"): (1, 1)}
+    **{(q, "norm"): (2, 2) for q in ("int4", "q4_k")}, **{(q, "glu"): (2, 3) for q in ("int4", "q4_k")},
+    **{(q, "residual"): (1, 1) for q in ("int4", "q4_k")}}
   assert "speedup" in r.stdout
