@@ -118,6 +118,21 @@ def test_logits_equal_the_dequantized_checkpoint(kquant_gguf, reference_logits, 
   assert engine.runner.model.layers[0].linears["self_attn.q_proj"].format != FLOAT
 
 
+def greedy_decode_logits(engine, prompt: list[int], **params) -> tuple[list[int], np.ndarray]:
+  """Greedy-decode 6 tokens after `prompt`: (the tokens, each decode step's logits `[5, V]`)."""
+  from tinyvllm import SamplingParams
+  seen, execute = [], engine.runner.execute
+  def spy(decodes, prefills=(), verifies=(), **kw):
+    out = execute(decodes, prefills, verifies, **kw)
+    if len(decodes): seen.append(out[0][0])
+    return out
+  engine.runner.execute = spy
+  engine.add_request("0", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, **params))
+  done = []
+  while engine.has_unfinished_requests(): done += [o for o in engine.step() if o.finished]
+  return list(done[0].outputs[0].token_ids), np.stack(seen)
+
+
 @pytest.mark.parametrize("backend", ["portable", "cpu"])
 def test_decode_steps_equal_the_dequantized_checkpoint(kquant_gguf, backend, monkeypatch):
   """Greedy decode steps (the C backend's fused layer runs its GEMV over the packed and 8-bit parts, x rounded to 16
@@ -125,7 +140,6 @@ def test_decode_steps_equal_the_dequantized_checkpoint(kquant_gguf, backend, mon
   of 32 (the decode passes sum in another order than the reference's prefill; x's 16-bit rounding adds at most 2^-16
   of the largest input sharing its scale per product), 1.3e-4 with the k-quants' x rounded per 256; the tolerance, 1e-3, still fails a wrong group scale or high bit, which moves logits by whole percents."""
   from conftest import our_prefill_logits
-  from tinyvllm import SamplingParams
   from tinyvllm.engine.llm_engine import LLMEngine
   from tinyvllm.kernels import cpu_layer
   fused = []
@@ -133,19 +147,9 @@ def test_decode_steps_equal_the_dequantized_checkpoint(kquant_gguf, backend, mon
   monkeypatch.setattr(cpu_layer, "decoder_layer", lambda *a, **kw: fused.append(a[0].shape[0]) or layer(*a, **kw))
   prompt = np.random.default_rng(4).integers(2, V, 20).tolist()
   engine = LLMEngine.from_kwargs(str(kquant_gguf), kernel_backend=backend, block_size=8, num_kv_blocks=64)
-  seen, execute = [], engine.runner.execute
-  def spy(decodes, prefills=(), verifies=(), **kw):
-    out = execute(decodes, prefills, verifies, **kw)
-    if len(decodes): seen.append(out[0][0])
-    return out
-  engine.runner.execute = spy
-  engine.add_request("0", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-  done = []
-  while engine.has_unfinished_requests(): done += [o for o in engine.step() if o.finished]
-  tokens = list(done[0].outputs[0].token_ids)
-  assert len(tokens) == 6 and len(seen) == 5   # the first token comes from the prefill, then 5 decode steps
+  tokens, ours = greedy_decode_logits(engine, prompt)
+  assert len(tokens) == 6 and len(ours) == 5   # the first token comes from the prefill, then 5 decode steps
   ref = our_prefill_logits(kquant_gguf, prompt + tokens[:-1], "portable", quantization="none")[len(prompt):]
-  ours = np.stack(seen)
   err = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
   assert err < 1e-3, err
   assert [int(np.argmax(r)) for r in ours] == tokens[1:]
@@ -203,27 +207,16 @@ def test_gpu_decode_steps_equal_the_dequantized_checkpoint(kquant_gguf, backend)
   from conftest import our_prefill_logits
   from test_cuda_compile import captured_programs
   from test_replay import DEVICES
-  from tinyvllm import SamplingParams
   from tinyvllm.engine.llm_engine import LLMEngine
   if "METAL" not in DEVICES: pytest.skip("no METAL device here (TINYVLLM_EMULATE_METAL=0)")
   prompt = np.random.default_rng(4).integers(2, V, 20).tolist()
   with Context(DEV="METAL"):
     engine = LLMEngine.from_kwargs(str(kquant_gguf), kernel_backend=backend, dtype="float32", block_size=8, num_kv_blocks=64)
-    seen, execute = [], engine.runner.execute
-    def spy(decodes, prefills=(), verifies=(), **kw):
-      out = execute(decodes, prefills, verifies, **kw)
-      if len(decodes): seen.append(out[0][0])
-      return out
-    engine.runner.execute = spy
-    engine.add_request("0", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1))
-    done = []
-    while engine.has_unfinished_requests(): done += [o for o in engine.step() if o.finished]
+    tokens, ours = greedy_decode_logits(engine, prompt, logprobs=1)   # logprobs: the step hands its logits back
     names = {p.arg.name for p in captured_programs(engine)}
   for kernel in ("gemv_packed_norm_ropeq", "gemv_packed_norm_ropev", "gemv_packed_norm_rope_", "gemv_packed_norm_glu_gate", "gemv_packed_res"):
     assert any(n.startswith(kernel) for n in names), (kernel, sorted(names))
-  tokens = list(done[0].outputs[0].token_ids)
   ref = our_prefill_logits(kquant_gguf, prompt + tokens[:-1], "portable", quantization="none")[len(prompt):]
-  ours = np.stack(seen)
   assert ours.shape == ref.shape and [int(np.argmax(r)) for r in ours] == tokens[1:]
   err = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
   assert err < 1e-4, err
