@@ -117,11 +117,13 @@ def test_quantized_weights_of_few_groups(device, fmt, group, K):
   assert rel(gemv.gemv(x, lw, norm=(g, EPS), act="silu"), silu(gate_up[:, :8]) * gate_up[:, 8:]) < TOL["float16"]
 
 
-PACKED_CASES = [(q, 512) for q in blocks.GGML_TYPES] + [("Q4_K", 2048), ("Q6_K", 4352), ("affine6g64", 512), ("affine8g32", 256)]
+PACKED_CASES = [(q, 512) for q in blocks.GGML_TYPES] + [("Q4_K", 2048), ("Q6_K", 4352), ("Q5_0", 416), ("Q5_1", 416),
+                                                         ("affine6g64", 512), ("affine8g32", 256), ("affine8g32", 160)]
 # on the emulated METAL device (the GPU schedule; a few seconds a kernel to compile there), one case of each way of
 # reading a code and its scale: 6-bit fields and 32 threads (Q4_K), 2 high bits and signed two-level scales (Q6_K), 1
-# high bit and float16 scale and bias (Q5_1), a codebook (IQ4_NL), 4 high bits in groups of 32 (MLX 8-bit)
-ON_METAL = {("Q4_K", 2048), ("Q6_K", 512), ("Q5_1", 512), ("IQ4_NL", 512), ("affine8g32", 256)}
+# high bit and float16 scale and bias (Q5_1), a codebook (IQ4_NL), 4 high bits in groups of 32 (MLX 8-bit), a last
+# block of high bits part-filled (Q5_0 at K = 416: 13 runs of 32, blocks of 8)
+ON_METAL = {("Q4_K", 2048), ("Q6_K", 512), ("Q5_1", 512), ("IQ4_NL", 512), ("affine8g32", 256), ("Q5_0", 416)}
 
 
 def packed(rng, name: str, N: int, K: int, device: str) -> tuple[LinearWeights, np.ndarray]:
@@ -143,8 +145,9 @@ def test_packed_weights_match_gguf(device, name, K):
   """Every packed layout (GGUF's k-quants, Q5_0/Q5_1, IQ4_XS/IQ4_NL; MLX's 6- and 8-bit) read inside the kernel,
   normed and gated (both halves of the rows: two reads of the weight a thread), against the `gguf` package's
   dequantizer (MLX's: numpy from the codes). K = 2048 gives Q4_K's row its 32 threads over 3 ranges of k's bits
-  (`gemv._packed_opts`); 4352 is 17 super-blocks (a top range that is no power of two). Tolerance: float32 outputs,
-  1e-5 (summation order only)."""
+  (`gemv._packed_opts`); 4352 is 17 super-blocks (a top range that is no power of two); 416 and 160 end in a
+  part-filled block of high bits (the ranges run past K, masked). Tolerance: float32 outputs, 1e-5 (summation order
+  only)."""
   if device != "CPU" and (name, K) not in ON_METAL: pytest.skip("read the same way as a case that runs here")
   rng = np.random.default_rng(K + len(name))
   N = 16
@@ -169,16 +172,18 @@ def test_gate_and_up_stored_apart(device):
 
 def test_packed_layouts_it_takes():
   """A packed layout whose index bits the kernel can name as ranges: every unit (nibble word, run of 32, block of high
-  bits, group, super-block) a power of two and K a whole number of the largest. Q5_0 rows of 416 (13 runs; a block of
-  high bits holds 8) and MLX's 5-bit in groups of 32 at K = 416 keep tinygrad's matmul."""
-  x = type("Rows", (), {"shape": (1, 416), "device": "CUDA", "ndim": 2})
+  bits, group, super-block) a power of two, and K a whole number of runs, groups and super-blocks. A part-filled last
+  block of high bits is taken (Q5_0 at Qwen2.5-0.5B's K = 896: 28 runs, blocks of 8, the top range 4 blocks); a group
+  of 96 is not."""
+  x = lambda K: type("Rows", (), {"shape": (1, K), "device": "CUDA", "ndim": 2})
   for q, spec in blocks.GGML_SPECS.items():
     assert gemv.packed_cuts(spec, 768) is not None and gemv.packed_cuts(spec, 512) is not None, q
   assert gemv.packed_cuts(blocks.GGML_SPECS["Q4_K"], 2048) == (3, 5, 7, 8)   # nibble, run, half of the 8 scales, super-block
   assert gemv.ranges_of(blocks.GGML_SPECS["Q4_K"], 2048, 0) == (8, 2, 4, 4, 8)
-  assert gemv.packed_cuts(blocks.GGML_SPECS["Q5_0"], 416) is None and gemv.packed_cuts(blocks.QuantSpec(5, 32), 416) is None
-  assert not gemv.applies(x, LinearWeights(PACKED, Tensor.empty(4, 416 // 8 + 16, dtype=dtypes.uint32), Tensor.empty(4, 13),
-                                           spec=blocks.GGML_SPECS["Q5_0"]))
+  assert gemv.ranges_of(blocks.GGML_SPECS["Q5_0"], 896, 0) == (4, 8, 4, 2, 4)   # blocks (the last part-filled), run, word, bytes
+  q5_0 = LinearWeights(PACKED, Tensor.empty(4, 896 // 8 + 32, dtype=dtypes.uint32), Tensor.empty(4, 28), spec=blocks.GGML_SPECS["Q5_0"])
+  assert gemv.applies(x(896), q5_0)
+  assert gemv.packed_cuts(blocks.QuantSpec(6, 96), 384) is None and gemv.packed_cuts(blocks.GGML_SPECS["Q4_K"], 384) is None
 
 
 @pytest.mark.parametrize("device", DEVICES)

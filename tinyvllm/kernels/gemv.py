@@ -63,12 +63,14 @@ def packed_cuts(spec: QuantSpec, K: int) -> tuple[int, ...] | None:
   its word (3); with high bits, a byte in its word (2), the run of 32 (5) and the block of R runs; the group and the
   super-block of groups; Q4_K's 6-bit scale fields (groups 0-3 or 4-7 of a super-block: 7). Only cuts an index needs:
   tinygrad merges two adjacent ranges that no index tells apart. None when a size is not a power of two or K is not a
-  whole number of the largest unit (those layouts keep tinygrad's matmul)."""
+  whole number of runs, groups and super-blocks (those layouts keep tinygrad's matmul). K may end in a part-filled block
+  of high bits (Q5_0 at K = 896, Qwen2.5-0.5B's): the ranges then name inputs past K, which `_projector` masks."""
   units = [8, spec.group] + ([spec.group * spec.super_groups] if spec.super_groups else [])
-  if spec.bits > 4: units += [4, 32, 32 * (8 // (spec.bits - 4))]
+  high_block = [32 * (8 // (spec.bits - 4))] if spec.bits > 4 else []
+  if spec.bits > 4: units += [4, 32]
   if spec.k_scales: units += [32, 128]
-  if any(u & (u - 1) for u in units) or K % max(units): return None
-  return tuple(sorted({u.bit_length() - 1 for u in units}))
+  if any(u & (u - 1) for u in units + high_block) or K % 32 or any(K % u for u in units): return None
+  return tuple(sorted({u.bit_length() - 1 for u in units + high_block}))
 
 
 def ranges_of(layout: str | QuantSpec, K: int, group: int) -> tuple[int, ...]:
@@ -78,7 +80,7 @@ def ranges_of(layout: str | QuantSpec, K: int, group: int) -> tuple[int, ...]:
   bits between consecutive `packed_cuts`, the highest first."""
   if isinstance(layout, QuantSpec):
     cuts = packed_cuts(layout, K)
-    return (K >> cuts[-1], *(1 << (hi - lo) for hi, lo in zip(cuts[::-1], (*cuts[-2::-1], 0))))
+    return (-(-K >> cuts[-1]), *(1 << (hi - lo) for hi, lo in zip(cuts[::-1], (*cuts[-2::-1], 0))))
   return (K,) if layout == FLOAT else (K // 32, 32) if layout == INT8 else (K // group, group // 8, 8)
 
 
@@ -140,11 +142,12 @@ def _output_opts(T: int, N: int, threads: int, heads: int) -> list:
   return opts
 
 
-def _weight_reader(layout: str | QuantSpec, K: int, parts: list[UOp], ranges: tuple[UOp, ...]):
+def _weight_reader(layout: str | QuantSpec, K: int, parts: list[UOp], ranges: tuple[UOp, ...], inside: UOp | None = None):
   """row -> its weight element at the reduction's input (`ranges`, `_projector`) in float32, from the stored parts
   (quant/formats.py): floats; INT8, a code times a scale per 32; INT4, 8 codes a uint32 (code i of a word in bits
-  4i..4i+3) times a scale plus a bias per group; a packed layout, `_packed_reader`."""
-  if isinstance(layout, QuantSpec): return _packed_reader(layout, K, parts, ranges)
+  4i..4i+3) times a scale plus a bias per group; a packed layout, `_packed_reader` (`inside`: k < K, where its ranges
+  run past K)."""
+  if isinstance(layout, QuantSpec): return _packed_reader(layout, K, parts, ranges, inside)
   if layout == FLOAT:
     w, (k,) = parts[0].flatten(), ranges
     return lambda row: w[row * K + k].cast(dtypes.float32)
@@ -161,18 +164,20 @@ def _weight_reader(layout: str | QuantSpec, K: int, parts: list[UOp], ranges: tu
   return int4
 
 
-def _packed_reader(spec: QuantSpec, K: int, parts: list[UOp], ranges: tuple[UOp, ...]):
+def _packed_reader(spec: QuantSpec, K: int, parts: list[UOp], ranges: tuple[UOp, ...], inside: UOp | None):
   """row -> its weight at input k of a packed layout (quant/blocks.py), k's bit fields taken from the ranges
   (`ranges_of`: one range a span between `packed_cuts`) so that no index divides. The code: its nibble (word k >> 3,
   bits 4 (k & 7)) plus, above 4 bits, its high bits (block k >> (5 + log2 R) of 8 words after the nibbles, word
   (k >> 2) & 7, bits 8 (k & 3) + h ((k >> 5) & (R - 1))) times 16; a codebook's value for it. Its scale and bias:
   float16 per group; or a two-level scale, an integer per group times a float16 per super-block (Q4_K and Q5_K: 6-bit
-  scales and mins unpacked as ggml's get_scale_min_k4 does). All in float32, where a two-level product is exact."""
+  scales and mins unpacked as ggml's get_scale_min_k4 does). All in float32, where a two-level product is exact. Past K
+  (a part-filled last block of high bits) the codes read are still the row's (its high bits), the scales' loads are
+  masked by `inside` (0), as `_projector` masks x's."""
   cuts = packed_cuts(spec, K)
   span = dict(zip(cuts[::-1] + (0,), ranges))   # the lowest bit of each range's span -> the range
   def field(lo: int, hi: int = 64) -> UOp:   # k's bits lo..hi-1 (both cut positions) as a number
     return functools.reduce(UOp.__add__, [span[b] * (1 << (b - lo)) for b in span if lo <= b < hi])
-  packed, scales, *rest = (p.flatten() for p in parts)
+  packed, (scales, *rest) = parts[0].flatten(), [_loader(p.flatten(), inside) for p in parts[1:]]
   words, groups, u32 = parts[0].shape[1], K // spec.group, dtypes.uint32
   code = lambda row: (packed[row * words + field(3)] >> (field(0, 3) * 4).cast(u32)) & 0xF
   if spec.bits > 4:
@@ -191,24 +196,29 @@ def _packed_reader(spec: QuantSpec, K: int, parts: list[UOp], ranges: tuple[UOp,
   f32 = lambda u: u.cast(dtypes.float32)
   g = field(spec.group.bit_length() - 1)
   if not spec.super_groups:
-    if spec.symmetric: return lambda row: f32(scales[row * groups + g]) * value(row)
-    return lambda row: f32(scales[row * groups + g]) * value(row) + f32(rest[0][row * groups + g])
+    if spec.symmetric: return lambda row: f32(scales(row * groups + g)) * value(row)
+    return lambda row: f32(scales(row * groups + g)) * value(row) + f32(rest[0](row * groups + g))
   supers = groups // spec.super_groups
   sb = field((spec.group * spec.super_groups).bit_length() - 1)
   d = rest[0]
-  if spec.symmetric: return lambda row: f32(scales[row * groups + g]) * f32(d[row * supers + sb]) * value(row)
+  if spec.symmetric: return lambda row: f32(scales(row * groups + g)) * f32(d(row * supers + sb)) * value(row)
   if spec.k_scales:   # 12 bytes a super-block; group 4 half + j: half 0 in bytes j (scale) and 4 + j (min), 6 bits;
     half, j = field(7, 8), field(5, 7)   # half 1: low 4 bits in byte 8 + j (scale low nibble, min high), top 2 bits in the
     def scale_min(row):                  # top of bytes j and 4 + j
-      byte = lambda i: scales[(row * supers + sb) * 12 + i].cast(dtypes.int32)
+      byte = lambda i: scales((row * supers + sb) * 12 + i).cast(dtypes.int32)
       mask, top = 63 - 48 * half, lambda i: ((byte(i) >> 6) << 4) * half
       return (byte(j + 8 * half) & mask) | top(j), ((byte(j + 4 + 4 * half) >> (4 * half)) & mask) | top(j + 4)
-  else: scale_min = lambda row: (scales[(row * groups + g) * 2], scales[(row * groups + g) * 2 + 1])
+  else: scale_min = lambda row: (scales((row * groups + g) * 2), scales((row * groups + g) * 2 + 1))
   def affine(row):
     sc, mn = scale_min(row)
     at = (row * supers + sb) * 2
-    return f32(sc) * f32(d[at]) * value(row) - f32(mn) * f32(d[at + 1])
+    return f32(sc) * f32(d(at)) * value(row) - f32(mn) * f32(d(at + 1))
   return affine
+
+
+def _loader(buf: UOp, inside: UOp | None):
+  """index -> buf's element there, or 0 where `inside` is false (a load masked, never made)."""
+  return (lambda idx: buf[idx.valid(inside)]) if inside is not None else (lambda idx: buf[idx])
 
 
 def _projector(layout: str | QuantSpec, eps: float | None, has_bias: bool, x: UOp, t: UOp, rest: list[UOp], first_range: int):
@@ -228,10 +238,11 @@ def _projector(layout: str | QuantSpec, eps: float | None, has_bias: bool, x: UO
   x = x.flatten()
   sizes = ranges_of(layout, K, K // parts[1].shape[1] if layout == INT4 else 0)
   ranges = tuple(UOp.range(size, first_range + i, AxisType.REDUCE) for i, size in enumerate(sizes))
-  weight_at = _weight_reader(layout, K, parts, ranges)
   k = functools.reduce(lambda acc, r: acc * (r.vmax + 1) + r, ranges[1:], ranges[0])   # the input these ranges name
-  xk = x[t * K + k].cast(dtypes.float32)
-  xin = xk * norm_w[k].cast(dtypes.float32) if norm_w is not None else xk
+  inside = k < K if math.prod(sizes) > K else None   # a packed layout's part-filled last block of high bits
+  weight_at = _weight_reader(layout, K, parts, ranges, inside)
+  xk = _loader(x, inside)(t * K + k).cast(dtypes.float32)
+  xin = xk * _loader(norm_w, inside)(k).cast(dtypes.float32) if norm_w is not None else xk
   if row_scale is not None: scale = row_scale[t]
   else: scale = ((xk * xk).reduce(*ranges, arg=Ops.ADD) * (1 / K) + eps).rsqrt() if eps is not None else None
 
