@@ -30,7 +30,7 @@ from tinygrad.codegen.opt import Opt, OptOps
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 from tinyvllm.kernels import portable
 from tinyvllm.kernels.kv_cache import PagedKVCache
-from tinyvllm.quant.blocks import part_shapes
+from tinyvllm.quant.blocks import stored_parts
 from tinyvllm.quant.formats import CODEBOOK, FLOAT, INT4, INT8, PACKED, LinearWeights, QuantSpec
 
 # the stored parts of each format the kernel reads (a packed layout's: `parts_of`)
@@ -47,7 +47,8 @@ def layout_of(w: LinearWeights) -> str | QuantSpec:
 
 
 def parts_of(layout: str | QuantSpec) -> tuple[str, ...]:
-  return tuple(part_shapes(layout, 1, 1 << 12)) if isinstance(layout, QuantSpec) else PARTS[layout]
+  """The stored parts the kernel reads, in the order it takes them."""
+  return tuple(p for p in stored_parts(layout) if p != "qspec") if isinstance(layout, QuantSpec) else PARTS[layout]
 
 
 def applies(x: Tensor, w: LinearWeights) -> bool:
