@@ -297,8 +297,8 @@ def _qkv_rope_kernel(opts: tuple, layout: str | QuantSpec, eps: float | None, ha
   bufs = list(bufs)
   q_out, k_cache, v_cache = (bufs.pop(0) if own else None for own in owns)
   x, rest = bufs[0], bufs[1:]
-  T, (NB, BS) = x.shape[0], next(c for c in (k_cache, v_cache, q_out) if c is not None).shape[:2]
-  half, rows_per_slot = D // 2, KVH * D
+  cache = k_cache if k_cache is not None else v_cache   # its slots bound the K/V stores (a q part writes none)
+  T, half, rows_per_slot = x.shape[0], D // 2, KVH * D
   t, local_h, i = UOp.range(T, 0), UOp.range(count, 1), UOp.range(half, 2)
   project = _projector(layout, eps, has_bias, x, t, rest, 3)
   positions, cos_sin, slots = (u.flatten() for u in rest)
@@ -311,11 +311,12 @@ def _qkv_rope_kernel(opts: tuple, layout: str | QuantSpec, eps: float | None, ha
   kv_h = is_k.where(h - H, is_v.where(h - H - KVH, 0))   # in range for every head: the stores it does not own are masked
   stores = []
   for offset, rot, raw in ((0, rotated[0], first_row), (half, rotated[1], second_row)):
-    element = kv_h * D + i + offset
-    slot_ok = portable.slot_in_range(slot, rows_per_slot, element, NB * BS)
-    kv_at = slot * rows_per_slot + element
     if q_out is not None:
       stores.append(q_out.flatten()[((t * H + is_q.where(h, 0)) * D + i + offset).valid(is_q)].store(rot.cast(q_out.dtype)))
+    if cache is None: continue
+    element = kv_h * D + i + offset
+    slot_ok = portable.slot_in_range(slot, rows_per_slot, element, math.prod(cache.shape[:2]))
+    kv_at = slot * rows_per_slot + element
     if k_cache is not None: stores.append(k_cache.flatten()[kv_at.valid(is_k & slot_ok)].store(rot.cast(k_cache.dtype)))
     if v_cache is not None: stores.append(v_cache.flatten()[kv_at.valid(is_v & slot_ok)].store(raw.cast(v_cache.dtype)))
   which = "" if all(owns) else "q" if owns[0] else "k" if owns[1] else "v"   # a part's heads
