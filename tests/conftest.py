@@ -55,6 +55,15 @@ def _nvrtc() -> str | None:
 NVRTC = os.environ.get("NVRTC_PATH") or _nvrtc()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def lowered_programs():
+  """The engine's disk cache of lowered kernels (engine/replay.py's ProgramCache) for every test, not only those that
+  build an engine: a kernel one worker or subprocess lowers, the others load. Lowering is most of the suite's time."""
+  from tinyvllm.engine.replay import cache_programs_on_disk
+  from tinyvllm.model.fetch import cache_dir
+  return cache_programs_on_disk(cache_dir() / "programs")
+
+
 def make_tiny_llama(path: Path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
   return make_tiny_model(path, "llama", seed, dtype, **overrides)
 

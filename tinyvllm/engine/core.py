@@ -16,6 +16,7 @@ from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.failure_log import FailureLog
 from tinyvllm.engine.model_runner import ModelRunner, WorkItem
+from tinyvllm.engine.replay import cache_programs_on_disk
 from tinyvllm.engine.request import CoreOutput, EngineRequest, SchedulerStats, TopLogprobs
 from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.engine.sequence import Sequence
@@ -24,6 +25,7 @@ from tinyvllm.kernels import default_dtype, make_kernels, prepare_device, resolv
 from tinyvllm.kernels.kv_cache import KVCacheFormat
 from tinyvllm.kernels.threads import default_threads
 from tinyvllm.model import families
+from tinyvllm.model.fetch import cache_dir
 from tinyvllm.model.llama import Llama
 from tinyvllm.model.tensor_parallel import parallel_backend, parallel_devices
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
@@ -78,6 +80,7 @@ class EngineCore:
     gives the end-of-sequence ids and checks that a draft model shares the vocabulary. `failures` logs what fails."""
     self.config = config
     self.failures = failures or FailureLog()
+    cache_programs_on_disk(cache_dir() / "programs")   # a later start loads the kernels this one lowers
     self.device = Device.DEFAULT
     # the device the model runs on, or with tensor parallelism the devices each layer is split over (model/tensor_parallel.py)
     self.devices = parallel_devices(self.device, config.tensor_parallel_size)

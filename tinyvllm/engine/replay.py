@@ -12,7 +12,9 @@ and a GPU when TINYVLLM_TEST_DEVICE names one), so a tinygrad upgrade that chang
   `CapturedJit._written_uops` and `expected_input_info`;
 - `get_call_arg_uops`, `get_runtime`, `ProgramInfo.launch_dims/vals`, `Buffer._buf`, `Allocator._copyin/_copyout/_transfer`
   and `_as_buffer` (host-visible memory);
-- the compile worker pool of `tinygrad.engine.realize.lower_and_compile` (see `compile_symbolic_kernels_in_process`).
+- the compile worker pool of `tinygrad.engine.realize.lower_and_compile` (see `compile_symbolic_kernels_in_process`);
+- tinygrad's in-process cache of lowered programs, `tinygrad.codegen.to_program_cache` (which `realize` imports by
+  name) and its key `to_program_key` (`ProgramCache` keeps it on disk too).
 
 Two rules of tinygrad's GPU graphs shape what a capture may contain (docs/architecture.md, "Devices"):
 
@@ -32,14 +34,17 @@ Two rules of tinygrad's GPU graphs shape what a capture may contain (docs/archit
    variables' maxima, an upper bound (`shallow_estimates`).
 """
 from __future__ import annotations
-import contextlib, ctypes, functools, time
+import contextlib, ctypes, functools, hashlib, logging, os, pickle, platform, sys, threading, time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp
 from tinygrad.dtype import AddrSpace, _to_np_dtype
 from tinygrad.renderer import Estimates
 from tinygrad.uop.ops import KernelInfo, Ops, sym_infer
+
+logger = logging.getLogger("tinyvllm")
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,106 @@ def compile_symbolic_kernels_in_process() -> None:
     return lower_and_compile(linear)
   lower_symbolic_first.symbolic_in_process = True
   realize.lower_and_compile = lower_symbolic_first
+
+
+@functools.cache
+def _lowering_fingerprint() -> str:
+  """What besides a program key decides how a kernel lowers: tinygrad's sources (a checkout of another commit keeps
+  the version number), Python's version (the pickle) and the machine (the CPU device compiles for the host's CPU)."""
+  import tinygrad
+  digest = hashlib.sha256(f"{sys.version_info[:2]} {platform.machine()}".encode())
+  root = Path(tinygrad.__file__).parent
+  for path in sorted(root.rglob("*.py")): digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
+  return digest.hexdigest()
+
+
+class ProgramCache(dict):
+  """tinygrad's cache of lowered and compiled programs (`codegen.to_program_cache`), kept on disk as well.
+
+  tinygrad caches a compiled binary on disk, but lowering a kernel to it (its rewrites, in Python) is the slow part and
+  is cached only for the life of a process: about 0.5 s a kernel on a slow core, so a model's passes (about 80 distinct
+  kernels a capture shape) took most of a minute to capture, on every start. Here a program tinygrad lowers is
+  pickled under its key (tinygrad's own `to_program_key`: the kernel's AST, the renderer and its target, tinygrad's
+  program config; with `_lowering_fingerprint`), and a later process loads it instead of lowering it again.
+
+  A raw environment knob of tinygrad's codegen (MV_*, OCCUPANCY_FLOOR) is not in the key; `CACHELEVEL=0`, tinygrad's
+  switch for its disk caches, turns this one off too, and so does `DEBUG>=3` (tinygrad prints a kernel's opts and
+  source while lowering it). A file that cannot be read is lowered again and rewritten; one that cannot be written
+  (a read-only cache) is left to memory."""
+  def __init__(self, directory: Path, programs: dict):
+    super().__init__(programs)
+    self.directory = directory
+    self.loaded = self.stored = 0   # programs read from disk and written to it, by this process
+    self._warned = False
+
+  @staticmethod
+  def enabled() -> bool:
+    from tinygrad.helpers import CACHELEVEL, DEBUG
+    return CACHELEVEL.value > 0 and DEBUG.value < 3
+
+  def path(self, key: tuple) -> Path:
+    ast_key, renderer, *rest = key
+    name = repr((_lowering_fingerprint(), ast_key.hex(), f"{renderer.__module__}.{renderer.__qualname__}", *rest))
+    return self.directory / f"{hashlib.sha256(name.encode()).hexdigest()}.pkl"
+
+  def _warn(self, what: str, error: Exception) -> None:
+    if not self._warned: logger.warning("lowered-program cache %s: %s: %s", self.directory, what, error)
+    self._warned = True
+
+  def _read(self, key: tuple) -> UOp | None:
+    if not self.enabled(): return None
+    try:
+      with open(self.path(key), "rb") as f: program = pickle.load(f)
+    except FileNotFoundError: return None
+    except Exception as e:   # truncated, or written by another version: lowered again, and rewritten
+      self._warn("a file could not be read, its kernel is lowered again", e)
+      return None
+    dict.__setitem__(self, key, program)
+    self.loaded += 1
+    return program
+
+  def __contains__(self, key) -> bool: return dict.__contains__(self, key) or self._read(key) is not None
+
+  def get(self, key, default=None):
+    if dict.__contains__(self, key): return dict.__getitem__(self, key)
+    program = self._read(key)
+    return default if program is None else program
+
+  def __getitem__(self, key):
+    if (program := self.get(key)) is None: raise KeyError(key)
+    return program
+
+  def __setitem__(self, key, program) -> None:
+    if dict.get(self, key) is program: return   # read from disk, or stored already
+    dict.__setitem__(self, key, program)
+    if not self.enabled(): return
+    try: data = pickle.dumps(program, protocol=pickle.HIGHEST_PROTOCOL)
+    except RecursionError: return   # a symbolic kernel's deep estimates (rule 2): stored once `shallow_estimates` made them shallow
+    except Exception as e:
+      self._warn("a program could not be pickled, it stays in memory", e)
+      return
+    path = self.path(key)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      tmp.write_bytes(data)
+      os.replace(tmp, path)   # readers in other processes see a whole file or none
+      self.stored += 1
+    except OSError as e: self._warn("not writable, programs stay in memory", e)
+
+
+def cache_programs_on_disk(directory: Path) -> ProgramCache:
+  """Keep tinygrad's lowered programs in `directory` (`ProgramCache`) from now on, for every kernel this process
+  lowers: tinygrad's `codegen.to_program` and `realize.lower_and_compile` both look programs up in the cache put here.
+  A second call keeps the programs in memory and moves the cache to `directory`."""
+  from tinygrad import codegen
+  from tinygrad.engine import realize
+  cache = codegen.to_program_cache
+  if not isinstance(cache, ProgramCache):
+    cache = ProgramCache(directory, cache)
+    codegen.to_program_cache = realize.to_program_cache = cache
+  cache.directory = directory
+  return cache
 
 
 class Replay:

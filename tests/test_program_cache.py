@@ -1,0 +1,104 @@
+"""engine/replay.py's ProgramCache: tinygrad's lowered programs kept on disk, so that a second start of the engine
+lowers no kernel. Checked against tinygrad itself: a start with an empty cache lowers every kernel (counted at
+tinygrad's `codegen.do_to_program`), and a later start computes bitwise the same tokens and logprobs from the loaded
+programs; kernels realized directly against numpy."""
+from __future__ import annotations
+import json, os, pickle, subprocess, sys
+import numpy as np
+import pytest
+from tinygrad import Tensor
+from tinygrad.helpers import Context
+from tinyvllm.engine.replay import ProgramCache, cache_programs_on_disk
+
+# one engine start: lowerings counted where tinygrad does them (PARALLEL=0: in this process, not its compile workers)
+START = r"""
+import json, sys
+from tinygrad import Device, codegen
+Device["CPU"]   # opening it lowers its own runtime programs, outside any cache (tinygrad's ops_cpu.py): not counted
+lowered = []
+lower = codegen.do_to_program
+codegen.do_to_program = lambda ast, renderer: lowered.append(1) or lower(ast, renderer)
+from tinyvllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], kernel_backend=sys.argv[2], block_size=8, num_kv_blocks=32)
+params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
+outs = llm.generate([{"prompt_token_ids": [5, 9, 13, 40]}, {"prompt_token_ids": list(range(20, 39))}], params, use_tqdm=False)
+cache = codegen.to_program_cache
+print(json.dumps({"lowered": len(lowered), "loaded": cache.loaded, "stored": cache.stored,
+                  "outputs": [[o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]] for o in outs]}))
+"""
+
+
+def start(model, backend: str, cache: os.PathLike) -> tuple[dict, str]:
+  env = {**os.environ, "TINYVLLM_CACHE": str(cache), "PARALLEL": "0", "DEV": "CPU"}
+  run = subprocess.run([sys.executable, "-c", START, str(model), backend], env=env, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
+
+
+@pytest.mark.parametrize("backend", ["cpu", "portable"])
+def test_a_second_start_lowers_nothing(tiny_model, backend, tmp_path):
+  """Start 1 lowers and stores every kernel; start 2 lowers none and gives bitwise the same tokens and logprobs; with
+  every file cut short, start 3 warns, lowers the kernels again, gives the same outputs and leaves whole files."""
+  first, _ = start(tiny_model, backend, tmp_path)
+  files = sorted((tmp_path / "programs").glob("*.pkl"))
+  assert first["lowered"] > 0 and first["loaded"] == 0 and len(files) == first["lowered"], first
+  second, _ = start(tiny_model, backend, tmp_path)
+  assert second["lowered"] == 0 and second["stored"] == 0 and second["loaded"] == len(files), second
+  assert second["outputs"] == first["outputs"]
+  for f in files: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+  third, stderr = start(tiny_model, backend, tmp_path)
+  assert "could not be read" in stderr and third["lowered"] == len(files), third
+  assert third["outputs"] == first["outputs"]
+  for f in files: pickle.loads(f.read_bytes())
+
+
+@pytest.fixture
+def cache_in(tmp_path):
+  """The process's program cache pointed at an empty directory for the test, and back after it."""
+  cache = cache_programs_on_disk(tmp_path)
+  before, memory = cache.directory, dict(cache)
+  yield cache
+  dict.clear(cache)
+  dict.update(cache, memory)
+  cache.directory = before
+
+
+def realize_fresh_kernel(scale: float) -> float:
+  """A kernel no test lowered before (its constant is new), x * scale + 1 over fresh random x: its relative error
+  against numpy's (float32: within an ulp or two, a fused multiply-add rounds once)."""
+  x = np.random.default_rng().standard_normal((3, 37)).astype(np.float32)
+  ours, ref = (Tensor(x) * scale + 1).numpy(), x * np.float32(scale) + 1
+  return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+def test_tinygrad_looks_programs_up_in_the_cache(cache_in):
+  """tinygrad's lowering (`realize.lower_and_compile`, `codegen.to_program`) goes through the cache installed here: a
+  new kernel is stored as a file, and, forgotten in memory, is loaded from it rather than lowered again."""
+  from tinygrad import codegen
+  from tinygrad.engine import realize
+  assert codegen.to_program_cache is cache_in and realize.to_program_cache is cache_in
+  scale = float(np.random.default_rng().uniform(2, 3))
+  assert realize_fresh_kernel(scale) < 1e-6
+  files = list(cache_in.directory.glob("*.pkl"))
+  assert len(files) >= 1 and cache_in.stored >= 1
+  loaded, stored = cache_in.loaded, cache_in.stored
+  dict.clear(cache_in)
+  assert realize_fresh_kernel(scale) < 1e-6
+  assert cache_in.loaded > loaded and cache_in.stored == stored and sorted(cache_in.directory.glob("*.pkl")) == sorted(files)
+
+
+def test_tinygrad_config_is_in_the_key_and_cachelevel_0_turns_it_off(cache_in):
+  """A kernel lowered under another tinygrad program setting (NOOPT) is another file; CACHELEVEL=0, tinygrad's switch
+  for its disk caches, writes none and reads none."""
+  scale = float(np.random.default_rng().uniform(3, 4))
+  realize_fresh_kernel(scale)
+  count = len(list(cache_in.directory.glob("*.pkl")))
+  with Context(NOOPT=1): realize_fresh_kernel(scale)
+  assert len(list(cache_in.directory.glob("*.pkl"))) > count
+  dict.clear(cache_in)
+  with Context(CACHELEVEL=0):
+    loaded, stored = cache_in.loaded, cache_in.stored
+    assert realize_fresh_kernel(float(np.random.default_rng().uniform(4, 5))) < 1e-6
+    assert realize_fresh_kernel(scale) < 1e-6
+    assert (cache_in.loaded, cache_in.stored) == (loaded, stored)
+  assert isinstance(cache_in, ProgramCache)
