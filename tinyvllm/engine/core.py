@@ -35,6 +35,14 @@ from tinyvllm.structured_output import MaskWorker, apply_bias
 PARALLEL_SAMPLING_VOCAB = 16384   # rows of a smaller vocabulary cost less than handing them to a thread
 
 
+def coarse(blocks: int, bits: int = 6) -> int:
+  """`blocks` rounded down to its `bits` leading binary digits: at most 1/32 fewer. The cache's size is in the kernels
+  that read and write it, and free memory moves a little from one start to the next; a coarse count keeps those
+  kernels, and so their lowered programs on disk (engine/replay.py's ProgramCache), the same."""
+  step = 1 << max(0, blocks.bit_length() - bits)
+  return blocks - blocks % step
+
+
 def available_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
   """Bytes the OS can give the process now. On Linux its MemAvailable: free memory plus the page cache and whatever
   else it can reclaim. A model file just downloaded or read sits in the page cache, so free memory alone can be a
@@ -179,9 +187,9 @@ class EngineCore:
                       f"use batch_invariant=False")
 
   def _blocks_from_memory(self, block_bytes: int, weight_bytes: int, max_model_len: int) -> int:
-    """A share of the memory left after the weights, but no more than max_num_seqs full-length sequences."""
+    """A share of the memory left after the weights (`coarse`), but no more than max_num_seqs full-length sequences."""
     available = available_memory()
-    by_memory = int(self.config.kv_cache_memory_fraction * max(0, available - weight_bytes)) // block_bytes
+    by_memory = coarse(int(self.config.kv_cache_memory_fraction * max(0, available - weight_bytes)) // block_bytes)
     by_need = self.config.max_num_seqs * -(-max_model_len // self.config.block_size)
     blocks = min(by_memory, by_need)
     if blocks < 2: raise ConfigError(f"not enough free memory for a KV cache ({available >> 20} MiB available); "
