@@ -64,6 +64,20 @@ def lowered_programs():
   return cache_programs_on_disk(cache_dir() / "programs")
 
 
+@pytest.fixture
+def empty_program_cache(tmp_path, lowered_programs):
+  """The program cache emptied and pointed at a new directory for a test that needs tinygrad to lower its kernels
+  (the suite's cache would hold them from an earlier run); restored after it."""
+  cache = lowered_programs
+  before, memory = cache.directory, dict(cache)
+  dict.clear(cache)
+  cache.directory = tmp_path / "programs"
+  yield cache
+  dict.clear(cache)
+  dict.update(cache, memory)
+  cache.directory = before
+
+
 def make_tiny_llama(path: Path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
   return make_tiny_model(path, "llama", seed, dtype, **overrides)
 

@@ -20,12 +20,16 @@ pytestmark = pytest.mark.skipif(NVRTC is None, reason="nvrtc not installed (pip 
 
 @contextlib.contextmanager
 def recording_kernels():
-  """Yields a list that collects the kernel ASTs tinygrad compiles inside the block, before lowering, in order."""
+  """Yields a list that collects the kernel ASTs tinygrad compiles inside the block, before lowering, in order: every
+  one, also those the engine's program cache holds (recorded before engine/replay.py swaps their programs in)."""
   from tinygrad.engine import realize
+  from tinyvllm.engine.replay import compile_symbolic_kernels_in_process
+  compile_symbolic_kernels_in_process()   # the engine's wrapper of lower_and_compile goes in first: the recorder wraps it
   asts, lower = [], realize.lower_and_compile
   def record(linear):
     asts.extend(a[0] for c in linear.toposort() if c.op is Ops.CALL and (a := realize._get_call_to_compile(c)) and a[0].op is Ops.SINK)
     return lower(linear)
+  record.symbolic_in_process = True   # the engine's wrapper is inside it: a Replay made in the block must not wrap it again
   realize.lower_and_compile = record
   try: yield asts
   finally: realize.lower_and_compile = lower

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from tinygrad import Tensor
 from tinygrad.helpers import Context
-from tinyvllm.engine.replay import ProgramCache, cache_programs_on_disk
 
 # one engine start: lowerings counted where tinygrad does them (PARALLEL=0: in this process, not its compile workers)
 START = r"""
@@ -52,17 +51,6 @@ def test_a_second_start_lowers_nothing(tiny_model, backend, tmp_path):
   for f in files: pickle.loads(f.read_bytes())
 
 
-@pytest.fixture
-def cache_in(tmp_path):
-  """The process's program cache pointed at an empty directory for the test, and back after it."""
-  cache = cache_programs_on_disk(tmp_path)
-  before, memory = cache.directory, dict(cache)
-  yield cache
-  dict.clear(cache)
-  dict.update(cache, memory)
-  cache.directory = before
-
-
 def realize_fresh_kernel(scale: float) -> float:
   """A kernel no test lowered before (its constant is new), x * scale + 1 over fresh random x: its relative error
   against numpy's (float32: within an ulp or two, a fused multiply-add rounds once)."""
@@ -71,34 +59,35 @@ def realize_fresh_kernel(scale: float) -> float:
   return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
 
-def test_tinygrad_looks_programs_up_in_the_cache(cache_in):
+def test_tinygrad_looks_programs_up_in_the_cache(empty_program_cache):
   """tinygrad's lowering (`realize.lower_and_compile`, `codegen.to_program`) goes through the cache installed here: a
   new kernel is stored as a file, and, forgotten in memory, is loaded from it rather than lowered again."""
+  cache = empty_program_cache
   from tinygrad import codegen
   from tinygrad.engine import realize
-  assert codegen.to_program_cache is cache_in and realize.to_program_cache is cache_in
+  assert codegen.to_program_cache is cache and realize.to_program_cache is cache
   scale = float(np.random.default_rng().uniform(2, 3))
   assert realize_fresh_kernel(scale) < 1e-6
-  files = list(cache_in.directory.glob("*.pkl"))
-  assert len(files) >= 1 and cache_in.stored >= 1
-  loaded, stored = cache_in.loaded, cache_in.stored
-  dict.clear(cache_in)
+  files = list(cache.directory.glob("*.pkl"))
+  assert len(files) >= 1 and cache.stored >= 1
+  loaded, stored = cache.loaded, cache.stored
+  dict.clear(cache)
   assert realize_fresh_kernel(scale) < 1e-6
-  assert cache_in.loaded > loaded and cache_in.stored == stored and sorted(cache_in.directory.glob("*.pkl")) == sorted(files)
+  assert cache.loaded > loaded and cache.stored == stored and sorted(cache.directory.glob("*.pkl")) == sorted(files)
 
 
-def test_tinygrad_config_is_in_the_key_and_cachelevel_0_turns_it_off(cache_in):
+def test_tinygrad_config_is_in_the_key_and_cachelevel_0_turns_it_off(empty_program_cache):
   """A kernel lowered under another tinygrad program setting (NOOPT) is another file; CACHELEVEL=0, tinygrad's switch
   for its disk caches, writes none and reads none."""
+  cache = empty_program_cache
   scale = float(np.random.default_rng().uniform(3, 4))
   realize_fresh_kernel(scale)
-  count = len(list(cache_in.directory.glob("*.pkl")))
+  count = len(list(cache.directory.glob("*.pkl")))
   with Context(NOOPT=1): realize_fresh_kernel(scale)
-  assert len(list(cache_in.directory.glob("*.pkl"))) > count
-  dict.clear(cache_in)
+  assert len(list(cache.directory.glob("*.pkl"))) > count
+  dict.clear(cache)
   with Context(CACHELEVEL=0):
-    loaded, stored = cache_in.loaded, cache_in.stored
+    loaded, stored = cache.loaded, cache.stored
     assert realize_fresh_kernel(float(np.random.default_rng().uniform(4, 5))) < 1e-6
     assert realize_fresh_kernel(scale) < 1e-6
-    assert (cache_in.loaded, cache_in.stored) == (loaded, stored)
-  assert isinstance(cache_in, ProgramCache)
+    assert (cache.loaded, cache.stored) == (loaded, stored)

@@ -94,10 +94,10 @@ def test_graph_launch_sizes_are_never_zero_at_zero(device):
   assert any(0 in g for g, _ in sizes_at_zero(plain)), "a plain variable's launch size is no longer 0 at 0: rule 1 of replay.py changed"
 
 
-def test_symbolic_kernels_never_go_to_the_compile_workers(monkeypatch):
+def test_symbolic_kernels_never_go_to_the_compile_workers(monkeypatch, empty_program_cache):
   """Kernels reading a variable are lowered in this process: tinygrad's workers send programs back pickled, and a symbolic
   kernel's unsimplified cost estimate is too deep for Python 3.12's pickler (replay.py, rule 2). The pool here records
-  what it is sent and compiles it in this process."""
+  what it is sent and compiles it in this process (the program cache emptied: it would hold them from an earlier run)."""
   from tinygrad.engine import realize
   compile_symbolic_kernels_in_process()
   sent = []
@@ -108,7 +108,7 @@ def test_symbolic_kernels_never_go_to_the_compile_workers(monkeypatch):
         yield fn(task)
   monkeypatch.setattr(realize, "get_worker_pool", lambda: RecordingPool())
   rng = np.random.default_rng(2)
-  rows, cols = 8 + int(rng.integers(1, 50)), 64 + 4 * int(rng.integers(1, 50))   # shapes no other test compiled
+  rows, cols = 8 + int(rng.integers(1, 50)), 64 + 4 * int(rng.integers(1, 50))   # shapes no other test of this run compiled
   a = Tensor(rng.standard_normal((rows, cols)).astype(np.float32)).realize()
   b = Tensor(rng.standard_normal((rows, cols)).astype(np.float32)).realize()
   def f(a, b, bound):

@@ -113,6 +113,23 @@ def lower_in_process(ast: UOp, renderer) -> UOp:
   return program
 
 
+def _call_cached_programs(linear: UOp) -> UOp:
+  """`linear` with each of its calls of a kernel that tinygrad's program cache holds calling the program instead (a
+  call of a compiled PROGRAM is one `lower_and_compile` leaves alone). tinygrad swaps a program in with `substitute`,
+  which goes on to walk the whole lowered program: about a tenth of a second a kernel, 5 s of the capture of a
+  30-layer model's passes even when every program came from the disk cache."""
+  from tinygrad import codegen
+  from tinygrad.engine import realize
+  if linear.op is not Ops.LINEAR: return linear
+  calls = []
+  for call in linear.src:
+    todo = realize._get_call_to_compile(call) if call.op is Ops.CALL else None
+    if todo is not None and call.src[0] is todo[0] and (program := codegen.to_program_cache.get(codegen.to_program_key(*todo))) is not None:
+      call = call.replace(src=(program, *call.src[1:]))
+    calls.append(call)
+  return linear.replace(src=tuple(calls))
+
+
 def compile_symbolic_kernels_in_process() -> None:
   """Lower every kernel that reads a variable in this process, before tinygrad sends the rest to its compile workers
   (rule 2 above), with shallow estimates (rule 3). It only fills tinygrad's own program cache ahead of
@@ -125,7 +142,7 @@ def compile_symbolic_kernels_in_process() -> None:
     for call in linear.toposort():
       if call.op is Ops.CALL and (todo := realize._get_call_to_compile(call)) is not None and _has_variables(todo[0]):
         lower_in_process(*todo)
-    return lower_and_compile(linear)
+    return lower_and_compile(_call_cached_programs(linear))
   lower_symbolic_first.symbolic_in_process = True
   realize.lower_and_compile = lower_symbolic_first
 
@@ -167,7 +184,9 @@ class ProgramCache(dict):
 
   def path(self, key: tuple) -> Path:
     ast_key, renderer, *rest = key
-    name = repr((_lowering_fingerprint(), ast_key.hex(), f"{renderer.__module__}.{renderer.__qualname__}", *rest))
+    # which METAL runtime compiled: our emulator's library is the MSL itself, where a Mac's is a metallib
+    metal = getattr(sys.modules.get("tinygrad.runtime.ops_metal"), "__name__", None)
+    name = repr((_lowering_fingerprint(), ast_key.hex(), f"{renderer.__module__}.{renderer.__qualname__}", *rest, metal))
     return self.directory / f"{hashlib.sha256(name.encode()).hexdigest()}.pkl"
 
   def _warn(self, what: str, error: Exception) -> None:
