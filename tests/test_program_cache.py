@@ -3,7 +3,7 @@ lowers no kernel. Checked against tinygrad itself: a start with an empty cache l
 tinygrad's `codegen.do_to_program`), and a later start computes bitwise the same tokens and logprobs from the loaded
 programs; kernels realized directly against numpy."""
 from __future__ import annotations
-import json, os, pickle, subprocess, sys
+import json, os, pickle, subprocess, sys, time
 import numpy as np
 import pytest
 from tinygrad import Tensor
@@ -91,3 +91,25 @@ def test_tinygrad_config_is_in_the_key_and_cachelevel_0_turns_it_off(empty_progr
     assert realize_fresh_kernel(float(np.random.default_rng().uniform(4, 5))) < 1e-6
     assert realize_fresh_kernel(scale) < 1e-6
     assert (cache.loaded, cache.stored) == (loaded, stored)
+
+
+def test_the_least_recently_used_programs_are_trimmed(empty_program_cache):
+  """Over its byte limit the cache deletes the files used longest ago, down to 3/4 of the limit; loading a program
+  counts as a use (its file is touched), so an old program still loaded outlives newer ones that are not."""
+  cache, now = empty_program_cache, time.time()
+  scale = float(np.random.default_rng().uniform(5, 6))
+  assert realize_fresh_kernel(scale) < 1e-6
+  real = {p: p.stat().st_size for p in cache.directory.glob("*.pkl")}
+  for p in real: os.utime(p, (now - 10_000, now - 10_000))   # lowered long ago...
+  dict.clear(cache)
+  assert realize_fresh_kernel(scale) < 1e-6                   # ...and loaded now
+  size = sum(real.values())
+  fillers = []
+  for i in range(8):   # programs as big as the real ones together, the oldest first
+    fillers.append(cache.directory / f"{i:064x}.pkl")
+    fillers[-1].write_bytes(bytes(size))
+    os.utime(fillers[-1], (now - 5000 + i, now - 5000 + i))
+  cache.trim(9 * size)   # everything fits: nothing goes
+  assert all(p.exists() for p in [*real, *fillers])
+  cache.trim(6 * size)   # down to 4.5 x: the five oldest fillers go, the real programs (used last) stay
+  assert all(p.exists() for p in real) and [p.exists() for p in fillers] == [False] * 5 + [True] * 3

@@ -203,6 +203,7 @@ class ProgramCache(dict):
       return None
     dict.__setitem__(self, key, program)
     self.loaded += 1
+    with contextlib.suppress(OSError): os.utime(self.path(key))   # used now: `trim` removes the least recently used
     return program
 
   def __contains__(self, key) -> bool: return dict.__contains__(self, key) or self._read(key) is not None
@@ -235,17 +236,31 @@ class ProgramCache(dict):
     except OSError as e: self._warn("not writable, programs stay in memory", e)
 
 
-def cache_programs_on_disk(directory: Path) -> ProgramCache:
-  """Keep tinygrad's lowered programs in `directory` (`ProgramCache`) from now on, for every kernel this process
-  lowers: tinygrad's `codegen.to_program` and `realize.lower_and_compile` both look programs up in the cache put here.
-  A second call keeps the programs in memory and moves the cache to `directory`."""
+  def trim(self, max_bytes: int) -> None:
+    """Delete the least recently used programs (a load touches its file) while the files hold more than `max_bytes`,
+    down to three quarters of it: every model and shape a machine ever ran adds its kernels."""
+    try: files = sorted((st.st_mtime, st.st_size, e.path) for e in os.scandir(self.directory) if e.name.endswith(".pkl") and (st := e.stat()))
+    except FileNotFoundError: return
+    total = sum(size for _, size, _ in files)
+    if total <= max_bytes: return
+    for _, size, path in files:
+      with contextlib.suppress(OSError): os.unlink(path)
+      if (total := total - size) <= max_bytes * 3 // 4: break
+
+
+def cache_programs_on_disk(directory: Path, max_bytes: int = 1 << 30) -> ProgramCache:
+  """Keep tinygrad's lowered programs in `directory` (`ProgramCache`, trimmed to `max_bytes`) from now on, for every
+  kernel this process lowers: tinygrad's `codegen.to_program` and `realize.lower_and_compile` both look programs up in
+  the cache put here. A second call keeps the programs in memory and moves the cache to `directory`."""
   from tinygrad import codegen
   from tinygrad.engine import realize
   cache = codegen.to_program_cache
   if not isinstance(cache, ProgramCache):
     cache = ProgramCache(directory, cache)
     codegen.to_program_cache = realize.to_program_cache = cache
+  elif cache.directory == directory: return cache
   cache.directory = directory
+  cache.trim(max_bytes)
   return cache
 
 
