@@ -132,8 +132,9 @@ def _call_cached_programs(linear: UOp) -> UOp:
 
 def compile_symbolic_kernels_in_process() -> None:
   """Lower every kernel that reads a variable in this process, before tinygrad sends the rest to its compile workers
-  (rule 2 above), with shallow estimates (rule 3). It only fills tinygrad's own program cache ahead of
-  `lower_and_compile`, so what is compiled, and how, stays tinygrad's. Idempotent."""
+  (rule 2 above), with shallow estimates (rule 3), and call the programs tinygrad's program cache holds directly
+  (`_call_cached_programs`). It only fills that cache and swaps its programs in ahead of `lower_and_compile`, so what
+  is compiled, and how, stays tinygrad's. Idempotent."""
   from tinygrad.engine import realize
   if getattr(realize.lower_and_compile, "symbolic_in_process", False): return
   lower_and_compile = realize.lower_and_compile
@@ -234,7 +235,6 @@ class ProgramCache(dict):
       os.replace(tmp, path)   # readers in other processes see a whole file or none
       self.stored += 1
     except OSError as e: self._warn("not writable, programs stay in memory", e)
-
 
   def trim(self, max_bytes: int) -> None:
     """Delete the least recently used programs (a load touches its file) while the files hold more than `max_bytes`,
