@@ -113,3 +113,25 @@ def test_the_least_recently_used_programs_are_trimmed(empty_program_cache):
   assert all(p.exists() for p in [*real, *fillers])
   cache.trim(6 * size)   # down to 4.5 x: the five oldest fillers go, the real programs (used last) stay
   assert all(p.exists() for p in real) and [p.exists() for p in fillers] == [False] * 5 + [True] * 3
+
+
+def test_a_cache_that_cannot_be_written_stays_in_memory(empty_program_cache, tmp_path, caplog):
+  """A cache directory that cannot exist (under a plain file): programs still lower, run and stay in memory, with one
+  warning; a writer that died leaves a .tmp file, which a later trim removes once it is a day old."""
+  cache = empty_program_cache
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  cache.directory = blocker / "programs"
+  cache.trim(1)   # nothing to read there: no error
+  stored = cache.stored
+  with caplog.at_level("WARNING", logger="tinyvllm"):
+    assert realize_fresh_kernel(float(np.random.default_rng().uniform(6, 7))) < 1e-6
+    assert realize_fresh_kernel(float(np.random.default_rng().uniform(7, 8))) < 1e-6
+  assert cache.stored == stored and sum("not writable" in r.getMessage() for r in caplog.records) == 1
+  cache.directory = tmp_path / "programs"
+  cache.directory.mkdir()
+  stale, fresh = cache.directory / "x.pkl.1.2.tmp", cache.directory / "y.pkl.1.2.tmp"
+  for f in (stale, fresh): f.write_bytes(b"partial")
+  os.utime(stale, (time.time() - 2 * 86400,) * 2)
+  cache.trim(1 << 30)
+  assert not stale.exists() and fresh.exists()

@@ -88,7 +88,8 @@ class EngineCore:
     gives the end-of-sequence ids and checks that a draft model shares the vocabulary. `failures` logs what fails."""
     self.config = config
     self.failures = failures or FailureLog()
-    cache_programs_on_disk(cache_dir() / "programs")   # a later start loads the kernels this one lowers
+    try: cache_programs_on_disk(cache_dir() / "programs")   # a later start loads the kernels this one lowers
+    except OSError as e: print(f"tinyvllm: lowered kernels are not kept on disk: {e}", file=sys.stderr)   # no cache directory
     self.device = Device.DEFAULT
     # the device the model runs on, or with tensor parallelism the devices each layer is split over (model/tensor_parallel.py)
     self.devices = parallel_devices(self.device, config.tensor_parallel_size)

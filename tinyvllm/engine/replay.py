@@ -148,6 +148,11 @@ def compile_symbolic_kernels_in_process() -> None:
   realize.lower_and_compile = lower_symbolic_first
 
 
+# environment variables tinygrad's codegen and renderers read directly (not ContextVars, so not in its program key)
+RAW_KNOBS = ("THREADS", "MV", "MV_BLOCKSIZE", "MV_THREADS_PER_ROW", "MV_ROWS_PER_THREAD", "OCCUPANCY_FLOOR", "TUPLE_ORDER",
+             "ALLOW_HALF8", "EXPAND_SSA", "ALIGNED", "FLOAT16")
+
+
 @functools.cache
 def _lowering_fingerprint() -> str:
   """What besides a program key decides how a kernel lowers: tinygrad's sources (a checkout of another commit keeps
@@ -168,10 +173,11 @@ class ProgramCache(dict):
   pickled under its key (tinygrad's own `to_program_key`: the kernel's AST, the renderer and its target, tinygrad's
   program config; with `_lowering_fingerprint`), and a later process loads it instead of lowering it again.
 
-  A raw environment knob of tinygrad's codegen (MV_*, OCCUPANCY_FLOOR) is not in the key; `CACHELEVEL=0`, tinygrad's
-  switch for its disk caches, turns this one off too, and so does `DEBUG>=3` (tinygrad prints a kernel's opts and
-  source while lowering it). A file that cannot be read is lowered again and rewritten; one that cannot be written
-  (a read-only cache) is left to memory."""
+  tinygrad's codegen also reads a few environment variables directly (`RAW_KNOBS`, in the key too; a BEAM search's
+  own knobs are not); `CACHELEVEL=0`, tinygrad's switch for its disk caches, turns this one off, and so does
+  `DEBUG>=3` (tinygrad prints a kernel's opts and source while lowering it). A file that cannot be read is lowered
+  again and rewritten; a cache that cannot be written (read-only, full) is left to memory. Programs for the CPU device
+  are compiled for this machine's CPU: the directory is not for sharing between machines."""
   def __init__(self, directory: Path, programs: dict):
     super().__init__(programs)
     self.directory = directory
@@ -185,9 +191,12 @@ class ProgramCache(dict):
 
   def path(self, key: tuple) -> Path:
     ast_key, renderer, *rest = key
-    # which METAL runtime compiled: our emulator's library is the MSL itself, where a Mac's is a metallib
-    metal = getattr(sys.modules.get("tinygrad.runtime.ops_metal"), "__name__", None)
-    name = repr((_lowering_fingerprint(), ast_key.hex(), f"{renderer.__module__}.{renderer.__qualname__}", *rest, metal))
+    # which METAL runtime compiles: our emulator's library is the MSL itself (checked against the macOS it emulates),
+    # where a Mac's is a metallib
+    metal = sys.modules.get("tinygrad.runtime.ops_metal")
+    metal = (metal.__name__, getattr(metal, "emulated_macos", lambda: None)()) if metal is not None else None
+    knobs = tuple(os.environ.get(k) for k in RAW_KNOBS)
+    name = repr((_lowering_fingerprint(), ast_key.hex(), f"{renderer.__module__}.{renderer.__qualname__}", *rest, metal, knobs))
     return self.directory / f"{hashlib.sha256(name.encode()).hexdigest()}.pkl"
 
   def _warn(self, what: str, error: Exception) -> None:
@@ -196,9 +205,10 @@ class ProgramCache(dict):
 
   def _read(self, key: tuple) -> UOp | None:
     if not self.enabled(): return None
+    try: file = open(self.path(key), "rb")
+    except OSError: return None   # not there, or no directory we may read
     try:
-      with open(self.path(key), "rb") as f: program = pickle.load(f)
-    except FileNotFoundError: return None
+      with file: program = pickle.load(file)
     except Exception as e:   # truncated, or written by another version: lowered again, and rewritten
       self._warn("a file could not be read, its kernel is lowered again", e)
       return None
@@ -234,13 +244,22 @@ class ProgramCache(dict):
       tmp.write_bytes(data)
       os.replace(tmp, path)   # readers in other processes see a whole file or none
       self.stored += 1
-    except OSError as e: self._warn("not writable, programs stay in memory", e)
+    except OSError as e:   # read-only, full: the program stays in memory
+      self._warn("not writable, programs stay in memory", e)
+      with contextlib.suppress(OSError): tmp.unlink()
 
   def trim(self, max_bytes: int) -> None:
     """Delete the least recently used programs (a load touches its file) while the files hold more than `max_bytes`,
     down to three quarters of it: every model and shape a machine ever ran adds its kernels."""
-    try: files = sorted((st.st_mtime, st.st_size, e.path) for e in os.scandir(self.directory) if e.name.endswith(".pkl") and (st := e.stat()))
-    except FileNotFoundError: return
+    files, day_ago = [], time.time() - 86400
+    try:
+      for entry in os.scandir(self.directory):
+        with contextlib.suppress(OSError):   # gone meanwhile: another process trimmed it
+          st = entry.stat()
+          if entry.name.endswith(".pkl"): files.append((st.st_mtime, st.st_size, entry.path))
+          elif entry.name.endswith(".tmp") and st.st_mtime < day_ago: os.unlink(entry.path)   # a writer died
+    except OSError: return   # no directory yet, or none we may read
+    files.sort()
     total = sum(size for _, size, _ in files)
     if total <= max_bytes: return
     for _, size, path in files:
