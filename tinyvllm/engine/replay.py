@@ -205,7 +205,8 @@ class ProgramCache(dict):
 
   def _read(self, key: tuple) -> UOp | None:
     if not self.enabled(): return None
-    try: file = open(self.path(key), "rb")
+    path = self.path(key)
+    try: file = open(path, "rb")
     except OSError: return None   # not there, or no directory we may read
     try:
       with file: program = pickle.load(file)
@@ -214,7 +215,7 @@ class ProgramCache(dict):
       return None
     dict.__setitem__(self, key, program)
     self.loaded += 1
-    with contextlib.suppress(OSError): os.utime(self.path(key))   # used now: `trim` removes the least recently used
+    with contextlib.suppress(OSError): os.utime(path)   # used now: `trim` removes the least recently used
     return program
 
   def __contains__(self, key) -> bool: return dict.__contains__(self, key) or self._read(key) is not None
