@@ -10,7 +10,7 @@
 # 2/3 of that again for the k-quants Q4_K and Q6_K); then,
 # if PACKED_SECONDS (30) > 0, the GGUF k-quants' portable kernel with the file's 6-bit scales against byte scales.
 #
-#   bash ../shared/gpu/prepare.sh          # here, once: the wheels the GPU machine lacks, into .whl/
+#   bash bench/gpu_wheels.sh               # here, once: the wheels the GPU machine lacks, into .whl/
 #   device run (carry .whl):  bash bench/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS] [KERNEL_SECONDS] [PACKED_SECONDS] [GEMV_SECONDS]
 #   (env: CAPTURE_MODES=pass,layer compares captures; SCHEDULER_STEPS=1 drops the multi-step runs; BENCH_BEAM=2 searches
 #   the bench's kernels)
