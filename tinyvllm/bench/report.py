@@ -62,8 +62,9 @@ def print_ceilings(c: Ceilings, file=None) -> None:
   if c.numpy_copy_gbps: print(f"  numpy copy on {c.numpy_threads} threads (reference): {c.numpy_copy_gbps:.1f} GB/s", file=file)
   if c.published_gbps:
     print(f"  published bandwidth: {c.published_gbps:g} GB/s{' (unsure)' if c.published_unsure else ''} - {c.published_source}", file=file)
-  print(f"  matmul ({c.matmul_dtype}): tinygrad {c.tinygrad_matmul_gflops:.1f} GFLOP/s, engine linear {c.engine_linear_gflops:.1f} GFLOP/s",
-        file=file)
+  if c.torch_copy_gbps: print(f"  torch's device-to-device copy (read+write, counted in the ceiling): {c.torch_copy_gbps:.1f} GB/s", file=file)
+  print(f"  matmul ({c.matmul_dtype}): tinygrad {c.tinygrad_matmul_gflops:.1f} GFLOP/s, engine linear {c.engine_linear_gflops:.1f} GFLOP/s" +
+        (f", torch (cuBLAS, counted in the ceiling) {c.torch_matmul_gflops:.1f} GFLOP/s" if c.torch_matmul_gflops else ""), file=file)
 
 
 def _compared(records: list[dict]) -> list[str]:
