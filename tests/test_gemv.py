@@ -88,7 +88,7 @@ def test_every_fusion_matches_numpy(device, dtype, T, K, N):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt,group", [(INT4, 32), (INT4, 64), (INT8, 32)])
-@pytest.mark.parametrize("T,K,N", [(1, 1024, 16), (5, 128, 12)])
+@pytest.mark.parametrize("T,K,N", [(1, 1024, 16), (5, 128, 12), (32, 256, 16)])
 def test_quantized_weights_match_numpy(device, fmt, group, T, K, N):
   """Codes read and scaled inside the kernel, against numpy's dequantized matrix: plain, normed and gated, and with
   the residual. K = 1024 takes the GPU's whole schedule (32 INT4 codes a thread, 4 words, 32 threads a row)."""
@@ -205,6 +205,8 @@ def test_float32_logits_from_half_rows(device, T, K, N):
     (FLOAT, "float32", 1, 2, 1, 32, 64, 0),       # one row, a padding token: tinygrad dropped its mask once (writes none)
     (FLOAT, "float16", 8, 2, 2, 80, 64, 5),       # MAX_ROWS rows, no GQA, a head_dim that is not a power of two
     (INT4, "float16", 2, 4, 1, 64, 128, None),
+    (FLOAT, "float16", 32, 4, 2, 64, 128, 7),     # NARROW_MAX_ROWS rows: 8 a thread, 4 blocks of rows
+    (INT4, "float16", 16, 4, 2, 64, 256, None),
     (INT8, "float16", 1, 4, 2, 64, 128, None),
     ("Q4_K", "float32", 2, 4, 2, 64, 512, None),       # a packed qkv, stored fused
     ("Q4_K+Q4_K+Q6_K", "float16", 1, 4, 2, 64, 256, None),   # q, k and v stored apart (Q4_K_M's): a kernel each
@@ -247,9 +249,9 @@ def test_qkv_projection_with_rope_and_cache_write(device, fmt, dtype, T, H, KVH,
 
 
 def test_which_projections_take_it():
-  """A GPU's float, INT4, INT8 and packed (k-quant) projections of at most MAX_ROWS rows; not the CPU device (our C
-  kernels), not more rows (tinygrad's matmul and its tensor cores), not a sharded layer, and not INT4 on the metal
-  backend (its shaders' own GEMV)."""
+  """A GPU's float, INT4, INT8 and packed (k-quant) projections of at most MAX_ROWS rows, float and INT4 ones of at
+  most NARROW_OUTPUTS outputs up to NARROW_MAX_ROWS; not the CPU device (our C kernels), not more rows (tinygrad's
+  matmul and its tensor cores), not a sharded layer, and not INT4 on the metal backend (its shaders' own GEMV)."""
   from tinyvllm.kernels import Kernels, ShaderKernels
   w = LinearWeights(FLOAT, Tensor.empty(64, 32))
   rows = lambda T, device="CUDA", K=32: type("Rows", (), {"shape": (T, K), "device": device, "ndim": 2})   # x, without a GPU
@@ -258,13 +260,17 @@ def test_which_projections_take_it():
     k.cpu = cpu
     return k
   gpu = kernels(False)
-  assert gpu.takes_gemv(rows(1), w) and gpu.takes_gemv(rows(gemv.MAX_ROWS), w)
-  assert not gpu.takes_gemv(rows(gemv.MAX_ROWS + 1), w)
+  assert gpu.takes_gemv(rows(1), w) and gpu.takes_gemv(rows(gemv.NARROW_MAX_ROWS), w)
+  assert not gpu.takes_gemv(rows(gemv.NARROW_MAX_ROWS + 1), w)
+  wide = LinearWeights(FLOAT, Tensor.empty(gemv.NARROW_OUTPUTS + 2, 32))   # gate/up's many outputs: tinygrad's past 8 rows
+  assert gpu.takes_gemv(rows(gemv.MAX_ROWS), wide) and not gpu.takes_gemv(rows(gemv.MAX_ROWS + 1), wide)
   int8 = LinearWeights(INT8, Tensor.empty(64, 32, dtype=dtypes.int8), Tensor.empty(64, 1))
   int4 = LinearWeights(INT4, Tensor.empty(64, 4, dtype=dtypes.uint32), Tensor.empty(64, 1), biases=Tensor.empty(64, 1))
   q4k = LinearWeights(PACKED, Tensor.empty(64, 32, dtype=dtypes.uint32), Tensor.empty(64, 1, 12, dtype=dtypes.uint8),
                       Tensor.empty(64, 1, 2, dtype=dtypes.float16), spec=blocks.GGML_SPECS["Q4_K"])
   assert gpu.takes_gemv(rows(1), int8) and gpu.takes_gemv(rows(1), int4) and gpu.takes_gemv(rows(1, K=256), q4k)
+  assert gpu.takes_gemv(rows(gemv.NARROW_MAX_ROWS), int4) and not gpu.takes_gemv(rows(gemv.MAX_ROWS + 1), int8)
+  assert not gpu.takes_gemv(rows(gemv.MAX_ROWS + 1, K=256), q4k)
   assert not gpu.takes_gemv(rows(1, "CPU"), w)
   assert not kernels(False, shards=2).takes_gemv(rows(1), w)
   assert not kernels(True).takes_gemv(rows(1), w)

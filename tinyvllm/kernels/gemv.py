@@ -21,8 +21,8 @@ tinygrad already; and with `qkv_rope_write` the qkv projection stores its heads 
 v in their cache slots (1: the write kernel). A quantized weight's norm keeps a small kernel of its own (`_projector`
 says why). Everything is summed in float32 and rounded once, at the store.
 
-Only for a few rows (`MAX_ROWS`): beyond them the weight is no longer the cost, and tinygrad's matmul (tensor cores)
-is the right kernel. Not on the CPU device, where our C kernels serve (kernels/cpu.py)."""
+Only for a few rows (`MAX_ROWS`, `max_rows`): beyond them the weight is no longer the cost, and tinygrad's matmul
+(tensor cores) is the right kernel. Not on the CPU device, where our C kernels serve (kernels/cpu.py)."""
 from __future__ import annotations
 import functools, math
 from tinygrad import Tensor, UOp, dtypes
@@ -35,7 +35,8 @@ from tinyvllm.quant.formats import CODEBOOK, FLOAT, INT4, INT8, PACKED, LinearWe
 
 # the stored parts of each format the kernel reads (a packed layout's: `parts_of`)
 PARTS = {FLOAT: ("weight",), INT4: ("weight", "scales", "biases"), INT8: ("weight", "scales")}
-MAX_ROWS = 8          # x rows (decode sequences) a kernel takes; more go to tinygrad's matmul
+MAX_ROWS = 8          # x rows (decode sequences) a kernel takes; more go to tinygrad's matmul ...
+NARROW_MAX_ROWS, NARROW_OUTPUTS = 32, 8192   # ... but up to 32 for a float or INT4 weight of at most 8192 outputs
 THREADS_PER_ROW = 32  # a SIMD group (Apple) or warp (NVIDIA) shares a weight row
 ROWS_PER_BLOCK = 4
 ROWS_PER_THREAD = 2
@@ -51,10 +52,18 @@ def parts_of(layout: str | QuantSpec) -> tuple[str, ...]:
   return tuple(p for p in stored_parts(layout) if p != "qspec") if isinstance(layout, QuantSpec) else PARTS[layout]
 
 
+def max_rows(w: LinearWeights) -> int:
+  """The most x rows our kernel takes for `w`. Timed on an H200 (bench/gemv.py, 1B shapes, 32 rows, device time): the
+  float16 qkv, o and down projections 59 / 33 / 72 us against tinygrad's matmul's 105 / 76 / 411, INT4 qkv and o 162
+  / 99 against 207 / 187; but gate/up's 16,384 outputs 192 us against 155 (INT4 417 against 293). Beyond 8 rows a
+  thread takes 8 and the blocks of the rest re-read the weight, from L2 when it is small."""
+  return NARROW_MAX_ROWS if w.format in (FLOAT, INT4) and w.weight.shape[0] <= NARROW_OUTPUTS else MAX_ROWS
+
+
 def applies(x: Tensor, w: LinearWeights) -> bool:
-  """At most MAX_ROWS rows of x on a GPU device, times a weight stored as floats, INT4 groups, INT8 or a packed layout
-  whose index bits `packed_cuts` can name."""
-  return (x.shape[0] <= MAX_ROWS and not portable.on_cpu(x.device) and x.ndim == 2
+  """At most `max_rows` rows of x on a GPU device, times a weight stored as floats, INT4 groups, INT8 or a packed
+  layout whose index bits `packed_cuts` can name."""
+  return (x.shape[0] <= max_rows(w) and not portable.on_cpu(x.device) and x.ndim == 2
           and (w.format in PARTS or (w.format == PACKED and packed_cuts(w.spec, x.shape[1]) is not None))
           and (w.format != FLOAT or dtypes.is_float(w.weight.dtype)))
 
