@@ -5,6 +5,7 @@ quantized at load by `quantization="int4"`) and with GGUF's Q4_K and Q6_K (a Q4_
 blocks, repacked by quant/blocks.py). Run it where the GPU is (bench/gpu_session.sh).
 
     python bench/gemv.py [--models 1b,8b] [--formats float16,int4,q4_k,q6_k] [--rows 1,8] [--rounds 9] [--json out.json]
+                         [--schedules 32x2,64x2,64x1]   # our kernel's threads a weight row x rows a thread, each timed
 
 Each variant's kernels are timed by tinygrad's device timer (CUDA events on a GPU) one call at a time, the L2 cache
 flushed before each call (a 1B layer's weights fit the H100's 50 MB L2; a decode step streams them from memory), and
@@ -92,10 +93,15 @@ def main() -> None:
   ap.add_argument("--formats", default="float16,int4", help="weight formats: float16, int4 (groups of 64), q4_k, q6_k")
   ap.add_argument("--rows", default="1,8", help="rows of x (decode sequences)")
   ap.add_argument("--rounds", type=int, default=9)
+  ap.add_argument("--schedules", default=None, help="our kernel's schedules to time, THREADSxROWS,... (threads sharing a "
+                  "weight row, rows a thread: gemv.THREADS_PER_ROW, gemv.ROWS_PER_THREAD); default the module's")
   ap.add_argument("--json", type=Path, default=None)
   args = ap.parse_args()
   from tinygrad import Device, Tensor
+  from tinyvllm.kernels import gemv
   dev = Device.DEFAULT
+  default = f"{gemv.THREADS_PER_ROW}x{gemv.ROWS_PER_THREAD}"
+  schedules = [tuple(map(int, s.split("x"))) for s in (args.schedules or default).split(",")]
   if args.shapes:
     shapes = [("custom", *map(int, s.split(":")[0].split("x")), s.split(":")[1]) for s in args.shapes.split(",")]
     cases = [("-", *s) for s in shapes]
@@ -111,20 +117,30 @@ def main() -> None:
     for T in map(int, args.rows.split(",")):
       x = Tensor(rng.standard_normal((T, K)).astype(np.float16), device=dev).realize()
       r = Tensor(rng.standard_normal((T, N)).astype(np.float16), device=dev).realize()
-      ours, theirs = variants(fusion, x, w, g, r)
-      a, b = ours().numpy().astype(np.float64), theirs().numpy().astype(np.float64)
-      err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-      # float16 outputs: 2e-3; a k-quant's tinygrad side also rounds each dequantized weight to float16 (its d * scale * q
-      # less dmin * min cancels, so a weight's rounding can be large against it), where ours sums it in float32
-      assert err < (2e-3 if fmt in ("float16", "int4") else 1e-2), f"{model} {name} T={T}: our GEMV and tinygrad's ops disagree (relative error {err:.2e})"
-      (s_ours, k_ours), (s_theirs, k_theirs) = device_seconds(ours, args.rounds), device_seconds(theirs, args.rounds)
-      rows.append({"model": model, "projection": name, "format": fmt, "N": N, "K": K, "rows": T, "fusion": fusion, "device": dev,
-                   "us_ours": s_ours * 1e6, "us_tinygrad": s_theirs * 1e6, "kernels_ours": k_ours, "kernels_tinygrad": k_theirs,
-                   "speedup": s_theirs / s_ours, "weight_gbps_ours": sum(t.nbytes() for t in w.tensors()) / s_ours / 1e9, "rel_err": err})
-      r = rows[-1]
-      tqdm.write(f"{r['model']:5} {r['projection']:>10} {r['format']:>7} {r['N']:>6} x {r['K']:<6} {r['rows']:>2} {r['us_ours']:9.1f} "
-                 f"{r['us_tinygrad']:11.1f} {r['kernels_ours']:>3} / {r['kernels_tinygrad']:<2} {r['speedup']:8.2f} {r['weight_gbps_ours']:9.1f}",
-                 file=sys.stdout)
+      theirs_timed = None
+      for threads, per_thread in schedules:
+        gemv.THREADS_PER_ROW, gemv.ROWS_PER_THREAD = threads, per_thread
+        ours, theirs = variants(fusion, x, w, g, r)
+        try: a = ours().numpy().astype(np.float64)
+        except Exception as e:   # a schedule past the device's limits (shared memory for many threads and rows)
+          tqdm.write(f"{model:5} {name:>10} {fmt:>7} {N:>6} x {K:<6} {T:>2} {threads}x{per_thread} does not compile: {str(e)[:120]}", file=sys.stdout)
+          continue
+        b = theirs().numpy().astype(np.float64)
+        err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+        # float16 outputs: 2e-3; a k-quant's tinygrad side also rounds each dequantized weight to float16 (its d * scale * q
+        # less dmin * min cancels, so a weight's rounding can be large against it), where ours sums it in float32
+        assert err < (2e-3 if fmt in ("float16", "int4") else 1e-2), f"{model} {name} T={T}: our GEMV and tinygrad's ops disagree (relative error {err:.2e})"
+        s_ours, k_ours = device_seconds(ours, args.rounds)
+        s_theirs, k_theirs = theirs_timed = theirs_timed or device_seconds(theirs, args.rounds)
+        rows.append({"model": model, "projection": name, "format": fmt, "N": N, "K": K, "rows": T, "fusion": fusion, "device": dev,
+                     "schedule": f"{threads}x{per_thread}", "us_ours": s_ours * 1e6, "us_tinygrad": s_theirs * 1e6,
+                     "kernels_ours": k_ours, "kernels_tinygrad": k_theirs, "speedup": s_theirs / s_ours,
+                     "weight_gbps_ours": sum(t.nbytes() for t in w.tensors()) / s_ours / 1e9, "rel_err": err})
+        rec = rows[-1]
+        tqdm.write(f"{rec['model']:5} {rec['projection']:>10} {rec['format']:>7} {rec['N']:>6} x {rec['K']:<6} {rec['rows']:>2} "
+                   f"{rec['us_ours']:9.1f} {rec['us_tinygrad']:11.1f} {rec['kernels_ours']:>3} / {rec['kernels_tinygrad']:<2} "
+                   f"{rec['speedup']:8.2f} {rec['weight_gbps_ours']:9.1f}" + (f"  {rec['schedule']}" if len(schedules) > 1 else ""),
+                   file=sys.stdout)
   if args.json: args.json.write_text(json.dumps(rows, indent=1))
 
 
