@@ -13,7 +13,9 @@
 #   bash bench/gpu_wheels.sh               # here, once: the wheels the GPU machine lacks, into .whl/
 #   device run (carry .whl):  bash bench/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS] [KERNEL_SECONDS] [PACKED_SECONDS] [GEMV_SECONDS]
 #   (env: CAPTURE_MODES=pass,layer compares captures; SCHEDULER_STEPS=1 drops the multi-step runs; BENCH_BEAM=2 searches
-#   the bench's kernels)
+#   the bench's kernels; INT4_SECONDS=90 adds batch-1 decode with INT4 weights, quantized at load, against the float16
+#   run's figures; GEMV_SCHEDULES=32x2,64x2 times our GEMV's schedules side by side, float16 rows 1 and 32, and skips
+#   the k-quant table)
 set -uo pipefail
 source .whl/preamble.sh || exit 1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -36,13 +38,24 @@ echo "== bench on $DEV"
 BEAM=${BENCH_BEAM:-0} timeout -k 5 "$BENCH_S" python3 -m tinyvllm.bench --model "$MODEL" --runs decode,prefill --batch-sizes 1,32 \
   --prefill-lens 128 --steps 32 --capture-mode "${CAPTURE_MODES:-pass}" --num-scheduler-steps "${SCHEDULER_STEPS:-1,8}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '| *[0-9]*/[0-9]* \[\|^\s*$' | tail -45
 
+if [ "${INT4_SECONDS:-0}" -gt 0 ]; then
+  echo "== bench on $DEV, INT4 weights (quantized at load), batch 1"
+  timeout -k 5 "$INT4_SECONDS" python3 -m tinyvllm.bench --model "$MODEL" --quantization int4 --runs decode --batch-sizes 1 \
+    --steps 32 --num-scheduler-steps 1 --no-peers --json "$OUT/bench-int4.json" 2>&1 | tee "$OUT/bench-int4.log" | tr '\r' '\n' \
+    | grep -E '^(decode|tinyvllm|  decode|  measured|  torch)' | tail -8
+fi
+
 if [ "$KERNEL_S" -gt 0 ]; then
   echo "== device time per kernel, batch-1 decode step (bench/gpu_kernel_times.py)"
   timeout -k 5 "$KERNEL_S" python3 bench/gpu_kernel_times.py "$MODEL" --batch-size 1 --json "$OUT/kernels-b1.json" 2>&1 \
     | tee "$OUT/kernels-b1.log" | tail -30
 fi
 
-if [ "$GEMV_S" -gt 0 ]; then
+if [ "$GEMV_S" -gt 0 ] && [ -n "${GEMV_SCHEDULES:-}" ]; then
+  echo "== our GEMV's schedules (threads a weight row x rows a thread), float16 1B projections (bench/gemv.py)"
+  timeout -k 5 "$GEMV_S" python3 bench/gemv.py --models 1b --formats float16 --rows 1,32 --rounds 5 --schedules "$GEMV_SCHEDULES" \
+    --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | grep -v 'projections:' | tail -50
+elif [ "$GEMV_S" -gt 0 ]; then
   echo "== decode projections: our GEMV (norm, gating, residual inside) against tinygrad's ops (bench/gemv.py)"
   timeout -k 5 "$GEMV_S" python3 bench/gemv.py --rows 1,8,32 --rounds 5 --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | grep -v 'projections:' | tail -60
   echo "== the same for a Q4_K_M file's k-quants (Q4_K, Q6_K), 1B shapes"
