@@ -102,6 +102,7 @@ def main() -> None:
   dev = Device.DEFAULT
   default = f"{gemv.THREADS_PER_ROW}x{gemv.ROWS_PER_THREAD}"
   schedules = [tuple(map(int, s.split("x"))) for s in (args.schedules or default).split(",")]
+  if args.schedules: gemv.SPREAD_BELOW = 0   # each schedule as asked, never spread (kernel_opts) by itself
   if args.shapes:
     shapes = [("custom", *map(int, s.split(":")[0].split("x")), s.split(":")[1]) for s in args.shapes.split(",")]
     cases = [("-", *s) for s in shapes]

@@ -40,6 +40,12 @@ NARROW_MAX_ROWS, NARROW_OUTPUTS = 32, 8192   # ... but up to 32 for a float or I
 THREADS_PER_ROW = 32  # a SIMD group (Apple) or warp (NVIDIA) shares a weight row
 ROWS_PER_BLOCK = 4
 ROWS_PER_THREAD = 2
+# A float batch-1 GEMV with fewer threads than this spreads: a long row (K >= LONG_ROW) over twice the threads, else one
+# row a thread. Timed on an H200 (bench/gemv.py --schedules, 1B, device time): o (2048 x 2048) 21.6 -> 13.5 us at one
+# row a thread, down (2048 x 8192) 29.1 -> 19.2 us at 64 threads a row; qkv (3072 outputs) alike either way; gate/up,
+# the LM head and every 32-row case slower spread, and the 8B's shapes have threads enough. A GEMV reads its weight
+# once: what hides the memory's latency is how many threads have loads in flight.
+SPREAD_BELOW, LONG_ROW = 65536, 8192
 
 
 def layout_of(w: LinearWeights) -> str | QuantSpec:
@@ -101,6 +107,8 @@ def kernel_opts(device: str | tuple[str, ...], layout: str | QuantSpec, T: int, 
   as written: only tests run it there). `heads`: the qkv projection with RoPE (`_qkv_rope_kernel`), whose outputs
   are N pairs of rows a head, after an axis of that many heads: a thread's two rows are its pair."""
   if portable.on_cpu(device): return ()
+  spread = layout == FLOAT and T == 1 and not heads and N * THREADS_PER_ROW // ROWS_PER_THREAD < SPREAD_BELOW
+  per_row = 2 * THREADS_PER_ROW if spread and K >= LONG_ROW else THREADS_PER_ROW
   if layout == FLOAT:   # one reduction axis: a vector of it a thread, then the threads over the rest
     vector = next(v for v in (16 // itemsize, 4, 2, 1) if K % v == 0)
     opts, rest = ([Opt(OptOps.UNROLL, 0, vector)] if vector > 1 else []), K // vector
@@ -113,8 +121,9 @@ def kernel_opts(device: str | tuple[str, ...], layout: str | QuantSpec, T: int, 
       words = math.gcd(4, group // 8)
       opts = [Opt(OptOps.UNROLL, len(sizes) - 1, 8)] + ([Opt(OptOps.UNROLL, len(sizes) - 2, words)] if words > 1 else [])
     rest = K // (32 if layout == INT8 else group)   # the groups, over the threads
-  threads = next(g for g in (THREADS_PER_ROW, 16, 8, 4, 2, 1) if rest % g == 0)
-  return tuple(opts + ([Opt(OptOps.GROUP, 0, threads)] if threads > 1 else []) + _output_opts(T, N, threads, heads))
+  threads = next(g for g in (per_row, THREADS_PER_ROW, 16, 8, 4, 2, 1) if rest % g == 0)
+  per_thread = 1 if spread and threads == THREADS_PER_ROW else ROWS_PER_THREAD
+  return tuple(opts + ([Opt(OptOps.GROUP, 0, threads)] if threads > 1 else []) + _output_opts(T, N, threads, heads, per_thread))
 
 
 def _packed_opts(spec: QuantSpec, T: int, N: int, K: int, heads: int) -> tuple:
@@ -136,12 +145,13 @@ def _packed_opts(spec: QuantSpec, T: int, N: int, K: int, heads: int) -> tuple:
   return tuple(opts + _output_opts(T, N, threads, heads))
 
 
-def _output_opts(T: int, N: int, threads: int, heads: int) -> list:
-  """The opts over a GEMV's outputs, once `threads` share a row: rows a block, rows a thread, x's rows a thread."""
+def _output_opts(T: int, N: int, threads: int, heads: int, per_thread: int = ROWS_PER_THREAD) -> list:
+  """The opts over a GEMV's outputs, once `threads` share a row: rows a block, rows a thread (at most `per_thread`),
+  x's rows a thread."""
   # rows a block: 4, or more where fewer threads share a row (a quantized K of few groups: 576 in groups of 64 is 9, one
   # thread a row), so that a block still holds a warp or more
   local = next(n for n in (128, 64, 32, 16, 8, 4, 2, 1) if n <= max(ROWS_PER_BLOCK, THREADS_PER_ROW // threads) and N % n == 0)
-  per_thread = next(n for n in (1 if heads else ROWS_PER_THREAD, 1) if N % (local * n) == 0)
+  per_thread = next(n for n in (1 if heads else per_thread, 1) if N % (local * n) == 0)
   # global axes: x's rows (absent when there is one: tinygrad drops axes of size 1), (the heads,) then the outputs
   outputs, opts = int(T > 1) + int(heads > 1), []
   if local > 1: opts.append(Opt(OptOps.LOCAL, outputs, local))
