@@ -5,7 +5,8 @@ quantized at load by `quantization="int4"`) and with GGUF's Q4_K and Q6_K (a Q4_
 blocks, repacked by quant/blocks.py). Run it where the GPU is (bench/gpu_session.sh).
 
     python bench/gemv.py [--models 1b,8b] [--formats float16,int4,q4_k,q6_k] [--rows 1,8] [--rounds 9] [--json out.json]
-                         [--schedules 32x2,64x2,64x1]   # our kernel's threads a weight row x rows a thread, each timed
+                         [--schedules 32x2,64x2,32x1x32]   # our kernel's threads a weight row x rows a thread
+                                                           # (x x rows a thread), each timed
 
 Each variant's kernels are timed by tinygrad's device timer (CUDA events on a GPU) one call at a time, the L2 cache
 flushed before each call (a 1B layer's weights fit the H100's 50 MB L2; a decode step streams them from memory), and
@@ -93,15 +94,16 @@ def main() -> None:
   ap.add_argument("--formats", default="float16,int4", help="weight formats: float16, int4 (groups of 64), q4_k, q6_k")
   ap.add_argument("--rows", default="1,8", help="rows of x (decode sequences)")
   ap.add_argument("--rounds", type=int, default=9)
-  ap.add_argument("--schedules", default=None, help="our kernel's schedules to time, THREADSxROWS,... (threads sharing a "
-                  "weight row, rows a thread: gemv.THREADS_PER_ROW, gemv.ROWS_PER_THREAD); default the module's")
+  ap.add_argument("--schedules", default=None, help="our kernel's schedules to time, THREADSxROWS[xXROWS],... (threads "
+                  "sharing a weight row, its rows a thread, x's rows a thread: gemv.THREADS_PER_ROW, ROWS_PER_THREAD, "
+                  "X_ROWS_A_THREAD); default the module's")
   ap.add_argument("--json", type=Path, default=None)
   args = ap.parse_args()
   from tinygrad import Device, Tensor
   from tinyvllm.kernels import gemv
   dev = Device.DEFAULT
-  default = f"{gemv.THREADS_PER_ROW}x{gemv.ROWS_PER_THREAD}"
-  schedules = [tuple(map(int, s.split("x"))) for s in (args.schedules or default).split(",")]
+  default = f"{gemv.THREADS_PER_ROW}x{gemv.ROWS_PER_THREAD}x{gemv.X_ROWS_A_THREAD}"
+  schedules = [(*map(int, s.split("x")), gemv.X_ROWS_A_THREAD)[:3] for s in (args.schedules or default).split(",")]
   if args.schedules: gemv.SPREAD_BELOW = 0   # each schedule as asked, never spread (kernel_opts) by itself
   if args.shapes:
     shapes = [("custom", *map(int, s.split(":")[0].split("x")), s.split(":")[1]) for s in args.shapes.split(",")]
@@ -119,12 +121,13 @@ def main() -> None:
       x = Tensor(rng.standard_normal((T, K)).astype(np.float16), device=dev).realize()
       r = Tensor(rng.standard_normal((T, N)).astype(np.float16), device=dev).realize()
       theirs_timed = None
-      for threads, per_thread in schedules:
-        gemv.THREADS_PER_ROW, gemv.ROWS_PER_THREAD = threads, per_thread
+      for threads, per_thread, x_rows in schedules:
+        gemv.THREADS_PER_ROW, gemv.ROWS_PER_THREAD, gemv.X_ROWS_A_THREAD = threads, per_thread, x_rows
         ours, theirs = variants(fusion, x, w, g, r)
         try: a = ours().numpy().astype(np.float64)
         except Exception as e:   # a schedule past the device's limits (shared memory for many threads and rows)
-          tqdm.write(f"{model:5} {name:>10} {fmt:>7} {N:>6} x {K:<6} {T:>2} {threads}x{per_thread} does not compile: {str(e)[:120]}", file=sys.stdout)
+          tqdm.write(f"{model:5} {name:>10} {fmt:>7} {N:>6} x {K:<6} {T:>2} {threads}x{per_thread}x{x_rows} does not compile: {str(e)[:120]}",
+                     file=sys.stdout)
           continue
         b = theirs().numpy().astype(np.float64)
         err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -134,7 +137,7 @@ def main() -> None:
         s_ours, k_ours = device_seconds(ours, args.rounds)
         s_theirs, k_theirs = theirs_timed = theirs_timed or device_seconds(theirs, args.rounds)
         rows.append({"model": model, "projection": name, "format": fmt, "N": N, "K": K, "rows": T, "fusion": fusion, "device": dev,
-                     "schedule": f"{threads}x{per_thread}", "us_ours": s_ours * 1e6, "us_tinygrad": s_theirs * 1e6,
+                     "schedule": f"{threads}x{per_thread}x{x_rows}", "us_ours": s_ours * 1e6, "us_tinygrad": s_theirs * 1e6,
                      "kernels_ours": k_ours, "kernels_tinygrad": k_theirs, "speedup": s_theirs / s_ours,
                      "weight_gbps_ours": sum(t.nbytes() for t in w.tensors()) / s_ours / 1e9, "rel_err": err})
         rec = rows[-1]

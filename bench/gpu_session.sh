@@ -14,8 +14,10 @@
 #   device run (carry .whl):  bash bench/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS] [KERNEL_SECONDS] [PACKED_SECONDS] [GEMV_SECONDS]
 #   (env: CAPTURE_MODES=pass,layer compares captures; SCHEDULER_STEPS=1 drops the multi-step runs; BENCH_BEAM=2 searches
 #   the bench's kernels; INT4_SECONDS=90 adds batch-1 decode with INT4 weights, quantized at load, against the float16
-#   run's figures; GEMV_SCHEDULES=32x2,64x2 times our GEMV's schedules side by side, float16 rows 1 and 32, and skips
-#   the k-quant table)
+#   run's figures; GEMV_SCHEDULES=32x2,64x2,32x2x16 times our GEMV's schedules side by side (GEMV_FORMATS, default
+#   float16; GEMV_ROWS, default 1,32) and skips the k-quant table; LONG_SECONDS=60 adds decode at a 2048-token context,
+#   batch 1 and 8, no peers (attention's share grows with the context); EIGHT_B_SECONDS=150 writes a Llama-3.1-8B-shaped
+#   float16 model (torch on the GPU) and decodes it at batch 1, no peers)
 set -uo pipefail
 source .whl/preamble.sh || exit 1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -45,6 +47,20 @@ if [ "${INT4_SECONDS:-0}" -gt 0 ]; then
     | grep -E '^(decode|tinyvllm|  decode|  measured|  torch)' | tail -8
 fi
 
+if [ "${LONG_SECONDS:-0}" -gt 0 ]; then
+  echo "== bench on $DEV, a 2048-token context, batch 1 and 8"
+  timeout -k 5 "$LONG_SECONDS" python3 -m tinyvllm.bench --model "$MODEL" --runs decode --batch-sizes 1,8 --context-lens 2048 \
+    --steps 32 --num-scheduler-steps 1 --no-peers --json "$OUT/bench-long.json" 2>&1 | tee "$OUT/bench-long.log" | tr '\r' '\n' \
+    | grep -E '^(decode|  decode|  measured)' | tail -8
+fi
+
+if [ "${EIGHT_B_SECONDS:-0}" -gt 0 ]; then
+  echo "== bench on $DEV, a Llama-3.1-8B-shaped float16 model, batch 1"
+  ( timeout -k 5 "$EIGHT_B_SECONDS" python3 bench/gpu_session.py /tmp/llama-8b-f16 8b && timeout -k 5 "$EIGHT_B_SECONDS" python3 -m tinyvllm.bench \
+    --model /tmp/llama-8b-f16 --runs decode --batch-sizes 1 --steps 32 --num-scheduler-steps 1 --no-peers --json "$OUT/bench-8b.json" ) 2>&1 \
+    | tee "$OUT/bench-8b.log" | tr '\r' '\n' | grep -E '^(decode|  decode|  measured|wrote|Traceback|[A-Za-z]*Error)' | tail -8
+fi
+
 if [ "$KERNEL_S" -gt 0 ]; then
   echo "== device time per kernel, batch-1 decode step (bench/gpu_kernel_times.py)"
   timeout -k 5 "$KERNEL_S" python3 bench/gpu_kernel_times.py "$MODEL" --batch-size 1 --json "$OUT/kernels-b1.json" 2>&1 \
@@ -53,7 +69,7 @@ fi
 
 if [ "$GEMV_S" -gt 0 ] && [ -n "${GEMV_SCHEDULES:-}" ]; then
   echo "== our GEMV's schedules (threads a weight row x rows a thread), float16 1B projections (bench/gemv.py)"
-  timeout -k 5 "$GEMV_S" python3 bench/gemv.py --models 1b --formats float16 --rows 1,32 --rounds 5 --schedules "$GEMV_SCHEDULES" \
+  timeout -k 5 "$GEMV_S" python3 bench/gemv.py --models 1b --formats "${GEMV_FORMATS:-float16}" --rows "${GEMV_ROWS:-1,32}" --rounds 5 --schedules "$GEMV_SCHEDULES" \
     --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | grep -v 'projections:' | tail -50
 elif [ "$GEMV_S" -gt 0 ]; then
   echo "== decode projections: our GEMV (norm, gating, residual inside) against tinygrad's ops (bench/gemv.py)"

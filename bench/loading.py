@@ -25,6 +25,19 @@ from pathlib import Path
 import numpy as np
 from real_size import SHAPES, measure_load, write_word_tokenizer
 
+def _normal_rows():
+  """A seeded source of standard-normal float32 rows: torch on an NVIDIA GPU where there is one (numpy's generator on
+  one core took minutes for the 8B's 8 billion weights), else numpy's."""
+  try:
+    import torch
+    if torch.cuda.is_available():
+      gen = torch.Generator(device="cuda").manual_seed(0)
+      return lambda shape: torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).cpu().numpy()
+  except ImportError: pass
+  rng = np.random.default_rng(0)
+  return lambda shape: rng.standard_normal(shape, np.float32)
+
+
 def write_checkpoint(path: Path, shape: str, dtype: str = "F16") -> Path:
   """A random Llama of `shape` in HF layout, float16 or bfloat16 (`dtype`: "F16" or "BF16"), written tensor by tensor
   (never the whole model in memory)."""
@@ -47,13 +60,13 @@ def write_checkpoint(path: Path, shape: str, dtype: str = "F16") -> Path:
     offset += n
   raw = json.dumps(header).encode()
   raw += b" " * (-len(raw) % 8)
-  rng = np.random.default_rng(0)
+  normal = _normal_rows()
   part = path / "model.safetensors.part"
   with open(part, "wb") as f:
     f.write(struct.pack("<Q", len(raw)) + raw)
     for name, s in shapes.items():
       for start in range(0, s[0] if len(s) == 2 else 1, 4096):   # 4096 rows at a time: a few tens of MB
-        rows = np.ones(s, np.float32) if len(s) == 1 else rng.standard_normal((min(4096, s[0] - start), s[1]), np.float32) * 0.02
+        rows = np.ones(s, np.float32) if len(s) == 1 else normal((min(4096, s[0] - start), s[1])) * 0.02
         f.write((rows.astype(np.float16) if dtype == "F16" else bfloat16_bits(rows)).tobytes())
   part.rename(path / "model.safetensors")
   (path / "config.json").write_text(json.dumps({

@@ -46,6 +46,8 @@ ROWS_PER_THREAD = 2
 # the LM head and every 32-row case slower spread, and the 8B's shapes have threads enough. A GEMV reads its weight
 # once: what hides the memory's latency is how many threads have loads in flight.
 SPREAD_BELOW, LONG_ROW = 65536, 8192
+X_ROWS_A_THREAD = 8   # x rows a thread sums at once (the H200's 32-row steps: 8 a thread, 4 blocks of rows, was fastest
+                      # of those timed; more a thread, untimed, would read a large weight once: bench/gemv.py --schedules)
 
 
 def layout_of(w: LinearWeights) -> str | QuantSpec:
@@ -156,9 +158,9 @@ def _output_opts(T: int, N: int, threads: int, heads: int, per_thread: int = ROW
   outputs, opts = int(T > 1) + int(heads > 1), []
   if local > 1: opts.append(Opt(OptOps.LOCAL, outputs, local))
   if per_thread > 1: opts.append(Opt(OptOps.UPCAST, outputs, per_thread))
-  # every x row a thread up to MAX_ROWS (the weight read once); beyond (bench/gemv.py's larger rows), 8 a thread and
-  # the rest a grid axis of their own, whose blocks re-read the weight from L2
-  if T > 1 and (rows := T if T <= MAX_ROWS else math.gcd(T, MAX_ROWS)) > 1: opts.append(Opt(OptOps.UPCAST, 0, rows))
+  # every x row a thread up to X_ROWS_A_THREAD (the weight read once); beyond, that many a thread and the rest a grid
+  # axis of their own, whose blocks re-read the weight (from L2 where it fits: `max_rows`)
+  if T > 1 and (rows := T if T <= X_ROWS_A_THREAD else math.gcd(T, X_ROWS_A_THREAD)) > 1: opts.append(Opt(OptOps.UPCAST, 0, rows))
   return opts
 
 
