@@ -251,7 +251,7 @@ def test_qkv_projection_with_rope_and_cache_write(device, fmt, dtype, T, H, KVH,
 
 def test_which_projections_take_it():
   """A GPU's float, INT4, INT8 and packed (k-quant) projections of at most MAX_ROWS rows, float and INT4 ones of at
-  most NARROW_OUTPUTS outputs up to NARROW_MAX_ROWS; not the CPU device (our C kernels), not more rows (tinygrad's
+  most NARROW_OUTPUTS outputs and NARROW_BYTES up to NARROW_MAX_ROWS in whole blocks of X_ROWS_A_THREAD; not the CPU device (our C kernels), not more rows (tinygrad's
   matmul and its tensor cores), not a sharded layer, and not INT4 on the metal backend (its shaders' own GEMV)."""
   from tinyvllm.kernels import Kernels, ShaderKernels
   w = LinearWeights(FLOAT, Tensor.empty(64, 32))
@@ -262,9 +262,12 @@ def test_which_projections_take_it():
     return k
   gpu = kernels(False)
   assert gpu.takes_gemv(rows(1), w) and gpu.takes_gemv(rows(gemv.NARROW_MAX_ROWS), w)
-  assert not gpu.takes_gemv(rows(gemv.NARROW_MAX_ROWS + 1), w)
+  assert not gpu.takes_gemv(rows(gemv.NARROW_MAX_ROWS + gemv.X_ROWS_A_THREAD), w)
   wide = LinearWeights(FLOAT, Tensor.empty(gemv.NARROW_OUTPUTS + 2, 32))   # gate/up's many outputs: tinygrad's past 8 rows
-  assert gpu.takes_gemv(rows(gemv.MAX_ROWS), wide) and not gpu.takes_gemv(rows(gemv.MAX_ROWS + 1), wide)
+  assert gpu.takes_gemv(rows(gemv.MAX_ROWS), wide) and not gpu.takes_gemv(rows(16), wide)
+  big = LinearWeights(FLOAT, Tensor.empty(4096, 14336, dtype=dtypes.float16))   # the 8B's down: 117 MB, past the L2
+  assert gpu.takes_gemv(rows(gemv.MAX_ROWS, K=14336), big) and not gpu.takes_gemv(rows(16, K=14336), big)
+  assert gpu.takes_gemv(rows(16), w) and not gpu.takes_gemv(rows(10), w)   # whole blocks of x rows only (10: 2 a thread)
   int8 = LinearWeights(INT8, Tensor.empty(64, 32, dtype=dtypes.int8), Tensor.empty(64, 1))
   int4 = LinearWeights(INT4, Tensor.empty(64, 4, dtype=dtypes.uint32), Tensor.empty(64, 1), biases=Tensor.empty(64, 1))
   q4k = LinearWeights(PACKED, Tensor.empty(64, 32, dtype=dtypes.uint32), Tensor.empty(64, 1, 12, dtype=dtypes.uint8),

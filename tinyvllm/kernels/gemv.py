@@ -36,7 +36,7 @@ from tinyvllm.quant.formats import CODEBOOK, FLOAT, INT4, INT8, PACKED, LinearWe
 # the stored parts of each format the kernel reads (a packed layout's: `parts_of`)
 PARTS = {FLOAT: ("weight",), INT4: ("weight", "scales", "biases"), INT8: ("weight", "scales")}
 MAX_ROWS = 8          # x rows (decode sequences) a kernel takes; more go to tinygrad's matmul ...
-NARROW_MAX_ROWS, NARROW_OUTPUTS = 32, 8192   # ... but up to 32 for a float or INT4 weight of at most 8192 outputs
+NARROW_MAX_ROWS, NARROW_OUTPUTS, NARROW_BYTES = 32, 8192, 40 << 20   # ... up to 32 for a small float or INT4 weight
 THREADS_PER_ROW = 32  # a SIMD group (Apple) or warp (NVIDIA) shares a weight row
 ROWS_PER_BLOCK = 4
 ROWS_PER_THREAD = 2
@@ -60,18 +60,22 @@ def parts_of(layout: str | QuantSpec) -> tuple[str, ...]:
   return tuple(p for p in stored_parts(layout) if p != "qspec") if isinstance(layout, QuantSpec) else PARTS[layout]
 
 
-def max_rows(w: LinearWeights) -> int:
-  """The most x rows our kernel takes for `w`. Timed on an H200 (bench/gemv.py, 1B shapes, 32 rows, device time): the
-  float16 qkv, o and down projections 59 / 33 / 72 us against tinygrad's matmul's 105 / 76 / 411, INT4 qkv and o 162
-  / 99 against 207 / 187; but gate/up's 16,384 outputs 192 us against 155 (INT4 417 against 293). Beyond 8 rows a
-  thread takes 8 and the blocks of the rest re-read the weight, from L2 when it is small."""
-  return NARROW_MAX_ROWS if w.format in (FLOAT, INT4) and w.weight.shape[0] <= NARROW_OUTPUTS else MAX_ROWS
+def max_rows(w: LinearWeights, T: int) -> int:
+  """The most x rows our kernel takes for `w` in a step of T. Timed on an H200 (bench/gemv.py, 1B shapes, 32 rows,
+  device time): the float16 qkv, o and down projections 59 / 33 / 72 us against tinygrad's matmul's 105 / 76 / 411,
+  INT4 qkv and o 162 / 99 against 207 / 187; but gate/up's 16,384 outputs 192 us against 155 (INT4 417 against 293).
+  Beyond 8 rows a thread takes X_ROWS_A_THREAD and the blocks of the rest re-read the weight: so only a weight of
+  few outputs that the L2 holds (NARROW_BYTES; the 1B's down is 32 MiB, the H200's L2 60 MB), and only whole blocks
+  of x rows (a verify pass's 10 rows would be 2 a thread, 5 blocks)."""
+  narrow = (w.format in (FLOAT, INT4) and w.weight.shape[0] <= NARROW_OUTPUTS and T % X_ROWS_A_THREAD == 0
+            and sum(t.nbytes() for t in w.tensors()) <= NARROW_BYTES)
+  return NARROW_MAX_ROWS if narrow else MAX_ROWS
 
 
 def applies(x: Tensor, w: LinearWeights) -> bool:
   """At most `max_rows` rows of x on a GPU device, times a weight stored as floats, INT4 groups, INT8 or a packed
   layout whose index bits `packed_cuts` can name."""
-  return (x.shape[0] <= max_rows(w) and not portable.on_cpu(x.device) and x.ndim == 2
+  return (x.ndim == 2 and x.shape[0] <= max_rows(w, x.shape[0]) and not portable.on_cpu(x.device)
           and (w.format in PARTS or (w.format == PACKED and packed_cuts(w.spec, x.shape[1]) is not None))
           and (w.format != FLOAT or dtypes.is_float(w.weight.dtype)))
 
@@ -147,13 +151,13 @@ def _packed_opts(spec: QuantSpec, T: int, N: int, K: int, heads: int) -> tuple:
   return tuple(opts + _output_opts(T, N, threads, heads))
 
 
-def _output_opts(T: int, N: int, threads: int, heads: int, per_thread: int = ROWS_PER_THREAD) -> list:
+def _output_opts(T: int, N: int, threads: int, heads: int, per_thread: int | None = None) -> list:
   """The opts over a GEMV's outputs, once `threads` share a row: rows a block, rows a thread (at most `per_thread`),
   x's rows a thread."""
   # rows a block: 4, or more where fewer threads share a row (a quantized K of few groups: 576 in groups of 64 is 9, one
   # thread a row), so that a block still holds a warp or more
   local = next(n for n in (128, 64, 32, 16, 8, 4, 2, 1) if n <= max(ROWS_PER_BLOCK, THREADS_PER_ROW // threads) and N % n == 0)
-  per_thread = next(n for n in (1 if heads else per_thread, 1) if N % (local * n) == 0)
+  per_thread = next(n for n in (1 if heads else per_thread or ROWS_PER_THREAD, 1) if N % (local * n) == 0)
   # global axes: x's rows (absent when there is one: tinygrad drops axes of size 1), (the heads,) then the outputs
   outputs, opts = int(T > 1) + int(heads > 1), []
   if local > 1: opts.append(Opt(OptOps.LOCAL, outputs, local))
