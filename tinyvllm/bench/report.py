@@ -57,7 +57,7 @@ def print_ceilings(c: Ceilings, file=None) -> None:
   print(f"device {c.device}" + (f", chip {c.chip}" if c.chip else ""), file=file)
   if not c.bandwidth_gbps: return   # the NULL device: no ceilings
   where = "tinygrad, one thread" if c.device.split(":")[0] == "CPU" else "tinygrad's kernel"
-  print(f"  measured bandwidth (read+write): {c.bandwidth_gbps:.1f} GB/s  [{where}: {sizes}]" +
+  print(f"  measured bandwidth (read+write, the best measured here): {c.bandwidth_gbps:.1f} GB/s  [{where}: {sizes}]" +
         (f"  [our C kernel on {c.threads} threads: {c.threaded_bandwidth_gbps:.1f}]" if c.threaded_bandwidth_gbps else ""), file=file)
   if c.numpy_copy_gbps: print(f"  numpy copy on {c.numpy_threads} threads (reference): {c.numpy_copy_gbps:.1f} GB/s", file=file)
   if c.published_gbps:
