@@ -337,6 +337,18 @@ def test_h100_launch_against_tinygrads_matmul(T):
   assert name == f"gemv_norm_{T}_3072_2048" and threads(gs, ls) == 3072 * (32 if T == 1 else 16) and np.prod(ls) == 128, ours
 
 
+def test_h100_launch_of_32_rows():
+  """A 32-sequence decode step's narrow projections (the 1B's o and down, float16, `max_rows`) compile for sm_90 as one
+  kernel each: 8 x rows a thread, 4 blocks of rows, 16 threads a weight row's output (32 threads, 2 rows a thread)."""
+  threads = lambda gs, ls: int(np.prod(gs) * np.prod(ls))
+  for N, K in ((2048, 2048), (2048, 8192)):
+    x, r = Tensor.randn(32, K, dtype=dtypes.half).realize(), Tensor.randn(32, N, dtype=dtypes.half).realize()
+    w = LinearWeights(FLOAT, Tensor.empty(N, K, dtype=dtypes.half))
+    assert gemv.max_rows(w, 32) == 32
+    (name, gs, ls), = _lowered_for_h100(lambda: gemv.gemv(x, w, residual=r))
+    assert name == f"gemv_res_32_{N}_{K}" and threads(gs, ls) == 4 * N * 16 and np.prod(ls) == 128
+
+
 def test_h100_launch_of_8b_shapes():
   """Llama-3.1-8B's projections at batch 1 (gate/up gated, down with the residual; 14336 = 56 x 256) compile with the
   full schedule."""
