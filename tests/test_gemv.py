@@ -314,6 +314,8 @@ def _lowered_for_h100(fn, fmt=FLOAT, group: int = 0):
     if ast.arg.name.startswith("gemv"):
       T, N, K = map(int, ast.arg.name.split("_")[-3:])
       ast = ast.replace(arg=dataclasses.replace(ast.arg, opts_to_apply=gemv.kernel_opts("CUDA", fmt, T, N, K, group)))
+    if ast.arg.name.startswith("inverse_rms"):   # x float16, as a GPU's
+      ast = ast.replace(arg=dataclasses.replace(ast.arg, opts_to_apply=gemv.inverse_rms_opts("CUDA", int(ast.arg.name.split("_")[-1]), 2)))
     program = to_program(ast, renderer)
     assert program.src[-1].op is Ops.BINARY and len(program.src[-1].arg) > 0, program.arg.name   # nvrtc compiled it
     out.append((program.arg.name, *program.arg.launch_dims({})))
@@ -335,6 +337,27 @@ def test_h100_launch_against_tinygrads_matmul(T):
   ours = _lowered_for_h100(lambda: gemv.gemv(x, LinearWeights(FLOAT, w), norm=(g, EPS)))
   (name, gs, ls), = ours
   assert name == f"gemv_norm_{T}_3072_2048" and threads(gs, ls) == 3072 * (32 if T == 1 else 16) and np.prod(ls) == 128, ours
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,K", [(1, 2048), (3, 576), (2, 40)])
+def test_inverse_rms_matches_numpy(device, T, K):
+  """A quantized GEMV's 1/RMS of each row of x (float16, as a GPU's), in float32: within 1e-6 of float64 numpy."""
+  from tinygrad.helpers import Context
+  x = np.random.default_rng(T + K).standard_normal((T, K)).astype(np.float16)
+  with Context(DEV=device): got = gemv.inverse_rms(Tensor(x), EPS).numpy()
+  want = 1 / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + EPS)
+  assert got.shape == (T, 1) and np.abs(got - want).max() / np.abs(want).max() < 1e-6
+
+
+def test_h100_launch_of_the_inverse_rms():
+  """The 1B's 2048-wide row: one block of 256 threads (16 bytes each) where tinygrad's heuristic gave 16 threads."""
+  from tinyvllm.kernels import portable
+  x = Tensor.randn(1, 2048, dtype=dtypes.half).realize()
+  (name, gs, ls), = _lowered_for_h100(lambda: gemv.inverse_rms(x, EPS))
+  assert name == "inverse_rms_1_2048" and int(np.prod(gs) * np.prod(ls)) == 256
+  (name, gs, ls), = _lowered_for_h100(lambda: portable.inverse_rms(x, EPS).contiguous())
+  assert int(np.prod(gs) * np.prod(ls)) < 256, "tinygrad now groups this reduction itself: the kernel may go"
 
 
 def test_h100_launch_of_32_rows():

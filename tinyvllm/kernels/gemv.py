@@ -349,10 +349,37 @@ def _qkv_rope_kernel(opts: tuple, layout: str | QuantSpec, eps: float | None, ha
   return UOp.sink(UOp.group(*stores).end(t, local_h, i), arg=KernelInfo(name=name, opts_to_apply=opts))
 
 
+def _inverse_rms_kernel(eps: float, opts: tuple, out: UOp, x: UOp) -> UOp:
+  """out `[T, 1]` = 1 / sqrt(mean(x[t]^2) + eps), float32, x `[T, K]`."""
+  T, K = x.shape
+  x, out = x.flatten(), out.flatten()
+  t, k = UOp.range(T, 0), UOp.range(K, 1, AxisType.REDUCE)
+  xk = x[t * K + k].cast(dtypes.float32)
+  store = out[t].store(((xk * xk).reduce(k, arg=Ops.ADD) * (1 / K) + eps).rsqrt())
+  return UOp.sink(store.end(t), arg=KernelInfo(name=f"inverse_rms_{T}_{K}", opts_to_apply=opts))
+
+
+def inverse_rms(x: Tensor, eps: float) -> Tensor:
+  """portable.inverse_rms `[T, K] -> [T, 1]` (float32) of a quantized GEMV's x, as a kernel whose threads share each
+  row: 16 bytes of it a thread and up to 256 threads a row. tinygrad's heuristic gave the 1B's 2048-wide row one block
+  of 16 threads, each looping over 128 values alone (sm_90): 33 such launches in an INT4 decode step of the 1B model."""
+  out = Tensor.empty(x.shape[0], 1, dtype=dtypes.float32, device=x.device)
+  opts = inverse_rms_opts(x.device, x.shape[1], x.dtype.itemsize)
+  return Tensor.custom_kernel(out, x.contiguous(), fxn=functools.partial(_inverse_rms_kernel, eps, opts))[0]
+
+
+def inverse_rms_opts(device: str | tuple[str, ...], K: int, itemsize: int) -> tuple:
+  """`inverse_rms`'s opts on a GPU: a vector of 16 bytes a thread, up to 256 threads a row; none on the CPU device."""
+  if portable.on_cpu(device): return ()
+  vector = next(v for v in (16 // itemsize, 4, 2, 1) if K % v == 0)
+  threads = next(g for g in (256, 128, 64, 32, 16, 8, 4, 2, 1) if (K // vector) % g == 0)
+  return tuple(([Opt(OptOps.UNROLL, 0, vector)] if vector > 1 else []) + ([Opt(OptOps.GROUP, 0, threads)] if threads > 1 else []))
+
+
 def _projection_inputs(x: Tensor, w: LinearWeights, norm: tuple[Tensor, float] | None) -> list[Tensor]:
   """x and what `_projector` reads of a projection of x by w (normed first when `norm`), in its order."""
   inputs = [x.contiguous(), *(getattr(w, name) for name in parts_of(layout_of(w)))] + ([norm[0]] if norm is not None else [])
-  if norm is not None and w.format != FLOAT: inputs.append(portable.inverse_rms(x, norm[1]).contiguous())
+  if norm is not None and w.format != FLOAT: inputs.append(inverse_rms(x, norm[1]))
   return inputs + ([w.bias] if w.bias is not None else [])
 
 
