@@ -162,12 +162,17 @@ def test_packed_weights_match_gguf(device, name, K):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gate_and_up_stored_apart(device):
   """Gate (Q4_K) and up (Q6_K) in different formats, as a Q4_K_M file may store them: the up GEMV gates its product by
-  the gate GEMV's output (`gate=`), against numpy."""
+  the gate GEMV's output (`gate=`), against numpy; x's 1/RMS computed once for both (`shared_norm`): 3 kernels."""
+  from tinygrad.helpers import GlobalCounters
   rng = np.random.default_rng(9)
   (x, _, g, _, _), (X, _, G, _, _) = inputs(rng, 3, 256, 32, "float32", device)
   (gate, Wg), (up, Wu) = quantized(rng, "Q4_K", 32, 256, device), quantized(rng, "Q6_K", 32, 256, device)
   normed = X / np.sqrt((X * X).mean(-1, keepdims=True) + EPS) * G
-  y = gemv.gemv(x, up, norm=(g, EPS), act="silu", gate=gemv.gemv(x, gate, norm=(g, EPS)))
+  norm = gemv.shared_norm(x, (g, EPS), gate, up)
+  y = gemv.gemv(x, up, norm=norm, act="silu", gate=gemv.gemv(x, gate, norm=norm))
+  GlobalCounters.reset()
+  y.realize()
+  assert GlobalCounters.kernel_count == 3
   assert rel(y, silu(normed @ Wg.T) * (normed @ Wu.T)) < TOL["float32"]
 
 

@@ -172,7 +172,8 @@ class Kernels:
     """`norm_glu` of a gate and an up projection stored apart (in different formats): on a GPU's decode step two GEMVs,
     the second gating its product by the first's output. None elsewhere: the caller joins the parts."""
     if not self.takes_gemv(x, gate, up): return None
-    return gemv.gemv(x, up, norm=(norm_weight, eps), act=act, gate=gemv.gemv(x, gate, norm=(norm_weight, eps)))
+    norm = gemv.shared_norm(x, (norm_weight, eps), gate, up)   # x's 1/RMS once for both
+    return gemv.gemv(x, up, norm=norm, act=act, gate=gemv.gemv(x, gate, norm=norm))
 
   def residual_linear(self, x: Tensor, w: LinearWeights, residual: Tensor, out: Tensor | None = None) -> Tensor:
     """residual + x @ W^T (+ bias), written into `out` when given (a realized buffer): where a backend's matmul can

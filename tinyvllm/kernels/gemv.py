@@ -376,17 +376,25 @@ def inverse_rms_opts(device: str | tuple[str, ...], K: int, itemsize: int) -> tu
   return tuple(([Opt(OptOps.UNROLL, 0, vector)] if vector > 1 else []) + ([Opt(OptOps.GROUP, 0, threads)] if threads > 1 else []))
 
 
-def _projection_inputs(x: Tensor, w: LinearWeights, norm: tuple[Tensor, float] | None) -> list[Tensor]:
-  """x and what `_projector` reads of a projection of x by w (normed first when `norm`), in its order."""
+def shared_norm(x: Tensor, norm: tuple[Tensor, float], *weights: LinearWeights) -> tuple:
+  """`norm` for several GEMVs of the same x (q, k and v, or gate and up, stored apart): with x's 1/RMS computed once
+  when any of them is quantized. Each would launch its own `inverse_rms` (a tensor op's was one, tinygrad merging
+  equal computations; a custom kernel's output is a buffer of its own)."""
+  return (*norm, inverse_rms(x, norm[1])) if any(w.format != FLOAT for w in weights) else norm
+
+
+def _projection_inputs(x: Tensor, w: LinearWeights, norm: tuple | None) -> list[Tensor]:
+  """x and what `_projector` reads of a projection of x by w (normed first when `norm`: (weight, eps), or with x's
+  1/RMS after them, `shared_norm`), in its order."""
   inputs = [x.contiguous(), *(getattr(w, name) for name in parts_of(layout_of(w)))] + ([norm[0]] if norm is not None else [])
-  if norm is not None and w.format != FLOAT: inputs.append(inverse_rms(x, norm[1]))
+  if norm is not None and w.format != FLOAT: inputs.append(norm[2] if len(norm) > 2 else inverse_rms(x, norm[1]))
   return inputs + ([w.bias] if w.bias is not None else [])
 
 
-def gemv(x: Tensor, w: LinearWeights, *, norm: tuple[Tensor, float] | None = None, act: str | None = None,
+def gemv(x: Tensor, w: LinearWeights, *, norm: tuple | None = None, act: str | None = None,
          residual: Tensor | None = None, gate: Tensor | None = None, out: Tensor | None = None, dtype=None) -> Tensor:
   """x `[T, K]` @ W^T (+ W's bias), W `[N, K]` stored as floats, INT4 groups, INT8 or packed (`applies`), in one kernel:
-    norm=(w, eps)   x RMS-normed (times w) first
+    norm=(w, eps)   x RMS-normed (times w) first (or `shared_norm`'s, x's 1/RMS after them)
     act             W is gate and up stacked (`[2 I, K]`): returns act(gate) * up, `[T, I]` (SwiGLU "silu", GeGLU
                     "gelu_pytorch_tanh"); with `gate`, W is the up projection alone
     gate            `[T, N]`, the gate projection's output (gate and up stored apart): returns act(gate) * x @ W^T
@@ -421,6 +429,7 @@ def qkv_rope_write(x: Tensor, w: LinearWeights | list[LinearWeights], norm: tupl
   assert not cache.quantized and len(parts) == len(heads), (len(parts), cache.quantized)
   outputs = [Tensor.empty(T, n_heads, D, dtype=q_dtype, device=x.device), cache.k, cache.v]
   tail = [positions.contiguous(), cos_sin.contiguous(), slot_mapping.contiguous()]
+  norm = shared_norm(x, norm, *parts) if len(parts) > 1 else norm
   first = 0
   for i, (part, count) in enumerate(zip(parts, heads)):
     assert part.in_features == K and part.weight.shape[0] == count * D, (x.shape, part.weight.shape)
