@@ -23,23 +23,31 @@ source .whl/preamble.sh || exit 1
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 TEST_S=${1:-150} BENCH_S=${2:-270} KERNEL_S=${3:-45} PACKED_S=${4:-30} GEMV_S=${5:-60}
 MODEL=/tmp/llama-1b-f16
-# numpy's weights (2.5 GB), off the GPU: the tests run on it meanwhile
-CUDA_VISIBLE_DEVICES= python3 bench/gpu_session.py "$MODEL" > "$OUT/model.log" 2>&1 &
-writer=$!
+# numpy's weights (2.5 GB), off the GPU: the tests run on it meanwhile; not written when no phase reads it (0 seconds
+# skips a phase: `bash bench/gpu_session.sh 0 0 0 0 0` with EIGHT_B_SECONDS runs the 8B phase alone)
+writer=
+if [ "$BENCH_S" -gt 0 ] || [ "$KERNEL_S" -gt 0 ] || [ "${INT4_SECONDS:-0}" -gt 0 ] || [ "${LONG_SECONDS:-0}" -gt 0 ]; then
+  CUDA_VISIBLE_DEVICES= python3 bench/gpu_session.py "$MODEL" > "$OUT/model.log" 2>&1 &
+  writer=$!
+fi
 
-echo "== tests/test_gpu.py on $DEV"
-# -v: each test's name and result as it finishes (a time limit otherwise cuts the summary away); --timeout: a stuck
-# test dumps its stack and fails instead of holding a worker to the end
-TINYVLLM_TEST_DEVICE=$DEV timeout -k 5 "$TEST_S" python3 -m pytest -v -n 6 -rfE --tb=short -p no:cacheprovider -p no:benchmark \
-  --timeout "$((TEST_S / 3))" --junitxml "$OUT/test_gpu.xml" tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" \
-  | grep -E 'PASSED|FAILED|ERROR|Error|passed|failed|Timeout' | tail -40
+if [ "$TEST_S" -gt 0 ]; then
+  echo "== tests/test_gpu.py on $DEV"
+  # -v: each test's name and result as it finishes (a time limit otherwise cuts the summary away); --timeout: a stuck
+  # test dumps its stack and fails instead of holding a worker to the end
+  TINYVLLM_TEST_DEVICE=$DEV timeout -k 5 "$TEST_S" python3 -m pytest -v -n 6 -rfE --tb=short -p no:cacheprovider -p no:benchmark \
+    --timeout "$((TEST_S / 3 + 1))" --junitxml "$OUT/test_gpu.xml" tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" \
+    | grep -E 'PASSED|FAILED|ERROR|Error|passed|failed|Timeout' | tail -40
+fi
 
-wait "$writer" || { echo "writing the 1B model failed:"; tail -5 "$OUT/model.log"; }
-echo "== bench on $DEV"
-# BENCH_BEAM=N: tinygrad's BEAM search (width N) for the bench's kernels only (minutes of search per new kernel on a
-# first run; tinygrad caches the result on disk)
-BEAM=${BENCH_BEAM:-0} timeout -k 5 "$BENCH_S" python3 -m tinyvllm.bench --model "$MODEL" --runs decode,prefill --batch-sizes 1,32 \
-  --prefill-lens 128 --steps 32 --capture-mode "${CAPTURE_MODES:-pass}" --num-scheduler-steps "${SCHEDULER_STEPS:-1,8}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '| *[0-9]*/[0-9]* \[\|^\s*$' | tail -45
+if [ -n "$writer" ]; then wait "$writer" || { echo "writing the 1B model failed:"; tail -5 "$OUT/model.log"; }; fi
+if [ "$BENCH_S" -gt 0 ]; then
+  echo "== bench on $DEV"
+  # BENCH_BEAM=N: tinygrad's BEAM search (width N) for the bench's kernels only (minutes of search per new kernel on a
+  # first run; tinygrad caches the result on disk)
+  BEAM=${BENCH_BEAM:-0} timeout -k 5 "$BENCH_S" python3 -m tinyvllm.bench --model "$MODEL" --runs decode,prefill --batch-sizes 1,32 \
+    --prefill-lens 128 --steps 32 --capture-mode "${CAPTURE_MODES:-pass}" --num-scheduler-steps "${SCHEDULER_STEPS:-1,8}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '| *[0-9]*/[0-9]* \[\|^\s*$' | tail -45
+fi
 
 if [ "${INT4_SECONDS:-0}" -gt 0 ]; then
   echo "== bench on $DEV, INT4 weights (quantized at load), batch 1"
