@@ -116,7 +116,7 @@ def kernel_opts(device: str | tuple[str, ...], layout: str | QuantSpec, T: int, 
   spread = layout == FLOAT and T == 1 and not heads and N * THREADS_PER_ROW // ROWS_PER_THREAD < SPREAD_BELOW
   per_row = 2 * THREADS_PER_ROW if spread and K >= LONG_ROW else THREADS_PER_ROW
   if layout == FLOAT:   # one reduction axis: a vector of it a thread, then the threads over the rest
-    vector = next(v for v in (16 // itemsize, 4, 2, 1) if K % v == 0)
+    vector = _vector(K, itemsize)
     opts, rest = ([Opt(OptOps.UNROLL, 0, vector)] if vector > 1 else []), K // vector
   elif isinstance(layout, QuantSpec):
     return _packed_opts(layout, T, N, K, heads)
@@ -130,6 +130,11 @@ def kernel_opts(device: str | tuple[str, ...], layout: str | QuantSpec, T: int, 
   threads = next(g for g in (per_row, THREADS_PER_ROW, 16, 8, 4, 2, 1) if rest % g == 0)
   per_thread = 1 if spread and threads == THREADS_PER_ROW else ROWS_PER_THREAD
   return tuple(opts + ([Opt(OptOps.GROUP, 0, threads)] if threads > 1 else []) + _output_opts(T, N, threads, heads, per_thread))
+
+
+def _vector(K: int, itemsize: int) -> int:
+  """Elements of a row of K floats a thread loads at once: 16 bytes' worth, or the most of fewer that divides K."""
+  return next(v for v in (16 // itemsize, 4, 2, 1) if K % v == 0)
 
 
 def _packed_opts(spec: QuantSpec, T: int, N: int, K: int, heads: int) -> tuple:
@@ -371,7 +376,7 @@ def inverse_rms(x: Tensor, eps: float) -> Tensor:
 def inverse_rms_opts(device: str | tuple[str, ...], K: int, itemsize: int) -> tuple:
   """`inverse_rms`'s opts on a GPU: a vector of 16 bytes a thread, up to 256 threads a row; none on the CPU device."""
   if portable.on_cpu(device): return ()
-  vector = next(v for v in (16 // itemsize, 4, 2, 1) if K % v == 0)
+  vector = _vector(K, itemsize)
   threads = next(g for g in (256, 128, 64, 32, 16, 8, 4, 2, 1) if (K // vector) % g == 0)
   return tuple(([Opt(OptOps.UNROLL, 0, vector)] if vector > 1 else []) + ([Opt(OptOps.GROUP, 0, threads)] if threads > 1 else []))
 
