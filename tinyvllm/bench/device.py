@@ -221,8 +221,8 @@ def matmul_rates(n: int = 1024, reps: int = 5, threads: int | None = None, dtype
 
 def torch_cuda_ceilings(mib: int = 1024, n: int = 8192, reps: int = 5, dtype: str = "float16") -> tuple[float, float] | None:
   """On an NVIDIA GPU with torch: GB/s (read + written) of torch's device-to-device copy of `mib` MiB and GFLOP/s of
-  its n x n x n matmul (cuBLAS), each the best of `reps` timings of 20 calls by CUDA events; None without torch or
-  CUDA. The roofline's ceilings are the fastest bytes and FLOPs measured on the chip, by anyone: on the H200
+  its n x n x n matmul (cuBLAS), timed as tinygrad's ceilings are (`_best_time`: the best of `reps` timings of 20
+  calls between two waits); None without torch or CUDA. The roofline's ceilings are the fastest bytes and FLOPs measured on the chip, by anyone: on the H200
   tinygrad's own y = x + 1 reached about 1700 GB/s where torch's copy moved about 4100.
 
   Measured in a process of its own: with torch's CUDA context and cuBLAS handle made in the bench's process before
@@ -242,22 +242,13 @@ def _torch_cuda_ceilings_here(mib: int, n: int, reps: int, dtype: str) -> tuple[
     import torch
     if not torch.cuda.is_available(): return None
   except Exception: return None
-  def best_ms(fn) -> float:
-    fn(); torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      start.record()
-      for _ in range(20): fn()
-      end.record(); end.synchronize()
-      times.append(start.elapsed_time(end) / 20)
-    return min(times)
+  best = lambda fn: _best_time(fn, torch.cuda.synchronize, reps, _calls_per_wait("CUDA"))   # as tinygrad's are timed
   src = torch.rand((mib << 20) // 4, device="cuda")
   dst = torch.empty_like(src)
-  gbps = 2 * src.numel() * 4 / best_ms(lambda: dst.copy_(src)) / 1e6
+  gbps = 2 * src.numel() * 4 / best(lambda: dst.copy_(src)) / 1e9
   dt = getattr(torch, dtype)
   a, b = torch.randn(n, n, device="cuda", dtype=dt), torch.randn(n, n, device="cuda", dtype=dt)   # random: zeros run faster
-  return gbps, 2 * n ** 3 / best_ms(lambda: a @ b) / 1e6
+  return gbps, 2 * n ** 3 / best(lambda: a @ b) / 1e9
 
 
 def runs_nothing(device: str) -> bool:
