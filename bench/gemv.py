@@ -103,8 +103,10 @@ def main() -> None:
   from tinyvllm.kernels import gemv
   dev = Device.DEFAULT
   default = f"{gemv.THREADS_PER_ROW}x{gemv.ROWS_PER_THREAD}x{gemv.X_ROWS_A_THREAD}"
-  given = lambda s: [*map(int, s.split("x"))]
-  schedules = [tuple(given(s) + [gemv.ROWS_PER_THREAD, gemv.X_ROWS_A_THREAD][len(given(s)) - 1:]) for s in (args.schedules or default).split(",")]
+  def schedule(text: str) -> tuple[int, int, int]:   # THREADS[xROWS[xXROWS]], the module's values for those left out
+    given = [*map(int, text.split("x"))]
+    return tuple(given + [gemv.ROWS_PER_THREAD, gemv.X_ROWS_A_THREAD][len(given) - 1:])
+  schedules = [schedule(s) for s in (args.schedules or default).split(",")]
   if args.schedules: gemv.SPREAD_BELOW = 0   # each schedule as asked, never spread (kernel_opts) by itself
   if args.shapes:
     shapes = [("custom", *map(int, s.split(":")[0].split("x")), s.split(":")[1]) for s in args.shapes.split(",")]

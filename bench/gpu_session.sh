@@ -49,18 +49,22 @@ if [ "$BENCH_S" -gt 0 ]; then
     --prefill-lens 128 --steps 32 --capture-mode "${CAPTURE_MODES:-pass}" --num-scheduler-steps "${SCHEDULER_STEPS:-1,8}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '| *[0-9]*/[0-9]* \[\|^\s*$' | tail -45
 fi
 
+# a short bench run beside the main one: its table's rows and ceilings printed, its log and JSON as bench-NAME.*
+short_bench() {
+  local name=$1 seconds=$2; shift 2
+  timeout -k 5 "$seconds" python3 -m tinyvllm.bench "$@" --runs decode --steps 32 --num-scheduler-steps 1 --no-peers \
+    --json "$OUT/bench-$name.json" 2>&1 | tee "$OUT/bench-$name.log" | tr '\r' '\n' \
+    | grep -E '^(decode|tinyvllm|  decode|  measured|  torch)' | tail -8
+}
+
 if [ "${INT4_SECONDS:-0}" -gt 0 ]; then
   echo "== bench on $DEV, INT4 weights (quantized at load), batch 1"
-  timeout -k 5 "$INT4_SECONDS" python3 -m tinyvllm.bench --model "$MODEL" --quantization int4 --runs decode --batch-sizes 1 \
-    --steps 32 --num-scheduler-steps 1 --no-peers --json "$OUT/bench-int4.json" 2>&1 | tee "$OUT/bench-int4.log" | tr '\r' '\n' \
-    | grep -E '^(decode|tinyvllm|  decode|  measured|  torch)' | tail -8
+  short_bench int4 "$INT4_SECONDS" --model "$MODEL" --quantization int4 --batch-sizes 1
 fi
 
 if [ "${LONG_SECONDS:-0}" -gt 0 ]; then
   echo "== bench on $DEV, a 2048-token context, batch 1 and 8"
-  timeout -k 5 "$LONG_SECONDS" python3 -m tinyvllm.bench --model "$MODEL" --runs decode --batch-sizes 1,8 --context-lens 2048 \
-    --steps 32 --num-scheduler-steps 1 --no-peers --json "$OUT/bench-long.json" 2>&1 | tee "$OUT/bench-long.log" | tr '\r' '\n' \
-    | grep -E '^(decode|  decode|  measured)' | tail -8
+  short_bench long "$LONG_SECONDS" --model "$MODEL" --batch-sizes 1,8 --context-lens 2048
 fi
 
 if [ "${EIGHT_B_SECONDS:-0}" -gt 0 ]; then
