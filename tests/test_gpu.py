@@ -226,6 +226,37 @@ def test_multi_step_runs_match_hf(tiny_model, torch_device):
   assert passes.count(8) >= 3, passes
 
 
+def test_async_scheduling_matches_hf(tiny_model, torch_device):
+  """Pipelined decoding, on by default on CUDA: each decode run is launched before the host reads the one before it
+  (replay.OrderedCopies: its uploads queued behind the work in flight, its reads waiting for their own run only). Four
+  greedy requests of different lengths, one stopping at a stop token and one aborted midway: the others' tokens
+  are HF's greedy ones, most runs followed another, and every KV block is back in the pool."""
+  from tinyvllm import SamplingParams
+  hf = HF(tiny_model, torch_device)
+  ps = prompts([5, 19, 33, 12], seed=10)
+  eng = engine(tiny_model, **({} if DEVICE == "CUDA" else {"async_scheduling": True}))
+  assert eng.core.pipelined
+  follows, launch = [], eng.runner.launch_decodes
+  eng.runner.launch_decodes = lambda d, steps, after=None: (follows.append(after is not None), launch(d, steps, after))[1]
+  want = [hf.greedy(p, n) for p, n in zip(ps, (30, 21, 30, 30))]
+  stop = want[2][9]
+  params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), SamplingParams(max_tokens=21, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[stop]), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)]
+  for i, (p, sp) in enumerate(zip(ps, params)): eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+  outs, steps = {}, 0
+  while eng.has_unfinished_requests():
+    for o in eng.step(): outs[o.request_id] = o
+    steps += 1
+    if steps == 8: outs |= {o.request_id: o for o in eng.abort_request("3")}
+  assert outs["0"].outputs[0].token_ids == want[0] and outs["1"].outputs[0].token_ids == want[1]
+  cut = want[2].index(stop) + 1
+  assert outs["2"].outputs[0].token_ids == want[2][:cut] and outs["2"].outputs[0].finish_reason == "stop"
+  assert outs["3"].outputs[0].finish_reason == "abort"
+  assert sum(follows) > len(follows) / 2, follows
+  bm = eng.core.block_manager
+  assert bm.num_free == bm.num_blocks
+
+
 def test_a_4096_token_prompt_in_one_step_matches_hf(tmp_path_factory, torch_device):
   from conftest import make_tiny_llama
   from tinyvllm import SamplingParams

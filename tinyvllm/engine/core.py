@@ -1,7 +1,8 @@
 """EngineCore: scheduler + model runner + sampler. EngineRequests in, token ids out; no text.
 
 One `step()`: the scheduler picks the work, the runner reads it (with speculation: the draft proposes first and
-the target verifies), the sampler picks tokens, and `Scheduler.update_from_output` commits them. A failure is
+the target verifies), the sampler picks tokens, and `Scheduler.update_from_output` commits them. With async
+scheduling a step of greedy decodes launches the next step's run before it reads its own tokens (`InFlight`). A failure is
 confined to the requests it concerns: a model pass that raises fails the sequences it carried, a sampling error
 fails its own request; the others go on, and the engine stays consistent for the next step.
 """
@@ -15,8 +16,8 @@ from tinyvllm import host_memory, sampler
 from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.failure_log import FailureLog
-from tinyvllm.engine.model_runner import ModelRunner, WorkItem
-from tinyvllm.engine.replay import cache_programs_on_disk
+from tinyvllm.engine.model_runner import DecodeRun, ModelRunner, WorkItem
+from tinyvllm.engine.replay import OrderedCopies, cache_programs_on_disk
 from tinyvllm.engine.request import CoreOutput, EngineRequest, SchedulerStats, TopLogprobs
 from tinyvllm.engine.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.engine.sequence import Sequence
@@ -77,6 +78,15 @@ def cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
   return None
 
 
+@dataclasses.dataclass
+class InFlight:
+  """A pipelined decode run (async scheduling) launched by one step and read by the next: the decodes of the step it
+  stands for, item for item, and the runner's handle. Launched before the run before it was read, it assumes that no
+  sequence stopped there; the tokens of one that did are dropped when it is read."""
+  sched: SchedulerOutput
+  run: DecodeRun
+
+
 # weights (bytes as stored) up to which the model's host pages ask for transparent huge pages (host_memory.huge_pages):
 # a 1B decodes 1.08x as fast for about half a second of load; an 8B 1.02x for 3-6 s more
 HUGE_PAGES_UP_TO = 2 << 30
@@ -93,6 +103,7 @@ class EngineCore:
     self.device = Device.DEFAULT
     # the device the model runs on, or with tensor parallelism the devices each layer is split over (model/tensor_parallel.py)
     self.devices = parallel_devices(self.device, config.tensor_parallel_size)
+    self.pipelined = self._async_scheduling(config)   # before the model loads: a refusal costs nothing
     self.model_config = ckpt.config
     dtype = default_dtype(self.device) if config.dtype == "auto" else config.dtype
     if dtype == "float16" and not families.for_model_type(ckpt.config.model_type).float16_safe:
@@ -127,7 +138,8 @@ class EngineCore:
     with host_memory.huge_pages(weight_bytes <= HUGE_PAGES_UP_TO):
       model = self._build_model(ckpt.config, ckpt.tensors, dtype)
     self.runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, self.devices, config.max_num_seqs, self.kv_format,
-                              config.capture_mode, config.num_scheduler_steps)
+                              config.capture_mode, config.num_scheduler_steps, pipelined=self.pipelined)
+    self.in_flight: InFlight | None = None
     self.block_manager = BlockManager(num_blocks, config.block_size, config.watermark, config.enable_prefix_caching)
     self.spec: SpeculativeDecoder | None = None
     if config.draft_model is not None:
@@ -149,6 +161,17 @@ class EngineCore:
     self.masks = MaskWorker(spare_core=self.device.split(":")[0] != "CPU" or (config.num_threads or cores) < cores)
     # a step's sampled rows of a large vocabulary, drawn on every core (numpy releases the GIL in its passes over a row)
     self.sampling_threads = ThreadPoolExecutor(min(cores, 8), thread_name_prefix="tinyvllm-sample") if cores > 1 else None
+
+  def _async_scheduling(self, config: EngineConfig) -> bool:
+    """Whether greedy decode steps are pipelined: by default on CUDA (one device, no draft); asked for, wherever
+    the runner's copies are ordered with the device's work (replay.OrderedCopies)."""
+    if config.async_scheduling is None:
+      return self.device.split(":")[0] == "CUDA" and len(self.devices) == 1 and config.draft_model is None
+    if config.async_scheduling and not OrderedCopies.ordered(self.device):
+      raise ConfigError(f"async_scheduling=True on {self.device}: its host-to-device copies are not ordered with the work "
+                        f"launched before them, so a pipelined step would overwrite the inputs of the pass still running; "
+                        f"it runs on CUDA and the CPU device")
+    return config.async_scheduling
 
   def _build_model(self, cfg, tensors, dtype: str) -> Llama:
     self.kernels.check_model(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, self.config.block_size, dtype)
@@ -231,25 +254,33 @@ class EngineCore:
     """One target forward pass over the scheduled batch (with speculation: preceded by the draft's passes).
     Returns what happened to every sequence it advanced, and the scheduler's state afterwards."""
     counters_before = self._counters()
-    sched = self.scheduler.schedule()
-    if self.spec:
-      for seq in sched.preempted: self.spec.release(seq)   # a preempted sequence recomputes both caches
-    if sched.is_empty:
-      if self.scheduler.has_unfinished(): raise RuntimeError("scheduler made no progress with requests waiting")
-      return [], self.stats()
+    run, self.in_flight = self.in_flight, None   # a pipelined run the last step launched: this step reads it
+    if run is not None and all(s.is_finished for s in run.sched.decodes): run = None   # all ended or aborted: nothing to read
+    if run is not None: sched, steps = run.sched, run.run.steps
+    else:
+      sched = self.scheduler.schedule()
+      if self.spec:
+        for seq in sched.preempted: self.spec.release(seq)   # a preempted sequence recomputes both caches
+      if sched.is_empty:
+        if self.scheduler.has_unfinished(): raise RuntimeError("scheduler made no progress with requests waiting")
+        return [], self.stats()
+      steps = self._decode_steps(sched)
     started = time.perf_counter()
     for seq in sched.decodes + [c.seq for c in sched.prefills]:
       if seq.metrics.first_scheduled_time is None: seq.metrics.first_scheduled_time = time.time()
     outputs: dict[Sequence, CoreOutput] = {}
-    steps = self._decode_steps(sched)
     try:
-      sampled, drafted, accepted = self._run_and_sample(sched, outputs, steps)
+      if run is not None: sampled, drafted, accepted = self._read_run(run), 0, 0
+      else: sampled, drafted, accepted = self._run_and_sample(sched, outputs, steps)
     except Exception as e:   # the model pass itself failed: every sequence it carried fails, the rest go on
+      self.in_flight = None   # a run launched after it carries the same sequences
       carried = sched.decodes + [c.seq for c in sched.prefills]
       self.failures.record("model pass", e, [seq.request_id for seq in carried])
       for seq in carried: self._fail(seq, e, outputs)
       return self._collect(outputs), dataclasses.replace(self.stats(), num_decode_passes=steps)
-    kept, failed = self.scheduler.update_from_output(sched, sampled)
+    # slots a decode keeps beyond its newest token: those of the pipelined run just launched
+    ahead = self.in_flight.run.steps - 1 if self.in_flight is not None else 0
+    kept, failed = self.scheduler.update_from_output(sched, sampled, ahead)
     for seq, error in failed.items():
       self.failures.record("committing sampled tokens", error, [seq.request_id])
       self._fail(seq, error, outputs)
@@ -281,10 +312,9 @@ class EngineCore:
     """The model passes, then a token (or a verified run) per sequence. A sequence whose sampling raises fails
     alone. `steps` > 1: the decodes' passes of a multi-step run (`_decode_steps`). Returns (new tokens per sequence,
     drafts proposed, drafts accepted)."""
-    if steps > 1:   # multi-step: passes back to back, the tokens fed back on the device
-      tokens = self.runner.execute_steps([self._decode_item(s) for s in sched.decodes], steps)
-      for seq in sched.decodes: seq.metrics.num_target_steps += steps
-      return {seq: row.tolist() for seq, row in zip(sched.decodes, tokens)}, 0, 0
+    if steps > 1 or self._pipelines(sched):   # multi-step: passes back to back, the tokens fed back on the device
+      run = InFlight(SchedulerOutput(decodes=list(sched.decodes)), self.runner.launch_decodes([self._decode_item(s) for s in sched.decodes], steps))
+      return self._read_run(run), 0, 0
     decodes, speculated, proposals = sched.decodes, [], []
     if self.spec and decodes and self.spec.policy.should_speculate(len(decodes)):
       # a run of k drafts must fit the context: sequences near max_model_len decode plainly in the same step
@@ -324,6 +354,37 @@ class EngineCore:
       self._guarded(seq, outputs, lambda: self._verify(seq, proposal, logits, outputs, sampled))
       accepted += max(0, len(sampled.get(seq, ())) - 1)
     return sampled, drafted, accepted
+
+  def _pipelines(self, sched: SchedulerOutput) -> bool:
+    """Does this step's run start a pipeline: decodes alone, each taking the argmax of its raw logits?"""
+    return self.pipelined and bool(sched.decodes) and not sched.prefills and all(self._argmax_only(s) for s in sched.decodes)
+
+  def _read_run(self, run: InFlight) -> dict[Sequence, list[int]]:
+    """Launch the run after `run` (`_follow`), then wait for `run`'s tokens: the new tokens of each of its sequences
+    still running."""
+    self.in_flight = self._follow(run)
+    tokens = self.runner.read_decodes(run.run)
+    sampled = {}
+    for seq, row in zip(run.sched.decodes, tokens):
+      if seq.is_finished: continue   # aborted while its run was in flight
+      seq.metrics.num_target_steps += run.run.steps
+      sampled[seq] = row.tolist()
+    return sampled
+
+  def _follow(self, run: InFlight) -> InFlight | None:
+    """With async scheduling, the run after `run` over the same decodes, launched before `run` is read: its first
+    pass reads their tokens from the device. Only while nothing else is to be scheduled (no request waits, no
+    sequence but these runs) and the KV pool has room without preempting anyone; else None, and the next step
+    schedules afresh once `run` is committed. Passes as `_decode_steps` gives them, counting `run`'s tokens as taken."""
+    seqs, sch, ahead = run.sched.decodes, self.scheduler, run.run.steps
+    if not self.pipelined or sch.waiting or sch.held or len(sch.running) != len(seqs): return None
+    if any(s.is_finished or not self._argmax_only(s) for s in seqs): return None
+    left = [s.params.max_tokens - s.num_output_tokens - ahead if s.params.max_tokens is not None else self.config.num_scheduler_steps
+            for s in seqs]
+    steps = min(self.config.num_scheduler_steps, max(left), min(self.max_model_len - s.num_tokens - ahead for s in seqs))
+    if steps < 1 or not sch.reserve(seqs, ahead + steps - 1): return None
+    items = [WorkItem(s.block_table, s.num_computed_tokens + ahead, [0]) for s in seqs]   # the token: from the device
+    return InFlight(SchedulerOutput(decodes=list(seqs)), self.runner.launch_decodes(items, steps, after=run.run))
 
   @staticmethod
   def _decode_item(seq: Sequence) -> WorkItem:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses, functools, itertools, math, time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 import numpy as np
 from tinygrad import Device, Tensor, dtypes
 from tinyvllm.config import CAPTURE_MODES
 from tinyvllm.host_memory import fresh_pages, lend, lend_buffer
-from tinyvllm.engine.replay import BoundReplay, CountVariable, LaunchTimes, Replay, to_host
+from tinyvllm.engine.replay import BoundReplay, CountVariable, LaunchTimes, OrderedCopies, Replay, to_host
 from tinyvllm.kernels import AttentionGroup, portable
 from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
 from tinyvllm.model.llama import Llama, ModelInputs
@@ -43,6 +44,17 @@ class WorkItem:
   block_table: list[int]
   start: int
   tokens: list[int]
+
+
+@dataclass
+class DecodeRun:
+  """Greedy decode passes launched and not read yet (`ModelRunner.launch_decodes`): pass i of the run stores its tokens
+  in row (first_row + i) of its shape's token history."""
+  shape: PassShape
+  num_items: int
+  first_row: int
+  steps: int
+  read: Callable[[], np.ndarray]   # waits for the run's passes (only those, where the device allows) -> the history
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,8 @@ class ModelRunner:
   With tensor parallelism `device` is a tuple of devices (model/tensor_parallel.py): the KV cache is split by KV head,
   the hidden state and the step's integers are copied to every device, and the logits come back on the first."""
   def __init__(self, model: Llama, num_blocks: int, block_size: int, max_model_len: int, device: str | tuple[str, ...],
-               max_num_seqs: int = 32, kv_format: KVCacheFormat | None = None, capture_mode: str = "auto", decode_steps: int = 1):
+               max_num_seqs: int = 32, kv_format: KVCacheFormat | None = None, capture_mode: str = "auto", decode_steps: int = 1,
+               pipelined: bool = False):
     self.model, self.device, self.block_size, self.num_blocks = model, device, block_size, num_blocks
     self.devices = device if isinstance(device, tuple) else (device,)
     self.kind = self.devices[0].split(":")[0]
@@ -131,12 +144,19 @@ class ModelRunner:
     # On a GPU a greedy decode step needs only each row's argmax (`execute(decode_argmax=True)`): taken on the device, 4
     # bytes a row come back instead of the vocabulary's logits (Llama 3: 0.5 MB a row, 16 MB a step at batch 32) and the
     # host skips an argmax over them. On the CPU device logits are read in place and numpy's argmax is as fast.
-    self.argmax_on_device = self.kind != "CPU" or decode_steps > 1
+    self.argmax_on_device = self.kind != "CPU" or decode_steps > 1 or pipelined
     # Multi-step decoding (`execute_steps`): up to `decode_steps` greedy decode passes back to back, each reading the
     # argmax tokens of the pass before from the device, so the host launches them all before it waits once and reads
     # them all. A decode shape's capture then holds a history of the run's tokens and a pass counter
     # (portable.fed_tokens, store_tokens), and its input holds every pass's fields, uploaded once a run (portable.split).
     self.decode_steps = decode_steps
+    # Pipelined decoding (async scheduling, engine/core.py): a run is launched before the one before it is read, its
+    # first pass reading that run's last tokens from the device. Runs take rows of the history in turn, as a ring of
+    # twice a run's passes: a run never writes the rows of the run before it, which the host may still be reading.
+    # Uploads and reads go through copies ordered with the passes (replay.OrderedCopies: CUDA, and the CPU device).
+    self.pipelined = pipelined
+    self.history_rows = decode_steps * (2 if pipelined else 1)
+    self.copies = OrderedCopies.for_device(self.devices[0]) if pipelined else OrderedCopies()
     self.run_state: dict[PassShape, tuple[Tensor, Tensor]] = {}   # a decode shape's (token history, pass counter)
     self.num_passes = 0   # passes run (the benchmark's traffic accounting counts a multi-step run's passes)
     self.input_buffers: dict[PassShape, Tensor] = {}
@@ -208,31 +228,51 @@ class ModelRunner:
     pass go to the device at once, the host launches the passes without waiting for any, and reads the tokens of all
     of them at the end. Each table must hold slots up to start + steps - 1. Returns int64 `[len(decodes), steps]`:
     row r is the tokens sequence r took, in order."""
-    assert 1 <= steps <= self.decode_steps, f"{steps} steps, but decode shapes keep a history of {self.decode_steps}"
-    shape = self._shape(0, decodes, False)
-    self._forward(shape, *self._prepare_run(shape, decodes, steps))
-    self._timed_wait()
-    tokens = to_host(self.run_state[shape][0].uop.buffer).reshape(-1, shape.num_seqs)
-    return tokens[:steps, :len(decodes)].T.astype(np.int64)
+    return self.read_decodes(self.launch_decodes(decodes, steps))
 
-  def _prepare_run(self, shape: PassShape, decodes: list[WorkItem], steps: int) -> tuple[np.ndarray, list[int]]:
+  def launch_decodes(self, decodes: list[WorkItem], steps: int, after: DecodeRun | None = None) -> DecodeRun:
+    """Launch `execute_steps`'s passes without waiting for them. With `after` (a pipelined runner), each sequence's
+    first token is the last one run `after` takes, on the device: item r here is item r there, its start that run's
+    start + its steps (its `tokens` are not read), and nothing of `after` need have finished."""
+    assert 1 <= steps <= self.decode_steps, f"{steps} steps, but decode shapes keep a history of {self.decode_steps}"
+    assert after is None or (self.pipelined and after.num_items == len(decodes)), "a run follows another only pipelined, item for item"
+    shape = self._shape(0, decodes, False)
+    first_row = (after.first_row + after.steps) % self.history_rows if after is not None else 0
+    self._forward(shape, *self._prepare_run(shape, decodes, steps, first_row, after is not None))
+    return DecodeRun(shape, len(decodes), first_row, steps, self.copies.read_later(self.run_state[shape][0].uop.buffer))
+
+  def read_decodes(self, run: DecodeRun) -> np.ndarray:
+    """Wait for a launched run and return its tokens: int64 `[items, steps]`, row r the tokens item r took, in order."""
+    t = time.perf_counter()
+    history = run.read().reshape(self.history_rows, run.shape.num_seqs)
+    if self.launch_times.enabled: self.launch_times.wait_seconds += time.perf_counter() - t
+    rows = (run.first_row + np.arange(run.steps)) % self.history_rows
+    return history[rows, :run.num_items].T.astype(np.int64)
+
+  def _prepare_run(self, shape: PassShape, decodes: list[WorkItem], steps: int, first_row: int = 0,
+                   fed: bool = False) -> tuple[np.ndarray, list[int]]:
     """The inputs of a multi-step run's `steps` passes over `decodes` as one array (portable.split's layout): the
     fields that stay the same (rows, block tables), then each pass's PASS_FIELDS, for `decode_steps` passes (the unused
-    ones zero). Pass i reads position start + i of each sequence, and as its token the negative entry -1 - (i - 1) P - r:
-    the one history[(i - 1) P + r] holds, sampled by pass i - 1. Returns it and the KV blocks each pass reads."""
+    ones zero). Pass i reads position start + i of each sequence and writes its tokens to history row first_row + i (of
+    `history_rows`, in a ring); it reads as its token the negative entry -1 - j P - r: the one history[j P + r] holds,
+    sampled in the row j before its own (`fed`: the first pass's too; else the first reads the items' tokens and
+    `first_row` is 0). Returns it and the KV blocks each pass reads."""
+    assert fed or first_row == 0, "a run whose first pass reads its tokens from the host starts at history row 0"
     packed, used = self.prepare(shape, decodes)
-    sizes = dict(zip(FIELDS, shape.sizes(self.max_blocks)))
-    field = dict(zip(FIELDS, np.split(packed, np.cumsum(list(sizes.values()))[:-1])))
+    sizes = shape.sizes(self.max_blocks)
+    field = {n: packed[end - size:end] for n, size, end in zip(FIELDS, sizes, itertools.accumulate(sizes))}   # views
     P, k, bs = shape.num_seqs, len(decodes), self.block_size
     per_pass = np.zeros((self.decode_steps, len(PASS_FIELDS), P), np.int32)   # every PASS_FIELDS field of a decode has P entries
     per_pass[0] = [field[n] for n in PASS_FIELDS]
+    fed_from = lambda i: -1 - ((first_row + i - 1) % self.history_rows) * P - np.arange(k)   # pass i's token: the row before
+    if fed: per_pass[0, PASS_FIELDS.index("tokens"), :k] = fed_from(0)
     tables, used_blocks = field["tables"].reshape(P, self.max_blocks), [used]
     last = field["positions"][:k] + steps - 1   # positions only grow: the last pass's must fit the tables
     if (last // bs >= np.fromiter((len(w.block_table) for w in decodes), np.int64, k)).any():
       raise IndexError(f"a block table holds fewer than the {steps} positions of a multi-step run")
     for i in range(1, steps):
       pos = field["positions"][:k] + i
-      later = dict(tokens=-1 - (i - 1) * P - np.arange(k), positions=pos, slots=tables[np.arange(k), pos // bs] * bs + pos % bs,
+      later = dict(tokens=fed_from(i), positions=pos, slots=tables[np.arange(k), pos // bs] * bs + pos % bs,
                    q_pos=pos, ctx=pos + 1)
       per_pass[i, :, :k] = [later[n] for n in PASS_FIELDS]
       per_pass[i, PASS_FIELDS.index("slots"), k:] = -1   # padding rows write no K/V
@@ -241,8 +281,8 @@ class ModelRunner:
     return np.concatenate([*run, per_pass.reshape(-1)]), used_blocks
 
   def _feeds_back(self, shape: PassShape) -> bool:
-    """Does this shape's capture take part in multi-step runs: a decode shape of a runner that runs them."""
-    return self.decode_steps > 1 and shape.is_decode
+    """Does this shape's capture take part in multi-step or pipelined runs: a decode shape of a runner that runs them."""
+    return (self.decode_steps > 1 or self.pipelined) and shape.is_decode
 
   def _shape(self, kind: int, items: list[WorkItem], prefill_all_logits: bool) -> PassShape:
     """The pass shape of decodes (kind 0), prefill chunks (1) or verified runs (2). Packed prefill passes fix their
@@ -377,11 +417,9 @@ class ModelRunner:
       self.input_buffers[shape] = self._buffer((len(packed),), dtypes.int32, self.devices[0])
     return self._copy_in(self.input_buffers[shape], packed)
 
-  @staticmethod
-  def _copy_in(t: Tensor, values: np.ndarray) -> Tensor:
+  def _copy_in(self, t: Tensor, values: np.ndarray) -> Tensor:
     """Overwrite a realized int32 tensor's buffer with `values`, on the device's queue (after the work launched)."""
-    buf = t.uop.buffer.ensure_allocated()
-    Device[buf.device].allocator._copyin(buf._buf, memoryview(np.ascontiguousarray(values, np.int32)).cast("B"))
+    self.copies.upload(t.uop.buffer, np.asarray(values, np.int32))
     return t
 
   def captures(self) -> list[Replay]:
@@ -397,7 +435,7 @@ class ModelRunner:
     P, C, MB = shape.num_seqs, shape.query_len, self.max_blocks
     history = counter = None   # multi-step runs: the tokens a decode pass took, read by the next; which pass runs
     if self._feeds_back(shape):
-      history, counter = self.run_state[shape] = (self._buffer((self.decode_steps * P,), dtypes.int32), self._buffer((1,), dtypes.int32))
+      history, counter = self.run_state[shape] = (self._buffer((self.history_rows * P,), dtypes.int32), self._buffer((1,), dtypes.int32))
 
     def unpack(packed: Tensor):
       """The step's integers -> the embedded tokens, the other fields (FIELDS order), and the token field as sent."""

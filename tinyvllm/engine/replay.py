@@ -12,6 +12,8 @@ and a GPU when TINYVLLM_TEST_DEVICE names one), so a tinygrad upgrade that chang
   `CapturedJit._written_uops` and `expected_input_info`;
 - `get_call_arg_uops`, `get_runtime`, `ProgramInfo.launch_dims/vals`, `Buffer._buf`, `Allocator._copyin/_copyout/_transfer`
   and `_as_buffer` (host-visible memory);
+- for a pipelined decode on CUDA (`OrderedCopies`): `CUDADevice.context`, `tinygrad.runtime.ops_cuda.check` and the
+  driver calls of `tinygrad.runtime.autogen.cuda`, on the legacy default stream tinygrad launches on;
 - the compile worker pool of `tinygrad.engine.realize.lower_and_compile` (see `compile_symbolic_kernels_in_process`);
 - tinygrad's in-process cache of lowered programs, `tinygrad.codegen.to_program_cache` (which `realize` imports by
   name) and its key `to_program_key` (`ProgramCache` keeps it on disk too).
@@ -576,6 +578,83 @@ def to_host(buf) -> np.ndarray:
     out[:] = np.frombuffer(allocator._as_buffer(buf._buf), out.dtype, buf.size)
   else: allocator._copyout(memoryview(out).cast("B"), buf._buf)
   return out
+
+
+class OrderedCopies:
+  """Host <-> device copies for a pipelined decode (async scheduling, engine/core.py): an upload lands after the work
+  launched before it, and a read waits only for the work launched before it, not for the pass launched since, which
+  keeps the device busy while the host reads, commits and schedules. The base class serves devices whose work runs
+  as it is launched (the CPU device, tinygrad's NULL device): an upload is tinygrad's allocator copy, a read waits for
+  the device. `for_device` picks the CUDA one for a CUDA device; `ordered(device)` says whether a device has one.
+
+  Not Metal: tinygrad's Metal copy-in writes the shared buffer from the CPU at once, under a pass still reading it."""
+  def upload(self, buf, values: np.ndarray) -> None:
+    """Overwrite a realized device buffer with `values` (their bytes)."""
+    buf = buf.ensure_allocated()
+    buf.allocator._copyin(buf._buf, memoryview(np.ascontiguousarray(values)).cast("B"))
+
+  def read_later(self, buf, dtype=np.int32) -> Callable[[], np.ndarray]:
+    """A read of `buf`'s contents as they will be once the work launched so far is done; call it to wait for them."""
+    return lambda: to_host(buf).view(dtype)
+
+  @staticmethod
+  def ordered(device: str) -> bool: return device.split(":")[0] in ("CPU", "NULL", "CUDA")
+
+  @staticmethod
+  def for_device(device: str) -> OrderedCopies:
+    return _CudaCopies(device) if device.split(":")[0] == "CUDA" else OrderedCopies()
+
+
+class _CudaCopies(OrderedCopies):
+  """CUDA: each copy is queued on the stream tinygrad launches on (the legacy default stream) from pinned host memory
+  of ours, and an event after it says when it is done. tinygrad's allocator would pin a fresh staging buffer for
+  every upload, freed only at a device synchronize (which a pipelined decode never reaches), and its copy-out
+  synchronizes the whole context: a read would wait for the pass launched after it."""
+  SLOTS = 8   # staging buffers a kind; a slot is reused 8 copies later, after its event (long done by then)
+
+  def __init__(self, device: str):
+    from tinygrad import Device
+    from tinygrad.runtime.autogen import cuda
+    from tinygrad.runtime.ops_cuda import check
+    self.cuda, self.check, self.dev = cuda, check, Device[device]
+    self.slots = {"up": [None] * self.SLOTS, "down": [None] * self.SLOTS}   # (pinned pointer, bytes, event)
+    self.turn = {"up": 0, "down": 0}
+
+  def _slot(self, kind: str, nbytes: int):
+    cuda, check = self.cuda, self.check
+    check(cuda.cuCtxSetCurrent(self.dev.context))
+    i = self.turn[kind]
+    self.turn[kind] = (i + 1) % self.SLOTS
+    slot = self.slots[kind][i]
+    if slot is not None: check(cuda.cuEventSynchronize(slot[2]))   # its last copy is done
+    if slot is None or slot[1] < nbytes:
+      if slot is not None: check(cuda.cuMemFreeHost(slot[0]))
+      event = slot[2] if slot is not None else cuda.CUevent()
+      if slot is None: check(cuda.cuEventCreate(ctypes.byref(event), 2))   # CU_EVENT_DISABLE_TIMING
+      host = ctypes.c_void_p()
+      check(cuda.cuMemHostAlloc(ctypes.byref(host), max(nbytes, 4096), 0))
+      slot = self.slots[kind][i] = (host, max(nbytes, 4096), event)
+    return slot
+
+  def upload(self, buf, values: np.ndarray) -> None:
+    buf = buf.ensure_allocated()
+    data = np.ascontiguousarray(values)
+    host, _, event = self._slot("up", data.nbytes)
+    ctypes.memmove(host, data.ctypes.data, data.nbytes)
+    self.check(self.cuda.cuMemcpyHtoDAsync_v2(buf._buf, host, data.nbytes, None))
+    self.check(self.cuda.cuEventRecord(event, None))
+
+  def read_later(self, buf, dtype=np.int32) -> Callable[[], np.ndarray]:
+    buf = buf.ensure_allocated()
+    host, _, event = self._slot("down", buf.nbytes)
+    self.check(self.cuda.cuMemcpyDtoHAsync_v2(host, buf._buf, buf.nbytes, None))
+    self.check(self.cuda.cuEventRecord(event, None))
+    def read() -> np.ndarray:
+      self.check(self.cuda.cuEventSynchronize(event))
+      out = np.empty(buf.nbytes, np.uint8)
+      ctypes.memmove(out.ctypes.data, host, buf.nbytes)
+      return out.view(dtype)
+    return read
 
 
 def input_uop(t: Tensor) -> UOp:

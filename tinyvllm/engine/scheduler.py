@@ -107,11 +107,15 @@ class Scheduler:
     num_tokens + steps - 2), taken when the free pool holds it above the watermark, with no one preempted. Returns the
     steps the decodes may run: `steps`, or 1 (their room for one was made by `schedule`). Slots a run does not
     use (a sequence that stops early) go back at the commit, as rejected drafts' do."""
-    if steps == 1: return 1
-    need = sum(self.blocks.blocks_missing(s.block_table, s.num_tokens + steps - 1) for s in decodes)
-    if need > self.blocks.num_free - self.blocks.watermark_blocks: return 1
-    for s in decodes: self.blocks.grow(s.block_table, s.num_tokens + steps - 1)
-    return steps
+    return steps if steps > 1 and self.reserve(decodes, steps - 1) else 1
+
+  def reserve(self, decodes: list[Sequence], extra: int) -> bool:
+    """Grow each decode's table to num_tokens + `extra` slots if the free pool holds them all above the watermark,
+    with no one preempted (multi-step and pipelined runs); False, and nothing taken, if it does not."""
+    need = sum(self.blocks.blocks_missing(s.block_table, s.num_tokens + extra) for s in decodes)
+    if need > self.blocks.num_free - self.blocks.watermark_blocks: return False
+    for s in decodes: self.blocks.grow(s.block_table, s.num_tokens + extra)
+    return True
 
   def _slide(self, seq: Sequence) -> None:
     """Release the blocks wholly below seq's window: its next query is at position num_computed_tokens."""
@@ -176,10 +180,11 @@ class Scheduler:
 
   # ---- the commit point ----
 
-  def update_from_output(self, out: SchedulerOutput, sampled: dict[Sequence, list[int]]) \
+  def update_from_output(self, out: SchedulerOutput, sampled: dict[Sequence, list[int]], ahead: int = 0) \
       -> tuple[dict[Sequence, list[int]], dict[Sequence, Exception]]:
     """Apply a finished model step. `sampled` holds the new tokens of every decode and of every prefill chunk
     that completed its prompt; a decode verified with speculative drafts has the drafts it accepted plus one.
+    `ahead`: slots beyond the newest token a decode keeps, for a pipelined run already launched (engine/core.py).
     Returns the tokens each sequence kept (a stop rule may end a speculative run early), and the sequences whose
     commit raised: those are finished with reason "error" (their blocks freed), the others are unaffected."""
     kept: dict[Sequence, list[int]] = {}
@@ -197,7 +202,7 @@ class Scheduler:
       try:
         # the step wrote K/V for the newest token and any drafts; those of the accepted drafts stand
         kept[seq] = self._commit(seq, len(sampled[seq]), sampled[seq])
-        if not seq.is_finished: self.blocks.truncate(seq.block_table, seq.num_tokens)   # rejected drafts' blocks
+        if not seq.is_finished: self.blocks.truncate(seq.block_table, seq.num_tokens + ahead)   # rejected drafts' blocks
       except Exception as e: failed[seq] = self._fail(seq, e)
     return kept, failed
 
