@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One lent-GPU session in one call (the `device` tool; ../shared/notes/gpu.md): the GPU tests against HF transformers,
 # then the benchmark on a Llama-3.2-1B-shaped float16 model (whole-pass captures, or CAPTURE_MODES=pass,layer to compare;
-# one decode pass a step against multi-step runs of 8, SCHEDULER_STEPS=1,8; then HF eager and torch.compile on the same GPU). Each phase has its own time limit and every test and run prints its result as it
+# async scheduling off and on, ASYNC=off,on, once tests/test_gpu.py's async test passed, else off alone; multi-step runs
+# with SCHEDULER_STEPS=1,8; then HF eager and torch.compile on the same GPU). Each phase has its own time limit and every test and run prints its result as it
 # finishes, so a phase that hangs or crashes still leaves what came before; logs and the bench JSON go under $OUT.
 # A device call's start counts against the session's 15 minutes and took from 30 s to 7 minutes here: keep
 # TEST_SECONDS + BENCH_SECONDS near 7 minutes (150 270), so that a slow start still leaves the run its time; then, if
@@ -12,7 +13,7 @@
 #
 #   bash bench/gpu_wheels.sh               # here, once: the wheels the GPU machine lacks, into .whl/
 #   device run (carry .whl):  bash bench/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS] [KERNEL_SECONDS] [PACKED_SECONDS] [GEMV_SECONDS]
-#   (env: CAPTURE_MODES=pass,layer compares captures; SCHEDULER_STEPS=1 drops the multi-step runs; BENCH_BEAM=2 searches
+#   (env: CAPTURE_MODES=pass,layer compares captures; SCHEDULER_STEPS=1,8 adds multi-step runs; ASYNC=off,on; BENCH_BEAM=2 searches
 #   the bench's kernels; INT4_SECONDS=90 adds batch-1 decode with INT4 weights, quantized at load, against the float16
 #   run's figures; GEMV_SCHEDULES=32x2,64x2,32x2x16 times our GEMV's schedules side by side (GEMV_FORMATS, default
 #   float16; GEMV_ROWS, default 1,32) and skips the k-quant table; LONG_SECONDS=60 adds decode at a 2048-token context,
@@ -38,7 +39,12 @@ if [ "$TEST_S" -gt 0 ]; then
   TINYVLLM_TEST_DEVICE=$DEV timeout -k 5 "$TEST_S" python3 -m pytest -v -n 6 -rfE --tb=short -p no:cacheprovider -p no:benchmark \
     --timeout "$((TEST_S / 3 + 1))" --junitxml "$OUT/test_gpu.xml" tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" \
     | grep -E 'PASSED|FAILED|ERROR|Error|passed|failed|Timeout' | tail -40
+  # async scheduling is the engine's default on CUDA: compared with it off, unless its test failed here
+  if ! grep -q 'test_async_scheduling_matches_hf PASSED' "$OUT/test_gpu.log"; then
+    echo "== the async scheduling test did not pass: everything after runs with it off"; ASYNC=off
+  fi
 fi
+DEFAULT_ASYNC=auto; [ "${ASYNC:-}" = off ] && DEFAULT_ASYNC=off
 
 if [ -n "$writer" ]; then wait "$writer" || { echo "writing the 1B model failed:"; tail -5 "$OUT/model.log"; }; fi
 if [ "$BENCH_S" -gt 0 ]; then
@@ -46,13 +52,13 @@ if [ "$BENCH_S" -gt 0 ]; then
   # BENCH_BEAM=N: tinygrad's BEAM search (width N) for the bench's kernels only (minutes of search per new kernel on a
   # first run; tinygrad caches the result on disk)
   BEAM=${BENCH_BEAM:-0} timeout -k 5 "$BENCH_S" python3 -m tinyvllm.bench --model "$MODEL" --runs decode,prefill --batch-sizes 1,32 \
-    --prefill-lens 128 --steps 32 --capture-mode "${CAPTURE_MODES:-pass}" --num-scheduler-steps "${SCHEDULER_STEPS:-1,8}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '| *[0-9]*/[0-9]* \[\|^\s*$' | tail -45
+    --prefill-lens 128 --steps 32 --capture-mode "${CAPTURE_MODES:-pass}" --num-scheduler-steps "${SCHEDULER_STEPS:-1}" --async-scheduling "${ASYNC:-off,on}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tr '\r' '\n' | grep -v '| *[0-9]*/[0-9]* \[\|^\s*$' | tail -45
 fi
 
 # a short bench run beside the main one: its table's rows and ceilings printed, its log and JSON as bench-NAME.*
 short_bench() {
   local name=$1 seconds=$2; shift 2
-  timeout -k 5 "$seconds" python3 -m tinyvllm.bench "$@" --runs decode --steps 32 --num-scheduler-steps 1 --no-peers \
+  timeout -k 5 "$seconds" python3 -m tinyvllm.bench "$@" --runs decode --steps 32 --num-scheduler-steps 1 --no-peers --async-scheduling "$DEFAULT_ASYNC" \
     --json "$OUT/bench-$name.json" 2>&1 | tee "$OUT/bench-$name.log" | tr '\r' '\n' \
     | grep -E '^(decode|tinyvllm|  decode|  measured|  torch)' | tail -8
 }
@@ -70,13 +76,13 @@ fi
 if [ "${EIGHT_B_SECONDS:-0}" -gt 0 ]; then
   echo "== bench on $DEV, a Llama-3.1-8B-shaped float16 model, batch 1"
   OUT=$OUT timeout -k 5 "$EIGHT_B_SECONDS" bash -c 'python3 bench/gpu_session.py /tmp/llama-8b-f16 8b && python3 -m tinyvllm.bench \
-    --model /tmp/llama-8b-f16 --runs decode --batch-sizes 1 --steps 32 --num-scheduler-steps 1 --no-peers --json "$OUT/bench-8b.json"' 2>&1 \
+    --model /tmp/llama-8b-f16 --runs decode --batch-sizes 1 --steps 32 --num-scheduler-steps 1 --no-peers --async-scheduling '"$DEFAULT_ASYNC"' --json "$OUT/bench-8b.json"' 2>&1 \
     | tee "$OUT/bench-8b.log" | tr '\r' '\n' | grep -E '^(decode|  decode|  measured|wrote|Traceback|[A-Za-z]*Error)' | tail -8
 fi
 
 if [ "$KERNEL_S" -gt 0 ]; then
   echo "== device time per kernel, batch-1 decode step (bench/gpu_kernel_times.py)"
-  timeout -k 5 "$KERNEL_S" python3 bench/gpu_kernel_times.py "$MODEL" --batch-size 1 --json "$OUT/kernels-b1.json" 2>&1 \
+  timeout -k 5 "$KERNEL_S" python3 bench/gpu_kernel_times.py "$MODEL" --batch-size 1 --async-scheduling "$DEFAULT_ASYNC" --json "$OUT/kernels-b1.json" 2>&1 \
     | tee "$OUT/kernels-b1.log" | tail -30
 fi
 

@@ -88,6 +88,9 @@ def parser() -> argparse.ArgumentParser:
                  help="multi-step decoding: greedy decode passes per step, the tokens fed back on the device (the host waits "
                       "once every N tokens); several, comma-separated, compare them in one run (the largest sizes "
                       "every run's context)")
+  m.add_argument("--async-scheduling", default="auto", type=_choices(("auto", "on", "off")),
+                 help="pipelined decoding (the next step launched before the host reads this one's tokens): auto (the "
+                      "engine's default: on for CUDA), on or off; several, comma-separated, compare them in one run")
   # the cache is sized to the runs, and --seed seeds the prompts too; with --draft-model runs go with speculation off and on
   add_engine_args(m, exclude=BENCH_SETS)
   r = p.add_argument_group("runs")
@@ -128,15 +131,16 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-BENCH_SETS = ("quantization", "kv_cache_dtype", "capture_mode", "num_scheduler_steps", "seed", "max_model_len", "num_kv_blocks", "max_num_seqs")
+BENCH_SETS = ("quantization", "kv_cache_dtype", "capture_mode", "num_scheduler_steps", "async_scheduling", "seed", "max_model_len", "num_kv_blocks", "max_num_seqs")
 SPECULATION_ARGS = ("draft_model", "num_speculative_tokens", "speculation")
 
 
 def _engine_kwargs(args, quantization: str, kv_cache_dtype: str, speculative: bool, max_len: int, num_blocks: int,
-                   max_seqs: int, capture_mode: str = "auto", num_scheduler_steps: int = 1) -> dict:
+                   max_seqs: int, capture_mode: str = "auto", num_scheduler_steps: int = 1, async_scheduling: str = "auto") -> dict:
   kw = engine_kwargs(args, exclude=BENCH_SETS + SPECULATION_ARGS)
   kw |= dict(max_model_len=max_len, num_kv_blocks=num_blocks, max_num_seqs=max_seqs, seed=args.seed, kv_cache_dtype=kv_cache_dtype,
              capture_mode=capture_mode, num_scheduler_steps=num_scheduler_steps)
+  if async_scheduling != "auto": kw["async_scheduling"] = async_scheduling == "on"
   if quantization != "stored": kw["quantization"] = quantization
   if speculative: kw |= {name: getattr(args, name) for name in SPECULATION_ARGS}
   return kw
@@ -218,14 +222,16 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
   from tinyvllm.engine.llm_engine import LLMEngine
   max_len, num_blocks, max_seqs = _cache_plan(args, runs)
   records = []
-  configs = [(q, kv, capture, steps, spec) for q in args.quantization for kv in args.kv_cache_dtype for capture in args.capture_mode
-             for steps in args.num_scheduler_steps for spec in [False] + ([True] if args.draft_model and steps == 1 else [])]
-  for quantization, kv_cache_dtype, capture_mode, steps, speculative in configs:
+  configs = [(q, kv, capture, steps, pipelined, spec) for q in args.quantization for kv in args.kv_cache_dtype for capture in args.capture_mode
+             for steps in args.num_scheduler_steps for pipelined in args.async_scheduling
+             for spec in [False] + ([True] if args.draft_model and steps == 1 and pipelined != "on" else [])]
+  for quantization, kv_cache_dtype, capture_mode, steps, pipelined, speculative in configs:
     bar.set_postfix_str(f"loading the model ({quantization}, KV {kv_cache_dtype}, capture {capture_mode}, {steps} passes a step)" +
                         (" with its draft" if speculative else ""))
     try:   # in this thread: each step is timed alone, not overlapped with the engine's next one
       engine = LLMEngine.from_kwargs(args.model, **_engine_kwargs(args, quantization, kv_cache_dtype, speculative, max_len,
-                                                                  num_blocks, max_seqs, capture_mode, steps))
+                                                                  num_blocks, max_seqs, capture_mode, steps,
+                                                                  "off" if speculative else pipelined))
     except (TypeError, ValueError) as e:   # e.g. an engine argument this version of tinyvllm does not know, a backend refusing the model
       sys.exit(f"tinyvllm's engine refused the arguments: {e}")
     bar.update()
@@ -237,11 +243,11 @@ def run_tinyvllm(args, runs: set[str], model_path: Path, ceilings, rng, bar) -> 
               "dtype": "float32" if engine.runner.model.dtype.itemsize == 4 else "float16",
               "kv_cache_dtype": engine.runner.kv_format.storage,
               "kernel_backend": engine.kernel_backend, "capture_mode": "pass" if engine.runner.whole_pass else "layer",
-              "num_scheduler_steps": steps,
+              "num_scheduler_steps": steps, "async_scheduling": engine.core.pipelined,
               "speculative": speculative,
               "draft_model": args.draft_model if speculative else None,
               "num_speculative_tokens": args.num_speculative_tokens if speculative else None, "prompts": args.prompts}
-    who = f"tinyvllm ({common['capture_mode']} captures{f', {steps} passes a step' if steps > 1 else ''})"
+    who = f"tinyvllm ({common['capture_mode']} captures{f', {steps} passes a step' if steps > 1 else ''}{', async' if engine.core.pipelined else ''})"
     for b in args.batch_sizes if "decode" in runs else []:
       for ctx in args.context_lens:
         bar.set_postfix_str(f"decode B={b} ctx={ctx}")
@@ -336,7 +342,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   _fit_to_model(args, runs, context, notes)
   if not runs: sys.exit(f"nothing to measure: every run exceeds the model's context of {context} tokens ({'; '.join(notes)})")
   n_configs = len(args.quantization) * len(args.kv_cache_dtype) * len(args.capture_mode) * \
-    (len(args.num_scheduler_steps) + (1 if args.draft_model and 1 in args.num_scheduler_steps else 0))
+    (len(args.num_scheduler_steps) * len(args.async_scheduling) + (1 if args.draft_model and 1 in args.num_scheduler_steps else 0))
   n_decode = len(args.batch_sizes) * len(args.context_lens) if "decode" in runs else 0
   n_prefill = len(args.prefill_lens) if "prefill" in runs else 0
   n_tasks = 1 + n_configs * (1 + n_decode + n_prefill + ("serving" in runs)) + len(peer_keys) * (1 + n_decode + n_prefill)

@@ -68,13 +68,15 @@ def print_ceilings(c: Ceilings, file=None) -> None:
 
 
 def _compared(records: list[dict]) -> list[str]:
-  """The settings a run compares (capture_mode, num_scheduler_steps): each gets a column when it takes several values."""
-  return [k for k in ("capture_mode", "num_scheduler_steps") if len({r.get(k) for r in records}) > 1]
+  """The settings a run compares (capture_mode, num_scheduler_steps, async_scheduling): each gets a column when it takes
+  several values."""
+  return [k for k in ("capture_mode", "num_scheduler_steps", "async_scheduling") if len({r.get(k) for r in records}) > 1]
 
 
 def _setting(record: dict, compared: list[str]) -> str:
   """The compared settings of a record, for its time split line."""
-  words = {"capture_mode": lambda v: f"{v} captures", "num_scheduler_steps": lambda v: f"{v} pass{'es' if v != 1 else ''} a step"}
+  words = {"capture_mode": lambda v: f"{v} captures", "num_scheduler_steps": lambda v: f"{v} pass{'es' if v != 1 else ''} a step",
+           "async_scheduling": lambda v: "async" if v else "sync"}
   return f" ({', '.join(words[k](record.get(k)) for k in compared)})" if compared else ""
 
 
@@ -83,14 +85,14 @@ def print_table(records: list[dict], file=None) -> None:
   peers = sorted({p for r in records for p in r.get("peers", {})})
   qw = max([6] + [len(r["quantization"]) + 1 for r in records])   # a GGUF's block types may be long
   compared = _compared(records)   # a column only when the run compares several values
-  captures, steps = "capture_mode" in compared, "num_scheduler_steps" in compared
-  head = (f"{'kind':<8}{'quant':>{qw}}{'kv':>8}" + (f"{'capture':>8}" if captures else "") + (f"{'steps':>6}" if steps else "") + f"{'spec':>5}{'B':>4}{'ctx':>6}{'tok/s':>9}{'ms/step':>9}{'MB/tok':>8}{'GB/s':>7}"
+  captures, steps, pipelined = "capture_mode" in compared, "num_scheduler_steps" in compared, "async_scheduling" in compared
+  head = (f"{'kind':<8}{'quant':>{qw}}{'kv':>8}" + (f"{'capture':>8}" if captures else "") + (f"{'steps':>6}" if steps else "") + (f"{'async':>6}" if pipelined else "") + f"{'spec':>5}{'B':>4}{'ctx':>6}{'tok/s':>9}{'ms/step':>9}{'MB/tok':>8}{'GB/s':>7}"
           f"{'%meas':>7}{'%pub':>6}{'%roof':>7}" + "".join(f"{'vs ' + p:>16}" for p in peers))
   print(head, file=file)
   for r in records:
     pct = lambda x: _fmt(None if x is None else 100 * x, ".0f")
     row = (f"{r['kind']:<8}{r['quantization']:>{qw}}{r.get('kv_cache_dtype', '-'):>8}" + (f"{r.get('capture_mode', '-'):>8}" if captures else "") +
-           (f"{r.get('num_scheduler_steps', 1):>6}" if steps else "") +
+           (f"{r.get('num_scheduler_steps', 1):>6}" if steps else "") + (f"{'on' if r.get('async_scheduling') else 'off':>6}" if pipelined else "") +
            f"{'on' if r.get('speculative') else 'off':>5}{r['batch_size']:>4}{r['context_len']:>6}"
            f"{r['tokens_per_s']:>9.1f}{r['ms_per_step']:>9.1f}{r['bytes_per_token'] / 1e6:>8.1f}{r['achieved_gbps']:>7.2f}"
            f"{pct(r['bandwidth_fraction']):>7}{pct(r['published_bandwidth_fraction']):>6}{pct(r['roofline_fraction']):>7}")
