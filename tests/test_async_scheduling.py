@@ -129,6 +129,19 @@ def test_requests_that_read_logits_are_not_pipelined(tiny_model, monkeypatch):
   assert 0 < len(follows) <= 20 - 6
 
 
+def test_on_by_default_on_cuda_alone():
+  """The default (async_scheduling=None): on for a CUDA device (CUDA, CUDA:1) alone, off with a draft model, with
+  tensor parallelism and on every other device; asked for, on for CUDA and the CPU device, refused on METAL."""
+  from tinyvllm.config import EngineConfig
+  from tinyvllm.engine.core import pipelines
+  auto = EngineConfig()
+  assert pipelines("CUDA", auto) and pipelines("CUDA:1", auto)
+  assert not pipelines("CUDA", EngineConfig(draft_model="self:1")) and not pipelines("CUDA", EngineConfig(tensor_parallel_size=2))
+  assert not any(pipelines(d, auto) for d in ("CPU", "METAL", "NV", "AMD", "NULL"))
+  assert pipelines("CPU", EngineConfig(async_scheduling=True)) and not pipelines("CUDA", EngineConfig(async_scheduling=False))
+  with pytest.raises(ConfigError, match="async_scheduling=True on METAL"): pipelines("METAL", EngineConfig(async_scheduling=True))
+
+
 def test_settings(tiny_model):
   """Off by default on the CPU device; refused with a draft model, tensor parallelism and (emulated) Metal, whose
   uploads are not ordered with the work in flight."""

@@ -87,6 +87,19 @@ class InFlight:
   run: DecodeRun
 
 
+def pipelines(device: str, config: EngineConfig) -> bool:
+  """Whether greedy decode steps on `device` are pipelined (config.async_scheduling): by default on CUDA with one
+  device and no draft; asked for, wherever the runner's copies are ordered with the device's work
+  (replay.OrderedCopies)."""
+  if config.async_scheduling is None:
+    return device.split(":")[0] == "CUDA" and config.tensor_parallel_size == 1 and config.draft_model is None
+  if config.async_scheduling and not OrderedCopies.ordered(device):
+    raise ConfigError(f"async_scheduling=True on {device}: its host-to-device copies are not ordered with the work "
+                      f"launched before them, so a pipelined step would overwrite the inputs of the pass still running; "
+                      f"it runs on CUDA and the CPU device")
+  return config.async_scheduling
+
+
 # weights (bytes as stored) up to which the model's host pages ask for transparent huge pages (host_memory.huge_pages):
 # a 1B decodes 1.08x as fast for about half a second of load; an 8B 1.02x for 3-6 s more
 HUGE_PAGES_UP_TO = 2 << 30
@@ -103,7 +116,7 @@ class EngineCore:
     self.device = Device.DEFAULT
     # the device the model runs on, or with tensor parallelism the devices each layer is split over (model/tensor_parallel.py)
     self.devices = parallel_devices(self.device, config.tensor_parallel_size)
-    self.pipelined = self._async_scheduling(config)   # before the model loads: a refusal costs nothing
+    self.pipelined = pipelines(self.device, config)   # before the model loads: a refusal costs nothing
     self.model_config = ckpt.config
     dtype = default_dtype(self.device) if config.dtype == "auto" else config.dtype
     if dtype == "float16" and not families.for_model_type(ckpt.config.model_type).float16_safe:
@@ -161,17 +174,6 @@ class EngineCore:
     self.masks = MaskWorker(spare_core=self.device.split(":")[0] != "CPU" or (config.num_threads or cores) < cores)
     # a step's sampled rows of a large vocabulary, drawn on every core (numpy releases the GIL in its passes over a row)
     self.sampling_threads = ThreadPoolExecutor(min(cores, 8), thread_name_prefix="tinyvllm-sample") if cores > 1 else None
-
-  def _async_scheduling(self, config: EngineConfig) -> bool:
-    """Whether greedy decode steps are pipelined: by default on CUDA (one device, no draft); asked for, wherever
-    the runner's copies are ordered with the device's work (replay.OrderedCopies)."""
-    if config.async_scheduling is None:
-      return self.device.split(":")[0] == "CUDA" and len(self.devices) == 1 and config.draft_model is None
-    if config.async_scheduling and not OrderedCopies.ordered(self.device):
-      raise ConfigError(f"async_scheduling=True on {self.device}: its host-to-device copies are not ordered with the work "
-                        f"launched before them, so a pipelined step would overwrite the inputs of the pass still running; "
-                        f"it runs on CUDA and the CPU device")
-    return config.async_scheduling
 
   def _build_model(self, cfg, tensors, dtype: str) -> Llama:
     self.kernels.check_model(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, self.config.block_size, dtype)
