@@ -191,8 +191,15 @@ def _weight_reader(layout: str | QuantSpec, K: int, parts: list[UOp], ranges: tu
   def int4(row):
     code = (packed[row * (K // 8) + g * words + word] >> (nibble * 4).cast(dtypes.uint32)) & 0xF
     at = row * groups + g
-    return code.cast(dtypes.float32) * scales[at].cast(dtypes.float32) + biases[at].cast(dtypes.float32)
+    return exact_float(code) * scales[at].cast(dtypes.float32) + biases[at].cast(dtypes.float32)
   return int4
+
+
+def exact_float(code: UOp) -> UOp:
+  """A uint32 below 2^23 as float32, by its bits: 2^23 + code is the float whose mantissa is the code, and the
+  subtraction is exact. An int-to-float conversion runs at a quarter of the FMAs' rate on NVIDIA GPUs (16 a clock an
+  SM on sm_80/sm_90, against a bitwise or's 64 and an add's 128), and a GEMV of 4-bit codes converts every one."""
+  return (code | 0x4B000000).bitcast(dtypes.float32) - 8388608.0
 
 
 def _packed_reader(spec: QuantSpec, K: int, parts: list[UOp], ranges: tuple[UOp, ...], inside: UOp | None):
@@ -223,7 +230,8 @@ def _packed_reader(spec: QuantSpec, K: int, parts: list[UOp], ranges: tuple[UOp,
     if spec.codebook:
       first = q.eq(1).where(float(CODEBOOK[1]), float(CODEBOOK[0]))
       return functools.reduce(lambda acc, i: q.eq(i).where(float(CODEBOOK[i]), acc), range(2, 16), first)
-    return q.cast(dtypes.float32) - spec.offset if spec.offset else q.cast(dtypes.float32)
+    f = exact_float(q) if q.dtype == dtypes.uint32 else q.cast(dtypes.float32)
+    return f - spec.offset if spec.offset else f
   f32 = lambda u: u.cast(dtypes.float32)
   g = field(spec.group.bit_length() - 1)
   if not spec.super_groups:
