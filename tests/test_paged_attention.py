@@ -7,6 +7,7 @@ are half (each value rounded to 2^-11 relative).
 Each case runs inside TinyJit with the used extent as a bound variable, as the model runner captures it, and replays
 at a second extent: the kernels read the extent as a kernel parameter, by name, and a replay must see the new value."""
 from __future__ import annotations
+import math
 import numpy as np
 import pytest
 from tinygrad import Tensor, TinyJit, dtypes
@@ -78,7 +79,8 @@ def run_case(rng, P, C, H, KVH, D, BS, dtype, cache_dtype, window=None, NB=48, M
     (1, 1, 4, 2, 64, 16),     # batch-1 decode: exp recomputed in the PV kernel
     (20, 1, 4, 1, 32, 8),     # 80 query rows: exp written once by a kernel of its own
     (2, 7, 6, 2, 128, 16),    # prefill chunks, GQA 3
-    (3, 4, 8, 8, 80, 8)])     # no GQA, a head_dim that is not a power of two
+    (3, 4, 8, 8, 80, 8),      # no GQA, a head_dim that is not a power of two
+    (3, 1, 8, 8, 80, 8)])     # decode without GQA: the scores' axes without the group's
 @pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_write_and_attention_match_numpy(P, C, H, KVH, D, BS, dtype, device):
@@ -129,3 +131,32 @@ def test_a_lone_token_writes_its_slot_or_nothing(device, slot):
         others = np.arange(NB * BS) != slot
         assert (g[others] == b[others]).all(), f"{write}: a row other than slot {slot} changed"
         if slot >= 0: assert rel_err(g[slot], row.astype(np.float64)) < F32_TOL
+
+
+def test_decode_attention_lowered_for_the_h100():
+  """The 1B model's decode attention lowered for an H100 (tinygrad's NULL device, nvrtc), at a 2,048-token extent: the
+  scores kernel runs a thread a key and KV head, its group's 4 heads a thread (tinygrad's heuristic gave each score a
+  block of 16 threads); the values kernel loops over the blocks only, the softmax's denominator split over the same
+  16 threads as its numerator (merged into one range of the context's length, every thread summed all 2,048 weights)."""
+  import re
+  from tinygrad.uop.ops import Ops
+  from test_cuda_compile import NVRTC, captured_programs_of, on_null_cuda
+  if NVRTC is None: pytest.skip("nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
+  P, H, KVH, D, BS, NB, MB = 1, 32, 8, 64, 16, 256, 128
+  with on_null_cuda():
+    cache = PagedKVCache(*(Tensor.empty(NB, BS, KVH, D, dtype=dtypes.float16).realize() for _ in range(2)))
+    tables, q = Tensor.empty(P, MB, dtype=dtypes.int32).realize(), Tensor.empty(P, H, D).realize()
+    q_pos, extent = Tensor.empty(P, 1, dtype=dtypes.int32).realize(), CountVariable.make("kv_blocks", MB)
+    def attend(q, q_pos, bound):
+      group = AttentionGroup(P, 1, tables, CountVariable.count(bound), q_pos, q_pos[:, -1] + 1, kernel_blocks=extent.kernel_count())
+      return paged.attention(q, cache, group, D ** -0.5, None, dtypes.float16).realize()
+    step = TinyJit(attend)
+    for used in (MB, MB - 1): step(q, q_pos, extent.bind(used))   # captured on the second call
+  from types import SimpleNamespace
+  programs = {p.arg.name: p for p in captured_programs_of(SimpleNamespace(jit=step))}
+  at_full = {v.expr: v.vmax for p in programs.values() for v in p.arg.vars}
+  g, l = programs["paged_scores_1_4_1"].arg.launch_dims(at_full)
+  assert math.prod(g) * math.prod(l) == MB * BS * KVH and math.prod(l) == 16, (g, l)
+  source = next(u.arg for u in programs["paged_values_1_4_1"].src if u.op is Ops.SOURCE)
+  bounds = re.findall(r"for \(int \w+ = 0; \w+ < ([^;]+);", source)
+  assert len(bounds) >= 2 and not any("<<4" in b or "16" in b for b in bounds if not b.strip().isdigit()), bounds

@@ -141,20 +141,39 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   row = (p * KVH + kvh) * GC + gc
   weight = scores[row * MS + b * block_size + o]
   if row_max is not None: weight = ((weight - row_max[row]) * LOG2E).exp2()
-  slot = tables[p * MB + b] * block_size + o
+  block = tables[p * MB + b]
+  slot = block * block_size + o
   acc = (weight * _read(v, v_scale.flatten() if quantized else None, slot, kvh, d, KVH, D)).reduce(b, o, arg=Ops.ADD)
-  total = weight.reduce(b, o, arg=Ops.ADD)   # the softmax's denominator, summed beside the numerator
+  # the softmax's denominator, summed beside the numerator in the same loop and split over the same threads: its
+  # weight is tied to the block's table entry (>= 0: the runner maps freed entries to block 0), without which
+  # tinygrad merges (b, o) into one range of the context's length, which no opt can split, and every thread summed the
+  # whole context alone (lowered for an H100: 2,048 exps a thread at a 2,048-token context, beside the 128 of its share)
+  total = ((block >= 0).where(weight, 0.0)).reduce(b, o, arg=Ops.ADD)
   store = out[((p * C + c) * n_heads + kvh * G + g) * D + d].store((acc / total).cast(out.dtype))
   return UOp.sink(store.end(p, kvh, gc, d), arg=KernelInfo(name=f"paged_values_{P}_{G}_{C}", opts_to_apply=opts))
 
 
-def kernel_opts(device: str, query_len: int, block_size: int) -> tuple[tuple | None, tuple | None]:
+def kernel_opts(device: str, query_len: int, block_size: int, num_seqs: int = 1, kv_heads: int = 1, group: int = 1,
+                head_dim: int = 1) -> tuple[tuple | None, tuple | None]:
   """tinygrad's optimizations for the scores and values kernels on a device (None: its heuristic picks them). On the
   CPU device none: its heuristic unrolls every small axis of the two reductions (a 120 KB C source that took clang 5 s
   for 4 sequences), and there these kernels only serve the portable backend's tests. For decode on a GPU, the values'
-  sum over a block's offsets split over 16 threads an output (`_values_kernel`)."""
+  sum over a block's offsets split over 16 threads an output (`_values_kernel`), and `decode_scores_opts`."""
   if portable.on_cpu(device): return (), ()
-  return None, ((Opt(OptOps.GROUPTOP, 0, math.gcd(16, block_size)),) if query_len == 1 else None)
+  if query_len > 1: return None, None
+  return decode_scores_opts(block_size, num_seqs, kv_heads, group, head_dim), (Opt(OptOps.GROUPTOP, 0, math.gcd(16, block_size)),)
+
+
+def decode_scores_opts(block_size: int, num_seqs: int, kv_heads: int, group: int, head_dim: int) -> tuple:
+  """A decode step's scores on a GPU: a thread a key, its q heads' dot products at once (the K row read once for the
+  group's G heads) over 8 elements of head_dim a step, 16 keys a block. tinygrad's heuristic gave each score a block of
+  16 threads of its own, 4 products a thread and a shared-memory sum (lowered for an H100: 65,536 blocks a layer at a
+  2,048-token context). The axes are (sequence, KV head, head in the group, key), those of size 1 dropped."""
+  axes = [name for name, size in (("p", num_seqs), ("kvh", kv_heads), ("g", group)) if size > 1] + ["s"]
+  opts = [Opt(OptOps.LOCAL, axes.index("s"), math.gcd(16, block_size))]
+  if group > 1: opts.append(Opt(OptOps.UPCAST, axes.index("g"), group))
+  if (unroll := math.gcd(8, head_dim)) > 1: opts.append(Opt(OptOps.UNROLL, 0, unroll))
+  return tuple(opts)
 
 
 def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
@@ -186,7 +205,7 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   as `dtype` (the model's), as the o projection reads it."""
   (T, n_heads, D), BS, n_kv_heads = q.shape, cache.k.shape[1], cache.k.shape[2]
   P, C, G = group.num_seqs, group.query_len, n_heads // n_kv_heads
-  scores_opts, values_opts = kernel_opts(str(q.device), C, BS)
+  scores_opts, values_opts = kernel_opts(str(q.device), C, BS, P, n_kv_heads, G, D)
   blocks = group.kernel_blocks if group.kernel_blocks is not None else group.used_blocks
   S_kernel, S = blocks * BS, group.used_blocks * BS
   k_scale = (cache.k_scale,) if cache.quantized else ()
