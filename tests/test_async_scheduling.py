@@ -157,3 +157,51 @@ def test_settings(tiny_model):
     install()
   with Context(DEV="METAL"), pytest.raises(ConfigError, match="async_scheduling=True on METAL"):
     LLMEngine.from_kwargs(str(tiny_model), async_scheduling=True, num_kv_blocks=16, dtype="float32")
+
+
+def test_cuda_copies_through_a_recording_driver():
+  """replay._CudaCopies (CUDA's ordered copies; no GPU here) through a stand-in for tinygrad's CUDA driver bindings that
+  executes each queued copy at once, as a stream that is never behind, and records every call: an upload lands its
+  bytes through a pinned staging buffer and records an event; a read queues its copy and an event, and waits on that
+  event, not the device, when taken, returning the bytes as of its copy; a staging buffer is reused after SLOTS copies
+  of its kind, once its event is done, and pinned anew when a copy outgrows it."""
+  import ctypes
+  from types import SimpleNamespace
+  from tinyvllm.engine.replay import _CudaCopies
+  calls, pinned = [], []
+  def alloc(ptr, size, flags):
+    pinned.append(ctypes.create_string_buffer(size))
+    ptr._obj.value = ctypes.addressof(pinned[-1])
+    calls.append(("pin", size)); return 0
+  def copy(kind):
+    def run(dst, src, n, stream):
+      assert stream is None   # tinygrad's launches go to the legacy default stream: so must the copies
+      ctypes.memmove(dst.value if hasattr(dst, "value") else dst, src.value if hasattr(src, "value") else src, n)
+      calls.append((kind, n)); return 0
+    return run
+  events = iter(range(1000))
+  def create(ev, flags):
+    assert flags == 2; ev._obj.id = next(events); return 0
+  class Event(ctypes.Structure): _fields_ = [("id", ctypes.c_int)]
+  cuda = SimpleNamespace(
+    cuCtxSetCurrent=lambda ctx: 0, cuMemHostAlloc=alloc, cuMemFreeHost=lambda p: calls.append(("free",)) or 0,
+    cuMemcpyHtoDAsync_v2=copy("htod"), cuMemcpyDtoHAsync_v2=copy("dtoh"), CUevent=Event,
+    cuEventCreate=create, cuEventRecord=lambda ev, stream: calls.append(("record", ev.id)) or 0,
+    cuEventSynchronize=lambda ev: calls.append(("sync", ev.id)) or 0)
+  copies = _CudaCopies(SimpleNamespace(context=None), cuda, lambda status: None)
+  memory = ctypes.create_string_buffer(64)   # the "device" buffer
+  buf = SimpleNamespace(_buf=ctypes.addressof(memory), nbytes=64, ensure_allocated=lambda: buf)
+  values = np.arange(16, dtype=np.int32)
+  copies.upload(buf, values)
+  assert np.frombuffer(memory.raw, np.int32).tolist() == values.tolist()
+  assert calls[-3:] == [("pin", 4096), ("htod", 64), ("record", 0)]
+  read = copies.read_later(buf)
+  memory[:4] = b"\x07\x00\x00\x00"   # the device moves on after the read's copy was queued
+  assert read().tolist() == values.tolist() and calls[-1] == ("sync", 1)
+  for i in range(copies.SLOTS): copies.upload(buf, values + i)
+  assert ("sync", 0) in calls[-3:]   # the first staging buffer's reuse waited for its last copy
+  big_memory = ctypes.create_string_buffer(8192)
+  big = SimpleNamespace(_buf=ctypes.addressof(big_memory), nbytes=8192)
+  big.ensure_allocated = lambda: big
+  for _ in range(copies.SLOTS): copies.read_later(big)
+  assert ("free",) in calls and ("pin", 8192) in calls   # outgrown: pinned anew

@@ -602,7 +602,11 @@ class OrderedCopies:
 
   @staticmethod
   def for_device(device: str) -> OrderedCopies:
-    return _CudaCopies(device) if device.split(":")[0] == "CUDA" else OrderedCopies()
+    if device.split(":")[0] != "CUDA": return OrderedCopies()
+    from tinygrad import Device
+    from tinygrad.runtime.autogen import cuda
+    from tinygrad.runtime.ops_cuda import check
+    return _CudaCopies(Device[device], cuda, check)
 
 
 class _CudaCopies(OrderedCopies):
@@ -612,11 +616,9 @@ class _CudaCopies(OrderedCopies):
   synchronizes the whole context: a read would wait for the pass launched after it."""
   SLOTS = 8   # staging buffers a kind; a slot is reused 8 copies later, after its event (long done by then)
 
-  def __init__(self, device: str):
-    from tinygrad import Device
-    from tinygrad.runtime.autogen import cuda
-    from tinygrad.runtime.ops_cuda import check
-    self.cuda, self.check, self.dev = cuda, check, Device[device]
+  def __init__(self, dev, cuda, check):
+    """`dev`: tinygrad's CUDADevice; `cuda`, `check`: its driver bindings and status check (a test's stand-ins)."""
+    self.cuda, self.check, self.dev = cuda, check, dev
     self.slots = {"up": [None] * self.SLOTS, "down": [None] * self.SLOTS}   # (pinned pointer, bytes, event)
     self.turn = {"up": 0, "down": 0}
 
