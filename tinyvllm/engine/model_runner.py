@@ -249,36 +249,45 @@ class ModelRunner:
     rows = (run.first_row + np.arange(run.steps)) % self.history_rows
     return history[rows, :run.num_items].T.astype(np.int64)
 
+  def _run_layout(self, shape: PassShape) -> tuple[list[int], int]:
+    """A multi-step run's input layout (portable.split's): the fields that stay the same (rows, block tables), then
+    each pass's PASS_FIELDS, for `decode_steps` passes. Returns each field's offset for the first pass (FIELDS order)
+    and the length; pass i's field is i * len(PASS_FIELDS) * P further on (a decode's PASS_FIELDS have P entries)."""
+    sizes = dict(zip(FIELDS, shape.sizes(self.max_blocks)))
+    run = [n for n in FIELDS if n not in PASS_FIELDS]
+    at = dict(zip(run, itertools.accumulate([0] + [sizes[n] for n in run[:-1]])))
+    first = sum(sizes[n] for n in run)
+    at |= {n: first + j * shape.num_seqs for j, n in enumerate(PASS_FIELDS)}
+    return [at[n] for n in FIELDS], first + self.decode_steps * len(PASS_FIELDS) * shape.num_seqs
+
   def _prepare_run(self, shape: PassShape, decodes: list[WorkItem], steps: int, first_row: int = 0,
                    fed: bool = False) -> tuple[np.ndarray, list[int]]:
-    """The inputs of a multi-step run's `steps` passes over `decodes` as one array (portable.split's layout): the
-    fields that stay the same (rows, block tables), then each pass's PASS_FIELDS, for `decode_steps` passes (the unused
-    ones zero). Pass i reads position start + i of each sequence and writes its tokens to history row first_row + i (of
-    `history_rows`, in a ring); it reads as its token the negative entry -1 - j P - r: the one history[j P + r] holds,
-    sampled in the row j before its own (`fed`: the first pass's too; else the first reads the items' tokens and
-    `first_row` is 0). Returns it and the KV blocks each pass reads."""
+    """The inputs of a multi-step run's `steps` passes over `decodes` as one array (`_run_layout`; the unused passes'
+    fields zero). Pass i reads position start + i of each sequence and writes its tokens to history row first_row + i
+    (of `history_rows`, in a ring); it reads as its token the negative entry -1 - j P - r: the one history[j P + r]
+    holds, sampled in the row j before its own (`fed`: the first pass's too; else the first reads the items' tokens
+    and `first_row` is 0). Returns it and the KV blocks each pass reads."""
     assert fed or first_row == 0, "a run whose first pass reads its tokens from the host starts at history row 0"
-    packed, used = self.prepare(shape, decodes)
-    sizes = shape.sizes(self.max_blocks)
-    field = {n: packed[end - size:end] for n, size, end in zip(FIELDS, sizes, itertools.accumulate(sizes))}   # views
+    packed, used = self.prepare(shape, decodes, run_layout=True)
     P, k, bs = shape.num_seqs, len(decodes), self.block_size
-    per_pass = np.zeros((self.decode_steps, len(PASS_FIELDS), P), np.int32)   # every PASS_FIELDS field of a decode has P entries
-    per_pass[0] = [field[n] for n in PASS_FIELDS]
+    offsets, sizes = self._run_layout(shape)[0], shape.sizes(self.max_blocks)
+    def field(name: str, i: int = 0) -> np.ndarray:   # a view of the field (a PASS_FIELDS one: pass i's)
+      at, n = offsets[FIELDS.index(name)] + i * len(PASS_FIELDS) * P, sizes[FIELDS.index(name)]
+      return packed[at:at + n]
     fed_from = lambda i: -1 - ((first_row + i - 1) % self.history_rows) * P - np.arange(k)   # pass i's token: the row before
-    if fed: per_pass[0, PASS_FIELDS.index("tokens"), :k] = fed_from(0)
-    tables, used_blocks = field["tables"].reshape(P, self.max_blocks), [used]
-    last = field["positions"][:k] + steps - 1   # positions only grow: the last pass's must fit the tables
-    if (last // bs >= np.fromiter((len(w.block_table) for w in decodes), np.int64, k)).any():
+    if fed: field("tokens")[:k] = fed_from(0)
+    used_blocks, positions = [used], field("positions")[:k]
+    if steps == 1: return packed, used_blocks
+    tables = field("tables").reshape(P, self.max_blocks)
+    if ((positions + steps - 1) // bs >= np.fromiter((len(w.block_table) for w in decodes), np.int64, k)).any():
       raise IndexError(f"a block table holds fewer than the {steps} positions of a multi-step run")
     for i in range(1, steps):
-      pos = field["positions"][:k] + i
-      later = dict(tokens=fed_from(i), positions=pos, slots=tables[np.arange(k), pos // bs] * bs + pos % bs,
-                   q_pos=pos, ctx=pos + 1)
-      per_pass[i, :, :k] = [later[n] for n in PASS_FIELDS]
-      per_pass[i, PASS_FIELDS.index("slots"), k:] = -1   # padding rows write no K/V
+      pos = positions + i
+      field("tokens", i)[:k], field("positions", i)[:k], field("q_pos", i)[:k], field("ctx", i)[:k] = fed_from(i), pos, pos, pos + 1
+      slots = field("slots", i)
+      slots[:k], slots[k:] = tables[np.arange(k), pos // bs] * bs + pos % bs, -1   # padding rows write no K/V
       used_blocks.append(-(-int(pos.max() + 1) // bs))
-    run = [field[n] for n in FIELDS if n not in PASS_FIELDS]
-    return np.concatenate([*run, per_pass.reshape(-1)]), used_blocks
+    return packed, used_blocks
 
   def _feeds_back(self, shape: PassShape) -> bool:
     """Does this shape's capture take part in multi-step or pipelined runs: a decode shape of a runner that runs them."""
@@ -313,14 +322,16 @@ class ModelRunner:
     if shape.extent not in self._extents: self._extents[shape.extent] = CountVariable.make("kv_blocks", shape.extent)
     return self._extents[shape.extent]
 
-  def prepare(self, shape: PassShape, items: list[WorkItem]) -> tuple[np.ndarray, int]:
+  def prepare(self, shape: PassShape, items: list[WorkItem], run_layout: bool = False) -> tuple[np.ndarray, int]:
     """Pack every integer input of a pass into one int32 array (one host->device copy), fields in FIELDS
-    order. Returns it and the number of KV blocks the longest block table uses. Vectorized over the items, in a
+    order, or with `run_layout` in a multi-step run's (`_run_layout`: its first pass's fields, the later passes' zero).
+    Returns it and the number of KV blocks the longest block table uses. Vectorized over the items, in a
     fixed number of numpy calls (a few microseconds each here): a loop of them per item cost 0.7 ms at batch 32."""
     bs, P, MB, k = self.block_size, shape.num_seqs, self.max_blocks, len(items)
     sizes = shape.sizes(MB)
-    packed, ends = np.zeros(sum(sizes), np.int32), list(itertools.accumulate(sizes))
-    tokens, positions, slots, q_pos, token_seq, rows, ctx, tables = (packed[end - n:end] for n, end in zip(sizes, ends))
+    offsets, total = self._run_layout(shape) if run_layout else (list(itertools.accumulate((0,) + sizes[:-1])), sum(sizes))
+    packed = np.zeros(total, np.int32)
+    tokens, positions, slots, q_pos, token_seq, rows, ctx, tables = (packed[at:at + n] for at, n in zip(offsets, sizes))
     slots[:], token_seq[:] = -1, -1                  # padding tokens write no K/V and read nothing
     lengths, widths, starts = np.array([(len(w.tokens), len(w.block_table), w.start) for w in items], np.int64).T
     # row-major order of a mask's True entries is the order of the items' lists chained: one assignment fills them all
