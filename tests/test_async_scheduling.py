@@ -20,16 +20,17 @@ def pipelined(model, monkeypatch, **kwargs) -> tuple[LLMEngine, list[int]]:
   """An engine with async scheduling, and the list of runs it launches after another (their passes, appended)."""
   engine = LLMEngine.from_kwargs(str(model), async_scheduling=True, **({"num_kv_blocks": 64, "block_size": 8} | kwargs))
   follows, launch = [], engine.runner.launch_decodes
-  def counted(decodes, steps, after=None):
+  def counted(decodes, steps, after=None, **kw):
     if after is not None: follows.append(steps)
-    return launch(decodes, steps, after)
+    return launch(decodes, steps, after, **kw)
   monkeypatch.setattr(engine.runner, "launch_decodes", counted)
   return engine, follows
 
 
 def test_store_tokens_wraps_around_the_history_ring():
   """portable.store_tokens writes a row fed from history row j into row j + 1, and row 0 after the last one (a
-  pipelined run's rows of a ring), against numpy; the pass counter counts the passes."""
+  pipelined run's rows of a ring), against numpy; the pass counter counts the passes; a token from past the history (a
+  padding row's) stores nothing."""
   P, R = 3, 4
   rng = np.random.default_rng(1)
   start = rng.integers(0, 1000, R * P).astype(np.int32)
@@ -42,22 +43,25 @@ def test_store_tokens_wraps_around_the_history_ring():
     start[nxt * P:(nxt + 1) * P] = sampled
     assert (history.numpy() == start).all(), row
   assert counter.numpy()[0] == 3
+  Tensor.realize(*portable.store_tokens(history, counter, Tensor(np.full(P, -1 - R * P, np.int32)), Tensor(sampled)))
+  assert (history.numpy() == start).all()   # a padding row's token, past the history: nothing stored
 
 
 @pytest.mark.parametrize("steps,capture_mode", [(1, "layer"), (1, "pass"), (3, "layer")])
 def test_greedy_tokens_equal_hf(tiny_model, monkeypatch, steps, capture_mode):
   """Four sequences (prompts of 4 to 20 tokens, 13 to 22 new tokens) across KV blocks of 8 tokens: each completion is
-  HF's greedy one, decode runs were launched before the run before them was read (all but the first and one after
-  each of the 3 sequences that end early), and no pass runs past the longest request's max_tokens by more than the
-  one run launched before its end was known."""
+  HF's greedy one, decode runs were launched before the run before them was read (a follow-up leaves out the
+  sequences that end; all but the first run and the two whose batch shrank to another pass shape, 4 -> 2 -> 1), and
+  no pass runs past the longest request's max_tokens (a sequence's end by max_tokens is known when the run after it
+  is launched)."""
   engine, follows = pipelined(tiny_model, monkeypatch, num_scheduler_steps=steps, capture_mode=capture_mode)
   max_tokens = [13, 14, 15, 22]
   outs, passes = run(engine, PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens])
   for i, (prompt, n) in enumerate(zip(PROMPTS, max_tokens)):
     assert outs[str(i)].token_ids == hf_greedy(str(tiny_model), tuple(prompt), n), i
     assert outs[str(i)].finish_reason == "length"
-  assert len(follows) >= -(-(max(max_tokens) - 1) // steps) - 5 and max(follows) == steps
-  assert engine.runner.num_passes <= 1 + max(max_tokens) - 1 + steps
+  assert len(follows) >= -(-(max(max_tokens) - 1) // steps) - 3 and max(follows) == steps
+  assert engine.runner.num_passes == 1 + max(max_tokens) - 1
   bm = engine.core.block_manager
   assert engine.core.in_flight is None and bm.num_free == bm.num_blocks
 
@@ -164,7 +168,8 @@ def test_cuda_copies_through_a_recording_driver():
   executes each queued copy at once, as a stream that is never behind, and records every call: an upload lands its
   bytes through a pinned staging buffer and records an event; a read queues its copy and an event, and waits on that
   event, not the device, when taken, returning the bytes as of its copy; a staging buffer is reused after SLOTS copies
-  of its kind, once its event is done, and pinned anew when a copy outgrows it."""
+  of its kind, once its event is done, and pinned anew when a copy outgrows it; a read taken too late raises; closing
+  frees every pinned buffer and event."""
   import ctypes
   from types import SimpleNamespace
   from tinyvllm.engine.replay import _CudaCopies
@@ -187,7 +192,7 @@ def test_cuda_copies_through_a_recording_driver():
     cuCtxSetCurrent=lambda ctx: 0, cuMemHostAlloc=alloc, cuMemFreeHost=lambda p: calls.append(("free",)) or 0,
     cuMemcpyHtoDAsync_v2=copy("htod"), cuMemcpyDtoHAsync_v2=copy("dtoh"), CUevent=Event,
     cuEventCreate=create, cuEventRecord=lambda ev, stream: calls.append(("record", ev.id)) or 0,
-    cuEventSynchronize=lambda ev: calls.append(("sync", ev.id)) or 0)
+    cuEventSynchronize=lambda ev: calls.append(("sync", ev.id)) or 0, cuEventDestroy_v2=lambda ev: calls.append(("destroy",)) or 0)
   copies = _CudaCopies(SimpleNamespace(context=None), cuda, lambda status: None)
   memory = ctypes.create_string_buffer(64)   # the "device" buffer
   buf = SimpleNamespace(_buf=ctypes.addressof(memory), nbytes=64, ensure_allocated=lambda: buf)
@@ -203,5 +208,9 @@ def test_cuda_copies_through_a_recording_driver():
   big_memory = ctypes.create_string_buffer(8192)
   big = SimpleNamespace(_buf=ctypes.addressof(big_memory), nbytes=8192)
   big.ensure_allocated = lambda: big
+  late = copies.read_later(big)
   for _ in range(copies.SLOTS): copies.read_later(big)
-  assert ("free",) in calls and ("pin", 8192) in calls   # outgrown: pinned anew
+  assert ("pin", 8192) in calls   # outgrown: pinned anew
+  with pytest.raises(RuntimeError, match="staging buffer was reused"): late()
+  copies.close()
+  assert calls.count(("free",)) == sum(c[0] == "pin" for c in calls) and calls.count(("destroy",)) == 2 * copies.SLOTS

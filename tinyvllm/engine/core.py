@@ -276,7 +276,7 @@ class EngineCore:
       else: sampled, drafted, accepted = self._run_and_sample(sched, outputs, steps)
     except Exception as e:   # the model pass itself failed: every sequence it carried fails, the rest go on
       self.in_flight = None   # a run launched after it carries the same sequences
-      carried = sched.decodes + [c.seq for c in sched.prefills]
+      carried = [s for s in sched.decodes + [c.seq for c in sched.prefills] if not s.is_finished]
       self.failures.record("model pass", e, [seq.request_id for seq in carried])
       for seq in carried: self._fail(seq, e, outputs)
       return self._collect(outputs), dataclasses.replace(self.stats(), num_decode_passes=steps)
@@ -363,8 +363,11 @@ class EngineCore:
 
   def _read_run(self, run: InFlight) -> dict[Sequence, list[int]]:
     """Launch the run after `run` (`_follow`), then wait for `run`'s tokens: the new tokens of each of its sequences
-    still running."""
-    self.in_flight = self._follow(run)
+    still running. A follow-up that fails to launch is logged and dropped: `run` is read as if there were none."""
+    try: self.in_flight = self._follow(run)
+    except Exception as e:
+      self.in_flight = None   # the commit gives its reserved slots back (no slots ahead)
+      self.failures.record("launching the next decode run", e, [s.request_id for s in run.sched.decodes])
     tokens = self.runner.read_decodes(run.run)
     sampled = {}
     for seq, row in zip(run.sched.decodes, tokens):
@@ -374,19 +377,25 @@ class EngineCore:
     return sampled
 
   def _follow(self, run: InFlight) -> InFlight | None:
-    """With async scheduling, the run after `run` over the same decodes, launched before `run` is read: its first
-    pass reads their tokens from the device. Only while nothing else is to be scheduled (no request waits, no
-    sequence but these runs) and the KV pool has room without preempting anyone; else None, and the next step
-    schedules afresh once `run` is committed. Passes as `_decode_steps` gives them, counting `run`'s tokens as taken."""
+    """With async scheduling, the run after `run`, launched before `run` is read: its first pass reads the sequences'
+    tokens from the device. Over `run`'s sequences still running, less those `run` ends (their max_tokens or
+    max_model_len reached), while that leaves the pass its shape (the token history is the shape's), nothing could
+    be admitted (`Scheduler.can_admit`), no other sequence runs and the pool has room without preempting anyone;
+    else None, and the next step schedules afresh once `run` is committed. Passes as `_decode_steps` gives them,
+    counting `run`'s tokens as taken."""
     seqs, sch, ahead = run.sched.decodes, self.scheduler, run.run.steps
-    if not self.pipelined or sch.waiting or sch.held or len(sch.running) != len(seqs): return None
-    if any(s.is_finished or not self._argmax_only(s) for s in seqs): return None
-    left = [s.params.max_tokens - s.num_output_tokens - ahead if s.params.max_tokens is not None else self.config.num_scheduler_steps
-            for s in seqs]
-    steps = min(self.config.num_scheduler_steps, max(left), min(self.max_model_len - s.num_tokens - ahead for s in seqs))
-    if steps < 1 or not sch.reserve(seqs, ahead + steps - 1): return None
-    items = [WorkItem(s.block_table, s.num_computed_tokens + ahead, [0]) for s in seqs]   # the token: from the device
-    return InFlight(SchedulerOutput(decodes=list(seqs)), self.runner.launch_decodes(items, steps, after=run.run))
+    if not self.pipelined or sch.can_admit(): return None
+    live = [s for s in seqs if not s.is_finished]   # an abort while it ran
+    if len(sch.running) != len(live) or any(not self._argmax_only(s) for s in live): return None
+    left = lambda s: s.params.max_tokens - s.num_output_tokens - ahead if s.params.max_tokens is not None else self.config.num_scheduler_steps
+    room = lambda s: self.max_model_len - s.num_tokens - ahead
+    keep = [s for s in live if left(s) > 0 and room(s) > 0]
+    if not keep: return None
+    steps = min(self.config.num_scheduler_steps, max(map(left, keep)), min(map(room, keep)))
+    items = [WorkItem(s.block_table, s.num_computed_tokens + ahead, [0]) for s in keep]   # the token: from the device
+    if self.runner.decode_shape(items) != run.run.shape or not sch.reserve(keep, ahead + steps - 1): return None
+    rows = [seqs.index(s) for s in keep]   # each one's row in `run`
+    return InFlight(SchedulerOutput(decodes=keep), self.runner.launch_decodes(items, steps, after=run.run, rows=rows))
 
   @staticmethod
   def _decode_item(seq: Sequence) -> WorkItem:

@@ -48,10 +48,10 @@ class WorkItem:
 
 @dataclass
 class DecodeRun:
-  """Greedy decode passes launched and not read yet (`ModelRunner.launch_decodes`): pass i of the run stores its tokens
-  in row (first_row + i) of its shape's token history."""
+  """Greedy decode passes launched and not read yet (`ModelRunner.launch_decodes`): pass i of the run stores item r's
+  token at entries[r] of row (first_row + i) of its shape's token history."""
   shape: PassShape
-  num_items: int
+  entries: np.ndarray
   first_row: int
   steps: int
   read: Callable[[], np.ndarray]   # waits for the run's passes (only those, where the device allows) -> the history
@@ -230,16 +230,20 @@ class ModelRunner:
     row r is the tokens sequence r took, in order."""
     return self.read_decodes(self.launch_decodes(decodes, steps))
 
-  def launch_decodes(self, decodes: list[WorkItem], steps: int, after: DecodeRun | None = None) -> DecodeRun:
+  def launch_decodes(self, decodes: list[WorkItem], steps: int, after: DecodeRun | None = None,
+                     rows: list[int] | None = None) -> DecodeRun:
     """Launch `execute_steps`'s passes without waiting for them. With `after` (a pipelined runner), each sequence's
-    first token is the last one run `after` takes, on the device: item r here is item r there, its start that run's
-    start + its steps (its `tokens` are not read), and nothing of `after` need have finished."""
+    first token is the last one run `after` takes, on the device: item r here is item rows[r] there (default r), its
+    start that run's start + its steps (its `tokens` are not read), and nothing of `after` need have finished. The
+    two runs must have one shape (their history is the shape's)."""
     assert 1 <= steps <= self.decode_steps, f"{steps} steps, but decode shapes keep a history of {self.decode_steps}"
-    assert after is None or (self.pipelined and after.num_items == len(decodes)), "a run follows another only pipelined, item for item"
     shape = self._shape(0, decodes, False)
+    assert after is None or (self.pipelined and after.shape == shape), "a run follows another of its shape, pipelined"
     first_row = (after.first_row + after.steps) % self.history_rows if after is not None else 0
-    self._forward(shape, *self._prepare_run(shape, decodes, steps, first_row, after is not None))
-    return DecodeRun(shape, len(decodes), first_row, steps, self.copies.read_later(self.run_state[shape][0].uop.buffer))
+    # a row's entry follows its token from pass to pass and run to run (store_tokens stores where the token was read)
+    entries = np.arange(len(decodes)) if after is None else after.entries[np.arange(len(decodes)) if rows is None else rows]
+    self._forward(shape, *self._prepare_run(shape, decodes, steps, first_row, entries, fed=after is not None))
+    return DecodeRun(shape, entries, first_row, steps, self.copies.read_later(self.run_state[shape][0].uop.buffer))
 
   def read_decodes(self, run: DecodeRun) -> np.ndarray:
     """Wait for a launched run and return its tokens: int64 `[items, steps]`, row r the tokens item r took, in order."""
@@ -247,7 +251,7 @@ class ModelRunner:
     history = run.read().reshape(self.history_rows, run.shape.num_seqs)
     if self.launch_times.enabled: self.launch_times.wait_seconds += time.perf_counter() - t
     rows = (run.first_row + np.arange(run.steps)) % self.history_rows
-    return history[rows, :run.num_items].T.astype(np.int64)
+    return history[rows][:, run.entries].T.astype(np.int64)
 
   def _run_layout(self, shape: PassShape) -> tuple[list[int], int]:
     """A multi-step run's input layout (portable.split's): the fields that stay the same (rows, block tables), then
@@ -261,12 +265,13 @@ class ModelRunner:
     return [at[n] for n in FIELDS], first + self.decode_steps * len(PASS_FIELDS) * shape.num_seqs
 
   def _prepare_run(self, shape: PassShape, decodes: list[WorkItem], steps: int, first_row: int = 0,
-                   fed: bool = False) -> tuple[np.ndarray, list[int]]:
+                   entries: np.ndarray | None = None, fed: bool = False) -> tuple[np.ndarray, list[int]]:
     """The inputs of a multi-step run's `steps` passes over `decodes` as one array (`_run_layout`; the unused passes'
     fields zero). Pass i reads position start + i of each sequence and writes its tokens to history row first_row + i
     (of `history_rows`, in a ring); it reads as its token the negative entry -1 - j P - r: the one history[j P + r]
-    holds, sampled in the row j before its own (`fed`: the first pass's too; else the first reads the items' tokens
-    and `first_row` is 0). Returns it and the KV blocks each pass reads."""
+    holds, sampled in the row j before its own, at item r's entry (`entries`, default r: store_tokens stores a token
+    where it read the one before); `fed`: the first pass's too, else the first reads the items' tokens and `first_row`
+    is 0. Padding rows read no history and store nothing (`NO_TOKEN`). Returns it and the KV blocks each pass reads."""
     assert fed or first_row == 0, "a run whose first pass reads its tokens from the host starts at history row 0"
     packed, used = self.prepare(shape, decodes, run_layout=True)
     P, k, bs = shape.num_seqs, len(decodes), self.block_size
@@ -274,8 +279,12 @@ class ModelRunner:
     def field(name: str, i: int = 0) -> np.ndarray:   # a view of the field (a PASS_FIELDS one: pass i's)
       at, n = offsets[FIELDS.index(name)] + i * len(PASS_FIELDS) * P, sizes[FIELDS.index(name)]
       return packed[at:at + n]
-    fed_from = lambda i: -1 - ((first_row + i - 1) % self.history_rows) * P - np.arange(k)   # pass i's token: the row before
-    if fed: field("tokens")[:k] = fed_from(0)
+    entries = np.arange(k) if entries is None else entries
+    no_token = -1 - self.history_rows * P   # past the history: read as 0, stored nowhere (portable.store_tokens)
+    def feed(i: int) -> None:   # pass i's tokens: item r's from its entry of the row before pass i's own
+      tokens = field("tokens", i)
+      tokens[:k], tokens[k:] = -1 - ((first_row + i - 1) % self.history_rows) * P - entries, no_token
+    if fed: feed(0)
     used_blocks, positions = [used], field("positions")[:k]
     if steps == 1: return packed, used_blocks
     tables = field("tables").reshape(P, self.max_blocks)
@@ -283,7 +292,8 @@ class ModelRunner:
       raise IndexError(f"a block table holds fewer than the {steps} positions of a multi-step run")
     for i in range(1, steps):
       pos = positions + i
-      field("tokens", i)[:k], field("positions", i)[:k], field("q_pos", i)[:k], field("ctx", i)[:k] = fed_from(i), pos, pos, pos + 1
+      feed(i)
+      field("positions", i)[:k], field("q_pos", i)[:k], field("ctx", i)[:k] = pos, pos, pos + 1
       slots = field("slots", i)
       slots[:k], slots[k:] = tables[np.arange(k), pos // bs] * bs + pos % bs, -1   # padding rows write no K/V
       used_blocks.append(-(-int(pos.max() + 1) // bs))
@@ -292,6 +302,10 @@ class ModelRunner:
   def _feeds_back(self, shape: PassShape) -> bool:
     """Does this shape's capture take part in multi-step or pipelined runs: a decode shape of a runner that runs them."""
     return (self.decode_steps > 1 or self.pipelined) and shape.is_decode
+
+  def decode_shape(self, decodes: list[WorkItem]) -> PassShape:
+    """The pass shape a step of these decodes runs in."""
+    return self._shape(0, decodes, False)
 
   def _shape(self, kind: int, items: list[WorkItem], prefill_all_logits: bool) -> PassShape:
     """The pass shape of decodes (kind 0), prefill chunks (1) or verified runs (2). Packed prefill passes fix their

@@ -583,9 +583,9 @@ def to_host(buf) -> np.ndarray:
 class OrderedCopies:
   """Host <-> device copies for a pipelined decode (async scheduling, engine/core.py): an upload lands after the work
   launched before it, and a read waits only for the work launched before it, not for the pass launched since, which
-  keeps the device busy while the host reads, commits and schedules. The base class serves devices whose work runs
-  as it is launched (the CPU device, tinygrad's NULL device): an upload is tinygrad's allocator copy, a read waits for
-  the device. `for_device` picks the CUDA one for a CUDA device; `ordered(device)` says whether a device has one.
+  keeps the device busy while the host reads, commits and schedules. The base class serves the CPU device (tinygrad
+  0.14 runs its kernels on a worker thread, and its allocator's copies wait for them first) and tinygrad's NULL device:
+  an upload is tinygrad's allocator copy, a read waits for the device. `for_device` picks the CUDA one for a CUDA device; `ordered(device)` says whether a device has one.
 
   Not Metal: tinygrad's Metal copy-in writes the shared buffer from the CPU at once, under a pass still reading it."""
   def upload(self, buf, values: np.ndarray) -> None:
@@ -597,6 +597,9 @@ class OrderedCopies:
     """A read of `buf`'s contents as they will be once the work launched so far is done; call it to wait for them."""
     return lambda: to_host(buf).view(dtype)
 
+  def close(self) -> None:
+    """Free what the copies hold (CUDA's pinned buffers); nothing here."""
+
   @staticmethod
   def ordered(device: str) -> bool: return device.split(":")[0] in ("CPU", "NULL", "CUDA")
 
@@ -604,9 +607,8 @@ class OrderedCopies:
   def for_device(device: str) -> OrderedCopies:
     if device.split(":")[0] != "CUDA": return OrderedCopies()
     from tinygrad import Device
-    from tinygrad.runtime.autogen import cuda
-    from tinygrad.runtime.ops_cuda import check
-    return _CudaCopies(Device[device], cuda, check)
+    from tinygrad.runtime import ops_cuda   # its `cuda`: the driver's bindings, or tinygrad's mock GPU's
+    return _CudaCopies(Device[device], ops_cuda.cuda, ops_cuda.check)
 
 
 class _CudaCopies(OrderedCopies):
@@ -621,6 +623,8 @@ class _CudaCopies(OrderedCopies):
     self.cuda, self.check, self.dev = cuda, check, dev
     self.slots = {"up": [None] * self.SLOTS, "down": [None] * self.SLOTS}   # (pinned pointer, bytes, event)
     self.turn = {"up": 0, "down": 0}
+    self.copies = 0        # copies queued: a read checks that its slot still holds its own
+    self.retired: list = []   # pinned buffers a larger copy outgrew, freed with the rest (freeing may synchronize)
 
   def _slot(self, kind: str, nbytes: int):
     cuda, check = self.cuda, self.check
@@ -630,28 +634,50 @@ class _CudaCopies(OrderedCopies):
     slot = self.slots[kind][i]
     if slot is not None: check(cuda.cuEventSynchronize(slot[2]))   # its last copy is done
     if slot is None or slot[1] < nbytes:
-      if slot is not None: check(cuda.cuMemFreeHost(slot[0]))
+      if slot is not None: self.retired.append(slot[0])
       event = slot[2] if slot is not None else cuda.CUevent()
       if slot is None: check(cuda.cuEventCreate(ctypes.byref(event), 2))   # CU_EVENT_DISABLE_TIMING
       host = ctypes.c_void_p()
       check(cuda.cuMemHostAlloc(ctypes.byref(host), max(nbytes, 4096), 0))
-      slot = self.slots[kind][i] = (host, max(nbytes, 4096), event)
+      slot = (host, max(nbytes, 4096), event)
+    self.copies += 1
+    slot = self.slots[kind][i] = slot[:3] + (self.copies,)
     return slot
+
+  def close(self) -> None:
+    """Free the pinned buffers and events (the runner's end); safe to call twice."""
+    cuda, check = self.cuda, self.check
+    slots = [s for kind in self.slots.values() for s in kind if s is not None]
+    if not slots and not self.retired: return
+    check(cuda.cuCtxSetCurrent(self.dev.context))
+    for host, _, event, _ in slots:
+      check(cuda.cuEventSynchronize(event))
+      check(cuda.cuMemFreeHost(host))
+      check(cuda.cuEventDestroy_v2(event))
+    for host in self.retired: check(cuda.cuMemFreeHost(host))
+    self.slots, self.retired = {"up": [None] * self.SLOTS, "down": [None] * self.SLOTS}, []
+
+  def __del__(self):
+    try: self.close()
+    except Exception: pass   # at interpreter exit the driver may be gone
 
   def upload(self, buf, values: np.ndarray) -> None:
     buf = buf.ensure_allocated()
     data = np.ascontiguousarray(values)
-    host, _, event = self._slot("up", data.nbytes)
+    host, _, event, _ = self._slot("up", data.nbytes)
     ctypes.memmove(host, data.ctypes.data, data.nbytes)
     self.check(self.cuda.cuMemcpyHtoDAsync_v2(buf._buf, host, data.nbytes, None))
     self.check(self.cuda.cuEventRecord(event, None))
 
   def read_later(self, buf, dtype=np.int32) -> Callable[[], np.ndarray]:
     buf = buf.ensure_allocated()
-    host, _, event = self._slot("down", buf.nbytes)
+    slot = self._slot("down", buf.nbytes)
+    host, _, event, _ = slot
     self.check(self.cuda.cuMemcpyDtoHAsync_v2(host, buf._buf, buf.nbytes, None))
     self.check(self.cuda.cuEventRecord(event, None))
     def read() -> np.ndarray:
+      if slot not in self.slots["down"]: raise RuntimeError(f"a read taken after {self.SLOTS} more reads were queued: its staging buffer was reused")
+      self.check(self.cuda.cuCtxSetCurrent(self.dev.context))
       self.check(self.cuda.cuEventSynchronize(event))
       out = np.empty(buf.nbytes, np.uint8)
       ctypes.memmove(out.ctypes.data, host, buf.nbytes)

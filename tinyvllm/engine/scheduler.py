@@ -102,6 +102,12 @@ class Scheduler:
       out.prefills.append(PrefillChunk(seq, chunk))
     return out
 
+  def can_admit(self) -> bool:
+    """Would `schedule` admit a waiting sequence now: one waits, fewer than max_num_seqs run, and the pool holds a
+    block beyond the admission watermark (async scheduling keeps its pipeline while none could be)."""
+    reserve = self.blocks.watermark_blocks if self.running else 0
+    return bool(self.waiting) and len(self.running) < self.max_num_seqs and self.blocks.num_free > reserve
+
   def reserve_steps(self, decodes: list[Sequence], steps: int) -> int:
     """Multi-step decoding: room in each decode's table for `steps` tokens from its newest on (positions up to
     num_tokens + steps - 2), taken when the free pool holds it above the watermark, with no one preempted. Returns the

@@ -169,7 +169,8 @@ def split(src: Tensor, sizes: tuple[int, ...], per_pass: tuple[bool, ...] = (), 
 # argmax tokens of pass i - 1 without a round trip to the host. Each decode shape has a history of its runs' tokens,
 # rows of P int32 (pass i's row p at i * P + p). A token field's entry t >= 0 is a token id; t < 0 means "the
 # token at history[-t - 1]", and that row's new token goes P entries further on (a row of the next pass; past the last
-# row, the first: a pipelined decode's runs take the rows in a ring, ModelRunner.launch_decodes).
+# row, the first: a pipelined decode's runs take the rows in a ring, ModelRunner.launch_decodes). An entry t at or past
+# -1 - len(history) (a padding row's) reads as token 0 and stores nothing.
 
 def _fed_tokens_kernel(out: UOp, tokens: UOp, history: UOp) -> UOp:
   T = tokens.shape[0]
@@ -190,7 +191,7 @@ def _store_tokens_kernel(history: UOp, counter: UOp, tokens: UOp, sampled: UOp) 
   p = UOp.range(P, 0)
   t = tokens[p]
   slot = (t < 0).where((-t - 1 + P) % history.shape[0], p)   # the row after the one read, in a ring (a pipelined run's)
-  store = history[slot.valid(slot < history.shape[0])].store(sampled[p])
+  store = history[slot.valid((t >= 0) | (-t - 1 < history.shape[0]))].store(sampled[p])   # a token read from past the history: none
   advance = counter[p.valid(p < 1)].store(counter[0] + 1)   # one thread moves the run on to its next pass
   return UOp.sink(UOp.group(store, advance).end(p), arg=KernelInfo(name=f"store_tokens_{P}", opts_to_apply=()))
 
