@@ -108,6 +108,40 @@ def test_an_abort_and_an_arrival_while_a_run_is_in_flight(tiny_model, monkeypatc
   assert engine.core.block_manager.num_free == 64
 
 
+def test_requests_waiting_for_a_sequence_slot_keep_the_pipeline(tiny_model, monkeypatch):
+  """Four requests with max_num_seqs=2: the two waiting could not be admitted (no sequence slot), so the two running
+  keep being pipelined meanwhile; each waiting one is admitted when a slot frees. Every completion is HF's greedy one."""
+  engine, follows = pipelined(tiny_model, monkeypatch, max_num_seqs=2)
+  waiting_follows = []
+  launch = engine.runner.launch_decodes
+  def counted(decodes, steps, after=None, **kw):
+    if after is not None and engine.core.scheduler.waiting: waiting_follows.append(steps)
+    return launch(decodes, steps, after, **kw)
+  monkeypatch.setattr(engine.runner, "launch_decodes", counted)
+  n = [9, 16, 12, 7]
+  outs, _ = run(engine, PROMPTS, [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in n])
+  for i, (prompt, k) in enumerate(zip(PROMPTS, n)): assert outs[str(i)].token_ids == hf_greedy(str(tiny_model), tuple(prompt), k), i
+  assert len(waiting_follows) >= 5
+  assert engine.core.block_manager.num_free == 64
+
+
+def test_a_follow_up_that_fails_to_launch(tiny_model, monkeypatch, caplog):
+  """The third follow-up's launch raises: it is logged and dropped, the run it followed is read and committed, the
+  pipeline starts again at the next step, and the completions are HF's greedy ones, with no error."""
+  engine, follows = pipelined(tiny_model, monkeypatch)
+  launch = engine.runner.launch_decodes
+  def flaky(decodes, steps, after=None, **kw):
+    if after is not None and len(follows) == 3: follows.append(0); raise RuntimeError("injected launch failure")
+    return launch(decodes, steps, after, **kw)
+  monkeypatch.setattr(engine.runner, "launch_decodes", flaky)
+  with caplog.at_level("ERROR", logger="tinyvllm"):
+    outs, _ = run(engine, PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) for _ in range(2)])
+  for i in range(2):
+    assert outs[str(i)].token_ids == hf_greedy(str(tiny_model), tuple(PROMPTS[i]), 12) and outs[str(i)].finish_reason == "length"
+  assert "launching the next decode run" in caplog.text and "injected launch failure" in caplog.text
+  assert len(follows) > 5 and engine.core.block_manager.num_free == 64
+
+
 def test_a_short_pool_and_max_model_len(tiny_model, monkeypatch):
   """Over a KV pool too small for every follow-up's room (the pipeline waits, sequences are preempted and recomputed)
   and with a sequence running into max_model_len, every completion is HF's greedy one, the one at the limit ends with

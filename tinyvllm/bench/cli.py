@@ -341,8 +341,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
   except (ValueError, OSError) as e: sys.exit(f"--model: {e}")
   _fit_to_model(args, runs, context, notes)
   if not runs: sys.exit(f"nothing to measure: every run exceeds the model's context of {context} tokens ({'; '.join(notes)})")
+  speculative = sum(p != "on" for p in args.async_scheduling) if args.draft_model and 1 in args.num_scheduler_steps else 0
   n_configs = len(args.quantization) * len(args.kv_cache_dtype) * len(args.capture_mode) * \
-    (len(args.num_scheduler_steps) * len(args.async_scheduling) + (1 if args.draft_model and 1 in args.num_scheduler_steps else 0))
+    (len(args.num_scheduler_steps) * len(args.async_scheduling) + speculative)   # run_tinyvllm's configs
   n_decode = len(args.batch_sizes) * len(args.context_lens) if "decode" in runs else 0
   n_prefill = len(args.prefill_lens) if "prefill" in runs else 0
   n_tasks = 1 + n_configs * (1 + n_decode + n_prefill + ("serving" in runs)) + len(peer_keys) * (1 + n_decode + n_prefill)

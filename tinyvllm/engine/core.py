@@ -367,7 +367,7 @@ class EngineCore:
     try: self.in_flight = self._follow(run)
     except Exception as e:
       self.in_flight = None   # the commit gives its reserved slots back (no slots ahead)
-      self.failures.record("launching the next decode run", e, [s.request_id for s in run.sched.decodes])
+      self.failures.record("launching the next decode run (its requests go on)", e, [s.request_id for s in run.sched.decodes])
     tokens = self.runner.read_decodes(run.run)
     sampled = {}
     for seq, row in zip(run.sched.decodes, tokens):
