@@ -21,7 +21,7 @@ def main() -> None:
   ap.add_argument("--top", type=int, default=25)
   ap.add_argument("--kernel-backend", default="auto")
   ap.add_argument("--dtype", default="auto")
-  ap.add_argument("--async-scheduling", choices=("auto", "off"), default="auto", help="auto: the engine's default (on for CUDA)")
+  ap.add_argument("--async-scheduling", choices=("off", "on"), default="off", help="the decode pass as a pipelined engine captures it")
   ap.add_argument("--json")
   args = ap.parse_args()
   from tinygrad.engine.realize import run_linear
@@ -32,7 +32,7 @@ def main() -> None:
   B = args.batch_size
   engine = LLMEngine.from_kwargs(args.model, capture_mode="pass", max_num_seqs=max(B, 8), max_model_len=args.prompt_len + 64,
                                  kernel_backend=args.kernel_backend, dtype=args.dtype,
-                                 async_scheduling=False if args.async_scheduling == "off" else None)
+                                 async_scheduling=args.async_scheduling == "on")
   vocab = engine.model_config.vocab_size
   for i in range(B):
     ids = [(7 * i + 13 * j) % vocab for j in range(args.prompt_len)]

@@ -4,7 +4,7 @@ On the CPU device the passes run as they are launched, so these tests check the 
 GPU: every completion equals HF transformers' greedy one for the same tiny float32 checkpoint, runs that follow
 others were launched, what a follow-up run wrote for a sequence that had stopped or was aborted is dropped, arrivals
 and a short KV pool end the pipeline, and every KV block is back in the pool at the end (exact counts). On CUDA,
-where the overlap is real, tests/test_gpu.py runs the engine with it on by default."""
+where the overlap is real, tests/test_gpu.py runs the engine with it on."""
 from __future__ import annotations
 import numpy as np
 import pytest
@@ -167,22 +167,22 @@ def test_requests_that_read_logits_are_not_pipelined(tiny_model, monkeypatch):
   assert 0 < len(follows) <= 20 - 6
 
 
-def test_on_by_default_on_cuda_alone():
-  """The default (async_scheduling=None): on for a CUDA device (CUDA, CUDA:1) alone, off with a draft model, with
-  tensor parallelism and on every other device; asked for, on for CUDA and the CPU device, refused on METAL."""
+def test_off_by_default_and_refused_where_copies_are_not_ordered():
+  """Off by default on every device (not yet timed on a GPU); asked for, on for CUDA (CUDA:1 too), the CPU device and
+  tinygrad's NULL device, refused on METAL, NV and AMD."""
   from tinyvllm.config import EngineConfig
   from tinyvllm.engine.core import pipelines
-  auto = EngineConfig()
-  assert pipelines("CUDA", auto) and pipelines("CUDA:1", auto)
-  assert not pipelines("CUDA", EngineConfig(draft_model="self:1")) and not pipelines("CUDA", EngineConfig(tensor_parallel_size=2))
-  assert not any(pipelines(d, auto) for d in ("CPU", "METAL", "NV", "AMD", "NULL"))
-  assert pipelines("CPU", EngineConfig(async_scheduling=True)) and not pipelines("CUDA", EngineConfig(async_scheduling=False))
-  with pytest.raises(ConfigError, match="async_scheduling=True on METAL"): pipelines("METAL", EngineConfig(async_scheduling=True))
+  assert not any(pipelines(d, EngineConfig()) for d in ("CUDA", "CPU", "METAL", "NV", "AMD", "NULL"))
+  on = EngineConfig(async_scheduling=True)
+  assert all(pipelines(d, on) for d in ("CUDA", "CUDA:1", "CPU", "NULL"))
+  for d in ("METAL", "NV", "AMD"):
+    with pytest.raises(ConfigError, match=f"async_scheduling=True on {d}"): pipelines(d, on)
+  with pytest.raises(ConfigError, match="async_scheduling must be True or False"): EngineConfig(async_scheduling=None)
 
 
 def test_settings(tiny_model):
-  """Off by default on the CPU device; refused with a draft model, tensor parallelism and (emulated) Metal, whose
-  uploads are not ordered with the work in flight."""
+  """Off by default; refused with a draft model, tensor parallelism and (emulated) Metal, whose uploads are not
+  ordered with the work in flight."""
   import sys
   from tinygrad.helpers import Context
   assert not LLMEngine.from_kwargs(str(tiny_model), num_kv_blocks=16).core.pipelined

@@ -227,7 +227,7 @@ def test_multi_step_runs_match_hf(tiny_model, torch_device):
 
 
 def test_async_scheduling_matches_hf(tiny_model, torch_device):
-  """Pipelined decoding, on by default on CUDA: each decode run is launched before the host reads the one before it
+  """Pipelined decoding (async_scheduling=True): each decode run is launched before the host reads the one before it
   (replay.OrderedCopies: its uploads queued behind the work in flight, its reads waiting for their own run only). Four
   greedy requests of different lengths, one stopping at a stop token and one aborted midway: the others' tokens
   are HF's greedy ones, most runs followed another, and every KV block is back in the pool."""
@@ -236,7 +236,7 @@ def test_async_scheduling_matches_hf(tiny_model, torch_device):
   if not OrderedCopies.ordered(DEVICE): pytest.skip(f"async scheduling is refused on {DEVICE} (its copies are not ordered with the work in flight)")
   hf = HF(tiny_model, torch_device)
   ps = prompts([5, 19, 33, 12], seed=10)
-  eng = engine(tiny_model, **({} if DEVICE == "CUDA" else {"async_scheduling": True}))
+  eng = engine(tiny_model, async_scheduling=True)
   assert eng.core.pipelined
   follows, launch = [], eng.runner.launch_decodes
   eng.runner.launch_decodes = lambda d, steps, after=None, **kw: (follows.append(after is not None), launch(d, steps, after, **kw))[1]

@@ -315,12 +315,12 @@ class EngineConfig:
                                        "every N tokens (vLLM's multi-step scheduling). Taken by steps of decodes alone "
                                        "whose every request is greedy without logprobs, penalties or a grammar; others "
                                        "run one pass. Tokens stream N at a time and new requests wait up to N passes")
-  async_scheduling: bool | None = _flag(None, "pipelined decoding (vLLM's async scheduling): a step of greedy decodes "
-                                             "launches the next one, fed the tokens it takes on the device, before the host "
-                                             "reads them, so the host's scheduling and output work overlaps the GPU's. "
-                                             "Default: on for CUDA; on the CPU device it only tests the path; refused on "
-                                             "Metal (its uploads are not ordered with the GPU's work). Taken by steps "
-                                             "num_scheduler_steps takes, while no request waits", bool)
+  async_scheduling: bool = _flag(False, "pipelined decoding (vLLM's async scheduling): a step of greedy decodes launches "
+                                        "the next one, fed the tokens it takes on the device, before the host reads them, "
+                                        "so the host's scheduling and output work overlaps the GPU's. On CUDA (on the CPU "
+                                        "device it only tests the path); refused on Metal, whose uploads are not ordered "
+                                        "with the GPU's work. Taken by steps num_scheduler_steps takes. Off by default "
+                                        "until timed on a GPU (docs/architecture.md)")
   enable_prefix_caching: bool = _flag(True, "reuse the KV cache of prompt prefixes seen before (shared system prompts, "
                                             "chat turns); --no-enable-prefix-caching turns it off")
 
@@ -363,8 +363,8 @@ class EngineConfig:
                         "use one of them")
     if self.num_scheduler_steps > 1 and self.tensor_parallel_size > 1:
       raise ConfigError("num_scheduler_steps > 1 runs on one device; tensor_parallel_size must be 1")
-    if self.async_scheduling not in (None, True, False):
-      raise ConfigError(f"async_scheduling must be True, False or None (the device's default), got {self.async_scheduling!r}")
+    if not isinstance(self.async_scheduling, bool):
+      raise ConfigError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
     if self.async_scheduling and self.draft_model is not None:
       raise ConfigError("async_scheduling and draft_model: a speculative step reads its drafts' verdict before the next; "
                         "use one of them")

@@ -88,9 +88,9 @@ def parser() -> argparse.ArgumentParser:
                  help="multi-step decoding: greedy decode passes per step, the tokens fed back on the device (the host waits "
                       "once every N tokens); several, comma-separated, compare them in one run (the largest sizes "
                       "every run's context)")
-  m.add_argument("--async-scheduling", default="auto", type=_choices(("auto", "on", "off")),
-                 help="pipelined decoding (the next step launched before the host reads this one's tokens): auto (the "
-                      "engine's default: on for CUDA), on or off; several, comma-separated, compare them in one run")
+  m.add_argument("--async-scheduling", default="off", type=_choices(("off", "on")),
+                 help="pipelined decoding (the next step launched before the host reads this one's tokens; CUDA): off or "
+                      "on; both, comma-separated, compare them in one run")
   # the cache is sized to the runs, and --seed seeds the prompts too; with --draft-model runs go with speculation off and on
   add_engine_args(m, exclude=BENCH_SETS)
   r = p.add_argument_group("runs")
@@ -136,11 +136,11 @@ SPECULATION_ARGS = ("draft_model", "num_speculative_tokens", "speculation")
 
 
 def _engine_kwargs(args, quantization: str, kv_cache_dtype: str, speculative: bool, max_len: int, num_blocks: int,
-                   max_seqs: int, capture_mode: str = "auto", num_scheduler_steps: int = 1, async_scheduling: str = "auto") -> dict:
+                   max_seqs: int, capture_mode: str = "auto", num_scheduler_steps: int = 1, async_scheduling: str = "off") -> dict:
   kw = engine_kwargs(args, exclude=BENCH_SETS + SPECULATION_ARGS)
   kw |= dict(max_model_len=max_len, num_kv_blocks=num_blocks, max_num_seqs=max_seqs, seed=args.seed, kv_cache_dtype=kv_cache_dtype,
              capture_mode=capture_mode, num_scheduler_steps=num_scheduler_steps)
-  if async_scheduling != "auto": kw["async_scheduling"] = async_scheduling == "on"
+  if async_scheduling == "on": kw["async_scheduling"] = True
   if quantization != "stored": kw["quantization"] = quantization
   if speculative: kw |= {name: getattr(args, name) for name in SPECULATION_ARGS}
   return kw

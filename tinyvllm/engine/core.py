@@ -88,11 +88,9 @@ class InFlight:
 
 
 def pipelines(device: str, config: EngineConfig) -> bool:
-  """Whether greedy decode steps on `device` are pipelined (config.async_scheduling): by default on CUDA with one
-  device and no draft; asked for, wherever the runner's copies are ordered with the device's work
-  (replay.OrderedCopies)."""
-  if config.async_scheduling is None:
-    return device.split(":")[0] == "CUDA" and config.tensor_parallel_size == 1 and config.draft_model is None
+  """Whether greedy decode steps on `device` are pipelined (config.async_scheduling): as asked, wherever the runner's
+  copies are ordered with the device's work (replay.OrderedCopies: CUDA, and the CPU device for the tests). Off by
+  default: its CUDA copies have not yet run on a GPU (the one GPU call after it landed ran with it off)."""
   if config.async_scheduling and not OrderedCopies.ordered(device):
     raise ConfigError(f"async_scheduling=True on {device}: its host-to-device copies are not ordered with the work "
                       f"launched before them, so a pipelined step would overwrite the inputs of the pass still running; "
