@@ -259,6 +259,49 @@ def test_async_scheduling_matches_hf(tiny_model, torch_device):
   assert bm.num_free == bm.num_blocks
 
 
+def test_async_scheduling_equals_sync_on_random_mixes(tiny_model):
+  """Async scheduling against the same engine without it on random mixes, where the GPU's ordering could break what
+  the CPU device cannot: requests arriving over the first steps, greedy, n=2, stop ids, EOS, max_tokens, aborts
+  between steps, small KV pools (preemption), 1 to 3 passes a run, prefix caching on and off. Every request not
+  aborted gets the same tokens and finish reason, an aborted one a prefix of the other's, and both pools end whole."""
+  import random
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.replay import OrderedCopies
+  if not OrderedCopies.ordered(DEVICE): pytest.skip(f"async scheduling is refused on {DEVICE}")
+  for seed in range(3):
+    r = random.Random(seed)
+    kw = dict(num_kv_blocks=r.choice([8, 12, 64]), block_size=8, max_model_len=64, max_num_seqs=r.choice([2, 4, 8]),
+              enable_prefix_caching=r.random() < 0.5, num_scheduler_steps=r.choice([1, 1, 3]))
+    events = []
+    for i in range(r.randint(3, 7)):
+      params = dict(temperature=0, max_tokens=r.choice([2, 5, 9, 17, 30]), ignore_eos=r.random() < 0.7, n=r.choice([1, 1, 2]))
+      if r.random() < 0.4: params["stop_token_ids"] = r.sample(range(4, 380), 20)
+      events.append((r.randint(0, 8), "add", (str(i), prompts([r.randint(2, 20)], seed=100 * seed + i)[0], params)))
+      if r.random() < 0.3: events.append((r.randint(1, 15), "abort", str(i)))
+    events.sort(key=lambda e: (e[0], e[1] == "abort"))
+    results = []
+    for pipelined in (True, False):
+      eng, todo, outs, aborted, step = engine(tiny_model, async_scheduling=pipelined, **kw), list(events), {}, set(), 0
+      while todo or eng.has_unfinished_requests():
+        while todo and todo[0][0] <= step:
+          _, kind, x = todo.pop(0)
+          if kind == "add": eng.add_request(x[0], {"prompt_token_ids": x[1]}, SamplingParams(**x[2]))
+          else:
+            aborted.add(x)
+            outs |= {o.request_id: o for o in eng.abort_request(x)}
+        outs |= {o.request_id: o for o in eng.step()}
+        step += 1
+        assert step < 500
+      bm = eng.core.block_manager
+      assert bm.num_free == bm.num_blocks, (seed, pipelined)
+      results.append(({rid: [(c.token_ids, c.finish_reason) for c in o.outputs] for rid, o in outs.items()}, aborted))
+    (a, aborted), (b, _) = results
+    for rid in set(a) | set(b):
+      if rid in aborted:
+        for (ta, _), (tb, _) in zip(a.get(rid, []), b.get(rid, [])): assert ta[:len(tb)] == tb[:len(ta)], (seed, rid)
+      else: assert a.get(rid) == b.get(rid), (seed, rid, a.get(rid), b.get(rid))
+
+
 def test_a_4096_token_prompt_in_one_step_matches_hf(tmp_path_factory, torch_device):
   from conftest import make_tiny_llama
   from tinyvllm import SamplingParams
