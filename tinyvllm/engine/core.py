@@ -385,11 +385,10 @@ class EngineCore:
     if not self.pipelined or sch.can_admit(): return None
     live = [s for s in seqs if not s.is_finished]   # an abort while it ran
     if len(sch.running) != len(live) or any(not self._argmax_only(s) for s in live): return None
-    left = lambda s: s.params.max_tokens - s.num_output_tokens - ahead if s.params.max_tokens is not None else self.config.num_scheduler_steps
-    room = lambda s: self.max_model_len - s.num_tokens - ahead
-    keep = [s for s in live if left(s) > 0 and room(s) > 0]
+    keep = [s for s in live if self._tokens_left(s, ahead) > 0 and self._room_left(s, ahead) > 0]
     if not keep: return None
-    steps = min(self.config.num_scheduler_steps, max(map(left, keep)), min(map(room, keep)))
+    steps = min(self.config.num_scheduler_steps, max(self._tokens_left(s, ahead) for s in keep),
+                min(self._room_left(s, ahead) for s in keep))
     items = [WorkItem(s.block_table, s.num_computed_tokens + ahead, [0]) for s in keep]   # the token: from the device
     if self.runner.decode_shape(items) != run.run.shape or not sch.reserve(keep, ahead + steps - 1): return None
     rows = [seqs.index(s) for s in keep]   # each one's row in `run`
@@ -406,9 +405,16 @@ class EngineCore:
     max_tokens, none taking a token past max_model_len, and with room in the KV pool for them all."""
     steps = self.config.num_scheduler_steps
     if steps == 1 or sched.prefills or not all(self._argmax_only(s) for s in sched.decodes): return 1
-    left = [s.params.max_tokens - s.num_output_tokens if s.params.max_tokens is not None else steps for s in sched.decodes]
-    steps = min(steps, max(left), min(self.max_model_len - s.num_tokens for s in sched.decodes))   # tokens that still fit
+    steps = min(steps, max(self._tokens_left(s) for s in sched.decodes), min(self._room_left(s) for s in sched.decodes))
     return self.scheduler.reserve_steps(sched.decodes, steps) if steps > 1 else 1
+
+  def _tokens_left(self, seq: Sequence, ahead: int = 0) -> int:
+    """Tokens seq may still take before max_tokens once `ahead` more are taken (without one: num_scheduler_steps)."""
+    return seq.params.max_tokens - seq.num_output_tokens - ahead if seq.params.max_tokens is not None else self.config.num_scheduler_steps
+
+  def _room_left(self, seq: Sequence, ahead: int = 0) -> int:
+    """Tokens seq may still take before max_model_len once `ahead` more are taken."""
+    return self.max_model_len - seq.num_tokens - ahead
 
   @staticmethod
   def _argmax_only(seq: Sequence) -> bool:

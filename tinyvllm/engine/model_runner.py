@@ -271,11 +271,12 @@ class ModelRunner:
     (of `history_rows`, in a ring); it reads as its token the negative entry -1 - j P - r: the one history[j P + r]
     holds, sampled in the row j before its own, at item r's entry (`entries`, default r: store_tokens stores a token
     where it read the one before); `fed`: the first pass's too, else the first reads the items' tokens and `first_row`
-    is 0. Padding rows read no history and store nothing (`NO_TOKEN`). Returns it and the KV blocks each pass reads."""
+    is 0. Padding rows read no history and store nothing. Returns it and the KV blocks each pass reads."""
     assert fed or first_row == 0, "a run whose first pass reads its tokens from the host starts at history row 0"
-    packed, used = self.prepare(shape, decodes, run_layout=True)
+    layout = self._run_layout(shape)
+    packed, used = self.prepare(shape, decodes, layout)
     P, k, bs = shape.num_seqs, len(decodes), self.block_size
-    offsets, sizes = self._run_layout(shape)[0], shape.sizes(self.max_blocks)
+    offsets, sizes = layout[0], shape.sizes(self.max_blocks)
     def field(name: str, i: int = 0) -> np.ndarray:   # a view of the field (a PASS_FIELDS one: pass i's)
       at, n = offsets[FIELDS.index(name)] + i * len(PASS_FIELDS) * P, sizes[FIELDS.index(name)]
       return packed[at:at + n]
@@ -336,14 +337,14 @@ class ModelRunner:
     if shape.extent not in self._extents: self._extents[shape.extent] = CountVariable.make("kv_blocks", shape.extent)
     return self._extents[shape.extent]
 
-  def prepare(self, shape: PassShape, items: list[WorkItem], run_layout: bool = False) -> tuple[np.ndarray, int]:
+  def prepare(self, shape: PassShape, items: list[WorkItem], layout: tuple[list[int], int] | None = None) -> tuple[np.ndarray, int]:
     """Pack every integer input of a pass into one int32 array (one host->device copy), fields in FIELDS
-    order, or with `run_layout` in a multi-step run's (`_run_layout`: its first pass's fields, the later passes' zero).
+    order, or in a multi-step run's `layout` (`_run_layout`: its first pass's fields, the later passes' zero).
     Returns it and the number of KV blocks the longest block table uses. Vectorized over the items, in a
     fixed number of numpy calls (a few microseconds each here): a loop of them per item cost 0.7 ms at batch 32."""
     bs, P, MB, k = self.block_size, shape.num_seqs, self.max_blocks, len(items)
     sizes = shape.sizes(MB)
-    offsets, total = self._run_layout(shape) if run_layout else (list(itertools.accumulate((0,) + sizes[:-1])), sum(sizes))
+    offsets, total = layout or (list(itertools.accumulate((0,) + sizes[:-1])), sum(sizes))
     packed = np.zeros(total, np.int32)
     tokens, positions, slots, q_pos, token_seq, rows, ctx, tables = (packed[at:at + n] for at, n in zip(offsets, sizes))
     slots[:], token_seq[:] = -1, -1                  # padding tokens write no K/V and read nothing

@@ -585,7 +585,8 @@ class OrderedCopies:
   launched before it, and a read waits only for the work launched before it, not for the pass launched since, which
   keeps the device busy while the host reads, commits and schedules. The base class serves the CPU device (tinygrad
   0.14 runs its kernels on a worker thread, and its allocator's copies wait for them first) and tinygrad's NULL device:
-  an upload is tinygrad's allocator copy, a read waits for the device. `for_device` picks the CUDA one for a CUDA device; `ordered(device)` says whether a device has one.
+  an upload is tinygrad's allocator copy, a read waits for the device. `for_device` picks the CUDA one for a CUDA
+  device; `ordered(device)` says whether a device has one.
 
   Not Metal: tinygrad's Metal copy-in writes the shared buffer from the CPU at once, under a pass still reading it."""
   def upload(self, buf, values: np.ndarray) -> None:
