@@ -61,6 +61,68 @@ def within_cuda_limits(g, l) -> bool:
   return min(*g, *l) > 0 and g[0] <= 2**31 - 1 and max(g[1], g[2]) <= 65535 and l[0] * l[1] * l[2] <= 1024 and l[2] <= 64
 
 
+# bytes an element of each C type the CUDA renderer declares a kernel's buffers or vector loads with
+C_BYTES = {"half": 2, "__nv_bfloat16": 2, "float": 4, "uint": 4, "int": 4, "unsigned int": 4, "signed char": 1, "char": 1,
+           "unsigned char": 1, "short": 2, "unsigned short": 2, "bool": 1, "long": 8, "unsigned long": 8, "double": 8}
+
+
+def warp_accesses(src: str, warp: int = 32) -> list[tuple[str, str, int, list[int] | None]]:
+  """Every access of a rendered CUDA kernel (`src`, from tinygrad's CUDA renderer) to one of its buffers, as the first
+  warp makes it: (buffer, "load" or "store", bytes a lane moves, each lane's byte offset), for the first `warp` threads
+  of block 0 (threadIdx.x fastest) at every loop's first iteration and symbolic sizes of 7. Offsets are None where the
+  index reads a loaded value (a gather through a block table). A reading of the C, so it needs the renderer's shapes:
+  `int aluN = ...;` definitions and `*((T4*)((dataN_S+index)))` or `*(dataN_S+index)` accesses, one line each."""
+  head = re.search(r"__global__ void[^{]*\{", src)
+  signature, body = head.group(0), src[head.end():]
+  element = {name: C_BYTES[kind.strip()] for kind, name in re.findall(r"([\w ]+?)\*\s*(data\d+_\d+)", signature)}
+  sizes = [int(s) for s in re.findall(r"int lidx\d+ = threadIdx\.\w; /\* (\d+) \*/", body)]
+  lanes = []
+  for lane in range(warp):
+    env = {name: 7 for name in re.findall(r"int (\w+)\b[,)]", signature)}
+    for i, size in enumerate(sizes): env[f"lidx{i}"], lane = lane % size, lane // size
+    lanes.append(env)
+  accesses = []
+  for line in body.split("\n"):
+    for counter in re.findall(r"int (gidx\d+) = blockIdx|for \(int (\w+) = 0", line):
+      for env in lanes: env.update(dict.fromkeys(filter(None, counter), 0))
+    for at in re.finditer(r"(data\d+_\d+)\+", line):
+      index, close = _parenthesized(line, at.end())
+      vector = re.search(r"\*\(\((\w[\w ]*?)(\d*)\*\)\(\($", line[:at.start()])
+      width = C_BYTES[vector.group(1).strip()] * int(vector.group(2) or 1) if vector else element[at.group(1)]
+      kind = "store" if re.match(r"\s*=[^=]", line[close + (4 if vector else 1):]) else "load"
+      offsets = [_c_int(index, env) for env in lanes]
+      accesses.append((at.group(1).split("_")[0], kind, width, None if None in offsets else [o * element[at.group(1)] for o in offsets]))
+    if (value := re.match(r"\s*(?:int|uint|unsigned int|bool) (alu\d+|cast\d+) = (.*);\s*$", line)):
+      for env in lanes:
+        if (v := _c_int(value.group(2), env)) is not None: env[value.group(1)] = v
+  return accesses
+
+
+def _parenthesized(text: str, start: int) -> tuple[str, int]:
+  """The text from `start` to the ')' closing the '(' open before it, and that ')''s position."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += {"(": 1, ")": -1}.get(text[i], 0)
+    if depth < 0: return text[start:i], i
+  raise ValueError(f"unbalanced: {text[start:]}")
+
+
+def _c_int(expr: str, env: dict) -> int | None:
+  """A C integer expression's value under `env`, or None when it names something else (a loaded value)."""
+  expr = re.sub(r"\((?:unsigned int|uint|int|long long|long|unsigned long)\)", "", expr)
+  expr = re.sub(r"\b(\d+)u\b", r"\1", expr).replace("&&", " and ").replace("||", " or ").replace("/", "//")
+  expr = re.sub(r"!(?!=)", " not ", expr)
+  try: return int(eval(expr, {"__builtins__": {}}, env))
+  except Exception: return None
+
+
+def cache_lines(width: int, offsets: list[int], line: int = 128) -> tuple[int, int]:
+  """(the 128-byte lines a warp's access touches, the fewest its distinct bytes need): each line is a pass through
+  the L1 for the one instruction, so a warp whose lanes stride a line apart costs 32 where 2 would do."""
+  touched = {(o + b) // line for o in offsets for b in range(0, width, min(width, 4))}
+  return len(touched), max(1, -(-len(set(offsets)) * width // line))
+
+
 def captured_programs_of(replay) -> list:
   """The programs one capture runs, in order, those inside graph batches included."""
   programs = []

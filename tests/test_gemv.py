@@ -88,11 +88,12 @@ def test_every_fusion_matches_numpy(device, dtype, T, K, N):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt,group", [(INT4, 32), (INT4, 64), (INT8, 32)])
+@pytest.mark.parametrize("fmt,group", [(INT4, 32), (INT4, 64), (INT4, 128), (INT8, 32)])
 @pytest.mark.parametrize("T,K,N", [(1, 1024, 16), (5, 128, 12), (32, 256, 16)])
 def test_quantized_weights_match_numpy(device, fmt, group, T, K, N):
   """Codes read and scaled inside the kernel, against numpy's dequantized matrix: plain, normed and gated, and with
-  the residual. K = 1024 takes the GPU's whole schedule (32 INT4 codes a thread, 4 words, 32 threads a row)."""
+  the residual. K = 1024 takes the GPU's whole schedule (32 threads a row on consecutive words of 8 codes, 4 words a
+  thread in flight); a group of 128 spreads a group over 16 threads."""
   rng = np.random.default_rng(K + N + T + group)
   (x, _, g, _, r), (X, _, G, _, R) = inputs(rng, T, K, N, "float16", device)
   lw, W = quantized(rng, fmt, N, K, device, group)
@@ -307,6 +308,11 @@ def test_gpu_schedule():
 def _lowered_for_h100(fn, fmt=FLOAT, group: int = 0):
   """(name, global size, local size) of every kernel `fn` schedules on the CPU device, lowered and compiled for sm_90 as
   on a GPU: our GEMV with its GPU schedule, tinygrad's kernels with its heuristic."""
+  return [(program.arg.name, *program.arg.launch_dims({})) for program in _programs_for_h100(fn, fmt, group)]
+
+
+def _programs_for_h100(fn, fmt=FLOAT, group: int = 0) -> list:
+  """The programs of `_lowered_for_h100`."""
   import dataclasses, os
   from test_cuda_compile import NVRTC, h100_renderer, recording_kernels
   if NVRTC is None: pytest.skip("nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
@@ -323,7 +329,7 @@ def _lowered_for_h100(fn, fmt=FLOAT, group: int = 0):
       ast = ast.replace(arg=dataclasses.replace(ast.arg, opts_to_apply=gemv.inverse_rms_opts("CUDA", int(ast.arg.name.split("_")[-1]), 2)))
     program = to_program(ast, renderer)
     assert program.src[-1].op is Ops.BINARY and len(program.src[-1].arg) > 0, program.arg.name   # nvrtc compiled it
-    out.append((program.arg.name, *program.arg.launch_dims({})))
+    out.append(program)
   return out
 
 
@@ -391,8 +397,8 @@ def test_h100_launch_of_8b_shapes():
 
 def test_h100_launch_of_int4_weights():
   """An INT4 qkv projection of the 1B model (groups of 64), normed: tinygrad's matmul over the unpacked codes gives
-  fewer threads than outputs; ours reads 4 words (32 codes) a thread with one scale and bias, 32 threads a row, after
-  a kernel of x's 1/RMS (a quantized weight's input axis is several ranges: `gemv._gemv_kernel`)."""
+  fewer threads than outputs; ours: 32 threads a row on consecutive words (8 codes each), 4 words in flight a thread,
+  after a kernel of x's 1/RMS (a quantized weight's input axis is several ranges: `gemv._gemv_kernel`)."""
   from tinyvllm.kernels import portable
   rng = np.random.default_rng(3)
   lw, _ = quantized(rng, INT4, 3072, 2048, "CPU", 64)
@@ -405,12 +411,40 @@ def test_h100_launch_of_int4_weights():
   assert threads(*ours[-1][1:]) == 3072 * 16 and np.prod(ours[-1][2]) == 128, ours
 
 
+@pytest.mark.parametrize("fmt,group", [(FLOAT, 0), (INT4, 32), (INT4, 64), (INT4, 128), (INT8, 32), ("Q4_K", 0), ("Q6_K", 0)])
+@pytest.mark.parametrize("T", [1, 8])
+def test_h100_loads_are_coalesced(fmt, group, T):
+  """Every load and store of a warp, in the GEMV lowered for the H100 (1B shapes: the gated gate/up at K = 2048, the
+  down projection with the residual at K = 8192), touches at most twice the 128-byte lines its bytes fill. A warp's
+  access to lines more than that passes through the L1 once a line: a quantized row read 4 words (32 codes) a thread
+  had each lane load 32 consecutive values of x and of the norm's weight, so a warp's load of them touched 32 lines
+  where 2 would do (the INT4 LM head on an H200: 300 us against float16's 141, for a quarter of the bytes)."""
+  from test_cuda_compile import cache_lines, warp_accesses
+  from tinygrad.uop.ops import Ops
+  rng = np.random.default_rng(6)
+  checked = 0
+  for N, K, call in ((512, 2048, "glu"), (256, 8192, "res")):
+    if fmt == FLOAT: lw = LinearWeights(FLOAT, Tensor.empty(N, K, dtype=dtypes.half))
+    else: lw, _ = quantized(rng, fmt, N, K, "CPU", group or 32)
+    x = Tensor.randn(T, K, dtype=dtypes.half).realize()
+    if call == "glu": fn = lambda: gemv.gemv(x, lw, norm=(Tensor.randn(K, dtype=dtypes.half).realize(), EPS), act="silu")
+    else: fn = lambda: gemv.gemv(x, lw, residual=Tensor.randn(T, N, dtype=dtypes.half).realize())
+    program = _programs_for_h100(fn, gemv.layout_of(lw), group)[-1]
+    assert program.arg.name.startswith("gemv"), program.arg.name
+    source = next(u.arg for u in program.src if u.op is Ops.SOURCE)
+    for buffer, kind, width, offsets in warp_accesses(source):
+      if offsets is None: continue
+      touched, fewest = cache_lines(width, offsets)
+      assert touched <= 2 * fewest, (program.arg.name, buffer, kind, width, touched, fewest)
+      checked += 1
+  assert checked > 10
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_h100_launch_of_kquant_weights(qtype):
   """A Q4_K_M file's two k-quants as the 1B model's qkv projection (3072 x 2048), normed: 32 threads a row over the
-  ranges of k's bits, each reading a run of 32 codes (16 bytes of nibbles, 4 neighbours 64 contiguous bytes), 4 rows a
-  block, after the kernel of x's 1/RMS; tinygrad's matmul over the same codes unpacked in its expression gives fewer
-  threads than outputs."""
+  ranges of k's bits, on consecutive words of nibbles (8 codes each), 4 rows a block, after the kernel of x's 1/RMS;
+  tinygrad's matmul over the same codes unpacked in its expression gives fewer threads than outputs."""
   from tinyvllm.kernels import portable
   rng = np.random.default_rng(4)
   lw, _ = quantized(rng, qtype, 3072, 2048, "CPU")

@@ -8,8 +8,8 @@ float32 for the sum, a code is dequantized and a normed x is computed, so none o
 lowered for the H100, the 1B model's float16 qkv projection at batch 1 ran on 32 blocks of 32 threads, each thread
 looping over 3 weight rows alone (uncoalesced: a warp's loads 12 KB apart). Here the opts are ours (`kernel_opts`):
 
-  UNROLL  16 bytes of a weight row a thread (8 halves, 4 floats, 16 INT8 codes, 32 INT4 or packed codes' nibbles: one
-          vector load)
+  UNROLL  16 bytes of a float row a thread (8 halves, 4 floats: one vector load); a quantized row's word of 8 codes
+          and up to 3 more a warp's width along (`_quantized_opts`: x's loads stay coalesced)
   GROUP   32 threads a row, side by side: a warp reads 512 contiguous bytes of it each iteration
   LOCAL   4 rows a block (128 threads); UPCAST 2 rows a thread and every x row (the weight read once for all T)
 
@@ -46,6 +46,7 @@ ROWS_PER_THREAD = 2
 # the LM head and every 32-row case slower spread, and the 8B's shapes have threads enough. A GEMV reads its weight
 # once: what hides the memory's latency is how many threads have loads in flight.
 SPREAD_BELOW, LONG_ROW = 65536, 8192
+WORDS_IN_FLIGHT = 4   # a quantized row's words a thread loads in an iteration, a warp's width apart (`_quantized_opts`)
 X_ROWS_A_THREAD = 8   # x rows a thread sums at once (the H200's 32-row steps: 8 a thread, 4 blocks of rows, was fastest
                       # of those timed; more a thread, untimed, would read a large weight once: bench/gemv.py --schedules)
 
@@ -118,15 +119,7 @@ def kernel_opts(device: str | tuple[str, ...], layout: str | QuantSpec, T: int, 
   if layout == FLOAT:   # one reduction axis: a vector of it a thread, then the threads over the rest
     vector = _vector(K, itemsize)
     opts, rest = ([Opt(OptOps.UNROLL, 0, vector)] if vector > 1 else []), K // vector
-  elif isinstance(layout, QuantSpec):
-    return _packed_opts(layout, T, N, K, heads)
-  else:   # INT8: 16 codes of a group of 32 a thread; INT4: a word's 8 codes and up to 4 words of its group (16 bytes)
-    sizes = [size for size in (ranges_of(layout, K, group)) if size > 1]   # tinygrad's axes drop ranges of size 1
-    if layout == INT8: opts = [Opt(OptOps.UNROLL, len(sizes) - 1, 16)]
-    else:
-      words = math.gcd(4, group // 8)
-      opts = [Opt(OptOps.UNROLL, len(sizes) - 1, 8)] + ([Opt(OptOps.UNROLL, len(sizes) - 2, words)] if words > 1 else [])
-    rest = K // (32 if layout == INT8 else group)   # the groups, over the threads
+  else: return _quantized_opts(ranges_of(layout, K, group), T, N, heads)
   threads = next(g for g in (per_row, THREADS_PER_ROW, 16, 8, 4, 2, 1) if rest % g == 0)
   per_thread = 1 if spread and threads == THREADS_PER_ROW else ROWS_PER_THREAD
   return tuple(opts + ([Opt(OptOps.GROUP, 0, threads)] if threads > 1 else []) + _output_opts(T, N, threads, heads, per_thread))
@@ -137,22 +130,28 @@ def _vector(K: int, itemsize: int) -> int:
   return next(v for v in (16 // itemsize, 4, 2, 1) if K % v == 0)
 
 
-def _packed_opts(spec: QuantSpec, T: int, N: int, K: int, heads: int) -> tuple:
-  """A packed layout's schedule: a run of 32 codes a thread (k's bits 0-4 unrolled: 16 bytes of nibbles), and the
-  row's threads over the runs, the lowest bits first, so that a warp's neighbours read neighbouring 16 bytes. k is
-  several ranges (`ranges_of`), each a power of two but the highest: an UNROLL or a GROUP each, the last of the
-  unrolled ones partly when it spans bit 5 (tinygrad takes an opt's amount from a range's low end)."""
-  sizes = [size for size in ranges_of(spec, K, 0) if size > 1]   # tinygrad's axes drop ranges of size 1
-  opts, codes, threads = [], 32, 1
-  for axis in range(len(sizes) - 1, -1, -1):   # lowest bits first: an opt on an axis shifts no lower axis's number
-    if codes > 1:
-      amount = math.gcd(sizes[axis], codes)
-      opts.append(Opt(OptOps.UNROLL, axis, amount))
-      codes, sizes[axis] = codes // amount, sizes[axis] // amount
-      if codes > 1 or sizes[axis] == 1: continue
-    if (amount := math.gcd(sizes[axis], THREADS_PER_ROW // threads)) > 1:
-      opts.append(Opt(OptOps.GROUP, axis, amount))
-      threads *= amount
+def _quantized_opts(ranges: tuple[int, ...], T: int, N: int, heads: int) -> tuple:
+  """A quantized layout's schedule over its input ranges (`ranges_of`, the highest first), from k's lowest bits up:
+  UNROLL a word's 8 codes (INT4 and packed nibbles; 8 bytes of INT8) a thread, GROUP the next bits over up to 32
+  threads, then UNROLL up to WORDS_IN_FLIGHT more (each a warp's width further along the row). So a warp's threads
+  read neighbouring words and x's neighbouring 8 values: the loads of x and the norm's weight, which every code
+  needs, are coalesced. A thread that read 4 words of one group (16 bytes) read 32 consecutive values of x too, and
+  a warp's load of them touched 32 cache lines where 2 would do (lowered for the H100: 535 lines a warp's iteration
+  of the INT4 LM head, 47 needed; `tests/test_cuda_compile.py`'s `warp_accesses`): the L1 throughput that capped
+  the INT4 GEMVs below float16's speed on an H200 (docs/kernels.md).
+
+  tinygrad takes an opt's amount from a range's low end, numbers a GROUP's axis among the REDUCE ranges and an
+  UNROLL's among the GROUP_REDUCE ranges (threads, in the order made) then the REDUCE ones; a range an opt takes whole
+  is gone. Walking from the lowest range up, no opt renumbers a range still to come."""
+  sizes = [size for size in ranges if size > 1]   # tinygrad's axes drop ranges of size 1
+  opts, axis, threads = [], len(sizes) - 1, 1
+  for op, want in ((OptOps.UNROLL, 8), (OptOps.GROUP, THREADS_PER_ROW), (OptOps.UNROLL, WORDS_IN_FLIGHT)):
+    while want > 1 and axis >= 0 and (amount := math.gcd(sizes[axis], want)) > 1:   # a range's bits are all below the next's
+      threads_made = len([o for o in opts if o.op is OptOps.GROUP])
+      opts.append(Opt(op, axis + (threads_made if op is OptOps.UNROLL else 0), amount))
+      sizes[axis], want = sizes[axis] // amount, want // amount
+      if op is OptOps.GROUP: threads *= amount
+      if sizes[axis] == 1: axis -= 1
   return tuple(opts + _output_opts(T, N, threads, heads))
 
 
