@@ -160,3 +160,10 @@ def test_decode_attention_lowered_for_the_h100():
   source = next(u.arg for u in programs["paged_values_1_4_1"].src if u.op is Ops.SOURCE)
   bounds = re.findall(r"for \(int \w+ = 0; \w+ < ([^;]+);", source)
   assert len(bounds) >= 2 and not any("<<4" in b or "16" in b for b in bounds if not b.strip().isdigit()), bounds
+  # a read of the cache through a table entry is one add and shift off it: the entry held to the cache's blocks and
+  # the flat cache read (an unbounded entry into the [NB, BS, KVH, D] view took two modulos a read and 64-bit
+  # arithmetic), in vectors of 4 halves where a thread reads consecutive elements (scores: 8 of a key's head a step)
+  scores = next(u.arg for u in programs["paged_scores_1_4_1"].src if u.op is Ops.SOURCE)
+  for name, text in (("scores", scores), ("values", source)):
+    assert "%" not in text and "long" not in text, (name, text)
+  assert re.search(r"half4 \w+ = \(\*\(\(half4\*\)\(\(data\d+_%d" % (NB * BS * KVH * D), scores), scores

@@ -59,6 +59,16 @@ def rotated(row: UOp, base: UOp, d: UOp, D: int, cos_sin: UOp, pos: UOp) -> UOp:
   return x * cos + first.where(-partner, partner) * sin
 
 
+def _cache_block(entry: UOp, cache: UOp, block_size: int, KVH: int, D: int) -> UOp:
+  """A block table entry as the index arithmetic of a read from the flat cache wants it: a weakint, as the ranges are
+  (an int32 beside them is cast, and tinygrad folds no load whose index holds a cast into a vector load: each half
+  was read alone), held to the cache's blocks (else the index's range is int32's times a block's size, which tinygrad
+  does in 64 bits; the runner's entries are in range already). The flat cache, not its `[NB, BS, KVH, D]` view: an
+  index into the view of an unbounded entry took two modulos a read."""
+  blocks = cache.shape[0] // (block_size * KVH * D)
+  return entry.cast(dtypes.weakint).maximum(0).minimum(blocks - 1)
+
+
 def _read(cache: UOp, scale: UOp | None, slot: UOp, kvh: UOp, d: UOp, KVH: int, D: int) -> UOp:
   """Element d of KV head kvh at a cache slot, as float32 (an int8 code times its head vector's scale)."""
   x = cache[(slot * KVH + kvh) * D + d].cast(dtypes.float32)
@@ -100,7 +110,7 @@ def _scores_kernel(opts, block_size: int, scale: float, window: int | None, S: U
   d = UOp.range(D, 4, AxisType.REDUCE)
   g, c = gc // C, gc % C
   token = p * C + c
-  slot = tables[p * MB + s // block_size] * block_size + s % block_size
+  slot = _cache_block(tables[p * MB + s // block_size], k, block_size, KVH, D) * block_size + s % block_size
   key = _read(k, k_scale[0].flatten() if k_scale else None, slot, kvh, d, KVH, D)
   dot = (q[(token * H + kvh * G + g) * D + d] * key).reduce(d, arg=Ops.ADD)
   last = q_pos[token]
@@ -141,14 +151,14 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   row = (p * KVH + kvh) * GC + gc
   weight = scores[row * MS + b * block_size + o]
   if row_max is not None: weight = ((weight - row_max[row]) * LOG2E).exp2()
-  block = tables[p * MB + b]
-  slot = block * block_size + o
+  entry = tables[p * MB + b]
+  slot = _cache_block(entry, v, block_size, KVH, D) * block_size + o
   acc = (weight * _read(v, v_scale.flatten() if quantized else None, slot, kvh, d, KVH, D)).reduce(b, o, arg=Ops.ADD)
   # the softmax's denominator, summed beside the numerator in the same loop and split over the same threads: its
   # weight is tied to the block's table entry (>= 0: the runner maps freed entries to block 0), without which
   # tinygrad merges (b, o) into one range of the context's length, which no opt can split, and every thread summed the
   # whole context alone (lowered for an H100: 2,048 exps a thread at a 2,048-token context, beside the 128 of its share)
-  total = ((block >= 0).where(weight, 0.0)).reduce(b, o, arg=Ops.ADD)
+  total = ((entry >= 0).where(weight, 0.0)).reduce(b, o, arg=Ops.ADD)
   store = out[((p * C + c) * n_heads + kvh * G + g) * D + d].store((acc / total).cast(out.dtype))
   return UOp.sink(store.end(p, kvh, gc, d), arg=KernelInfo(name=f"paged_values_{P}_{G}_{C}", opts_to_apply=opts))
 
@@ -214,12 +224,12 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   # as wide as the extent can be: the Variable's maximum (a prefill shape's bound, or the table's width)
   width = blocks.vmax if isinstance(blocks, UOp) else tables.shape[1]
   full = Tensor.empty(P, n_kv_heads, G * C, width * BS, dtype=dtypes.float32, device=q.device)
-  full = Tensor.custom_kernel(full, q, tables, q_pos, cache.k, *k_scale,
+  full = Tensor.custom_kernel(full, q, tables, q_pos, cache.k.reshape(-1), *k_scale,
                               fxn=functools.partial(_scores_kernel, scores_opts, BS, scale, window, S_kernel))[0]
   row_max = full[..., :S].max(-1, keepdim=True).contiguous()
   exponentiated = C > 1 or P * n_heads > EXP_INLINE_ROWS
   if exponentiated: full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, S_kernel))[0]
   out = Tensor.empty(T, n_heads * D, dtype=dtype, device=q.device)
-  out = Tensor.custom_kernel(out, full, tables, cache.v, *v_scale, *(() if exponentiated else (row_max,)),
+  out = Tensor.custom_kernel(out, full, tables, cache.v.reshape(-1), *v_scale, *(() if exponentiated else (row_max,)),
                              fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, blocks))[0]
   return out
