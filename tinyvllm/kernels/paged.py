@@ -41,6 +41,9 @@ if TYPE_CHECKING: from tinyvllm.kernels import AttentionGroup
 # tokens on an H100, about a launch; 32 such sequences would pay 32 times that
 EXP_INLINE_ROWS = 64
 LOG2E = 1 / math.log(2)
+# a decode step's values kernel takes the context's blocks this many at a time over threads of their own, beside a
+# block's 16 offsets (`_values_kernel`): 128 threads an output, each looping over 1/8 of the blocks
+DECODE_SPLIT = 8
 
 
 def applies(cache: PagedKVCache, packed: bool, softcap: float | None) -> bool:
@@ -129,7 +132,7 @@ def _exp_kernel(S: UOp, scores: UOp, row_max: UOp) -> UOp:
   return UOp.sink(store.end(r, s), arg=KernelInfo(name=f"paged_exp_{R}"))
 
 
-def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool, blocks: UOp, out: UOp, scores: UOp,
+def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool, split: int, blocks: UOp, out: UOp, scores: UOp,
                    tables: UOp, v: UOp, *rest: UOp) -> UOp:
   """out `[T, H*D]` (token p*C + c, head kvh*G + g) = sum over the first `blocks` blocks of softmax weight x value
   row, read through the block table. rest: v's scales when `quantized`, then the row maxima if `scores` are still
@@ -139,26 +142,37 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   The sum runs over the offsets in a block (block_size, fixed) and the blocks (symbolic): tinygrad splits only a
   reduction of fixed size over a GPU's threads (GROUPTOP). A decode step has few outputs, each summing the whole
   context: tinygrad's heuristic groups a reduction only for at most 2048 outputs (one sequence of 32 heads of 64, not
-  of 128: 256 threads, each looping over every key alone), so decode passes ask for it (`rope_attention`)."""
+  of 128: 256 threads, each looping over every key alone), so decode passes ask for it (`rope_attention`).
+
+  `split`: the blocks taken `split` at a time, block hi * split + j, so that a decode step's opts can give j threads of
+  its own too (`DECODE_SPLIT`): the symbolic loop over the blocks then has 1/split of the context, each iteration a
+  table entry and a value read that hang on each other; at batch 1 a thread's loop is the whole kernel's latency."""
   P, KVH, GC, MS = scores.shape
   MB, G = tables.shape[1], n_heads // scores.shape[1]
   C = GC // G
   v_scale, row_max = (rest[0] if quantized else None), (rest[-1].flatten() if len(rest) > quantized else None)
   out, scores, tables, v = (x.flatten() for x in (out, scores, tables, v))
   p, kvh, gc, d = UOp.range(P, 0), UOp.range(KVH, 1), UOp.range(GC, 2), UOp.range(D, 3)
-  o, b = UOp.range(block_size, 4, AxisType.REDUCE), UOp.range(blocks, 5, AxisType.REDUCE)   # the fixed one first: GROUPTOP's axis 0
+  # the fixed ones first (GROUPTOP's axis 0, GROUP's next); the blocks `split` at a time: hi * split + j < blocks
+  o, j = UOp.range(block_size, 4, AxisType.REDUCE), UOp.range(split, 5, AxisType.REDUCE)
+  hi = UOp.range((blocks + split - 1) // split, 6, AxisType.REDUCE)
+  b = hi * split + j
+  # b < blocks, written with j alone where a run of `split` is part-filled: tinygrad merges two ranges that every
+  # index reads as hi * split + j into one (of symbolic length, which no opt splits), and this clause tells them apart
+  inside = (hi < blocks // split) | (hi.eq(blocks // split) & (j < blocks % split)) if split > 1 else None
   g, c = gc // C, gc % C
   row = (p * KVH + kvh) * GC + gc
-  weight = scores[row * MS + b * block_size + o]
+  weight = scores[(row * MS + b * block_size + o).valid(inside) if inside is not None else row * MS + b * block_size + o]
   if row_max is not None: weight = ((weight - row_max[row]) * LOG2E).exp2()
-  entry = tables[p * MB + b]
+  if inside is not None: weight = inside.where(weight, 0.0)
+  entry = tables[(p * MB + b).valid(inside) if inside is not None else p * MB + b]   # past the blocks: 0, read harmlessly
   slot = _cache_block(entry, v, block_size, KVH, D) * block_size + o
-  acc = (weight * _read(v, v_scale.flatten() if quantized else None, slot, kvh, d, KVH, D)).reduce(b, o, arg=Ops.ADD)
+  acc = (weight * _read(v, v_scale.flatten() if quantized else None, slot, kvh, d, KVH, D)).reduce(hi, j, o, arg=Ops.ADD)
   # the softmax's denominator, summed beside the numerator in the same loop and split over the same threads: its
   # weight is tied to the block's table entry (>= 0: the runner maps freed entries to block 0), without which
   # tinygrad merges (b, o) into one range of the context's length, which no opt can split, and every thread summed the
   # whole context alone (lowered for an H100: 2,048 exps a thread at a 2,048-token context, beside the 128 of its share)
-  total = ((entry >= 0).where(weight, 0.0)).reduce(b, o, arg=Ops.ADD)
+  total = ((entry >= 0).where(weight, 0.0)).reduce(hi, j, o, arg=Ops.ADD)
   store = out[((p * C + c) * n_heads + kvh * G + g) * D + d].store((acc / total).cast(out.dtype))
   return UOp.sink(store.end(p, kvh, gc, d), arg=KernelInfo(name=f"paged_values_{P}_{G}_{C}", opts_to_apply=opts))
 
@@ -171,7 +185,8 @@ def kernel_opts(device: str, query_len: int, block_size: int, num_seqs: int = 1,
   sum over a block's offsets split over 16 threads an output (`_values_kernel`), and `decode_scores_opts`."""
   if portable.on_cpu(device): return (), ()
   if query_len > 1: return None, None
-  return decode_scores_opts(block_size, num_seqs, kv_heads, group, head_dim), (Opt(OptOps.GROUPTOP, 0, math.gcd(16, block_size)),)
+  return (decode_scores_opts(block_size, num_seqs, kv_heads, group, head_dim),
+          decode_values_opts(block_size, num_seqs, kv_heads, group, head_dim))
 
 
 def decode_scores_opts(block_size: int, num_seqs: int, kv_heads: int, group: int, head_dim: int) -> tuple:
@@ -183,6 +198,21 @@ def decode_scores_opts(block_size: int, num_seqs: int, kv_heads: int, group: int
   opts = [Opt(OptOps.LOCAL, axes.index("s"), math.gcd(16, block_size))]
   if group > 1: opts.append(Opt(OptOps.UPCAST, axes.index("g"), group))
   if (unroll := math.gcd(8, head_dim)) > 1: opts.append(Opt(OptOps.UNROLL, 0, unroll))
+  return tuple(opts)
+
+
+def decode_values_opts(block_size: int, num_seqs: int, kv_heads: int, group: int, head_dim: int) -> tuple:
+  """A decode step's values on a GPU: an output's sum over 16 threads along a block's offsets and `DECODE_SPLIT` along
+  the blocks (`_values_kernel`); a thread's outputs the group's heads (a value read once for G weighted sums) and 4
+  consecutive elements (one 8-byte read of a value row). One element a thread, each of a key's 64 elements was a
+  2-byte load of its own, in a block of its own, re-reading the value's 32-byte sector 16 times from L2. The axes are
+  (sequence, KV head, head in the group, element), those of size 1 dropped."""
+  offsets = math.gcd(16, block_size)
+  axes = [name for name, size in (("p", num_seqs), ("kvh", kv_heads), ("g", group), ("d", head_dim)) if size > 1]
+  opts = [Opt(OptOps.GROUPTOP, 0, offsets), Opt(OptOps.GROUP, int(block_size > offsets), DECODE_SPLIT)]
+  # the elements first: an axis an opt takes whole is gone, and those after it renumber
+  if (elements := math.gcd(4, head_dim)) > 1: opts.append(Opt(OptOps.UPCAST, axes.index("d"), elements))
+  if group > 1: opts.append(Opt(OptOps.UPCAST, axes.index("g"), group))
   return tuple(opts)
 
 
@@ -230,6 +260,7 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   exponentiated = C > 1 or P * n_heads > EXP_INLINE_ROWS
   if exponentiated: full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, S_kernel))[0]
   out = Tensor.empty(T, n_heads * D, dtype=dtype, device=q.device)
+  split = DECODE_SPLIT if C == 1 and not portable.on_cpu(str(q.device)) else 1
   out = Tensor.custom_kernel(out, full, tables, cache.v.reshape(-1), *v_scale, *(() if exponentiated else (row_max,)),
-                             fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, blocks))[0]
+                             fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, split, blocks))[0]
   return out
