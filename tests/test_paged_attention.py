@@ -145,6 +145,24 @@ def test_a_lone_token_writes_its_slot_or_nothing(device, slot):
         if slot >= 0: assert rel_err(g[slot], row.astype(np.float64)) < F32_TOL
 
 
+def _attention_lowered_for_h100(P, C, H, KVH, D, BS, NB, MB) -> dict:
+  """name -> program of the attention of P sequences' C query tokens over an extent of up to MB blocks, captured on
+  tinygrad's NULL device lowering for an H100 (nvrtc), the extent's variable bound to MB and MB - 1."""
+  from test_cuda_compile import NVRTC, captured_programs_of, on_null_cuda
+  if NVRTC is None: pytest.skip("nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
+  with on_null_cuda():
+    cache = PagedKVCache(*(Tensor.empty(NB, BS, KVH, D, dtype=dtypes.float16).realize() for _ in range(2)))
+    tables, q = Tensor.empty(P, MB, dtype=dtypes.int32).realize(), Tensor.empty(P * C, H, D).realize()
+    q_pos, extent = Tensor.empty(P, C, dtype=dtypes.int32).realize(), CountVariable.make("kv_blocks", MB)
+    def attend(q, q_pos, bound):
+      group = AttentionGroup(P, C, tables, CountVariable.count(bound), q_pos, q_pos[:, -1] + 1, kernel_blocks=extent.kernel_count())
+      return paged.attention(q, cache, group, D ** -0.5, None, dtypes.float16).realize()
+    step = TinyJit(attend)
+    for used in (MB, MB - 1): step(q, q_pos, extent.bind(used))   # captured on the second call
+  from types import SimpleNamespace
+  return {p.arg.name: p for p in captured_programs_of(SimpleNamespace(jit=step))}
+
+
 def test_decode_attention_lowered_for_the_h100():
   """The 1B model's decode attention lowered for an H100 (tinygrad's NULL device, nvrtc), at a 2,048-token extent: the
   scores kernel runs a thread a key and KV head, its group's 4 heads a thread (tinygrad's heuristic gave each score a
@@ -152,20 +170,8 @@ def test_decode_attention_lowered_for_the_h100():
   threads as its numerator (merged into one range of the context's length, every thread summed all 2,048 weights)."""
   import re
   from tinygrad.uop.ops import Ops
-  from test_cuda_compile import NVRTC, captured_programs_of, on_null_cuda
-  if NVRTC is None: pytest.skip("nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
   P, H, KVH, D, BS, NB, MB = 1, 32, 8, 64, 16, 256, 128
-  with on_null_cuda():
-    cache = PagedKVCache(*(Tensor.empty(NB, BS, KVH, D, dtype=dtypes.float16).realize() for _ in range(2)))
-    tables, q = Tensor.empty(P, MB, dtype=dtypes.int32).realize(), Tensor.empty(P, H, D).realize()
-    q_pos, extent = Tensor.empty(P, 1, dtype=dtypes.int32).realize(), CountVariable.make("kv_blocks", MB)
-    def attend(q, q_pos, bound):
-      group = AttentionGroup(P, 1, tables, CountVariable.count(bound), q_pos, q_pos[:, -1] + 1, kernel_blocks=extent.kernel_count())
-      return paged.attention(q, cache, group, D ** -0.5, None, dtypes.float16).realize()
-    step = TinyJit(attend)
-    for used in (MB, MB - 1): step(q, q_pos, extent.bind(used))   # captured on the second call
-  from types import SimpleNamespace
-  programs = {p.arg.name: p for p in captured_programs_of(SimpleNamespace(jit=step))}
+  programs = _attention_lowered_for_h100(P, 1, H, KVH, D, BS, NB, MB)
   at_full = {v.expr: v.vmax for p in programs.values() for v in p.arg.vars}
   g, l = programs["paged_scores_1_4_1"].arg.launch_dims(at_full)
   assert math.prod(g) * math.prod(l) == MB * BS * KVH and math.prod(l) == 16, (g, l)
@@ -185,3 +191,18 @@ def test_decode_attention_lowered_for_the_h100():
   assert math.prod(l) == 16 * paged.DECODE_SPLIT and math.prod(g) == KVH * D // 4, (g, l)
   assert re.search(r"half4 \w+ = \(\*\(\(half4\*\)\(\(data\d+_%d" % (NB * BS * KVH * D), source), source
   assert re.search(r"data\d+_>>3", source), source   # the loop's count: the extent's blocks over 8
+
+
+def test_prefill_exps_are_coalesced_on_the_h100():
+  """A 128-token prefill of 32 heads writes exp(score - max) in place (`paged_exp`): with `paged.exp_opts` a warp's 16
+  threads run along a row's keys, so each load and store of a warp touches at most twice the cache lines its bytes
+  fill. tinygrad's heuristic (S is symbolic) put a warp on 32 rows 4 KB apart: 32 lines an access."""
+  from tinygrad.uop.ops import Ops
+  from test_cuda_compile import cache_lines, warp_accesses
+  programs = _attention_lowered_for_h100(1, 128, 32, 8, 64, 16, 64, 16)
+  (name, program), = [(n, p) for n, p in programs.items() if n.startswith("paged_exp")]
+  accesses = [a for a in warp_accesses(next(u.arg for u in program.src if u.op is Ops.SOURCE)) if a[3] is not None]
+  assert len(accesses) >= 3
+  for buffer, kind, width, offsets in accesses:
+    touched, fewest = cache_lines(width, offsets)
+    assert touched <= 2 * fewest, (name, buffer, kind, touched, fewest)

@@ -122,14 +122,26 @@ def _scores_kernel(opts, block_size: int, scale: float, window: int | None, S: U
   return UOp.sink(store.end(p, kvh, gc, s), arg=KernelInfo(name=f"paged_scores_{P}_{G}_{C}", opts_to_apply=opts))
 
 
-def _exp_kernel(S: UOp, scores: UOp, row_max: UOp) -> UOp:
-  """scores[..., s] = exp(scores[..., s] - max of its row), in place, for s < S."""
+def _exp_kernel(opts, S: UOp, scores: UOp, row_max: UOp) -> UOp:
+  """scores[..., s] = exp(scores[..., s] - max of its row), in place, for s < S. `opts`: `exp_opts`."""
   R, MS = math.prod(scores.shape[:-1]), scores.shape[-1]
   scores, row_max = scores.flatten(), row_max.flatten()
   r, s = UOp.range(R, 0), UOp.range(S, 1)
   at = r * MS + s
   store = scores[at].store(((scores[at] - row_max[r]) * LOG2E).exp2())
-  return UOp.sink(store.end(r, s), arg=KernelInfo(name=f"paged_exp_{R}"))
+  return UOp.sink(store.end(r, s), arg=KernelInfo(name=f"paged_exp_{R}", opts_to_apply=opts))
+
+
+def exp_opts(device: str, rows: int, block_size: int) -> tuple | None:
+  """`_exp_kernel`'s opts on a GPU: 16 threads along a row's keys (S is a whole number of blocks), 2 rows a block of
+  32, 4 rows a thread (the rows' grid axis stays under CUDA's 65,535 for a 4,096-token chunk of 32 heads). tinygrad's
+  heuristic, which cannot split the symbolic S, put a warp's threads on 32 rows 4 KB apart, so every load and store
+  of a warp touched 32 cache lines (lowered for the H100). None on the CPU device: its heuristic."""
+  if portable.on_cpu(device): return None
+  opts = [Opt(OptOps.LOCAL, int(rows > 1), math.gcd(16, block_size))]
+  if rows % 2 == 0: opts.append(Opt(OptOps.LOCAL, 0, 2))
+  if rows % 8 == 0: opts.append(Opt(OptOps.UPCAST, 0, 4))
+  return tuple(opts)
 
 
 def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool, split: int, blocks: UOp, out: UOp, scores: UOp,
@@ -258,7 +270,9 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
                               fxn=functools.partial(_scores_kernel, scores_opts, BS, scale, window, S_kernel))[0]
   row_max = full[..., :S].max(-1, keepdim=True).contiguous()
   exponentiated = C > 1 or P * n_heads > EXP_INLINE_ROWS
-  if exponentiated: full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, S_kernel))[0]
+  if exponentiated:
+    opts = exp_opts(str(q.device), P * n_kv_heads * G * C, BS)
+    full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, opts, S_kernel))[0]
   out = Tensor.empty(T, n_heads * D, dtype=dtype, device=q.device)
   split = DECODE_SPLIT if C == 1 and not portable.on_cpu(str(q.device)) else 1
   out = Tensor.custom_kernel(out, full, tables, cache.v.reshape(-1), *v_scale, *(() if exponentiated else (row_max,)),
