@@ -95,9 +95,9 @@ def test_write_and_attention_match_numpy(P, C, H, KVH, D, BS, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("P,MB", [(1, 21), (3, 12)])
 def test_decode_over_blocks_not_a_multiple_of_the_split(device, P, MB):
-  """A decode step's values kernel takes the blocks `paged.DECODE_SPLIT` (8) at a time over threads of their own on a
-  GPU: extents of 19, 3 and 21 blocks (capture, then replays) end in part-filled runs of 8, whose missing blocks must
-  add nothing (their table entries and scores lie past the extent)."""
+  """A decode step's values kernel takes the blocks `paged.decode_split` at a time over threads of their own on a GPU
+  (8 for one sequence, 2 for 3): extents of 19, 3 and 21 blocks (capture, then replays) end in part-filled runs, whose
+  missing blocks must add nothing (their table entries and scores lie past the extent)."""
   rng = np.random.default_rng(MB + P)
   with Context(DEV=device):
     for out, ref in run_case(rng, P, 1, 8, 2, 64, 16, dtypes.float16, dtypes.float16, NB=64, MB=MB):
@@ -188,7 +188,7 @@ def test_decode_attention_lowered_for_the_h100():
   # the values: an output's sum over 16 offsets x 8 runs of blocks (128 threads, each looping over an 8th of the
   # blocks), the group's 4 heads and 4 elements a thread (a value read once, 8 bytes, for 16 sums): KVH x D/4 blocks
   g, l = programs["paged_values_1_4_1"].arg.launch_dims(at_full)
-  assert math.prod(l) == 16 * paged.DECODE_SPLIT and math.prod(g) == KVH * D // 4, (g, l)
+  assert math.prod(l) == 16 * paged.DECODE_SPLIT == 16 * paged.decode_split(1) and math.prod(g) == KVH * D // 4, (g, l)
   assert re.search(r"half4 \w+ = \(\*\(\(half4\*\)\(\(data\d+_%d" % (NB * BS * KVH * D), source), source
   assert re.search(r"data\d+_>>3", source), source   # the loop's count: the extent's blocks over 8
 

@@ -41,9 +41,18 @@ if TYPE_CHECKING: from tinyvllm.kernels import AttentionGroup
 # tokens on an H100, about a launch; 32 such sequences would pay 32 times that
 EXP_INLINE_ROWS = 64
 LOG2E = 1 / math.log(2)
-# a decode step's values kernel takes the context's blocks this many at a time over threads of their own, beside a
-# block's 16 offsets (`_values_kernel`): 128 threads an output, each looping over 1/8 of the blocks
+# a batch-1 decode step's values kernel takes the context's blocks this many at a time over threads of their own,
+# beside a block's 16 offsets (`_values_kernel`): 128 threads an output, each looping over 1/8 of the blocks
 DECODE_SPLIT = 8
+
+
+def decode_split(num_seqs: int) -> int:
+  """The values kernel's runs of blocks for a decode step of `num_seqs` sequences: DECODE_SPLIT shared among them, so
+  that a step's threads stay about as many (more sequences bring threads of their own). tinygrad's final sum over an
+  output's threads has every thread read all of their partial sums from shared memory (16 of them for the group's 4
+  heads x 4 elements): at 128 threads an output that is about 13,000 instructions a block, 50 us a layer for a
+  32-sequence step, where 16 threads take 200."""
+  return max(1, DECODE_SPLIT // num_seqs)
 
 
 def applies(cache: PagedKVCache, packed: bool, softcap: float | None) -> bool:
@@ -157,7 +166,7 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   of 128: 256 threads, each looping over every key alone), so decode passes ask for it (`rope_attention`).
 
   `split`: the blocks taken `split` at a time, block hi * split + j, so that a decode step's opts can give j threads of
-  its own too (`DECODE_SPLIT`): the symbolic loop over the blocks then has 1/split of the context, each iteration a
+  its own too (`decode_split`): the symbolic loop over the blocks then has 1/split of the context, each iteration a
   table entry and a value read that hang on each other; at batch 1 a thread's loop is the whole kernel's latency."""
   P, KVH, GC, MS = scores.shape
   MB, G = tables.shape[1], n_heads // scores.shape[1]
@@ -214,14 +223,14 @@ def decode_scores_opts(block_size: int, num_seqs: int, kv_heads: int, group: int
 
 
 def decode_values_opts(block_size: int, num_seqs: int, kv_heads: int, group: int, head_dim: int) -> tuple:
-  """A decode step's values on a GPU: an output's sum over 16 threads along a block's offsets and `DECODE_SPLIT` along
+  """A decode step's values on a GPU: an output's sum over 16 threads along a block's offsets and `decode_split`'s along
   the blocks (`_values_kernel`); a thread's outputs the group's heads (a value read once for G weighted sums) and 4
   consecutive elements (one 8-byte read of a value row). One element a thread, each of a key's 64 elements was a
   2-byte load of its own, in a block of its own, re-reading the value's 32-byte sector 16 times from L2. The axes are
   (sequence, KV head, head in the group, element), those of size 1 dropped."""
-  offsets = math.gcd(16, block_size)
+  offsets, split = math.gcd(16, block_size), decode_split(num_seqs)
   axes = [name for name, size in (("p", num_seqs), ("kvh", kv_heads), ("g", group), ("d", head_dim)) if size > 1]
-  opts = [Opt(OptOps.GROUPTOP, 0, offsets), Opt(OptOps.GROUP, int(block_size > offsets), DECODE_SPLIT)]
+  opts = [Opt(OptOps.GROUPTOP, 0, offsets)] + ([Opt(OptOps.GROUP, int(block_size > offsets), split)] if split > 1 else [])
   # the elements first: an axis an opt takes whole is gone, and those after it renumber
   if (elements := math.gcd(4, head_dim)) > 1: opts.append(Opt(OptOps.UPCAST, axes.index("d"), elements))
   if group > 1: opts.append(Opt(OptOps.UPCAST, axes.index("g"), group))
@@ -274,7 +283,7 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
     opts = exp_opts(str(q.device), P * n_kv_heads * G * C, BS)
     full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, opts, S_kernel))[0]
   out = Tensor.empty(T, n_heads * D, dtype=dtype, device=q.device)
-  split = DECODE_SPLIT if C == 1 and not portable.on_cpu(str(q.device)) else 1
+  split = decode_split(P) if C == 1 and not portable.on_cpu(str(q.device)) else 1
   out = Tensor.custom_kernel(out, full, tables, cache.v.reshape(-1), *v_scale, *(() if exponentiated else (row_max,)),
                              fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, split, blocks))[0]
   return out
