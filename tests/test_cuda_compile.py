@@ -343,3 +343,37 @@ def test_a_vocabulary_argmax_lowers_to_thousands_of_threads(rows, monkeypatch):
   dims = [to_program(ast, h100_renderer()).arg.launch_dims({}) for ast in asts if ast.op is Ops.SINK]
   assert len(dims) == 2
   assert launch_threads(*dims[0]) >= 4096 and launch_threads(*dims[1]) >= 16 * rows
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_a_decode_steps_own_kernels_coalesce_on_the_h100(tmp_path, quantization):
+  """Every load and store of our kernels in decode steps of 1 and 3 sequences (float16 and INT4 weights; lowered for
+  the H100 as the engine captures them) touches at most twice the 128-byte lines its bytes fill, where `warp_accesses`
+  can follow its index: a gather through the block table it cannot. tinygrad's own kernels (`r_`, `E_`) are its
+  heuristic's, and a prefill's attention keeps that heuristic too: not held here. A hidden size of 512 gives the
+  GEMVs whole warps a row (INT4: 8 groups of 64)."""
+  from conftest import make_tiny_llama
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
+  path = make_tiny_llama(tmp_path, dtype="float16", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=64, num_hidden_layers=1, max_position_embeddings=1024)
+  with on_null_cuda():
+    engine = LLMEngine.from_kwargs(str(path), kernel_backend="portable", dtype="float16", max_model_len=1024, num_kv_blocks=64,
+                                   max_num_seqs=3, **({"quantization": quantization} if quantization else {}))
+    for batch in (1, 3):
+      for i in range(batch): engine.add_request(f"{batch}-{i}", {"prompt_token_ids": [5 + i] * 40}, SamplingParams(max_tokens=3, temperature=0))
+      while engine.has_unfinished_requests(): engine.step()
+  decode = [r for shape, replays in engine.runner.replays.items() if shape.query_len == 1
+            for r in (replays if engine.runner.whole_pass else (replays[0], *replays[1], replays[2]))]
+  plain = lambda name: re.sub(r"\x1b\[\d+m", "", name)   # tinygrad colors its kernels' names
+  ours = {plain(p.arg.name): p for replay in decode for p in captured_programs_of(replay)
+          if not plain(p.arg.name).startswith(("r_", "E_"))}
+  assert any(n.startswith("gemv") for n in ours) and any(n.startswith("paged_values") for n in ours), sorted(ours)
+  followed = 0
+  for name, program in ours.items():
+    for buffer, kind, width, offsets in warp_accesses(next(u.arg for u in program.src if u.op is Ops.SOURCE)):
+      if offsets is None: continue
+      touched, fewest = cache_lines(width, offsets)
+      assert touched <= 2 * fewest, (name, buffer, kind, width, touched, fewest)
+      followed += 1
+  assert followed > 20
