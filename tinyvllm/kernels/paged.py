@@ -202,8 +202,8 @@ def kernel_opts(device: str, query_len: int, block_size: int, num_seqs: int = 1,
                 head_dim: int = 1) -> tuple[tuple | None, tuple | None]:
   """tinygrad's optimizations for the scores and values kernels on a device (None: its heuristic picks them). On the
   CPU device none: its heuristic unrolls every small axis of the two reductions (a 120 KB C source that took clang 5 s
-  for 4 sequences), and there these kernels only serve the portable backend's tests. For decode on a GPU, the values'
-  sum over a block's offsets split over 16 threads an output (`_values_kernel`), and `decode_scores_opts`."""
+  for 4 sequences), and there these kernels only serve the portable backend's tests. For decode on a GPU,
+  `decode_scores_opts` and `decode_values_opts`."""
   if portable.on_cpu(device): return (), ()
   if query_len > 1: return None, None
   return (decode_scores_opts(block_size, num_seqs, kv_heads, group, head_dim),
