@@ -93,14 +93,16 @@ def test_write_and_attention_match_numpy(P, C, H, KVH, D, BS, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("P,MB", [(1, 21), (3, 12)])
-def test_decode_over_blocks_not_a_multiple_of_the_split(device, P, MB):
+@pytest.mark.parametrize("P,MB,H,KVH", [(1, 21, 8, 2), (3, 12, 8, 2), (1, 12, 32, 2), (2, 5, 32, 1)])
+def test_decode_over_blocks_not_a_multiple_of_the_split(device, P, MB, H, KVH):
   """A decode step's values kernel takes the blocks `paged.decode_split` at a time over threads of their own on a GPU
-  (8 for one sequence, 2 for 3): extents of 19, 3 and 21 blocks (capture, then replays) end in part-filled runs, whose
-  missing blocks must add nothing (their table entries and scores lie past the extent)."""
-  rng = np.random.default_rng(MB + P)
+  (8 for one sequence, 2 for 3): extents of MB - 2, 3 and MB blocks (capture, then replays) end in part-filled runs,
+  whose missing blocks must add nothing (their table entries and scores lie past the extent). Groups of 16 heads (a
+  GLM-4-like 32 over 2) take 4 runs, their partial sums otherwise past Apple's 32 KB of threadgroup memory, and of 32
+  (one KV head) a thread 16 of them, tinygrad's most."""
+  rng = np.random.default_rng(MB + P + H)
   with Context(DEV=device):
-    for out, ref in run_case(rng, P, 1, 8, 2, 64, 16, dtypes.float16, dtypes.float16, NB=64, MB=MB):
+    for out, ref in run_case(rng, P, 1, H, KVH, 64, 16, dtypes.float16, dtypes.float16, NB=64, MB=MB):
       assert rel_err(out, ref) < F16_TOL
 
 
@@ -188,9 +190,20 @@ def test_decode_attention_lowered_for_the_h100():
   # the values: an output's sum over 16 offsets x 8 runs of blocks (128 threads, each looping over an 8th of the
   # blocks), the group's 4 heads and 4 elements a thread (a value read once, 8 bytes, for 16 sums): KVH x D/4 blocks
   g, l = programs["paged_values_1_4_1"].arg.launch_dims(at_full)
-  assert math.prod(l) == 16 * paged.DECODE_SPLIT == 16 * paged.decode_split(1) and math.prod(g) == KVH * D // 4, (g, l)
+  assert math.prod(l) == 16 * paged.DECODE_SPLIT == 16 * paged.decode_split(1, BS, H // KVH, D) and math.prod(g) == KVH * D // 4, (g, l)
   assert re.search(r"half4 \w+ = \(\*\(\(half4\*\)\(\(data\d+_%d" % (NB * BS * KVH * D), source), source
   assert re.search(r"data\d+_>>3", source), source   # the loop's count: the extent's blocks over 8
+
+
+def test_the_split_fits_threadgroup_memory():
+  """`decode_split` for the values kernel's partial sums (an output's threads x the heads and 4 elements a thread, and
+  the heads' denominators, float32): 8 runs of blocks for one sequence of the 1B's groups of 4, halved for a group of
+  16 (8 would take 40 KB where Apple gives 32), shared among sequences, none from 5 on."""
+  assert [paged.decode_split(P, 16, 4, 64) for P in (1, 2, 3, 4, 5, 32)] == [8, 4, 2, 2, 1, 1]
+  for G in (13, 16, 32):
+    split = paged.decode_split(1, 16, G, 64)
+    assert 16 * split * min(G, 16) * 5 * 4 <= paged.SHARED_BYTES < 16 * 2 * split * min(G, 16) * 5 * 4, (G, split)
+  assert paged.decode_split(1, 8, 16, 64) == 8   # 8 offsets a block: half the threads
 
 
 def test_prefill_exps_are_coalesced_on_the_h100():

@@ -46,13 +46,27 @@ LOG2E = 1 / math.log(2)
 DECODE_SPLIT = 8
 
 
-def decode_split(num_seqs: int) -> int:
+# threadgroup memory a kernel may take: Apple GPUs' 32 KB (CUDA gives a block 48 KB)
+SHARED_BYTES = 32768
+
+
+def decode_split(num_seqs: int, block_size: int, group: int, head_dim: int) -> int:
   """The values kernel's runs of blocks for a decode step of `num_seqs` sequences: DECODE_SPLIT shared among them, so
   that a step's threads stay about as many (more sequences bring threads of their own). tinygrad's final sum over an
   output's threads has every thread read all of their partial sums from shared memory (16 of them for the group's 4
   heads x 4 elements): at 128 threads an output that is about 13,000 instructions a block, 50 us a layer for a
-  32-sequence step, where 16 threads take 200."""
-  return max(1, DECODE_SPLIT // num_seqs)
+  32-sequence step, where 16 threads take 200. Halved while those sums would not fit SHARED_BYTES (a group of 13 or
+  more heads at 128 threads an output: 33 KB and up)."""
+  threads = math.gcd(16, block_size)   # an output's threads along a block's offsets
+  sums = _heads_a_thread(group) * (math.gcd(4, head_dim) + 1)   # numerators (heads x elements) and denominators
+  split = max(1, DECODE_SPLIT // num_seqs)
+  while split > 1 and threads * split * sums * 4 > SHARED_BYTES: split //= 2
+  return split
+
+
+def _heads_a_thread(group: int) -> int:
+  """The heads of a GQA group one thread takes (tinygrad upcasts at most 16): the most that divide the group."""
+  return next(n for n in range(min(group, 16), 0, -1) if group % n == 0)
 
 
 def applies(cache: PagedKVCache, packed: bool, softcap: float | None) -> bool:
@@ -217,7 +231,7 @@ def decode_scores_opts(block_size: int, num_seqs: int, kv_heads: int, group: int
   2,048-token context). The axes are (sequence, KV head, head in the group, key), those of size 1 dropped."""
   axes = [name for name, size in (("p", num_seqs), ("kvh", kv_heads), ("g", group)) if size > 1] + ["s"]
   opts = [Opt(OptOps.LOCAL, axes.index("s"), math.gcd(16, block_size))]
-  if group > 1: opts.append(Opt(OptOps.UPCAST, axes.index("g"), group))
+  if (heads := _heads_a_thread(group)) > 1: opts.append(Opt(OptOps.UPCAST, axes.index("g"), heads))
   if (unroll := math.gcd(8, head_dim)) > 1: opts.append(Opt(OptOps.UNROLL, 0, unroll))
   return tuple(opts)
 
@@ -228,12 +242,12 @@ def decode_values_opts(block_size: int, num_seqs: int, kv_heads: int, group: int
   consecutive elements (one 8-byte read of a value row). One element a thread, each of a key's 64 elements was a
   2-byte load of its own, in a block of its own, re-reading the value's 32-byte sector 16 times from L2. The axes are
   (sequence, KV head, head in the group, element), those of size 1 dropped."""
-  offsets, split = math.gcd(16, block_size), decode_split(num_seqs)
+  offsets, split = math.gcd(16, block_size), decode_split(num_seqs, block_size, group, head_dim)
   axes = [name for name, size in (("p", num_seqs), ("kvh", kv_heads), ("g", group), ("d", head_dim)) if size > 1]
   opts = [Opt(OptOps.GROUPTOP, 0, offsets)] + ([Opt(OptOps.GROUP, int(block_size > offsets), split)] if split > 1 else [])
   # the elements first: an axis an opt takes whole is gone, and those after it renumber
   if (elements := math.gcd(4, head_dim)) > 1: opts.append(Opt(OptOps.UPCAST, axes.index("d"), elements))
-  if group > 1: opts.append(Opt(OptOps.UPCAST, axes.index("g"), group))
+  if (heads := _heads_a_thread(group)) > 1: opts.append(Opt(OptOps.UPCAST, axes.index("g"), heads))
   return tuple(opts)
 
 
@@ -283,7 +297,7 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
     opts = exp_opts(str(q.device), P * n_kv_heads * G * C, BS)
     full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, opts, S_kernel))[0]
   out = Tensor.empty(T, n_heads * D, dtype=dtype, device=q.device)
-  split = decode_split(P) if C == 1 and not portable.on_cpu(str(q.device)) else 1
+  split = decode_split(P, BS, G, D) if C == 1 and not portable.on_cpu(str(q.device)) else 1
   out = Tensor.custom_kernel(out, full, tables, cache.v.reshape(-1), *v_scale, *(() if exponentiated else (row_max,)),
                              fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, split, blocks))[0]
   return out
