@@ -211,11 +211,8 @@ def test_prefill_exps_are_coalesced_on_the_h100():
   threads run along a row's keys, so each load and store of a warp touches at most twice the cache lines its bytes
   fill. tinygrad's heuristic (S is symbolic) put a warp on 32 rows 4 KB apart: 32 lines an access."""
   from tinygrad.uop.ops import Ops
-  from test_cuda_compile import cache_lines, warp_accesses
+  from test_cuda_compile import loose_accesses
   programs = _attention_lowered_for_h100(1, 128, 32, 8, 64, 16, 64, 16)
   (name, program), = [(n, p) for n, p in programs.items() if n.startswith("paged_exp")]
-  accesses = [a for a in warp_accesses(next(u.arg for u in program.src if u.op is Ops.SOURCE)) if a[3] is not None]
-  assert len(accesses) >= 3
-  for buffer, kind, width, offsets in accesses:
-    touched, fewest = cache_lines(width, offsets)
-    assert touched <= 2 * fewest, (name, buffer, kind, touched, fewest)
+  count, loose = loose_accesses(next(u.arg for u in program.src if u.op is Ops.SOURCE))
+  assert count >= 3 and not loose, (name, loose)

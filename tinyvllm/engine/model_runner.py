@@ -448,10 +448,11 @@ class ModelRunner:
     self.copies.upload(t.uop.buffer, np.asarray(values, np.int32))
     return t
 
-  def captures(self) -> list[Replay]:
-    """Every capture of every shape kept (a decode shape's second capture for multi-step runs once a run took it)."""
-    return [r for replays in self.replays.values() for r in (replays if self.whole_pass else (replays[0], *replays[1], replays[2]))
-            if r.jit.captured is not None]
+  def captures(self, shapes: list[PassShape] | None = None) -> list[Replay]:
+    """Every capture of every shape kept, or of `shapes` (a decode shape's second capture for multi-step runs once a
+    run took it)."""
+    return [r for shape, replays in self.replays.items() if shapes is None or shape in shapes
+            for r in (replays if self.whole_pass else (replays[0], *replays[1], replays[2])) if r.jit.captured is not None]
 
   def _replays(self, shape: PassShape) -> tuple[Replay] | tuple[Replay, tuple[Replay, ...], Replay]:
     """A whole pass's capture, or the input, layer and head captures of layer mode."""

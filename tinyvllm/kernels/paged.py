@@ -195,12 +195,13 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   # b < blocks, written with j alone where a run of `split` is part-filled: tinygrad merges two ranges that every
   # index reads as hi * split + j into one (of symbolic length, which no opt splits), and this clause tells them apart
   inside = (hi < blocks // split) | (hi.eq(blocks // split) & (j < blocks % split)) if split > 1 else None
+  masked = lambda idx: idx.valid(inside) if inside is not None else idx   # past the blocks: a load of 0
   g, c = gc // C, gc % C
   row = (p * KVH + kvh) * GC + gc
-  weight = scores[(row * MS + b * block_size + o).valid(inside) if inside is not None else row * MS + b * block_size + o]
+  weight = scores[masked(row * MS + b * block_size + o)]
   if row_max is not None: weight = ((weight - row_max[row]) * LOG2E).exp2()
   if inside is not None: weight = inside.where(weight, 0.0)
-  entry = tables[(p * MB + b).valid(inside) if inside is not None else p * MB + b]   # past the blocks: 0, read harmlessly
+  entry = tables[masked(p * MB + b)]   # 0 past the blocks: block 0, read harmlessly
   slot = _cache_block(entry, v, block_size, KVH, D) * block_size + o
   acc = (weight * _read(v, v_scale.flatten() if quantized else None, slot, kvh, d, KVH, D)).reduce(hi, j, o, arg=Ops.ADD)
   # the softmax's denominator, summed beside the numerator in the same loop and split over the same threads: its
@@ -297,7 +298,7 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
     opts = exp_opts(str(q.device), P * n_kv_heads * G * C, BS)
     full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, opts, S_kernel))[0]
   out = Tensor.empty(T, n_heads * D, dtype=dtype, device=q.device)
-  split = decode_split(P, BS, G, D) if C == 1 and not portable.on_cpu(str(q.device)) else 1
+  split = next((o.arg for o in values_opts or () if o.op is OptOps.GROUP), 1)   # the runs of blocks its opts split
   out = Tensor.custom_kernel(out, full, tables, cache.v.reshape(-1), *v_scale, *(() if exponentiated else (row_max,)),
                              fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, split, blocks))[0]
   return out
