@@ -12,7 +12,9 @@ Each variant's kernels are timed by tinygrad's device timer (CUDA events on a GP
 flushed before each call (a 1B layer's weights fit the H100's 50 MB L2; a decode step streams them from memory), and
 summed per variant; the median of --rounds. Both variants are first checked to agree (relative error below 2e-3:
 float16 outputs). Printed: microseconds each, kernels each, our speed over tinygrad's, and the weight bytes per second
-ours reads (against the device's bandwidth: `python -m tinyvllm.bench` measures it).
+ours reads (against the device's bandwidth: `python -m tinyvllm.bench` measures it). Where a batch that size of float16
+rows runs on the tensor cores instead (kernels/gemm.py: 16 rows or more on NVIDIA), that kernel's time too, with the
+norm, gating or residual around it (`--rows 32`).
 """
 from __future__ import annotations
 import argparse, json, sys
@@ -57,6 +59,21 @@ def weights(fmt: str, N: int, K: int, rng, device: str):
   words = rng.integers(0, 2**32, (N, K // 8), dtype=np.uint32)
   scales = (rng.uniform(0.5, 1.5, (N, K // GROUP)) / 8 / np.sqrt(K)).astype(np.float16)
   return LinearWeights(INT4, *(Tensor(a, device=device).realize() for a in (words, scales)), biases=Tensor(-7.5 * scales, device=device).realize())
+
+
+def tensor_core_variant(fusion: str, x, w, g, r):
+  """The projection as a batch beyond the GEMV's rows runs it on float16 weights (kernels/gemm.py: the tensor cores,
+  the norm before and the gating or residual after as tensor ops), or None where that kernel does not apply."""
+  from tinyvllm.kernels import gemm, portable
+  if fusion in ("norm", "glu") and gemm.applies(x, w):
+    normed = lambda: portable.rms_norm(x, g, EPS)
+    if fusion == "norm": return lambda: gemm.matmul(normed(), w)
+    inter = w.weight.shape[0] // 2
+    def gated():
+      gate_up = gemm.matmul(normed(), w)
+      return portable.gated(gate_up[:, :inter], gate_up[:, inter:], "silu").contiguous()
+    return gated
+  return (lambda: r + gemm.matmul(x, w)) if gemm.applies(x, w) else None
 
 
 def variants(fusion: str, x, w, g, r):
@@ -139,14 +156,21 @@ def main() -> None:
         assert err < (2e-3 if fmt in ("float16", "int4") else 1e-2), f"{model} {name} T={T}: our GEMV and tinygrad's ops disagree (relative error {err:.2e})"
         s_ours, k_ours = device_seconds(ours, args.rounds)
         s_theirs, k_theirs = theirs_timed = theirs_timed or device_seconds(theirs, args.rounds)
+        tc, us_tc = tensor_core_variant(fusion, x, w, g, r), None
+        if tc is not None and (threads, per_thread, x_rows) == schedules[0]:
+          c = tc().numpy().astype(np.float64)
+          assert float(np.linalg.norm(c - b) / np.linalg.norm(b)) < 2e-3, f"{model} {name} T={T}: the tensor-core kernel and tinygrad's ops disagree"
+          us_tc = device_seconds(tc, args.rounds)[0] * 1e6
         rows.append({"model": model, "projection": name, "format": fmt, "N": N, "K": K, "rows": T, "fusion": fusion, "device": dev,
                      "schedule": f"{threads}x{per_thread}x{x_rows}", "us_ours": s_ours * 1e6, "us_tinygrad": s_theirs * 1e6,
                      "kernels_ours": k_ours, "kernels_tinygrad": k_theirs, "speedup": s_theirs / s_ours,
-                     "weight_gbps_ours": sum(t.nbytes() for t in w.tensors()) / s_ours / 1e9, "rel_err": err})
+                     "weight_gbps_ours": sum(t.nbytes() for t in w.tensors()) / s_ours / 1e9, "rel_err": err,
+                     "us_tensor_cores": us_tc})
         rec = rows[-1]
         tqdm.write(f"{rec['model']:5} {rec['projection']:>10} {rec['format']:>7} {rec['N']:>6} x {rec['K']:<6} {rec['rows']:>2} "
                    f"{rec['us_ours']:9.1f} {rec['us_tinygrad']:11.1f} {rec['kernels_ours']:>3} / {rec['kernels_tinygrad']:<2} "
-                   f"{rec['speedup']:8.2f} {rec['weight_gbps_ours']:9.1f}" + (f"  {rec['schedule']}" if len(schedules) > 1 else ""),
+                   f"{rec['speedup']:8.2f} {rec['weight_gbps_ours']:9.1f}" + (f"  {rec['schedule']}" if len(schedules) > 1 else "")
+                   + (f"  tensor cores {us_tc:.1f} us" if us_tc is not None else ""),
                    file=sys.stdout)
   if args.json: args.json.write_text(json.dumps(rows, indent=1))
 

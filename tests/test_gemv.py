@@ -261,7 +261,7 @@ def test_which_projections_take_it():
   matmul and its tensor cores), not a sharded layer, and not INT4 on the metal backend (its shaders' own GEMV)."""
   from tinyvllm.kernels import Kernels, ShaderKernels
   w = LinearWeights(FLOAT, Tensor.empty(64, 32))
-  rows = lambda T, device="CUDA", K=32: type("Rows", (), {"shape": (T, K), "device": device, "ndim": 2})   # x, without a GPU
+  rows = lambda T, device="CUDA", K=32: type("Rows", (), {"shape": (T, K), "device": device, "ndim": 2, "dtype": dtypes.float32})   # x, without a GPU
   def kernels(cpu: bool, shards: int = 1, base=Kernels) -> Kernels:   # the fields takes_gemv reads, without a device
     k = object.__new__(type("Backend", (base,), {"shards": shards}))
     k.cpu = cpu

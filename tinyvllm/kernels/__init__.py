@@ -9,7 +9,7 @@ from __future__ import annotations
 import platform, re, sys
 from dataclasses import dataclass
 from tinygrad import Device, Tensor, dtypes
-from tinyvllm.kernels import cpu, cpu_layer, gemv, metal, paged, portable
+from tinyvllm.kernels import cpu, cpu_layer, gemm, gemv, metal, paged, portable
 from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
 from tinyvllm.quant.formats import FLOAT, INT4, INT8, PACKED, LinearWeights
 from tinyvllm.kernels.threads import ThreadPool, default_threads
@@ -159,6 +159,7 @@ class Kernels:
     """`norm_linear` as float32: the LM head's logits. A GPU decode step's GEMV stores them as float32 itself (summed in
     float32 and rounded once), where a cast after it was a launch of its own."""
     if self.takes_gemv(x, w): return gemv.gemv(x, w, norm=(norm_weight, eps), dtype=dtypes.float32)
+    if self.takes_tensor_cores(x, w): return gemm.matmul(self.rms_norm(x, norm_weight, eps), w, dtype=dtypes.float32)
     return self.norm_linear(x, norm_weight, eps, w).float()
 
   def norm_glu(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights, inter: int, act: str = "silu") -> Tensor:
@@ -185,6 +186,7 @@ class Kernels:
   def linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     """x `[T, in]` @ W^T (+ bias), W in any stored format (quant/formats.py)."""
     if self.takes_gemv(x, w): return gemv.gemv(x, w)
+    if self.takes_tensor_cores(x, w): return gemm.matmul(x, w)
     if w.format == INT8: y = self.q8_linear(x, w)
     elif w.format == INT4: y = self.int4_linear(x, w)
     elif w.format == PACKED: y = self.packed_linear(x, w)
@@ -194,8 +196,16 @@ class Kernels:
 
   def takes_gemv(self, x: Tensor, *weights: LinearWeights) -> bool:
     """Does a projection of these few rows by each of `weights` on a GPU run as our GEMV kernel (kernels/gemv.py)?
-    tinygrad's matmul misses its matrix-vector schedule for float16 weights, dequantized codes and normed inputs."""
-    return not self.cpu and self.shards == 1 and all(w.format in self.gemv_formats and gemv.applies(x, w) for w in weights)
+    tinygrad's matmul misses its matrix-vector schedule for float16 weights, dequantized codes and normed inputs.
+    Not where the tensor cores take them (`takes_tensor_cores`: from 9 rows, where the GEMV's 16 and 32 rows of a
+    narrow weight ran every multiply on the CUDA cores)."""
+    return not self.cpu and self.shards == 1 and all(w.format in self.gemv_formats and gemv.applies(x, w) and not gemm.applies(x, w)
+                                                     for w in weights)
+
+  def takes_tensor_cores(self, x: Tensor, *weights: LinearWeights) -> bool:
+    """Does a projection of these rows (a decode batch beyond the GEMV's) by each of `weights` run as our tensor-core
+    kernel (kernels/gemm.py): float weights of x's dtype, on a GPU with tensor cores for it?"""
+    return not self.cpu and self.shards == 1 and all(gemm.applies(x, w) for w in weights)
 
   def q8_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     if self.cpu and x.dtype == dtypes.float32: return cpu.q8_linear(x, w.weight, w.scales, self.pool)

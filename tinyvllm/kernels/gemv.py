@@ -21,8 +21,9 @@ tinygrad already; and with `qkv_rope_write` the qkv projection stores its heads 
 v in their cache slots (1: the write kernel). A quantized weight's norm keeps a small kernel of its own (`_projector`
 says why). Everything is summed in float32 and rounded once, at the store.
 
-Only for a few rows (`MAX_ROWS`, `max_rows`): beyond them the weight is no longer the cost, and tinygrad's matmul
-(tensor cores) is the right kernel. Not on the CPU device, where our C kernels serve (kernels/cpu.py)."""
+Only for a few rows (`MAX_ROWS`, `max_rows`): beyond them the multiplies are the cost, and the tensor cores are the
+right unit (kernels/gemm.py for float16 weights, which `Kernels.takes_gemv` prefers from 9 rows; else tinygrad's
+matmul). Not on the CPU device, where our C kernels serve (kernels/cpu.py)."""
 from __future__ import annotations
 import functools, math
 from tinygrad import Tensor, UOp, dtypes

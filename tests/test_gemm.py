@@ -1,0 +1,108 @@
+"""kernels/gemm.py, a decode batch's projections on the tensor cores, against float64 numpy on tinygrad's METAL device
+through our emulator (tinygrad's simdgroup_matrix tensor cores, 8 x 8 x 8) and the GPU named by TINYVLLM_TEST_DEVICE;
+lowered for an H100 without one (nvrtc: mma.sync, 16 x 8 x 16), where its grid and loads are checked against the
+tinygrad matmul it replaces.
+
+Tolerances, relative (‖out−ref‖/‖ref‖) against float64 sums of the same rounded inputs: float32 output 1e-5 (the
+products are exact, the sums float32); float16 output 2e-3 (rounded once, up to 2^-11 an element)."""
+from __future__ import annotations
+import numpy as np
+import pytest
+from tinygrad import Tensor, dtypes
+from tinyvllm.kernels import gemm
+from tinyvllm.quant.formats import FLOAT, INT4, LinearWeights
+from test_replay import DEVICES
+
+GPUS = [d for d in DEVICES if d != "CPU"]
+
+
+def _random(rng, T, N, K, device, bias):
+  x, w, b = rng.standard_normal((T, K)), rng.standard_normal((N, K)) / np.sqrt(K), rng.standard_normal(N)
+  x, w, b = (a.astype(np.float16) for a in (x, w, b))
+  weights = LinearWeights(FLOAT, Tensor(w, device=device).realize(), bias=Tensor(b, device=device).realize() if bias else None)
+  ref = x.astype(np.float64) @ w.astype(np.float64).T + (b.astype(np.float64) if bias else 0)
+  return Tensor(x, device=device).realize(), weights, ref
+
+
+@pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize("T, N, K, bias", [(16, 64, 512, False), (32, 96, 256, True), (64, 128, 1024, False), (128, 64, 256, True)])
+def test_matches_numpy(device, T, N, K, bias):
+  """Shapes whose grid splits the input (S > 1) and not, x's tiles all a warp's and not (128 rows), with a bias."""
+  rng = np.random.default_rng(T + N + K)
+  x, w, ref = _random(rng, T, N, K, device, bias)
+  assert gemm.applies(x, w)
+  for dtype, tol in ((dtypes.float32, 1e-5), (None, 2e-3)):
+    out = gemm.matmul(x, w, dtype=dtype).numpy().astype(np.float64)
+    assert out.dtype == np.float64 and np.linalg.norm(out - ref) / np.linalg.norm(ref) < tol
+
+
+@pytest.mark.parametrize("device", [d for d in GPUS if d == "METAL"])
+def test_metal_runs_it_on_simdgroup_matrices(device):
+  """The kernel tinygrad lowers for Metal multiplies on simdgroup_matrix (the tensor-core opt applied, not dropped)."""
+  from tinygrad import Device
+  rng = np.random.default_rng(3)
+  x, w, _ = _random(rng, 32, 64, 256, device, False)
+  Device[device].sources.clear() if hasattr(Device[device], "sources") else None
+  gemm.matmul(x, w).realize()
+  sources = [s for s in getattr(Device[device], "sources", {}).values() if "gemm_tc" in s]
+  if not sources: pytest.skip("the device keeps no sources (a real Mac)")
+  assert all("simdgroup_multiply_accumulate" in s for s in sources)
+
+
+def test_which_projections_take_it():
+  """Float16 or bfloat16 weights of x's dtype, 9 to 256 rows in whole tiles, outputs and input in whole tiles; not
+  INT4 (the GEMV), float32 (TF32 on NVIDIA), the CPU device or a batch the GEMV takes."""
+  from tinygrad import Device
+  if "METAL" not in DEVICES: pytest.skip("needs a device with tensor cores: emulated METAL")
+  rows = lambda T, dtype=dtypes.float16, K=256: Tensor.empty(T, K, dtype=dtype, device="METAL")
+  w = LinearWeights(FLOAT, Tensor.empty(64, 256, dtype=dtypes.float16, device="METAL"))
+  assert gemm.applies(rows(16), w) and gemm.applies(rows(256), w) and not gemm.applies(rows(8), w) and not gemm.applies(rows(264), w)
+  assert not gemm.applies(rows(12), w)   # not whole tiles of 8 rows
+  assert not gemm.applies(rows(16, dtypes.float32), LinearWeights(FLOAT, Tensor.empty(64, 256, device="METAL")))
+  assert not gemm.applies(rows(16, dtypes.bfloat16), w)   # weight and x of different dtypes
+  assert not gemm.applies(rows(16, K=264), LinearWeights(FLOAT, Tensor.empty(64, 264, dtype=dtypes.float16, device="METAL")))
+  int4 = LinearWeights(INT4, Tensor.empty(64, 32, dtype=dtypes.uint32, device="METAL"), Tensor.empty(64, 4, device="METAL"))
+  assert not gemm.applies(rows(16), int4)
+  assert not gemm.applies(Tensor.empty(16, 256, dtype=dtypes.float16), LinearWeights(FLOAT, Tensor.empty(64, 256, dtype=dtypes.float16)))
+
+
+def _lowered_for_h100(T, N, K):
+  """The CUDA sources of tinygrad's matmul and of ours for x `[T, K]` @ W^T, W `[N, K]` float16, lowered for sm_90."""
+  import os
+  from test_cuda_compile import NVRTC, h100_renderer, on_null_cuda, recording_kernels
+  if NVRTC is None: pytest.skip("nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
+  from tinygrad.codegen import to_program
+  from tinygrad.uop.ops import Ops
+  sources = {}
+  with on_null_cuda():
+    gemm.tensor_core.cache_clear()
+    for name, fn in (("tinygrad", lambda x, w: x @ w.T), ("ours", lambda x, w: gemm.matmul(x, LinearWeights(FLOAT, w), dtype=dtypes.float32))):
+      x, w = Tensor.empty(T, K, dtype=dtypes.half), Tensor.empty(N, K, dtype=dtypes.half)
+      with recording_kernels() as asts: fn(x, w).realize()
+      programs = [to_program(a, h100_renderer()) for a in asts]
+      sources[name] = [src for p in programs if "mma.sync" in (src := next(s.arg for s in p.src if s.op is Ops.SOURCE))]
+    gemm.tensor_core.cache_clear()
+  return sources
+
+
+def _warps(src: str) -> int:
+  import re
+  sizes = [int(n) for n in re.findall(r"int [gl]idx\d+ = (?:blockIdx|threadIdx)\.\w; /\* (\d+) \*/", src)]
+  return int(np.prod(sizes)) // 32
+
+
+@pytest.mark.parametrize("N, K", [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048)])
+def test_h100_grid_streams_the_weight(N, K):
+  """The 1B's projections at a 32-sequence decode step (qkv, o, gate/up, down, the LM head): tinygrad's matmul (tensor
+  cores, 4 output tiles a warp over the whole input, 1 KB of the weight a loop iteration) gives qkv, o and down 96,
+  64 and 64 warps, under one an SM of an H100, and gate/up 512; ours splits the input until the grid holds 2048 warps
+  or a run is 256 long: 4 times theirs or more, up to 1024 and beyond, each warp on mma.sync with 4 KB of the weight a
+  loop iteration. Its loads of x and W are a lane's 4-byte pieces of 8 rows, the tensor cores' layout: at most 8 lines
+  a warp's load (`warp_accesses`), as tinygrad's own."""
+  from test_cuda_compile import warp_accesses, cache_lines
+  sources = _lowered_for_h100(32, N, K)
+  (ours,), (theirs,) = sources["ours"], sources["tinygrad"]   # one kernel each on the tensor cores
+  assert "gemm_tc" in ours and "mma.sync.aligned.m16n8k16" in ours
+  assert _warps(ours) >= min(4 * _warps(theirs), 1024)
+  loads = [(b, width, cache_lines(width, offsets)[0]) for b, kind, width, offsets in warp_accesses(ours) if kind == "load" and b in ("data1", "data2")]
+  assert all(lines <= 8 for _, _, lines in loads) and sum(w * 32 for b, w, _ in loads if b == "data2") >= 4096

@@ -1,0 +1,128 @@
+"""Decode-batch projections on a GPU's tensor cores: x `[T, K]` of more rows than the GEMV takes (kernels/gemv.py) times
+a float weight `[N, K]` of x's dtype, as one tinygrad custom kernel of our opts that sums runs of the input axis apart,
+then a tensor op that adds those partial sums (with the bias, and whatever the caller does after: the residual, the
+SwiGLU, tinygrad fuses into it).
+
+Why not tinygrad's matmul: its heuristic takes the tensor cores but gives a batch-32 decode step's projections too few
+warps to stream their weights. Lowered for the H100, the 1B's gate/up at 32 rows ran as 512 warps (4 a block, 32
+outputs each) over the whole 2048-long input: about 4 KB of loads in flight an SM, where the H100's ~4 TB/s at ~1 us
+of latency needs some 30 KB. An H200 took 155 us for its 67 MB (430 GB/s), 1.7 ms for the LM head; our GEMV, at 8
+rows a thread, was compute-bound (every multiply on the CUDA cores: a 32-row LM head is 8.4 G multiply-adds).
+
+Here (`kernel_opts`), after tinygrad's tensor-core opt:
+  UPCAST  up to ROW_TILES of x's tiles (16 rows each on NVIDIA, 8 on Apple): a warp reads a weight tile once for
+          all T rows (32 rows: both tiles)
+  UPCAST  output tiles a warp (`tiles`: 8 at 32 rows on NVIDIA), LOCAL WARPS_A_BLOCK warps a block (x's tiles
+          shared through the L1)
+  UNROLL  2 to 4 steps of the input a loop iteration (`tiles`), so that a warp has 4 KB of loads in flight
+and the input split in S runs (`splits`, a grid axis) until the grid holds WARPS_WANTED warps: the 1B's o and down
+projections have 128 warps of outputs at 32 rows, 1 an SM. The runs' partial sums `[S, T, N]` (float32, L2-resident:
+4 MB for the 1B's down at 32 rows) are added by the tensor op that follows, which was a kernel anyway (the bias, the
+residual, the SwiGLU, the cast).
+
+Carries over to Metal: tinygrad lowers the same opts to simdgroup_matrix (8 x 8 x 8); only the tile sizes differ, and
+they come from the renderer's tensor cores. Where a device has none for x's dtype (the CPU, INT4 weights), this
+does not apply."""
+from __future__ import annotations
+import functools, math
+from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad.codegen.opt import Opt, OptOps
+from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+from tinyvllm.kernels import portable
+from tinyvllm.quant.formats import FLOAT, LinearWeights
+
+MIN_ROWS, MAX_ROWS = 9, 256   # x rows this kernel takes: beyond the GEMV's (gemv.MAX_ROWS), up to a large decode batch
+ROW_TILES = 4        # x's tiles a warp covers (at most): 64 rows on NVIDIA, 32 on Apple; more rows re-read the weight
+ACCUMULATORS = 64    # float sums a thread holds: x's tiles times output tiles times a tile's sums a thread (CUDA 4, Apple 2)
+MAX_TILES = 8        # output tiles a warp, at most
+WARPS_A_BLOCK = 4
+WARPS_WANTED = 2048  # warps the grid should hold, splitting the input to get them: 16 an SM on an H100's 132
+MIN_RUN = 256        # the shortest run of the input a split leaves a warp (its partial sums cost 8 bytes a row and output)
+
+
+@functools.cache
+def tensor_core(device: str, dtype) -> tuple[int, object] | None:
+  """(index, TensorCore) of the device renderer's first tensor core that multiplies `dtype` (float16 or bfloat16) into
+  float32, or None (also where the device does not open). Not float32: NVIDIA's would round x and W to TF32."""
+  if not isinstance(device, str) or portable.on_cpu(device) or dtype not in (dtypes.float16, dtypes.bfloat16): return None
+  try: cores = Device[device].renderer.tensor_cores
+  except Exception: return None
+  return next(((i, tc) for i, tc in enumerate(cores) if tc.dtype_in == dtype and tc.dtype_out == dtypes.float32), None)
+
+
+def applies(x: Tensor, w: LinearWeights) -> bool:
+  """x of MIN_ROWS..MAX_ROWS rows, a whole number of the tensor core's tiles, times a float weight of x's dtype whose
+  outputs and input fill whole tiles, on a device with tensor cores for that dtype."""
+  if x.ndim != 2 or w.format != FLOAT or w.weight.dtype != x.dtype or not MIN_ROWS <= x.shape[0] <= MAX_ROWS: return False
+  if (found := tensor_core(x.device, x.dtype)) is None: return False
+  (N, K), (n, m, k) = w.weight.shape, found[1].dims
+  return x.shape[0] % m == 0 and N % n == 0 and K % (k * 4) == 0
+
+
+def tiles(T: int, tc) -> tuple[int, int, int]:
+  """(x's tiles, output tiles, input steps) a warp takes in a loop iteration. Each tile a thread loads is a 4-byte
+  piece of 8 rows (the tensor cores' layout), so a warp's load touches 8 cache lines: x's loads cost the L1 as much
+  as the weight's, whatever the output tiles they serve. Lowered for the H100 (`warp_accesses`), the 1B's gate/up at
+  32 rows: 2 output tiles a warp, about 54 us of L1 passes for 16 us of memory at 4.2 TB/s; 4 tiles 36 us; 8 tiles
+  27 us (153 registers, none spilled: ptxas -v; 8 tiles over 4 of x's spill at 64 rows)."""
+  rows = _most(T // tc.dims[1], ROW_TILES)
+  outputs = min(MAX_TILES, ACCUMULATORS // (rows * tc.elements_per_thread[2]))
+  return rows, outputs, min(4, max(2, 16 // outputs))
+
+
+def _most(size: int, want: int) -> int:
+  """The largest power of two up to `want` that divides `size`."""
+  return math.gcd(size, want)
+
+
+def splits(T: int, N: int, K: int, tc) -> int:
+  """Runs the input is split into: doubled while the grid holds fewer than WARPS_WANTED warps, a run stays at least
+  MIN_RUN long and a whole number of loop iterations."""
+  (n, m, k), (rows, outputs, steps) = tc.dims, tiles(T, tc)
+  warps = (T // m // rows) * (N // n // _most(N // n, outputs))
+  S = 1
+  while warps * S < WARPS_WANTED and K % (2 * S * k * steps) == 0 and K // (2 * S) >= MIN_RUN: S *= 2
+  return S
+
+
+def kernel_opts(tc_index: int, tc, S: int, T: int, N: int, K: int) -> tuple:
+  """The opts of the module's docstring for a kernel of ranges (split, row, output; input), tensor core `tc_index`.
+  tinygrad drops an axis of size 1 and one an opt takes whole: after the tensor-core opt, the axes left are the split
+  (when S > 1), x's tiles (when more than one), the output tiles, then the reduction's."""
+  (n, m, k), (rows, outputs, steps) = tc.dims, tiles(T, tc)
+  opts, axis = [Opt(OptOps.TC, 0, (tc_index, 0, 1))], int(S > 1)
+  if rows > 1: opts.append(Opt(OptOps.UPCAST, axis, rows))
+  if T // m // rows > 1: axis += 1   # x's tiles not all taken: their axis stays before the outputs'
+  if (outputs := _most(N // n, outputs)) > 1: opts.append(Opt(OptOps.UPCAST, axis, outputs))
+  if (warps := _most(N // n // outputs, WARPS_A_BLOCK)) > 1: opts.append(Opt(OptOps.LOCAL, axis, warps))
+  if (steps := _most(K // S // k, steps)) > 1: opts.append(Opt(OptOps.UNROLL, 0, steps))
+  return tuple(opts)
+
+
+def _partial_products_kernel(opts: tuple, out: UOp, x: UOp, w: UOp) -> UOp:
+  """out[s, t, n] = sum over run s of the input of x[t, k] * w[n, k], float32: the product of two float16 (or
+  bfloat16) values, summed as the tensor cores do (the reduction multiplies x's and w's loads, as tinygrad's
+  tensor-core opt requires)."""
+  S, T, N = out.shape
+  K = x.shape[1]
+  run = K // S
+  s, t, n = UOp.range(S, 0), UOp.range(T, 1), UOp.range(N, 2)
+  k = UOp.range(run, 3, AxisType.REDUCE)
+  at = s * run + k
+  y = (x.flatten()[t * K + at] * w.flatten()[n * K + at]).cast(dtypes.float32).reduce(k, arg=Ops.ADD)
+  store = out.flatten()[(s * T + t) * N + n].store(y)
+  return UOp.sink(store.end(s, t, n), arg=KernelInfo(name=f"gemm_tc_{S}_{T}_{N}_{K}", opts_to_apply=opts))
+
+
+def matmul(x: Tensor, w: LinearWeights, dtype=None) -> Tensor:
+  """x `[T, K]` @ W^T (+ W's bias) on the tensor cores (`applies`), summed in float32 and rounded once to `dtype`
+  (default x's; the LM head's logits: float32)."""
+  (T, K), N = x.shape, w.weight.shape[0]
+  index, tc = tensor_core(x.device, x.dtype)
+  S = splits(T, N, K, tc)
+  partial = Tensor.empty(S, T, N, dtype=dtypes.float32, device=x.device)
+  fxn = functools.partial(_partial_products_kernel, kernel_opts(index, tc, S, T, N, K))
+  partial = Tensor.custom_kernel(partial, x.contiguous(), w.weight, fxn=fxn)[0]
+  y = partial.sum(0) if S > 1 else partial.reshape(T, N)
+  if w.bias is not None: y = y + w.bias.cast(dtypes.float32)
+  return y.cast(dtype or x.dtype)
