@@ -63,17 +63,13 @@ def weights(fmt: str, N: int, K: int, rng, device: str):
 
 def tensor_core_variant(fusion: str, x, w, g, r):
   """The projection as a batch beyond the GEMV's rows runs it on float16 weights (kernels/gemm.py: the tensor cores,
-  the norm before and the gating or residual after as tensor ops), or None where that kernel does not apply."""
-  from tinyvllm.kernels import gemm, portable
-  if fusion in ("norm", "glu") and gemm.applies(x, w):
-    normed = lambda: portable.rms_norm(x, g, EPS)
-    if fusion == "norm": return lambda: gemm.matmul(normed(), w)
-    inter = w.weight.shape[0] // 2
-    def gated():
-      gate_up = gemm.matmul(normed(), w)
-      return portable.gated(gate_up[:, :inter], gate_up[:, inter:], "silu").contiguous()
-    return gated
-  return (lambda: r + gemm.matmul(x, w)) if gemm.applies(x, w) else None
+  x's 1/RMS a kernel before, the partial sums with the gating or residual a kernel after), or None where that kernel
+  does not apply."""
+  from tinyvllm.kernels import gemm
+  if not gemm.applies(x, w): return None
+  if fusion == "norm": return lambda: gemm.matmul(x, w, norm=(g, EPS))
+  if fusion == "glu": return lambda: gemm.matmul(x, w, norm=(g, EPS), act="silu")
+  return lambda: r + gemm.matmul(x, w)
 
 
 def variants(fusion: str, x, w, g, r):

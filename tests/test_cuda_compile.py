@@ -201,7 +201,9 @@ def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(gpu_programs):
         if l[0] * l[1] * l[2] < 32:   # without opts tinygrad launches one thread a block (portable.block_opts)
           problems.append((name, "threads a block", g, l))
   assert not problems, problems
-  assert {"paged_scores", "paged_values", "gemv"} <= names, names   # the decode projections at batch 1: kernels/gemv.py
+  # the decode projections at batch 1: kernels/gemv.py; at 64 sequences (and the prefill's last chunks of the 4096
+  # tokens, up to 256 rows) on the tensor cores: kernels/gemm.py
+  assert {"paged_scores", "paged_values", "gemv", "gemm"} <= names, names
   assert cache_writes > 0
   assert symbolic > 0 and len(gpu_programs) > 50   # the attention kernels over the KV extent were among them
 

@@ -36,6 +36,26 @@ def test_matches_numpy(device, T, N, K, bias):
     assert out.dtype == np.float64 and np.linalg.norm(out - ref) / np.linalg.norm(ref) < tol
 
 
+@pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize("act", [None, "silu", "gelu_pytorch_tanh"])
+def test_normed_and_gated(device, act):
+  """RMSNorm(x) * g first (x's 1/RMS a kernel, the rest as x is read, rounded to float16 as HF rounds the normed row),
+  and act(gate) * up of gate and up stacked: against float64 numpy of the unrounded normed row, 2e-3 (the normed row's
+  and the output's float16 roundings)."""
+  rng = np.random.default_rng(7)
+  T, N, K, eps = 32, 128, 512, 1e-5
+  x, w, _ = _random(rng, T, N, K, device, bias=True)
+  g = (1 + 0.3 * rng.standard_normal(K)).astype(np.float16)
+  xn = x.numpy().astype(np.float64)
+  normed = xn / np.sqrt((xn ** 2).mean(1, keepdims=True) + eps) * g.astype(np.float64)
+  y = normed @ w.weight.numpy().astype(np.float64).T + w.bias.numpy().astype(np.float64)
+  if act is not None:
+    gate, up = y[:, :N // 2], y[:, N // 2:]
+    y = (gate / (1 + np.exp(-gate)) if act == "silu" else 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3)))) * up
+  out = gemm.matmul(x, w, norm=(Tensor(g, device=device), eps), act=act).numpy().astype(np.float64)
+  assert out.shape == y.shape and np.linalg.norm(out - y) / np.linalg.norm(y) < 2e-3
+
+
 @pytest.mark.parametrize("device", [d for d in GPUS if d == "METAL"])
 def test_metal_runs_it_on_simdgroup_matrices(device):
   """The kernel tinygrad lowers for Metal multiplies on simdgroup_matrix (the tensor-core opt applied, not dropped)."""
@@ -51,13 +71,16 @@ def test_metal_runs_it_on_simdgroup_matrices(device):
 
 def test_which_projections_take_it():
   """Float16 or bfloat16 weights of x's dtype, 9 to 256 rows in whole tiles, outputs and input in whole tiles; not
-  INT4 (the GEMV), float32 (TF32 on NVIDIA), the CPU device or a batch the GEMV takes."""
+  INT4 (the GEMV), float32 (TF32 on NVIDIA), the CPU device, a batch the GEMV takes, or with tinygrad's tensor cores
+  off (USE_TC=0: a Mac whose MSL has no simdgroup_matrix, kernels.prepare_device)."""
+  from tinygrad.helpers import Context
   from tinygrad import Device
   if "METAL" not in DEVICES: pytest.skip("needs a device with tensor cores: emulated METAL")
   rows = lambda T, dtype=dtypes.float16, K=256: Tensor.empty(T, K, dtype=dtype, device="METAL")
   w = LinearWeights(FLOAT, Tensor.empty(64, 256, dtype=dtypes.float16, device="METAL"))
   assert gemm.applies(rows(16), w) and gemm.applies(rows(256), w) and not gemm.applies(rows(8), w) and not gemm.applies(rows(264), w)
   assert not gemm.applies(rows(12), w)   # not whole tiles of 8 rows
+  with Context(TC=0): assert not gemm.applies(rows(16), w)
   assert not gemm.applies(rows(16, dtypes.float32), LinearWeights(FLOAT, Tensor.empty(64, 256, device="METAL")))
   assert not gemm.applies(rows(16, dtypes.bfloat16), w)   # weight and x of different dtypes
   assert not gemm.applies(rows(16, K=264), LinearWeights(FLOAT, Tensor.empty(64, 264, dtype=dtypes.float16, device="METAL")))
@@ -75,13 +98,11 @@ def _lowered_for_h100(T, N, K):
   from tinygrad.uop.ops import Ops
   sources = {}
   with on_null_cuda():
-    gemm.tensor_core.cache_clear()
     for name, fn in (("tinygrad", lambda x, w: x @ w.T), ("ours", lambda x, w: gemm.matmul(x, LinearWeights(FLOAT, w), dtype=dtypes.float32))):
       x, w = Tensor.empty(T, K, dtype=dtypes.half), Tensor.empty(N, K, dtype=dtypes.half)
       with recording_kernels() as asts: fn(x, w).realize()
       programs = [to_program(a, h100_renderer()) for a in asts]
       sources[name] = [src for p in programs if "mma.sync" in (src := next(s.arg for s in p.src if s.op is Ops.SOURCE))]
-    gemm.tensor_core.cache_clear()
   return sources
 
 
@@ -96,7 +117,7 @@ def test_h100_grid_streams_the_weight(N, K):
   """The 1B's projections at a 32-sequence decode step (qkv, o, gate/up, down, the LM head): tinygrad's matmul (tensor
   cores, 4 output tiles a warp over the whole input, 1 KB of the weight a loop iteration) gives qkv, o and down 96,
   64 and 64 warps, under one an SM of an H100, and gate/up 512; ours splits the input until the grid holds 2048 warps
-  or a run is 256 long: 4 times theirs or more, up to 1024 and beyond, each warp on mma.sync with 4 KB of the weight a
+  or a run is 256 long (the LM head's 4008 unsplit): 4 times theirs or more, up to 1024 and beyond, each warp on mma.sync with 4 KB of the weight a
   loop iteration. Its loads of x and W are a lane's 4-byte pieces of 8 rows, the tensor cores' layout: at most 8 lines
   a warp's load (`warp_accesses`), as tinygrad's own."""
   from test_cuda_compile import warp_accesses, cache_lines

@@ -153,19 +153,21 @@ class Kernels:
     """RMSNorm(x) * norm_weight @ W^T (+ bias): where a backend's matmul can norm x itself, one kernel instead of three
     (the norm's reduction, its application, the matmul)."""
     if self.takes_gemv(x, w): return gemv.gemv(x, w, norm=(norm_weight, eps))
+    if self.takes_tensor_cores(x, w): return gemm.matmul(x, w, norm=(norm_weight, eps))
     return self.linear(self.rms_norm(x, norm_weight, eps), w)
 
   def norm_logits(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights) -> Tensor:
     """`norm_linear` as float32: the LM head's logits. A GPU decode step's GEMV stores them as float32 itself (summed in
     float32 and rounded once), where a cast after it was a launch of its own."""
     if self.takes_gemv(x, w): return gemv.gemv(x, w, norm=(norm_weight, eps), dtype=dtypes.float32)
-    if self.takes_tensor_cores(x, w): return gemm.matmul(self.rms_norm(x, norm_weight, eps), w, dtype=dtypes.float32)
+    if self.takes_tensor_cores(x, w): return gemm.matmul(x, w, dtype=dtypes.float32, norm=(norm_weight, eps))
     return self.norm_linear(x, norm_weight, eps, w).float()
 
   def norm_glu(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights, inter: int, act: str = "silu") -> Tensor:
     """act(gate) * up of the fused gate/up projection (`[2 inter, in]`) of RMSNorm(x) * norm_weight: one kernel for a
     GPU's decode step, where the norm, the projection and the gating were three."""
     if self.takes_gemv(x, w): return gemv.gemv(x, w, norm=(norm_weight, eps), act=act)
+    if self.takes_tensor_cores(x, w) and w.weight.shape[0] == 2 * inter: return gemm.matmul(x, w, norm=(norm_weight, eps), act=act)
     return self.glu(self.norm_linear(x, norm_weight, eps, w), inter, act)
 
   def norm_glu_apart(self, x: Tensor, norm_weight: Tensor, eps: float, gate: LinearWeights, up: LinearWeights,
@@ -181,6 +183,8 @@ class Kernels:
     add the residual stream as it writes its output, one kernel instead of two."""
     if self.takes_gemv(x, w): return gemv.gemv(x, w, residual=residual, out=out)
     y = residual + self.linear(x, w)
+    if out is None and self.takes_tensor_cores(x, w):   # the stream as one buffer: the next norm's kernels copied it else
+      return y.contiguous()
     return y if out is None else out.assign(y)
 
   def linear(self, x: Tensor, w: LinearWeights) -> Tensor:

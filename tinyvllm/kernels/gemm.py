@@ -1,13 +1,14 @@
 """Decode-batch projections on a GPU's tensor cores: x `[T, K]` of more rows than the GEMV takes (kernels/gemv.py) times
-a float weight `[N, K]` of x's dtype, as one tinygrad custom kernel of our opts that sums runs of the input axis apart,
-then a tensor op that adds those partial sums (with the bias, and whatever the caller does after: the residual, the
-SwiGLU, tinygrad fuses into it).
+a float weight `[N, K]` of x's dtype, as one tinygrad custom kernel of our opts that sums runs of the input axis apart
+(RMS-normed as it reads x, when asked), then a tensor op that adds those partial sums (with the bias, and what the
+caller does after: the residual, the SwiGLU, tinygrad fuses into it).
 
 Why not tinygrad's matmul: its heuristic takes the tensor cores but gives a batch-32 decode step's projections too few
 warps to stream their weights. Lowered for the H100, the 1B's gate/up at 32 rows ran as 512 warps (4 a block, 32
-outputs each) over the whole 2048-long input: about 4 KB of loads in flight an SM, where the H100's ~4 TB/s at ~1 us
-of latency needs some 30 KB. An H200 took 155 us for its 67 MB (430 GB/s), 1.7 ms for the LM head; our GEMV, at 8
-rows a thread, was compute-bound (every multiply on the CUDA cores: a 32-row LM head is 8.4 G multiply-adds).
+outputs each) over the whole 2048-long input, 1 KB of the weight a warp's loop iteration: about 4 KB of loads in
+flight an SM, where the H100's ~4 TB/s at ~1 us of latency needs some 30 KB. An H200 took 155 us for its 67 MB (430
+GB/s). And the GEMV at 32 rows runs every multiply on the CUDA cores (the 1B's layer is 1.95 G multiply-adds at 32
+rows; its LM head took 1.7 ms there, where tinygrad's took 337 us).
 
 Here (`kernel_opts`), after tinygrad's tensor-core opt:
   UPCAST  up to ROW_TILES of x's tiles (16 rows each on NVIDIA, 8 on Apple): a warp reads a weight tile once for
@@ -15,10 +16,11 @@ Here (`kernel_opts`), after tinygrad's tensor-core opt:
   UPCAST  output tiles a warp (`tiles`: 8 at 32 rows on NVIDIA), LOCAL WARPS_A_BLOCK warps a block (x's tiles
           shared through the L1)
   UNROLL  2 to 4 steps of the input a loop iteration (`tiles`), so that a warp has 4 KB of loads in flight
-and the input split in S runs (`splits`, a grid axis) until the grid holds WARPS_WANTED warps: the 1B's o and down
-projections have 128 warps of outputs at 32 rows, 1 an SM. The runs' partial sums `[S, T, N]` (float32, L2-resident:
-4 MB for the 1B's down at 32 rows) are added by the tensor op that follows, which was a kernel anyway (the bias, the
-residual, the SwiGLU, the cast).
+and the input split in S runs (`splits`, a grid axis) while the grid holds at most WARPS_WANTED warps: the 1B's o and
+down projections have 32 warps of outputs at 32 rows, for 132 SMs. The runs' partial sums `[S, T, N]` (float32: 8 MB
+for the 1B's down at 32 rows, which the L2 holds) are added by a tensor op after, which also adds the bias and takes
+what the caller does next (the residual, the SwiGLU, the cast) into the same kernel: a launch more for a projection
+that had none of those (qkv without a bias).
 
 Carries over to Metal: tinygrad lowers the same opts to simdgroup_matrix (8 x 8 x 8); only the tile sizes differ, and
 they come from the renderer's tensor cores. Where a device has none for x's dtype (the CPU, INT4 weights), this
@@ -27,8 +29,9 @@ from __future__ import annotations
 import functools, math
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.codegen.opt import Opt, OptOps
+from tinygrad.helpers import USE_TC
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
-from tinyvllm.kernels import portable
+from tinyvllm.kernels import gemv, portable
 from tinyvllm.quant.formats import FLOAT, LinearWeights
 
 MIN_ROWS, MAX_ROWS = 9, 256   # x rows this kernel takes: beyond the GEMV's (gemv.MAX_ROWS), up to a large decode batch
@@ -40,11 +43,14 @@ WARPS_WANTED = 2048  # warps the grid should hold, splitting the input to get th
 MIN_RUN = 256        # the shortest run of the input a split leaves a warp (its partial sums cost 8 bytes a row and output)
 
 
-@functools.cache
 def tensor_core(device: str, dtype) -> tuple[int, object] | None:
   """(index, TensorCore) of the device renderer's first tensor core that multiplies `dtype` (float16 or bfloat16) into
-  float32, or None (also where the device does not open). Not float32: NVIDIA's would round x and W to TF32."""
+  float32, or None: also where the device does not open, and where tinygrad's tensor cores are off (USE_TC=0, as
+  kernels.prepare_device sets on a Mac whose MSL has no simdgroup_matrix). Not float32: NVIDIA's would round x and W to
+  TF32. Looked up each time (a trace's projections, ~14 us each): the renderer of a device name can change with
+  tinygrad's DEV context (NULL's), so a cache by name went stale."""
   if not isinstance(device, str) or portable.on_cpu(device) or dtype not in (dtypes.float16, dtypes.bfloat16): return None
+  if USE_TC.value != 1: return None
   try: cores = Device[device].renderer.tensor_cores
   except Exception: return None
   return next(((i, tc) for i, tc in enumerate(cores) if tc.dtype_in == dtype and tc.dtype_out == dtypes.float32), None)
@@ -76,12 +82,13 @@ def _most(size: int, want: int) -> int:
 
 
 def splits(T: int, N: int, K: int, tc) -> int:
-  """Runs the input is split into: doubled while the grid holds fewer than WARPS_WANTED warps, a run stays at least
-  MIN_RUN long and a whole number of loop iterations."""
+  """Runs the input is split into: doubled while the grid still holds at most WARPS_WANTED warps, a run stays at least
+  MIN_RUN long and a whole number of loop iterations. The 1B at 32 rows: qkv 8 (a run of 256), o 8, gate/up 8, down
+  32 (its partial sums 8 MB, which the L2 holds), the LM head 1 (its 2004 warps enough)."""
   (n, m, k), (rows, outputs, steps) = tc.dims, tiles(T, tc)
   warps = (T // m // rows) * (N // n // _most(N // n, outputs))
   S = 1
-  while warps * S < WARPS_WANTED and K % (2 * S * k * steps) == 0 and K // (2 * S) >= MIN_RUN: S *= 2
+  while warps * 2 * S <= WARPS_WANTED and K % (2 * S * k * steps) == 0 and K // (2 * S) >= MIN_RUN: S *= 2
   return S
 
 
@@ -99,30 +106,46 @@ def kernel_opts(tc_index: int, tc, S: int, T: int, N: int, K: int) -> tuple:
   return tuple(opts)
 
 
-def _partial_products_kernel(opts: tuple, out: UOp, x: UOp, w: UOp) -> UOp:
+def _partial_products_kernel(opts: tuple, normed: bool, out: UOp, x: UOp, w: UOp, *norm: UOp) -> UOp:
   """out[s, t, n] = sum over run s of the input of x[t, k] * w[n, k], float32: the product of two float16 (or
-  bfloat16) values, summed as the tensor cores do (the reduction multiplies x's and w's loads, as tinygrad's
-  tensor-core opt requires)."""
+  bfloat16) values, summed as the tensor cores do (the reduction multiplies two values of x's dtype, as tinygrad's
+  tensor-core opt requires). `normed`: x's row RMS-normed first, `norm` = (its weight `[K]`, x's 1/RMS `[T, 1]`),
+  x[t, k] * 1/RMS[t] * weight[k] rounded to x's dtype as it is loaded (as HF rounds the normed row before its
+  projection): no kernel writes the normed rows."""
   S, T, N = out.shape
   K = x.shape[1]
   run = K // S
   s, t, n = UOp.range(S, 0), UOp.range(T, 1), UOp.range(N, 2)
   k = UOp.range(run, 3, AxisType.REDUCE)
   at = s * run + k
-  y = (x.flatten()[t * K + at] * w.flatten()[n * K + at]).cast(dtypes.float32).reduce(k, arg=Ops.ADD)
+  xk = x.flatten()[t * K + at]
+  if normed:
+    weight, inverse_rms = (u.flatten() for u in norm)
+    xk = (xk.cast(dtypes.float32) * inverse_rms[t] * weight[at].cast(dtypes.float32)).cast(xk.dtype)
+  y = (xk * w.flatten()[n * K + at]).cast(dtypes.float32).reduce(k, arg=Ops.ADD)
   store = out.flatten()[(s * T + t) * N + n].store(y)
-  return UOp.sink(store.end(s, t, n), arg=KernelInfo(name=f"gemm_tc_{S}_{T}_{N}_{K}", opts_to_apply=opts))
+  name = "_".join(["gemm_tc", *(["norm"] if normed else []), str(S), str(T), str(N), str(K)])
+  return UOp.sink(store.end(s, t, n), arg=KernelInfo(name=name, opts_to_apply=opts))
 
 
-def matmul(x: Tensor, w: LinearWeights, dtype=None) -> Tensor:
+def matmul(x: Tensor, w: LinearWeights, dtype=None, norm: tuple | None = None, act: str | None = None) -> Tensor:
   """x `[T, K]` @ W^T (+ W's bias) on the tensor cores (`applies`), summed in float32 and rounded once to `dtype`
-  (default x's; the LM head's logits: float32)."""
+  (default x's; the LM head's logits: float32).
+    norm=(w, eps)  x RMS-normed (times w) first: x's 1/RMS a small kernel (gemv.inverse_rms), the rest as x is read
+    act            W is gate and up stacked (`[2 I, K]`): returns act(gate) * up `[T, I]`, each half's partial sums
+                   added apart, so that the gating is the same kernel as the sums (a slice of one sum was a kernel
+                   more)"""
   (T, K), N = x.shape, w.weight.shape[0]
   index, tc = tensor_core(x.device, x.dtype)
   S = splits(T, N, K, tc)
   partial = Tensor.empty(S, T, N, dtype=dtypes.float32, device=x.device)
-  fxn = functools.partial(_partial_products_kernel, kernel_opts(index, tc, S, T, N, K))
-  partial = Tensor.custom_kernel(partial, x.contiguous(), w.weight, fxn=fxn)[0]
-  y = partial.sum(0) if S > 1 else partial.reshape(T, N)
-  if w.bias is not None: y = y + w.bias.cast(dtypes.float32)
-  return y.cast(dtype or x.dtype)
+  inputs = [x.contiguous(), w.weight] + ([norm[0], gemv.inverse_rms(x, norm[1])] if norm is not None else [])
+  fxn = functools.partial(_partial_products_kernel, kernel_opts(index, tc, S, T, N, K), norm is not None)
+  partial = Tensor.custom_kernel(partial, *inputs, fxn=fxn)[0]
+  summed = partial.reshape(T, N) if S == 1 else None   # one run: the partial sums are the product (no kernel)
+  bias = w.bias.cast(dtypes.float32) if w.bias is not None else None
+  def total(lo: int, hi: int) -> Tensor:   # outputs lo..hi-1, their runs added (and the bias)
+    y = summed[:, lo:hi] if summed is not None else partial[:, :, lo:hi].sum(0)
+    return y + bias[lo:hi] if bias is not None else y
+  if act is None: return total(0, N).cast(dtype or x.dtype)
+  return portable.gated(total(0, N // 2), total(N // 2, N), act).cast(dtype or x.dtype)
