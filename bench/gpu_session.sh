@@ -33,12 +33,12 @@ if [ "$BENCH_S" -gt 0 ] || [ "$KERNEL_S" -gt 0 ] || [ "${INT4_SECONDS:-0}" -gt 0
 fi
 
 if [ "$TEST_S" -gt 0 ]; then
-  echo "== tests/test_gpu.py on $DEV"
+  echo "== tests/test_gpu.py and tests/test_gemm.py (the tensor-core kernel against numpy) on $DEV"
   # -v: each test's name and result as it finishes (a time limit otherwise cuts the summary away); --timeout: a stuck
   # test dumps its stack and fails instead of holding a worker to the end (2/3 of the phase: a worker's first test
   # lowers its kernels, which took over 27 s on the H200)
-  TINYVLLM_TEST_DEVICE=$DEV timeout -k 5 "$TEST_S" python3 -m pytest -v -n 6 -rfE --tb=short -p no:cacheprovider -p no:benchmark \
-    --timeout "$((TEST_S * 2 / 3 + 1))" --junitxml "$OUT/test_gpu.xml" tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" \
+  TINYVLLM_EMULATE_METAL=0 TINYVLLM_TEST_DEVICE=$DEV timeout -k 5 "$TEST_S" python3 -m pytest -v -n 6 -rfE --tb=short -p no:cacheprovider -p no:benchmark \
+    --timeout "$((TEST_S * 2 / 3 + 1))" --junitxml "$OUT/test_gpu.xml" tests/test_gpu.py tests/test_gemm.py 2>&1 | tee "$OUT/test_gpu.log" \
     | grep -E 'PASSED|FAILED|ERROR|Error|passed|failed|Timeout' | tail -40
   # async scheduling (off by default until timed here): compared off and on, and on in the phases after, once its test
   # passed here; else off everywhere
