@@ -117,13 +117,16 @@ def test_h100_grid_streams_the_weight(N, K):
   """The 1B's projections at a 32-sequence decode step (qkv, o, gate/up, down, the LM head): tinygrad's matmul (tensor
   cores, 4 output tiles a warp over the whole input, 1 KB of the weight a loop iteration) gives qkv, o and down 96,
   64 and 64 warps, under one an SM of an H100, and gate/up 512; ours splits the input until the grid holds 2048 warps
-  or a run is 256 long (the LM head's 4008 unsplit): 4 times theirs or more, up to 1024 and beyond, each warp on mma.sync with 4 KB of the weight a
-  loop iteration. Its loads of x and W are a lane's 4-byte pieces of 8 rows, the tensor cores' layout: at most 8 lines
-  a warp's load (`warp_accesses`), as tinygrad's own."""
+  or a run is 256 long (the LM head's 2004 unsplit): 4 times theirs or more, up to 1024 and beyond, each warp on
+  mma.sync with 4 KB of the weight a loop iteration. A lane reads its inputs two consecutive at a time (half4 where
+  tinygrad's layout gives half2), at most 8 lines a warp's load (`warp_accesses`): twice the bytes a pass of the L1."""
   from test_cuda_compile import warp_accesses, cache_lines
   sources = _lowered_for_h100(32, N, K)
   (ours,), (theirs,) = sources["ours"], sources["tinygrad"]   # one kernel each on the tensor cores
   assert "gemm_tc" in ours and "mma.sync.aligned.m16n8k16" in ours
   assert _warps(ours) >= min(4 * _warps(theirs), 1024)
-  loads = [(b, width, cache_lines(width, offsets)[0]) for b, kind, width, offsets in warp_accesses(ours) if kind == "load" and b in ("data1", "data2")]
-  assert all(lines <= 8 for _, _, lines in loads) and sum(w * 32 for b, w, _ in loads if b == "data2") >= 4096
+  loads = lambda src: [(b, width, cache_lines(width, offsets)[0]) for b, kind, width, offsets in warp_accesses(src)
+                       if kind == "load" and b in ("data1", "data2")]
+  assert all(lines <= 8 and width == 8 for _, width, lines in loads(ours)), loads(ours)
+  assert all(width == 4 for _, width, _ in loads(theirs))
+  assert sum(width * 32 for b, width, _ in loads(ours) if b == "data2") >= 4096

@@ -15,7 +15,8 @@ Here (`kernel_opts`), after tinygrad's tensor-core opt:
           all T rows (32 rows: both tiles)
   UPCAST  output tiles a warp (`tiles`: 8 at 32 rows on NVIDIA), LOCAL WARPS_A_BLOCK warps a block (x's tiles
           shared through the L1)
-  UNROLL  2 to 4 steps of the input a loop iteration (`tiles`), so that a warp has 4 KB of loads in flight
+  UNROLL  PAIRED consecutive inputs a lane reads together (`_partial_products_kernel`): 4 KB of the weight in a
+          warp's loop iteration at 8 tiles
 and the input split in S runs (`splits`, a grid axis) while the grid holds at most WARPS_WANTED warps: the 1B's o and
 down projections have 32 warps of outputs at 32 rows, for 132 SMs. The runs' partial sums `[S, T, N]` (float32: 8 MB
 for the 1B's down at 32 rows, which the L2 holds) are added by a tensor op after, which also adds the bias and takes
@@ -36,7 +37,8 @@ from tinyvllm.quant.formats import FLOAT, LinearWeights
 
 MIN_ROWS, MAX_ROWS = 9, 256   # x rows this kernel takes: beyond the GEMV's (gemv.MAX_ROWS), up to a large decode batch
 ROW_TILES = 4        # x's tiles a warp covers (at most): 64 rows on NVIDIA, 32 on Apple; more rows re-read the weight
-ACCUMULATORS = 64    # float sums a thread holds: x's tiles times output tiles times a tile's sums a thread (CUDA 4, Apple 2)
+ACCUMULATORS = 128   # float sums a thread holds: x's tiles x output tiles x a tile's sums a thread (CUDA 4, Apple 2) x PAIRED
+PAIRED = 2           # consecutive inputs a lane reads together for each of its tensor-core elements (`_partial_products_kernel`)
 MAX_TILES = 8        # output tiles a warp, at most
 WARPS_A_BLOCK = 4
 WARPS_WANTED = 2048  # warps the grid should hold, splitting the input to get them: 16 an SM on an H100's 132
@@ -62,18 +64,16 @@ def applies(x: Tensor, w: LinearWeights) -> bool:
   if x.ndim != 2 or w.format != FLOAT or w.weight.dtype != x.dtype or not MIN_ROWS <= x.shape[0] <= MAX_ROWS: return False
   if (found := tensor_core(x.device, x.dtype)) is None: return False
   (N, K), (n, m, k) = w.weight.shape, found[1].dims
-  return x.shape[0] % m == 0 and N % n == 0 and K % (k * 4) == 0
+  return x.shape[0] % m == 0 and N % n == 0 and K % (k * PAIRED) == 0
 
 
-def tiles(T: int, tc) -> tuple[int, int, int]:
-  """(x's tiles, output tiles, input steps) a warp takes in a loop iteration. Each tile a thread loads is a 4-byte
-  piece of 8 rows (the tensor cores' layout), so a warp's load touches 8 cache lines: x's loads cost the L1 as much
-  as the weight's, whatever the output tiles they serve. Lowered for the H100 (`warp_accesses`), the 1B's gate/up at
-  32 rows: 2 output tiles a warp, about 54 us of L1 passes for 16 us of memory at 4.2 TB/s; 4 tiles 36 us; 8 tiles
-  27 us (153 registers, none spilled: ptxas -v; 8 tiles over 4 of x's spill at 64 rows)."""
+def tiles(T: int, tc) -> tuple[int, int]:
+  """(x's tiles, output tiles) a warp takes. A thread's sums are x's tiles x output tiles x its elements of a tile x
+  PAIRED (kept apart until the loop ends), at most ACCUMULATORS: 8 output tiles at 32 rows on NVIDIA (168 registers,
+  none spilled: ptxas -v), 4 at 64. More output tiles a warp amortize x's loads, which every tile of the weight needs:
+  lowered for the H100 (`warp_accesses`), the 1B's gate/up at 32 rows costs the L1 about 18 us at 4 tiles, 14 at 8."""
   rows = _most(T // tc.dims[1], ROW_TILES)
-  outputs = min(MAX_TILES, ACCUMULATORS // (rows * tc.elements_per_thread[2]))
-  return rows, outputs, min(4, max(2, 16 // outputs))
+  return rows, min(MAX_TILES, ACCUMULATORS // (rows * tc.elements_per_thread[2] * PAIRED))
 
 
 def _most(size: int, want: int) -> int:
@@ -85,24 +85,25 @@ def splits(T: int, N: int, K: int, tc) -> int:
   """Runs the input is split into: doubled while the grid still holds at most WARPS_WANTED warps, a run stays at least
   MIN_RUN long and a whole number of loop iterations. The 1B at 32 rows: qkv 8 (a run of 256), o 8, gate/up 8, down
   32 (its partial sums 8 MB, which the L2 holds), the LM head 1 (its 2004 warps enough)."""
-  (n, m, k), (rows, outputs, steps) = tc.dims, tiles(T, tc)
+  (n, m, k), (rows, outputs) = tc.dims, tiles(T, tc)
   warps = (T // m // rows) * (N // n // _most(N // n, outputs))
   S = 1
-  while warps * 2 * S <= WARPS_WANTED and K % (2 * S * k * steps) == 0 and K // (2 * S) >= MIN_RUN: S *= 2
+  while warps * 2 * S <= WARPS_WANTED and K % (2 * S * k * PAIRED) == 0 and K // (2 * S) >= MIN_RUN: S *= 2
   return S
 
 
 def kernel_opts(tc_index: int, tc, S: int, T: int, N: int, K: int) -> tuple:
-  """The opts of the module's docstring for a kernel of ranges (split, row, output; input), tensor core `tc_index`.
-  tinygrad drops an axis of size 1 and one an opt takes whole: after the tensor-core opt, the axes left are the split
-  (when S > 1), x's tiles (when more than one), the output tiles, then the reduction's."""
-  (n, m, k), (rows, outputs, steps) = tc.dims, tiles(T, tc)
+  """The opts of the module's docstring for a kernel of ranges (split, row, output; input steps, pair), tensor core
+  `tc_index` (on the inner reduction, over the steps). tinygrad drops an axis of size 1 and one an opt takes whole:
+  after the tensor-core opt, the axes left are the split (when S > 1), x's tiles (when more than one), the output
+  tiles, then the reductions': the steps left to loop over (when more than one) and the pair, unrolled."""
+  (n, m, k), (rows, outputs) = tc.dims, tiles(T, tc)
   opts, axis = [Opt(OptOps.TC, 0, (tc_index, 0, 1))], int(S > 1)
   if rows > 1: opts.append(Opt(OptOps.UPCAST, axis, rows))
   if T // m // rows > 1: axis += 1   # x's tiles not all taken: their axis stays before the outputs'
   if (outputs := _most(N // n, outputs)) > 1: opts.append(Opt(OptOps.UPCAST, axis, outputs))
   if (warps := _most(N // n // outputs, WARPS_A_BLOCK)) > 1: opts.append(Opt(OptOps.LOCAL, axis, warps))
-  if (steps := _most(K // S // k, steps)) > 1: opts.append(Opt(OptOps.UNROLL, 0, steps))
+  opts.append(Opt(OptOps.UNROLL, int(K // S // PAIRED // k > 1), PAIRED))
   return tuple(opts)
 
 
@@ -111,18 +112,24 @@ def _partial_products_kernel(opts: tuple, normed: bool, out: UOp, x: UOp, w: UOp
   bfloat16) values, summed as the tensor cores do (the reduction multiplies two values of x's dtype, as tinygrad's
   tensor-core opt requires). `normed`: x's row RMS-normed first, `norm` = (its weight `[K]`, x's 1/RMS `[T, 1]`),
   x[t, k] * 1/RMS[t] * weight[k] rounded to x's dtype as it is loaded (as HF rounds the normed row before its
-  projection): no kernel writes the normed rows."""
+  projection): no kernel writes the normed rows.
+
+  The input is two ranges, k = step * PAIRED + pair, summed one inside the other: the tensor-core opt takes the inner
+  sum over the steps (a tile's 16 inputs are 16 steps: on NVIDIA a lane holds inputs 2c, 2c+1, 2c+8, 2c+9 of them) and
+  the pair, unrolled, sits below them, so a lane's inputs come PAIRED consecutive at a time: half4 loads where the
+  tensor cores' own layout gave half2 (8 lines a warp's load either way, twice the bytes). One sum over both ranges
+  would not do: tinygrad merges two ranges an index reads linearly, and a sum's order is free to it."""
   S, T, N = out.shape
   K = x.shape[1]
   run = K // S
   s, t, n = UOp.range(S, 0), UOp.range(T, 1), UOp.range(N, 2)
-  k = UOp.range(run, 3, AxisType.REDUCE)
-  at = s * run + k
+  step, pair = UOp.range(run // PAIRED, 3, AxisType.REDUCE), UOp.range(PAIRED, 4, AxisType.REDUCE)
+  at = s * run + step * PAIRED + pair
   xk = x.flatten()[t * K + at]
   if normed:
     weight, inverse_rms = (u.flatten() for u in norm)
     xk = (xk.cast(dtypes.float32) * inverse_rms[t] * weight[at].cast(dtypes.float32)).cast(xk.dtype)
-  y = (xk * w.flatten()[n * K + at]).cast(dtypes.float32).reduce(k, arg=Ops.ADD)
+  y = (xk * w.flatten()[n * K + at]).cast(dtypes.float32).reduce(step, arg=Ops.ADD).reduce(pair, arg=Ops.ADD)
   store = out.flatten()[(s * T + t) * N + n].store(y)
   name = "_".join(["gemm_tc", *(["norm"] if normed else []), str(S), str(T), str(N), str(K)])
   return UOp.sink(store.end(s, t, n), arg=KernelInfo(name=name, opts_to_apply=opts))
