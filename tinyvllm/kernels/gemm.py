@@ -59,12 +59,14 @@ def tensor_core(device: str, dtype) -> tuple[int, object] | None:
 
 
 def applies(x: Tensor, w: LinearWeights) -> bool:
-  """x of MIN_ROWS..MAX_ROWS rows, a whole number of the tensor core's tiles, times a float weight of x's dtype whose
-  outputs and input fill whole tiles, on a device with tensor cores for that dtype."""
+  """x of MIN_ROWS..MAX_ROWS rows, a whole number of the tensor core's tiles (not an odd number above 8 of them:
+  `tiles`), times a float weight of x's dtype whose outputs and input fill whole tiles, on a device with tensor cores
+  for that dtype."""
   if x.ndim != 2 or w.format != FLOAT or w.weight.dtype != x.dtype or not MIN_ROWS <= x.shape[0] <= MAX_ROWS: return False
   if (found := tensor_core(x.device, x.dtype)) is None: return False
   (N, K), (n, m, k) = w.weight.shape, found[1].dims
-  return x.shape[0] % m == 0 and N % n == 0 and K % (k * PAIRED) == 0
+  T = x.shape[0]
+  return T % m == 0 and N % n == 0 and K % (k * PAIRED) == 0 and (tiles(T, found[1])[0] > 1 or T == m)
 
 
 def tiles(T: int, tc) -> tuple[int, int]:
@@ -72,8 +74,11 @@ def tiles(T: int, tc) -> tuple[int, int]:
   PAIRED (kept apart until the loop ends), at most ACCUMULATORS: 8 output tiles at 32 rows on NVIDIA (168 registers,
   none spilled: ptxas -v), 4 at 64. More output tiles a warp amortize x's loads, which every tile of the weight needs:
   lowered for the H100 (`warp_accesses`), the 1B's gate/up at 32 rows costs the L1 about 18 us at 4 tiles, 14 at 8."""
-  rows = _most(T // tc.dims[1], ROW_TILES)
-  return rows, min(MAX_TILES, ACCUMULATORS // (rows * tc.elements_per_thread[2] * PAIRED))
+  tiles_of_x = T // tc.dims[1]
+  rows = _most(tiles_of_x, ROW_TILES)
+  if rows == 1 and tiles_of_x <= 2 * ROW_TILES: rows = tiles_of_x   # an odd count (a 48-token chunk: 3), all a warp's:
+  sums = ACCUMULATORS // (rows * tc.elements_per_thread[2] * PAIRED)   # left to a grid axis alone, tinygrad's tensor-core
+  return rows, min(MAX_TILES, 1 << (sums.bit_length() - 1))              # lowering fails (do_stack_wmma)
 
 
 def _most(size: int, want: int) -> int:
