@@ -121,7 +121,7 @@ def _warps(src: str) -> int:
 def test_h100_grid_streams_the_weight(N, K):
   """The 1B's projections at a 32-sequence decode step (qkv, o, gate/up, down, the LM head): tinygrad's matmul (tensor
   cores, 4 output tiles a warp over the whole input, 1 KB of the weight a loop iteration) gives qkv, o and down 96,
-  64 and 64 warps, under one an SM of an H100, and gate/up 512; ours splits the input until the grid holds 2048 warps
+  64 and 64 warps, under one an SM of an H100, and gate/up 512; ours splits the input while the grid holds 1536 warps
   or a run is 256 long (the LM head's 2004 unsplit): 4 times theirs or more, up to 1024 and beyond, each warp on
   mma.sync with 4 KB of the weight a loop iteration. A lane reads its inputs two consecutive at a time (half4 where
   tinygrad's layout gives half2), at most 8 lines a warp's load (`warp_accesses`): twice the bytes a pass of the L1."""

@@ -11,8 +11,8 @@ GB/s). And the GEMV at 32 rows runs every multiply on the CUDA cores (the 1B's l
 rows; its LM head took 1.7 ms there, where tinygrad's took 337 us).
 
 Here (`kernel_opts`), after tinygrad's tensor-core opt:
-  UPCAST  up to ROW_TILES of x's tiles (16 rows each on NVIDIA, 8 on Apple): a warp reads a weight tile once for
-          all T rows (32 rows: both tiles)
+  UPCAST  up to ROW_TILES of x's tiles (16 rows each on NVIDIA, 8 on Apple; an odd count up to 8): a warp reads a
+          weight tile once for all T rows (32 rows: both tiles)
   UPCAST  output tiles a warp (`tiles`: 8 at 32 rows on NVIDIA), LOCAL WARPS_A_BLOCK warps a block (x's tiles
           shared through the L1)
   UNROLL  PAIRED consecutive inputs a lane reads together (`_partial_products_kernel`): 4 KB of the weight in a
@@ -36,12 +36,14 @@ from tinyvllm.kernels import gemv, portable
 from tinyvllm.quant.formats import FLOAT, LinearWeights
 
 MIN_ROWS, MAX_ROWS = 9, 256   # x rows this kernel takes: beyond the GEMV's (gemv.MAX_ROWS), up to a large decode batch
-ROW_TILES = 4        # x's tiles a warp covers (at most): 64 rows on NVIDIA, 32 on Apple; more rows re-read the weight
+ROW_TILES = 4        # x's tiles a warp covers: 64 rows on NVIDIA, 32 on Apple (an odd count up to 8: `tiles`); more rows
+                     # re-read the weight
 ACCUMULATORS = 128   # float sums a thread holds: x's tiles x output tiles x a tile's sums a thread (CUDA 4, Apple 2) x PAIRED
 PAIRED = 2           # consecutive inputs a lane reads together for each of its tensor-core elements (`_partial_products_kernel`)
 MAX_TILES = 8        # output tiles a warp, at most
 WARPS_A_BLOCK = 4
-WARPS_WANTED = 2048  # warps the grid should hold, splitting the input to get them: 16 an SM on an H100's 132
+WARPS_WANTED = 1536  # warps the grid should hold, splitting the input to get them: 12 an SM of an H100's 132 fit (168
+                     # registers a thread, 65536 an SM); more run as a second, partial wave
 MIN_RUN = 256        # the shortest run of the input a split leaves a warp (its partial sums cost 8 bytes a row and output)
 
 
@@ -82,13 +84,13 @@ def tiles(T: int, tc) -> tuple[int, int]:
 
 
 def _most(size: int, want: int) -> int:
-  """The largest power of two up to `want` that divides `size`."""
+  """For `want` a power of two (every caller's), the largest power of two up to it that divides `size`."""
   return math.gcd(size, want)
 
 
 def splits(T: int, N: int, K: int, tc) -> int:
   """Runs the input is split into: doubled while the grid still holds at most WARPS_WANTED warps, a run stays at least
-  MIN_RUN long and a whole number of loop iterations. The 1B at 32 rows: qkv 8 (a run of 256), o 8, gate/up 8, down
+  MIN_RUN long and a whole number of loop iterations. The 1B at 32 rows: qkv 8 (a run of 256), o 8, gate/up 4, down
   32 (its partial sums 8 MB, which the L2 holds), the LM head 1 (its 2004 warps enough)."""
   (n, m, k), (rows, outputs) = tc.dims, tiles(T, tc)
   warps = (T // m // rows) * (N // n // _most(N // n, outputs))
@@ -116,8 +118,8 @@ def _partial_products_kernel(opts: tuple, normed: bool, out: UOp, x: UOp, w: UOp
   """out[s, t, n] = sum over run s of the input of x[t, k] * w[n, k], float32: the product of two float16 (or
   bfloat16) values, summed as the tensor cores do (the reduction multiplies two values of x's dtype, as tinygrad's
   tensor-core opt requires). `normed`: x's row RMS-normed first, `norm` = (its weight `[K]`, x's 1/RMS `[T, 1]`),
-  x[t, k] * 1/RMS[t] * weight[k] rounded to x's dtype as it is loaded (as HF rounds the normed row before its
-  projection): no kernel writes the normed rows.
+  x[t, k] * 1/RMS[t] * weight[k] in float32, rounded once to x's dtype as it is loaded (HF's Llama rounds the normed
+  row, then its product with the weight; Gemma's rounds once, as here): no kernel writes the normed rows.
 
   The input is two ranges, k = step * PAIRED + pair, summed one inside the other: the tensor-core opt takes the inner
   sum over the steps (a tile's 16 inputs are 16 steps: on NVIDIA a lane holds inputs 2c, 2c+1, 2c+8, 2c+9 of them) and

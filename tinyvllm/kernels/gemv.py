@@ -22,8 +22,8 @@ v in their cache slots (1: the write kernel). A quantized weight's norm keeps a 
 says why). Everything is summed in float32 and rounded once, at the store.
 
 Only for a few rows (`MAX_ROWS`, `max_rows`): beyond them the multiplies are the cost, and the tensor cores are the
-right unit (kernels/gemm.py for float16 weights, which `Kernels.takes_gemv` prefers from 9 rows; else tinygrad's
-matmul). Not on the CPU device, where our C kernels serve (kernels/cpu.py)."""
+right unit (kernels/gemm.py for float16 and bfloat16 weights, which `Kernels.takes_gemv` prefers from 16 rows, a
+whole tile; else tinygrad's matmul). Not on the CPU device, where our C kernels serve (kernels/cpu.py)."""
 from __future__ import annotations
 import functools, math
 from tinygrad import Tensor, UOp, dtypes
