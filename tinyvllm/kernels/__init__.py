@@ -201,8 +201,8 @@ class Kernels:
   def takes_gemv(self, x: Tensor, *weights: LinearWeights) -> bool:
     """Does a projection of these few rows by each of `weights` on a GPU run as our GEMV kernel (kernels/gemv.py)?
     tinygrad's matmul misses its matrix-vector schedule for float16 weights, dequantized codes and normed inputs.
-    Not where the tensor cores take them (`takes_tensor_cores`: from 9 rows, where the GEMV's 16 and 32 rows of a
-    narrow weight ran every multiply on the CUDA cores)."""
+    Not where the tensor cores take them (`takes_tensor_cores`: from 16 rows, a whole tile, where the GEMV's 16 and 32
+    rows of a narrow weight ran every multiply on the CUDA cores)."""
     return not self.cpu and self.shards == 1 and all(w.format in self.gemv_formats and gemv.applies(x, w) and not gemm.applies(x, w)
                                                      for w in weights)
 

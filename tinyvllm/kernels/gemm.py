@@ -35,7 +35,7 @@ from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 from tinyvllm.kernels import gemv, portable
 from tinyvllm.quant.formats import FLOAT, LinearWeights
 
-MIN_ROWS, MAX_ROWS = 9, 256   # x rows this kernel takes: beyond the GEMV's (gemv.MAX_ROWS), up to a large decode batch
+MIN_ROWS, MAX_ROWS = gemv.MAX_ROWS + 1, 256   # x rows this kernel takes: beyond the GEMV's, up to a large decode batch
 ROW_TILES = 4        # x's tiles a warp covers: 64 rows on NVIDIA, 32 on Apple (an odd count up to 8: `tiles`); more rows
                      # re-read the weight
 ACCUMULATORS = 128   # float sums a thread holds: x's tiles x output tiles x a tile's sums a thread (CUDA 4, Apple 2) x PAIRED
@@ -68,19 +68,21 @@ def applies(x: Tensor, w: LinearWeights) -> bool:
   if (found := tensor_core(x.device, x.dtype)) is None: return False
   (N, K), (n, m, k) = w.weight.shape, found[1].dims
   T = x.shape[0]
-  return T % m == 0 and N % n == 0 and K % (k * PAIRED) == 0 and (tiles(T, found[1])[0] > 1 or T == m)
+  return T % m == 0 and N % n == 0 and K % (k * PAIRED) == 0 and (tiles(T, N, found[1])[0] > 1 or T == m)
 
 
-def tiles(T: int, tc) -> tuple[int, int]:
-  """(x's tiles, output tiles) a warp takes. A thread's sums are x's tiles x output tiles x its elements of a tile x
-  PAIRED (kept apart until the loop ends), at most ACCUMULATORS: 8 output tiles at 32 rows on NVIDIA (168 registers,
-  none spilled: ptxas -v), 4 at 64. More output tiles a warp amortize x's loads, which every tile of the weight needs:
-  lowered for the H100 (`warp_accesses`), the 1B's gate/up at 32 rows costs the L1 about 18 us at 4 tiles, 14 at 8."""
+def tiles(T: int, N: int, tc) -> tuple[int, int]:
+  """(x's tiles, output tiles) a warp takes, of T rows and N outputs. A thread's sums are x's tiles x output tiles x
+  its elements of a tile x PAIRED (kept apart until the loop ends), at most ACCUMULATORS: 8 output tiles at 32 rows on
+  NVIDIA (168 registers, none spilled: ptxas -v), 4 at 64. More output tiles a warp amortize x's loads, which every
+  tile of the weight needs: lowered for the H100 (`warp_accesses`), the 1B's gate/up at 32 rows costs the L1 about 18
+  us at 4 tiles, 14 at 8. An odd count of x's tiles (a 48-token chunk: 3) is all a warp's: left to a grid axis alone,
+  tinygrad's tensor-core lowering fails (do_stack_wmma)."""
   tiles_of_x = T // tc.dims[1]
   rows = _most(tiles_of_x, ROW_TILES)
-  if rows == 1 and tiles_of_x <= 2 * ROW_TILES: rows = tiles_of_x   # an odd count (a 48-token chunk: 3), all a warp's:
-  sums = ACCUMULATORS // (rows * tc.elements_per_thread[2] * PAIRED)   # left to a grid axis alone, tinygrad's tensor-core
-  return rows, min(MAX_TILES, 1 << (sums.bit_length() - 1))              # lowering fails (do_stack_wmma)
+  if rows == 1 and tiles_of_x <= 2 * ROW_TILES: rows = tiles_of_x
+  sums = ACCUMULATORS // (rows * tc.elements_per_thread[2] * PAIRED)
+  return rows, _most(N // tc.dims[0], min(MAX_TILES, 1 << (sums.bit_length() - 1)))
 
 
 def _most(size: int, want: int) -> int:
@@ -92,8 +94,8 @@ def splits(T: int, N: int, K: int, tc) -> int:
   """Runs the input is split into: doubled while the grid still holds at most WARPS_WANTED warps, a run stays at least
   MIN_RUN long and a whole number of loop iterations. The 1B at 32 rows: qkv 8 (a run of 256), o 8, gate/up 4, down
   32 (its partial sums 8 MB, which the L2 holds), the LM head 1 (its 2004 warps enough)."""
-  (n, m, k), (rows, outputs) = tc.dims, tiles(T, tc)
-  warps = (T // m // rows) * (N // n // _most(N // n, outputs))
+  (n, m, k), (rows, outputs) = tc.dims, tiles(T, N, tc)
+  warps = (T // m // rows) * (N // n // outputs)
   S = 1
   while warps * 2 * S <= WARPS_WANTED and K % (2 * S * k * PAIRED) == 0 and K // (2 * S) >= MIN_RUN: S *= 2
   return S
@@ -104,11 +106,11 @@ def kernel_opts(tc_index: int, tc, S: int, T: int, N: int, K: int) -> tuple:
   `tc_index` (on the inner reduction, over the steps). tinygrad drops an axis of size 1 and one an opt takes whole:
   after the tensor-core opt, the axes left are the split (when S > 1), x's tiles (when more than one), the output
   tiles, then the reductions': the steps left to loop over (when more than one) and the pair, unrolled."""
-  (n, m, k), (rows, outputs) = tc.dims, tiles(T, tc)
+  (n, m, k), (rows, outputs) = tc.dims, tiles(T, N, tc)
   opts, axis = [Opt(OptOps.TC, 0, (tc_index, 0, 1))], int(S > 1)
   if rows > 1: opts.append(Opt(OptOps.UPCAST, axis, rows))
   if T // m // rows > 1: axis += 1   # x's tiles not all taken: their axis stays before the outputs'
-  if (outputs := _most(N // n, outputs)) > 1: opts.append(Opt(OptOps.UPCAST, axis, outputs))
+  if outputs > 1: opts.append(Opt(OptOps.UPCAST, axis, outputs))
   if (warps := _most(N // n // outputs, WARPS_A_BLOCK)) > 1: opts.append(Opt(OptOps.LOCAL, axis, warps))
   opts.append(Opt(OptOps.UNROLL, int(K // S // PAIRED // k > 1), PAIRED))
   return tuple(opts)
