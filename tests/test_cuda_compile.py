@@ -204,6 +204,9 @@ def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(gpu_programs):
   # the decode projections at batch 1: kernels/gemv.py; at 64 sequences (and the prefill's last chunks of the 4096
   # tokens, up to 256 rows) on the tensor cores: kernels/gemm.py
   assert {"paged_scores", "paged_values", "gemv", "gemm"} <= names, names
+  # at 64 sequences the cache write adds the qkv projection's partial sums: no kernel of their own between them
+  written = [re.sub(r"\x1b\[\d+m", "", p.arg.name) for p in gpu_programs if "kv_write_rope_64_" in p.arg.name]
+  assert written and all(re.fullmatch(r"kv_write_rope_64_\d+_\d+_sum\d+", n) for n in written), written
   assert cache_writes > 0
   assert symbolic > 0 and len(gpu_programs) > 50   # the attention kernels over the KV extent were among them
 

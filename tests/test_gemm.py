@@ -60,6 +60,47 @@ def test_normed_and_gated(device, act):
   assert out.shape == y.shape and np.linalg.norm(out - y) / np.linalg.norm(y) < 2e-3
 
 
+@pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_cache_write_adds_the_partial_sums(device, bias):
+  """The qkv projection's partial sums (the input split in runs: S > 1) straight into kernels/paged.py's write, which
+  adds them (and the bias), rounds the row to float16 as the projection would, rotates q and k and writes k and v into
+  their slots: against float64 numpy of the normed projection, RoPE and the slots' rows, 2e-3 (the normed row's and
+  the projection's float16 roundings). A padding token (slot -1) writes nothing; every other slot keeps its row."""
+  from tinygrad.helpers import Context
+  from test_metal_kernels import rope_ref, rope_table
+  from tinyvllm.kernels import paged
+  from tinyvllm.kernels.kv_cache import PagedKVCache
+  rng = np.random.default_rng(11 + bias)
+  T, H, KVH, D, K, eps, NB, BS = 32, 4, 2, 64, 2048, 1e-5, 8, 16
+  with Context(DEV=device):
+    x, w, _ = _random(rng, T, (H + 2 * KVH) * D, K, device, bias)
+    tc = gemm.tensor_core(device, dtypes.float16)[1]
+    assert gemm.splits(T, (H + 2 * KVH) * D, K, tc) > 1
+    g = (1 + 0.3 * rng.standard_normal(K)).astype(np.float16)
+    positions, table = rng.integers(0, 100, T).astype(np.int32), rope_table(128, D)
+    slots = rng.permutation(NB * BS)[:T].astype(np.int32)
+    slots[5] = -1
+    before = [rng.standard_normal((NB, BS, KVH, D)).astype(np.float16) for _ in range(2)]
+    cache = PagedKVCache(*(Tensor(a.copy(), device=device).realize() for a in before))
+    partial = gemm.partial_products(x, w, norm=(Tensor(g, device=device), eps))
+    q, cache = paged.write(partial, H, KVH, Tensor(positions, device=device), Tensor(table, device=device), cache,
+                           Tensor(slots, device=device), w.bias, dtypes.float16)
+    q, k, v = q.numpy().astype(np.float64), cache.k.numpy(), cache.v.numpy()
+  xn = x.numpy().astype(np.float64)
+  normed = xn / np.sqrt((xn ** 2).mean(1, keepdims=True) + eps) * g.astype(np.float64)
+  qkv = normed @ w.weight.numpy().astype(np.float64).T + (w.bias.numpy().astype(np.float64) if bias else 0)
+  heads = rope_ref(qkv.reshape(T, H + 2 * KVH, D), positions, table)
+  rel = lambda out, ref: np.linalg.norm(out - ref) / np.linalg.norm(ref)
+  assert q.shape == (T, H, D) and rel(q, heads[:, :H]) < 2e-3
+  written = slots >= 0
+  for got, old, ref in ((k, before[0], heads[:, H:H + KVH]), (v, before[1], qkv.reshape(T, H + 2 * KVH, D)[:, H + KVH:])):
+    got, old = got.reshape(NB * BS, KVH, D).astype(np.float64), old.reshape(NB * BS, KVH, D)
+    assert rel(got[slots[written]], ref[written]) < 2e-3
+    untouched = np.setdiff1d(np.arange(NB * BS), slots[written])
+    assert (got[untouched] == old[untouched]).all()
+
+
 @pytest.mark.parametrize("device", [d for d in GPUS if d == "METAL"])
 def test_metal_runs_it_on_simdgroup_matrices(device):
   """The kernel tinygrad lowers for Metal multiplies on simdgroup_matrix (the tensor-core opt applied, not dropped)."""

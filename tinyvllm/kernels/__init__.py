@@ -253,10 +253,16 @@ class Kernels:
                               softcap: float | None = None) -> tuple[Tensor, PagedKVCache] | None:
     """`rope_attention` of the qkv projection of RMSNorm(x) * norm_weight (`parts`: the fused qkv, or q, k and v stored
     apart), where a GPU's decode step can write q and the cache from its GEMV (kernels/gemv.py `qkv_rope_write`: no
-    write kernel; parts apart, a GEMV each and no kernel joining them) and attend in the kernels of kernels/paged.py:
-    a float cache, no head norms (the caller's). None: project, then `rope_attention`."""
-    if not (self.takes_gemv(x, *parts) and paged.applies(cache, group.packed, softcap) and not cache.quantized): return None
-    q, cache = gemv.qkv_rope_write(x, parts, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping)
+    write kernel; parts apart, a GEMV each and no kernel joining them), or from the tensor cores' partial sums (a
+    fused qkv: the write adds them, where a kernel of its own did), and attend in the kernels of kernels/paged.py: a
+    float cache, no head norms (the caller's). None: project, then `rope_attention`."""
+    if not (paged.applies(cache, group.packed, softcap) and not cache.quantized): return None
+    if self.takes_gemv(x, *parts):
+      q, cache = gemv.qkv_rope_write(x, parts, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping)
+    elif len(parts) == 1 and self.takes_tensor_cores(x, *parts):   # the write adds the tensor cores' partial sums itself
+      partial = gemm.partial_products(x, parts[0], norm=(norm_weight, eps))
+      q, cache = paged.write(partial, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, parts[0].bias, x.dtype)
+    else: return None
     return paged.attention(q, cache, group, scale, window, x.dtype), cache
 
   def head_norms(self, q: Tensor, k: Tensor, v: Tensor, qk_norms: tuple | None) -> tuple[Tensor, Tensor, Tensor]:

@@ -144,21 +144,29 @@ def _partial_products_kernel(opts: tuple, normed: bool, out: UOp, x: UOp, w: UOp
   return UOp.sink(store.end(s, t, n), arg=KernelInfo(name=name, opts_to_apply=opts))
 
 
-def matmul(x: Tensor, w: LinearWeights, dtype=None, norm: tuple | None = None, act: str | None = None) -> Tensor:
-  """x `[T, K]` @ W^T (+ W's bias) on the tensor cores (`applies`), summed in float32 and rounded once to `dtype`
-  (default x's; the LM head's logits: float32).
-    norm=(w, eps)  x RMS-normed (times w) first: x's 1/RMS a small kernel (gemv.inverse_rms), the rest as x is read
-    act            W is gate and up stacked (`[2 I, K]`): returns act(gate) * up `[T, I]`, each half's partial sums
-                   added apart, so that the gating is the same kernel as the sums (a slice of one sum was a kernel
-                   more)"""
+def partial_products(x: Tensor, w: LinearWeights, norm: tuple | None = None) -> Tensor:
+  """The kernel's partial sums `[S, T, N]` (float32) of x `[T, K]` @ W^T (`applies`), without W's bias: S runs of the
+  input (`splits`) the caller adds. norm=(w, eps): x RMS-normed (times w) first: x's 1/RMS a small kernel
+  (gemv.inverse_rms), the rest as x is read."""
   (T, K), N = x.shape, w.weight.shape[0]
   index, tc = tensor_core(x.device, x.dtype)
   S = splits(T, N, K, tc)
   partial = Tensor.empty(S, T, N, dtype=dtypes.float32, device=x.device)
   inputs = [x.contiguous(), w.weight] + ([norm[0], gemv.inverse_rms(x, norm[1])] if norm is not None else [])
   fxn = functools.partial(_partial_products_kernel, kernel_opts(index, tc, S, T, N, K), norm is not None)
-  partial = Tensor.custom_kernel(partial, *inputs, fxn=fxn)[0]
-  summed = partial.reshape(T, N) if S == 1 else None   # one run: the partial sums are the product (no kernel)
+  return Tensor.custom_kernel(partial, *inputs, fxn=fxn)[0]
+
+
+def matmul(x: Tensor, w: LinearWeights, dtype=None, norm: tuple | None = None, act: str | None = None) -> Tensor:
+  """x `[T, K]` @ W^T (+ W's bias) on the tensor cores (`applies`), summed in float32 and rounded once to `dtype`
+  (default x's; the LM head's logits: float32).
+    norm=(w, eps)  x RMS-normed (times w) first (`partial_products`)
+    act            W is gate and up stacked (`[2 I, K]`): returns act(gate) * up `[T, I]`, each half's partial sums
+                   added apart, so that the gating is the same kernel as the sums (a slice of one sum was a kernel
+                   more)"""
+  (T, _), N = x.shape, w.weight.shape[0]
+  partial = partial_products(x, w, norm)
+  summed = partial.reshape(T, N) if partial.shape[0] == 1 else None   # one run: the partial sums are the product (no kernel)
   bias = w.bias.cast(dtypes.float32) if w.bias is not None else None
   def total(lo: int, hi: int) -> Tensor:   # outputs lo..hi-1, their runs added (and the bias)
     y = summed[:, lo:hi] if summed is not None else partial[:, :, lo:hi].sum(0)

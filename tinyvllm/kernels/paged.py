@@ -74,14 +74,14 @@ def applies(cache: PagedKVCache, packed: bool, softcap: float | None) -> bool:
   return not packed and softcap is None and not cache.k_int4 and not cache.v_int4
 
 
-def rotated(row: UOp, base: UOp, d: UOp, D: int, cos_sin: UOp, pos: UOp) -> UOp:
-  """Element d of the head vector row[base:base + D] after HF's rotate-half RoPE at position `pos`, as float32.
-  cos_sin: flat `[positions, D]`, the cos of the D/2 frequencies then their sin."""
+def rotated(read, d: UOp, D: int, cos_sin: UOp, pos: UOp) -> UOp:
+  """Element d of a head vector after HF's rotate-half RoPE at position `pos`, as float32; `read(i)` gives the vector's
+  element i. cos_sin: flat `[positions, D]`, the cos of the D/2 frequencies then their sin."""
   half = D // 2
   first = d < half
   i = first.where(d, d - half)
   cos, sin = cos_sin[pos * D + i].cast(dtypes.float32), cos_sin[pos * D + half + i].cast(dtypes.float32)
-  x, partner = row[base + d].cast(dtypes.float32), row[base + first.where(d + half, d - half)].cast(dtypes.float32)
+  x, partner = read(d).cast(dtypes.float32), read(first.where(d + half, d - half)).cast(dtypes.float32)
   return x * cos + first.where(-partner, partner) * sin
 
 
@@ -101,26 +101,37 @@ def _read(cache: UOp, scale: UOp | None, slot: UOp, kvh: UOp, d: UOp, KVH: int, 
   return x if scale is None else x * scale[slot * KVH + kvh].cast(dtypes.float32)
 
 
-def _write_kernel(n_heads: int, D: int, opts: tuple, q_out: UOp, k: UOp, v: UOp, qkv: UOp, positions: UOp, cos_sin: UOp,
-                  slots: UOp) -> UOp:
-  """From the qkv projection's rows `[T, (H + 2 KVH) D]`: q rotated into q_out `[T, H * D]` (float32), and k rotated
-  and v into the caches `[NB, BS, KVH, D]` at each token's slot (padding tokens, slot -1, write no K/V). One grid of
-  (token, q head, element): k and v store where the head is one of theirs. The head and the element are ranges of
-  their own, so that no index divides: tinygrad would split a divided range into others, and `opts` (a GPU's block
-  of threads along the element, `portable.block_opts`) name the axes as written."""
-  (T, width), (NB, BS, KVH, _) = qkv.shape, k.shape
+def _write_kernel(n_heads: int, D: int, opts: tuple, dtype, q_out: UOp, k: UOp, v: UOp, qkv: UOp, positions: UOp,
+                  cos_sin: UOp, slots: UOp, *bias: UOp) -> UOp:
+  """From the qkv projection's rows `[T, width]`: q rotated into q_out `[T, H * D]` (float32), and k rotated and v
+  into the caches `[NB, BS, KVH, D]` at each token's slot (padding tokens, slot -1, write no K/V). One grid of (token,
+  q head, element): k and v store where the head is one of theirs. The head and the element are ranges of their own,
+  so that no index divides: tinygrad would split a divided range into others, and `opts` (a GPU's block of threads
+  along the element, `portable.block_opts`) name the axes as written.
+
+  qkv `[S, T, width]` instead: the projection's partial sums (float32, kernels/gemm.py `partial_products`), which this
+  kernel adds with `bias` and rounds to `dtype` as the projection would have stored its rows: the sums' kernel goes."""
+  (NB, BS, KVH, _), width = k.shape, qkv.shape[-1]
+  summed = len(qkv.shape) == 3
+  S, T = qkv.shape[:2] if summed else (1, qkv.shape[0])
   q_out, k, v, qkv, cos_sin = q_out.flatten(), k.flatten(), v.flatten(), qkv.flatten(), cos_sin.flatten()
   t, h, d = UOp.range(T, 0), UOp.range(n_heads, 1), UOp.range(D, 2)
-  pos, slot, row = positions[t], slots[t], t * width
-  stores = [q_out[(t * n_heads + h) * D + d].store(rotated(qkv, row + h * D, d, D, cos_sin, pos))]
+  pos, slot = positions[t], slots[t]
+  def element(column: UOp) -> UOp:   # the projection's output (t, column)
+    if not summed: return qkv[t * width + column]
+    total = functools.reduce(lambda a, b: a + b, (qkv[(s * T + t) * width + column] for s in range(S)))
+    return (total + bias[0].flatten()[column].cast(dtypes.float32) if bias else total).cast(dtype)
+  head = lambda first: lambda i: element(first + i)   # a head vector's element i, the head's first column `first`
+  stores = [q_out[(t * n_heads + h) * D + d].store(rotated(head(h * D), d, D, cos_sin, pos))]
   kv_h = (h < KVH).where(h, KVH - 1) if KVH < n_heads else h   # loads stay inside the row where the stores are masked off
   inside = portable.slot_in_range(slot, KVH * D, kv_h * D + d, NB * BS)
   if KVH < n_heads: inside = inside & (h < KVH)
   at = (slot * (KVH * D) + kv_h * D + d).valid(inside)
-  key = rotated(qkv, row + (n_heads + kv_h) * D, d, D, cos_sin, pos)
-  value = qkv[row + (n_heads + KVH + kv_h) * D + d]
+  key = rotated(head((n_heads + kv_h) * D), d, D, cos_sin, pos)
+  value = element((n_heads + KVH + kv_h) * D + d)
   stores += [k[at].store(key.cast(k.dtype)), v[at].store(value.cast(v.dtype))]
-  return UOp.sink(UOp.group(*stores).end(t, h, d), arg=KernelInfo(name=f"kv_write_rope_{T}_{KVH * D}_{n_heads * D}", opts_to_apply=opts))
+  name = f"kv_write_rope_{T}_{KVH * D}_{n_heads * D}" + (f"_sum{S}" if summed else "")
+  return UOp.sink(UOp.group(*stores).end(t, h, d), arg=KernelInfo(name=name, opts_to_apply=opts))
 
 
 def _scores_kernel(opts, block_size: int, scale: float, window: int | None, S: UOp, scores: UOp, q: UOp, tables: UOp, q_pos: UOp,
@@ -261,18 +272,22 @@ def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor
 
 
 def write(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
-          slot_mapping: Tensor) -> tuple[Tensor, PagedKVCache]:
+          slot_mapping: Tensor, bias: Tensor | None = None, dtype=None) -> tuple[Tensor, PagedKVCache]:
   """q rotated `[T, H, D]` (float32) from the qkv projection's output, and the cache after k rotated and v are written
-  into their slots."""
-  T, D = qkv.shape[0], cache.head_dim
+  into their slots. qkv `[S, T, width]` float32: the projection's tensor-core partial sums (kernels/gemm.py), which
+  the write adds with `bias` and rounds to `dtype` (float caches only)."""
+  T, D = qkv.shape[-2], cache.head_dim
+  assert bias is None or qkv.ndim == 3, "a bias is added to partial sums only (rows carry theirs)"
   qkv, cos_sin = qkv.contiguous(), cos_sin.contiguous()
   if cache.quantized:   # int8: the scale of each head vector is a row maximum, which tensor ops compute first
+    assert qkv.ndim == 2, "partial sums are written to float caches only"
     q, k, v = portable.split_qkv(qkv, n_heads, n_kv_heads, D)
     q, cache = portable.rope_and_write_cache(q.float(), k, v, positions, cos_sin, cache, slot_mapping)
     return q.contiguous(), cache
   q = Tensor.empty(T, n_heads, D, dtype=dtypes.float32, device=qkv.device)
-  q, k, v = Tensor.custom_kernel(q, cache.k, cache.v, qkv, positions, cos_sin, slot_mapping,
-                                 fxn=functools.partial(_write_kernel, n_heads, D, portable.block_opts(qkv.device, T, D, axes=3)))[:3]
+  fxn = functools.partial(_write_kernel, n_heads, D, portable.block_opts(qkv.device, T, D, axes=3), dtype or qkv.dtype)
+  q, k, v = Tensor.custom_kernel(q, cache.k, cache.v, qkv, positions, cos_sin, slot_mapping, *(() if bias is None else (bias,)),
+                                 fxn=fxn)[:3]
   return q, cache.written(k, v)
 
 
