@@ -193,6 +193,15 @@ def test_decode_attention_lowered_for_the_h100():
   assert math.prod(l) == 16 * paged.DECODE_SPLIT == 16 * paged.decode_split(1, BS, H // KVH, D) and math.prod(g) == KVH * D // 4, (g, l)
   assert re.search(r"half4 \w+ = \(\*\(\(half4\*\)\(\(data\d+_%d" % (NB * BS * KVH * D), source), source
   assert re.search(r"data\d+_>>3", source), source   # the loop's count: the extent's blocks over 8
+  # the softmax's max alike: a row's 16 offsets x 4 runs of blocks (a tensor op, tinygrad gave a row 16 threads, each
+  # looping over a 16th of it alone), a warp's lanes reading 32 consecutive scores
+  g, l = programs[f"paged_max_{H}"].arg.launch_dims(at_full)
+  assert math.prod(l) == 16 * paged.MAX_SPLIT and math.prod(g) == H, (g, l)
+  maximum = next(u.arg for u in programs[f"paged_max_{H}"].src if u.op is Ops.SOURCE)
+  assert re.search(r"data\d+_>>2", maximum) and "%" not in maximum, maximum
+  from test_cuda_compile import loose_accesses
+  count, loose = loose_accesses(maximum)
+  assert count >= 1 and not loose, loose
 
 
 def test_the_split_fits_threadgroup_memory():

@@ -75,6 +75,48 @@ def test_replay_matches_numpy_as_the_count_changes(device):
     np.testing.assert_allclose(out, (a_np[:, :4 * c] * 2 + 1).sum(1), rtol=1e-5)
 
 
+def _prefix_sums_kernel(count, out, a):
+  """out[r] = the sum of a's row r over its first 4 * `count` columns (a kernel parameter: CountVariable.kernel_count)."""
+  from tinygrad import UOp
+  from tinygrad.uop.ops import AxisType, KernelInfo
+  R, W = a.shape
+  r, c, e = UOp.range(R, 0), UOp.range(count, 1, AxisType.REDUCE), UOp.range(4, 2, AxisType.REDUCE)
+  total = a.flatten()[r * W + c * 4 + e].reduce(c, e, arg=Ops.ADD)
+  return UOp.sink(out.flatten()[r].store(total).end(r), arg=KernelInfo(name="prefix_sums"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_custom_kernel_binds_its_count(device):
+  """A pass whose only reader of a count is a custom kernel (paged attention's kernels, the softmax's max now among
+  them): `custom_kernel_binding` puts the count's bound Variable in the kernel's call, so the pass runs as it is
+  traced (TinyJit's first, eager call) as well as captured and replayed at other counts. tinygrad's own
+  `Tensor.custom_kernel` leaves it out, and the eager call fails as unbound: if that changes, the helper can go."""
+  import functools
+  from tinygrad import TinyJit
+  from tinyvllm.engine.replay import custom_kernel_binding
+  rng = np.random.default_rng(2)
+  a_np = rng.standard_normal((8, 64)).astype(np.float32)
+  a = Tensor(a_np, device=device).realize()
+  count = CountVariable.make("cols_custom", 16)
+  fxn = functools.partial(_prefix_sums_kernel, count.kernel_count())
+  def summed(a, bound):
+    return custom_kernel_binding(Tensor.empty(8, device=a.device), a, fxn=fxn, count=CountVariable.count(bound))[0]
+  replay, eager = Replay(summed), TinyJit(summed)
+  for c in (5, 16, 1, 7):   # Replay: the first call captures, the others replay; TinyJit: eager, capture, replays
+    np.testing.assert_allclose(replay(a, bound=(count.bind(c),)).numpy(), a_np[:, :4 * c].sum(1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(eager(a, count.bind(c)).numpy(), a_np[:, :4 * c].sum(1), rtol=1e-5, atol=1e-5)
+  # a count of one value (a block table one block wide: a prefill's extent bucket of 1) is a constant to tinygrad,
+  # which folds its bound Variable to one: none is bound, and the kernel reads the constant
+  one = CountVariable.make("cols_one", 1)
+  def first(a, bound):
+    return custom_kernel_binding(Tensor.empty(8, device=a.device), a, fxn=functools.partial(_prefix_sums_kernel, one.kernel_count()),
+                                 count=CountVariable.count(bound))[0]
+  single = Replay(first)
+  for _ in range(3): np.testing.assert_allclose(single(a, bound=(one.bind(1),)).numpy(), a_np[:, :4].sum(1), rtol=1e-5, atol=1e-5)
+  plain = TinyJit(lambda a, bound: Tensor.custom_kernel(Tensor.empty(8, device=a.device), a, fxn=fxn)[0])
+  with pytest.raises(RuntimeError, match="unbound Variable"): plain(a, count.bind(3)).numpy()
+
+
 @pytest.mark.parametrize("device", [d for d in DEVICES if d != "CPU"])
 def test_graph_launch_sizes_are_never_zero_at_zero(device):
   """tinygrad 0.14's GPU graphs (CUDAGraph, MetalGraph) build every node with the variables at 0 and CUDA refuses a zero

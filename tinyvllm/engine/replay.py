@@ -15,6 +15,8 @@ and a GPU when TINYVLLM_TEST_DEVICE names one), so a tinygrad upgrade that chang
 - for a pipelined decode on CUDA (`OrderedCopies`): `CUDADevice.context`, `tinygrad.runtime.ops_cuda.check` and the
   driver calls of `tinygrad.runtime.autogen.cuda`, on the legacy default stream tinygrad launches on;
 - the compile worker pool of `tinygrad.engine.realize.lower_and_compile` (see `compile_symbolic_kernels_in_process`);
+- a custom kernel's call built by hand with bound Variables among its arguments (`custom_kernel_binding`:
+  `UOp.placeholder_like`, `UOp.call`, and `create_linear_with_vars` reading a pass's variable values from them);
 - tinygrad's in-process cache of lowered programs, `tinygrad.codegen.to_program_cache` (which `realize` imports by
   name) and its key `to_program_key` (`ProgramCache` keeps it on disk too).
 
@@ -77,6 +79,21 @@ class CountVariable:
   def count(bound: UOp) -> UOp:
     """Inside a captured function: the count, from the bound variable it was passed."""
     return bound + 1
+
+
+def custom_kernel_binding(*tensors: Tensor, fxn: Callable, count) -> list[Tensor]:
+  """`Tensor.custom_kernel` whose call also carries the bound Variables of `count` (`CountVariable.count`'s result,
+  or an int: none): a kernel that reads a count as a parameter (`kernel_count`) then finds its value in the pass
+  whatever else the pass holds. tinygrad takes a pass's variable values from the bound Variables among its calls'
+  arguments (`create_linear_with_vars`), which a tensor op's shape puts there and `Tensor.custom_kernel` never does:
+  a pass whose only readers of the count were custom kernels failed with "unbound Variable". This builds the call as
+  `UOp.custom_kernel` does (a placeholder per tensor, `.call`) with the bound Variables appended, as tinygrad's own
+  `Tensor.decode_hevc_frame` passes its frame position."""
+  # a Variable of one value (a table one block wide) is folded to a constant inside tinygrad: nothing to bind
+  binds = [u for u in count.toposort() if u.is_bound_var and u.src[0].vmin != u.src[0].vmax] if isinstance(count, UOp) else []
+  srcs = [t.uop for t in tensors]
+  kernel = fxn(*(UOp.placeholder_like(s, slot=i) for i, s in enumerate(srcs))).call(*srcs, *binds)
+  return [Tensor(s.after(kernel)) for s in srcs]
 
 
 def _has_variables(ast: UOp) -> bool:

@@ -9,7 +9,7 @@ written in UOps (tinygrad custom kernels, which tinygrad optimizes and compiles 
 
   write   from the qkv projection's rows: q rotated (float32), k rotated and v into their slots
   QK^T    keys read through the block table, scaled, masked                  scores [P, KVH, G*C, S]
-  max                                                                          a tensor op over the scores
+  max     each row's largest score, a row's blocks split over threads as PV splits them   [P, KVH, G*C, 1]
   PV      exp(score - max) times values read through the block table, over their sum (one kernel, two sums)
                                                                               [T, H*D], as the o projection reads it
 
@@ -18,12 +18,14 @@ the PV kernel otherwise recomputes each exp once per element of its output row (
 sequences that is cheaper than a launch, for a long prefill it is not (`EXP_INLINE_ROWS`).
 
 The scores' buffer is as wide as the extent can be: the whole block table, or on a GPU a prefill shape's bound
-(engine/model_runner.py; tinygrad sizes a buffer of symbolic length at its maximum as well); the kernels loop to the step's used extent, a symbolic count they read as a kernel parameter
-(AttentionGroup.kernel_blocks). Its value reaches them because the max's slice of the scores binds the same count in
-the pass: tinygrad looks a kernel's variables up among the bound ones of the pass, and a kernel in a pass that bound
-none fails with "unbound Variable". RoPE, the scale, the mask and every sum are computed in float32. Float and int8
-caches are read (int8: a code times its head vector's scale); int8 writes (the scale is a row maximum: tensor ops),
-int4 caches (packed, rotated), soft-capped scores (Gemma 2) and packed prefill groups take the tensor-op path.
+(engine/model_runner.py; tinygrad sizes a buffer of symbolic length at its maximum as well); the kernels loop to the
+step's used extent, a symbolic count they read as a kernel parameter (AttentionGroup.kernel_blocks). Its value reaches
+them because the max kernel's call carries the count's bound Variable (engine/replay.py `custom_kernel_binding`):
+tinygrad looks a kernel's variables up among the bound ones of the pass, and a kernel in a pass that bound none fails
+with "unbound Variable" (a tensor op over the scores' used slice bound it before, and made the max a reduction of
+tinygrad's heuristic). RoPE, the scale, the mask and every sum are computed in float32. Float and int8 caches are read
+(int8: a code times its head vector's scale); int8 writes (the scale is a row maximum: tensor ops), int4 caches
+(packed, rotated), soft-capped scores (Gemma 2) and packed prefill groups take the tensor-op path.
 """
 from __future__ import annotations
 import functools, math
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.codegen.opt import Opt, OptOps
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
+from tinyvllm.engine.replay import custom_kernel_binding
 from tinyvllm.kernels import portable
 from tinyvllm.kernels.kv_cache import PagedKVCache
 
@@ -44,6 +47,9 @@ LOG2E = 1 / math.log(2)
 # a batch-1 decode step's values kernel takes the context's blocks this many at a time over threads of their own,
 # beside a block's 16 offsets (`_values_kernel`): 128 threads an output, each looping over 1/8 of the blocks
 DECODE_SPLIT = 8
+# and the softmax's max kernel this many (`_max_kernel`): 64 threads a row at batch 1, a 2,048-token row's 128 blocks
+# 32 loads a thread; its final step has every thread of a row read all of their partial maxima from shared memory
+MAX_SPLIT = 4
 
 
 # threadgroup memory a kernel may take: Apple GPUs' 32 KB (CUDA gives a block 48 KB)
@@ -156,6 +162,41 @@ def _scores_kernel(opts, block_size: int, scale: float, window: int | None, S: U
   return UOp.sink(store.end(p, kvh, gc, s), arg=KernelInfo(name=f"paged_scores_{P}_{G}_{C}", opts_to_apply=opts))
 
 
+def _max_kernel(opts, block_size: int, split: int, blocks: UOp, row_max: UOp, scores: UOp) -> UOp:
+  """row_max[r] = the largest of scores row r's first `blocks` blocks of keys, read as `_values_kernel` reads them: a
+  block's offsets, then its blocks `split` at a time, so that `max_opts` can give both threads. (As a tensor op over the
+  symbolic extent, tinygrad's heuristic gave a row 16 threads, each looping over a 16th of the row alone: 128 loads in
+  a row at 2,048 tokens, a warp's lanes a 16th of the row apart; lowered for the H100.)"""
+  P, KVH, GC, MS = scores.shape
+  scores, row_max = scores.flatten(), row_max.flatten()
+  r = UOp.range(P * KVH * GC, 0)
+  o, j = UOp.range(block_size, 1, AxisType.REDUCE), UOp.range(split, 2, AxisType.REDUCE)
+  hi = UOp.range((blocks + split - 1) // split, 3, AxisType.REDUCE)
+  inside = _inside(hi, j, blocks, split)
+  at = r * MS + (hi * split + j) * block_size + o
+  score = scores[at.valid(inside)] if inside is not None else scores[at]
+  if inside is not None: score = inside.where(score, float("-inf"))
+  store = row_max[r].store(score.reduce(hi, j, o, arg=Ops.MAX))
+  return UOp.sink(store.end(r), arg=KernelInfo(name=f"paged_max_{P * KVH * GC}", opts_to_apply=opts))
+
+
+def _inside(hi: UOp, j: UOp, blocks, split: int) -> UOp | None:
+  """Block hi * split + j < blocks, written with j alone where a run of `split` is part-filled (None: split 1): tinygrad
+  merges two ranges that every index reads as hi * split + j into one (of symbolic length, which no opt splits), and
+  this clause tells them apart."""
+  return (hi < blocks // split) | (hi.eq(blocks // split) & (j < blocks % split)) if split > 1 else None
+
+
+def max_opts(device: str, rows: int, block_size: int, split: int) -> tuple:
+  """`_max_kernel`'s opts on a GPU: a row's reduction over 16 threads along a block's offsets (a warp's loads of a
+  row contiguous) and `split` along its blocks; without a split, 2 rows a block (a warp: a 32-sequence step has 1,024
+  rows, a prefill chunk one a token and head). None on the CPU device."""
+  if portable.on_cpu(device): return ()
+  offsets = math.gcd(16, block_size)
+  if split > 1: return (Opt(OptOps.GROUP, 0, offsets), Opt(OptOps.GROUP, int(block_size > offsets), split))
+  return (Opt(OptOps.GROUP, 0, offsets),) + ((Opt(OptOps.LOCAL, 0, 2),) if rows % 2 == 0 else ())
+
+
 def _exp_kernel(opts, S: UOp, scores: UOp, row_max: UOp) -> UOp:
   """scores[..., s] = exp(scores[..., s] - max of its row), in place, for s < S. `opts`: `exp_opts`."""
   R, MS = math.prod(scores.shape[:-1]), scores.shape[-1]
@@ -203,9 +244,7 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   o, j = UOp.range(block_size, 4, AxisType.REDUCE), UOp.range(split, 5, AxisType.REDUCE)
   hi = UOp.range((blocks + split - 1) // split, 6, AxisType.REDUCE)
   b = hi * split + j
-  # b < blocks, written with j alone where a run of `split` is part-filled: tinygrad merges two ranges that every
-  # index reads as hi * split + j into one (of symbolic length, which no opt splits), and this clause tells them apart
-  inside = (hi < blocks // split) | (hi.eq(blocks // split) & (j < blocks % split)) if split > 1 else None
+  inside = _inside(hi, j, blocks, split)
   masked = lambda idx: idx.valid(inside) if inside is not None else idx   # past the blocks: a load of 0
   g, c = gc // C, gc % C
   row = (p * KVH + kvh) * GC + gc
@@ -298,7 +337,7 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   P, C, G = group.num_seqs, group.query_len, n_heads // n_kv_heads
   scores_opts, values_opts = kernel_opts(str(q.device), C, BS, P, n_kv_heads, G, D)
   blocks = group.kernel_blocks if group.kernel_blocks is not None else group.used_blocks
-  S_kernel, S = blocks * BS, group.used_blocks * BS
+  S_kernel = blocks * BS
   k_scale = (cache.k_scale,) if cache.quantized else ()
   v_scale = (cache.v_scale,) if cache.quantized else ()
   tables, q_pos = group.block_tables.contiguous(), group.q_pos.contiguous()
@@ -307,7 +346,11 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   full = Tensor.empty(P, n_kv_heads, G * C, width * BS, dtype=dtypes.float32, device=q.device)
   full = Tensor.custom_kernel(full, q, tables, q_pos, cache.k.reshape(-1), *k_scale,
                               fxn=functools.partial(_scores_kernel, scores_opts, BS, scale, window, S_kernel))[0]
-  row_max = full[..., :S].max(-1, keepdim=True).contiguous()
+  runs = max(1, MAX_SPLIT // P) if C == 1 else 1   # a decode step's few rows: threads along their blocks too
+  row_max = Tensor.empty(P, n_kv_heads, G * C, 1, dtype=dtypes.float32, device=q.device)
+  # the kernel's call binds the extent's Variable for the pass: no kernel here reads it through a tensor op's shape
+  row_max = custom_kernel_binding(row_max, full, count=group.used_blocks,
+                                  fxn=functools.partial(_max_kernel, max_opts(str(q.device), P * n_kv_heads * G * C, BS, runs), BS, runs, blocks))[0]
   exponentiated = C > 1 or P * n_heads > EXP_INLINE_ROWS
   if exponentiated:
     opts = exp_opts(str(q.device), P * n_kv_heads * G * C, BS)
