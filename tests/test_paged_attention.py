@@ -167,8 +167,8 @@ def _attention_lowered_for_h100(P, C, H, KVH, D, BS, NB, MB) -> dict:
 
 def test_decode_attention_lowered_for_the_h100():
   """The 1B model's decode attention lowered for an H100 (tinygrad's NULL device, nvrtc), at a 2,048-token extent: the
-  scores kernel runs a thread a key and KV head, its group's 4 heads a thread (tinygrad's heuristic gave each score a
-  block of 16 threads); the values kernel loops over the blocks only, the softmax's denominator split over the same
+  scores kernel runs a thread a key and KV head, its group's 4 heads a thread, a warp a block (tinygrad's heuristic
+  gave each score a block of 16 threads); the values kernel loops over the blocks only, the softmax's denominator split over the same
   threads as its numerator (merged into one range of the context's length, every thread summed all 2,048 weights)."""
   import re
   from tinygrad.uop.ops import Ops
@@ -176,7 +176,7 @@ def test_decode_attention_lowered_for_the_h100():
   programs = _attention_lowered_for_h100(P, 1, H, KVH, D, BS, NB, MB)
   at_full = {v.expr: v.vmax for p in programs.values() for v in p.arg.vars}
   g, l = programs["paged_scores_1_4_1"].arg.launch_dims(at_full)
-  assert math.prod(g) * math.prod(l) == MB * BS * KVH and math.prod(l) == 16, (g, l)
+  assert math.prod(g) * math.prod(l) == MB * BS * KVH and math.prod(l) == 32, (g, l)   # 16 keys of 2 KV heads a block
   source = next(u.arg for u in programs["paged_values_1_4_1"].src if u.op is Ops.SOURCE)
   bounds = re.findall(r"for \(int \w+ = 0; \w+ < ([^;]+);", source)
   assert len(bounds) >= 2 and not any("<<4" in b or "16" in b for b in bounds if not b.strip().isdigit()), bounds
@@ -187,21 +187,47 @@ def test_decode_attention_lowered_for_the_h100():
   for name, text in (("scores", scores), ("values", source)):
     assert "%" not in text and "long" not in text, (name, text)
   assert re.search(r"half4 \w+ = \(\*\(\(half4\*\)\(\(data\d+_%d" % (NB * BS * KVH * D), scores), scores
-  # the values: an output's sum over 16 offsets x 8 runs of blocks (128 threads, each looping over an 8th of the
-  # blocks), the group's 4 heads and 4 elements a thread (a value read once, 8 bytes, for 16 sums): KVH x D/4 blocks
+  # the values: an output's sum over 16 offsets x 8 runs of blocks (128 threads), the group's 4 heads and 4 elements a
+  # thread (a value read once, 8 bytes, for 16 sums): KVH x D/4 blocks
   g, l = programs["paged_values_1_4_1"].arg.launch_dims(at_full)
   assert math.prod(l) == 16 * paged.DECODE_SPLIT == 16 * paged.decode_split(1, BS, H // KVH, D) and math.prod(g) == KVH * D // 4, (g, l)
   assert re.search(r"half4 \w+ = \(\*\(\(half4\*\)\(\(data\d+_%d" % (NB * BS * KVH * D), source), source
-  assert re.search(r"data\d+_>>3", source), source   # the loop's count: the extent's blocks over 8
   # the softmax's max alike: a row's 16 offsets x 4 runs of blocks (a tensor op, tinygrad gave a row 16 threads, each
   # looping over a 16th of it alone), a warp's lanes reading 32 consecutive scores
   g, l = programs[f"paged_max_{H}"].arg.launch_dims(at_full)
   assert math.prod(l) == 16 * paged.MAX_SPLIT and math.prod(g) == H, (g, l)
   maximum = next(u.arg for u in programs[f"paged_max_{H}"].src if u.op is Ops.SOURCE)
-  assert re.search(r"data\d+_>>2", maximum) and "%" not in maximum, maximum
+  assert "%" not in maximum, maximum
   from test_cuda_compile import loose_accesses
   count, loose = loose_accesses(maximum)
   assert count >= 1 and not loose, loose
+
+
+@pytest.mark.parametrize("P", [1, 32])
+def test_decode_loops_over_blocks_unrolled_on_the_h100(P):
+  """The values and max kernels of a decode step (1B shapes, a 2,048-token extent, lowered for the H100) take
+  `paged.DECODE_UNROLL` runs of blocks in each iteration of their symbolic loop, beside the runs over threads (8 and
+  4 at batch 1, none at 32): the loop's count is the extent's blocks over all runs, and each iteration reads that many
+  table entries, independent of each other (one entry an iteration, then its value: a chain of two L2 round trips)."""
+  import re
+  from tinygrad.uop.ops import Ops
+  H, KVH, D, BS, MB = 32, 8, 64, 16, 128
+  programs = _attention_lowered_for_h100(P, 1, H, KVH, D, BS, 256 * P // 8 if P > 8 else 256, MB)
+  source = lambda name: next(u.arg for u in programs[name].src if u.op is Ops.SOURCE)
+  table = f"data\\d+_{P * MB}"   # the block table's parameter, named by its size
+  for name, runs in ((f"paged_values_{P}_4_1", paged.decode_split(P, BS, H // KVH, D)), (f"paged_max_{P * H}", max(1, paged.MAX_SPLIT // P))):
+    runs *= paged.DECODE_UNROLL
+    text = source(name)
+    count = re.search(r"\(\(data\d+_>>(\d+)\)\+1\)", text)   # the extent's blocks (less one) over the runs, plus one
+    assert count and 1 << int(count.group(1)) == runs, (name, text)
+    if name.startswith("paged_values"):   # the numerator's loop (the denominator's, a second loop, reads them alike)
+      body = text.split("for (int Ridx")[1]
+      assert len(re.findall(r"\*\(%s\+" % table, body)) == paged.DECODE_UNROLL, (name, body)
+  # and every kernel's blocks are whole warps (blocks of 16 threads left half of each warp idle, and a GPU holds a bounded
+  # count of blocks an SM)
+  at_full = {v.expr: v.vmax for p in programs.values() for v in p.arg.vars}
+  blocks = {name: p.arg.launch_dims(at_full)[1] for name, p in programs.items()}
+  assert all(math.prod(l) % 32 == 0 for l in blocks.values()), blocks
 
 
 def test_the_split_fits_threadgroup_memory():

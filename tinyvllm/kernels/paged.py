@@ -50,6 +50,12 @@ DECODE_SPLIT = 8
 # and the softmax's max kernel this many (`_max_kernel`): 64 threads a row at batch 1, a 2,048-token row's 128 blocks
 # 32 loads a thread; its final step has every thread of a row read all of their partial maxima from shared memory
 MAX_SPLIT = 4
+# runs of blocks a decode step's values and max kernels take in one thread's loop iteration, unrolled beside those over
+# threads: the loop over the blocks is symbolic, which tinygrad cannot unroll, and each of its iterations is a table
+# entry and a value read that hang on each other (an L2 round trip each). ptxas unrolled the values kernel's loop by 2
+# (its sm_90 SASS: two such chains in flight); unrolled here, 4 are, and a 32-sequence step at 2,048 tokens loops 32
+# times where it looped 128 (lowered for the H100)
+DECODE_UNROLL = 4
 
 
 # threadgroup memory a kernel may take: Apple GPUs' 32 KB (CUDA gives a block 48 KB)
@@ -187,14 +193,25 @@ def _inside(hi: UOp, j: UOp, blocks, split: int) -> UOp | None:
   return (hi < blocks // split) | (hi.eq(blocks // split) & (j < blocks % split)) if split > 1 else None
 
 
-def max_opts(device: str, rows: int, block_size: int, split: int) -> tuple:
+def max_opts(device: str, rows: int, block_size: int, threads: int, unroll: int) -> tuple:
   """`_max_kernel`'s opts on a GPU: a row's reduction over 16 threads along a block's offsets (a warp's loads of a
-  row contiguous) and `split` along its blocks; without a split, 2 rows a block (a warp: a 32-sequence step has 1,024
-  rows, a prefill chunk one a token and head). None on the CPU device."""
+  row contiguous), then its runs of blocks over `threads` and `unroll`ed in each (`runs_opts`); without threads along
+  the blocks, 2 rows a block (a warp: a 32-sequence step has 1,024 rows, a prefill chunk one a token and head). None
+  on the CPU device."""
   if portable.on_cpu(device): return ()
   offsets = math.gcd(16, block_size)
-  if split > 1: return (Opt(OptOps.GROUP, 0, offsets), Opt(OptOps.GROUP, int(block_size > offsets), split))
-  return (Opt(OptOps.GROUP, 0, offsets),) + ((Opt(OptOps.LOCAL, 0, 2),) if rows % 2 == 0 else ())
+  rows_a_block = (Opt(OptOps.LOCAL, 0, 2),) if threads == 1 and rows % 2 == 0 else ()
+  return (Opt(OptOps.GROUP, 0, offsets),) + runs_opts(block_size, threads, unroll) + rows_a_block
+
+
+def runs_opts(block_size: int, threads: int, unroll: int) -> tuple:
+  """The opts over the runs of blocks (range j of `threads * unroll`, after GROUPTOP or GROUP took a block's 16
+  offsets): `threads` of them over threads of their own (GROUP, from j's low end), the rest unrolled in a thread.
+  tinygrad numbers a GROUP's axis among the REDUCE ranges (a block's offsets past 16 first) and an UNROLL's among the
+  GROUP_REDUCE ranges (those threads) then the REDUCE ones."""
+  past_16 = int(block_size > math.gcd(16, block_size))   # a block's offsets past the 16 threads: a REDUCE range left
+  opts = (Opt(OptOps.GROUP, past_16, threads),) if threads > 1 else ()
+  return opts + ((Opt(OptOps.UNROLL, 1 + int(threads > 1) + past_16, unroll),) if unroll > 1 else ())
 
 
 def _exp_kernel(opts, S: UOp, scores: UOp, row_max: UOp) -> UOp:
@@ -277,13 +294,15 @@ def kernel_opts(device: str, query_len: int, block_size: int, num_seqs: int = 1,
 
 def decode_scores_opts(block_size: int, num_seqs: int, kv_heads: int, group: int, head_dim: int) -> tuple:
   """A decode step's scores on a GPU: a thread a key, its q heads' dot products at once (the K row read once for the
-  group's G heads) over 8 elements of head_dim a step, 16 keys a block. tinygrad's heuristic gave each score a block of
+  group's G heads) over 8 elements of head_dim a step, 16 keys a block (of 2 KV heads where they pair). tinygrad's heuristic gave each score a block of
   16 threads of its own, 4 products a thread and a shared-memory sum (lowered for an H100: 65,536 blocks a layer at a
   2,048-token context). The axes are (sequence, KV head, head in the group, key), those of size 1 dropped."""
   axes = [name for name, size in (("p", num_seqs), ("kvh", kv_heads), ("g", group)) if size > 1] + ["s"]
   opts = [Opt(OptOps.LOCAL, axes.index("s"), math.gcd(16, block_size))]
   if (heads := _heads_a_thread(group)) > 1: opts.append(Opt(OptOps.UPCAST, axes.index("g"), heads))
   if (unroll := math.gcd(8, head_dim)) > 1: opts.append(Opt(OptOps.UNROLL, 0, unroll))
+  # two KV heads a block: 32 threads, a whole warp (16 were half of one, and a GPU holds a bounded count of blocks an SM)
+  if kv_heads % 2 == 0: opts.append(Opt(OptOps.LOCAL, axes.index("kvh"), 2))
   return tuple(opts)
 
 
@@ -295,10 +314,13 @@ def decode_values_opts(block_size: int, num_seqs: int, kv_heads: int, group: int
   (sequence, KV head, head in the group, element), those of size 1 dropped."""
   offsets, split = math.gcd(16, block_size), decode_split(num_seqs, block_size, group, head_dim)
   axes = [name for name, size in (("p", num_seqs), ("kvh", kv_heads), ("g", group), ("d", head_dim)) if size > 1]
-  opts = [Opt(OptOps.GROUPTOP, 0, offsets)] + ([Opt(OptOps.GROUP, int(block_size > offsets), split)] if split > 1 else [])
+  opts = [Opt(OptOps.GROUPTOP, 0, offsets), *runs_opts(block_size, split, DECODE_UNROLL)]
   # the elements first: an axis an opt takes whole is gone, and those after it renumber
   if (elements := math.gcd(4, head_dim)) > 1: opts.append(Opt(OptOps.UPCAST, axes.index("d"), elements))
   if (heads := _heads_a_thread(group)) > 1: opts.append(Opt(OptOps.UPCAST, axes.index("g"), heads))
+  # without threads along the blocks an output has 16: two outputs' a block, a whole warp (the element axis renumbered
+  # where the heads' upcast took theirs whole)
+  if split == 1 and (head_dim // elements) % 2 == 0: opts.append(Opt(OptOps.LOCAL, axes.index("d") - int(1 < heads == group), 2))
   return tuple(opts)
 
 
@@ -346,17 +368,20 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   full = Tensor.empty(P, n_kv_heads, G * C, width * BS, dtype=dtypes.float32, device=q.device)
   full = Tensor.custom_kernel(full, q, tables, q_pos, cache.k.reshape(-1), *k_scale,
                               fxn=functools.partial(_scores_kernel, scores_opts, BS, scale, window, S_kernel))[0]
-  runs = max(1, MAX_SPLIT // P) if C == 1 else 1   # a decode step's few rows: threads along their blocks too
+  # a decode step's few rows: their blocks over threads too, and on a GPU unrolled in each
+  threads, unroll = (max(1, MAX_SPLIT // P), DECODE_UNROLL if values_opts else 1) if C == 1 else (1, 1)
   row_max = Tensor.empty(P, n_kv_heads, G * C, 1, dtype=dtypes.float32, device=q.device)
+  opts = max_opts(str(q.device), P * n_kv_heads * G * C, BS, threads, unroll)
   # the kernel's call binds the extent's Variable for the pass: no kernel here reads it through a tensor op's shape
   row_max = custom_kernel_binding(row_max, full, count=group.used_blocks,
-                                  fxn=functools.partial(_max_kernel, max_opts(str(q.device), P * n_kv_heads * G * C, BS, runs), BS, runs, blocks))[0]
+                                  fxn=functools.partial(_max_kernel, opts, BS, threads * unroll, blocks))[0]
   exponentiated = C > 1 or P * n_heads > EXP_INLINE_ROWS
   if exponentiated:
     opts = exp_opts(str(q.device), P * n_kv_heads * G * C, BS)
     full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, opts, S_kernel))[0]
   out = Tensor.empty(T, n_heads * D, dtype=dtype, device=q.device)
-  split = next((o.arg for o in values_opts or () if o.op is OptOps.GROUP), 1)   # the runs of blocks its opts split
+  # the runs of blocks its opts take over threads and unroll (every GROUP and UNROLL of a decode's opts is theirs)
+  split = math.prod(o.arg for o in values_opts or () if o.op in (OptOps.GROUP, OptOps.UNROLL))
   out = Tensor.custom_kernel(out, full, tables, cache.v.reshape(-1), *v_scale, *(() if exponentiated else (row_max,)),
                              fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, split, blocks))[0]
   return out
