@@ -387,3 +387,30 @@ def test_a_decode_steps_own_kernels_coalesce_on_the_h100(tmp_path, quantization)
     assert not loose, (name, loose)
     followed += count
   assert followed > 20
+
+
+def test_decode_step_kernel_counts(tmp_path):
+  """The kernels of a decode step as the engine captures it for the H100, a 2-layer float16 model (hidden 512, 8 heads
+  over 2, intermediate 1024): at 1 sequence 7 a layer (the GEMVs: qkv with RoPE and the cache write, scores, max,
+  values, o, gate/up, down), at 32 14 a layer on the tensor cores (x's 1/RMS before each normed projection; the write
+  adding qkv's partial sums; scores, max, exp, values; the sums of o, gate/up and down with what follows them), and 4
+  more a step around the layers (the inputs' split, the embedding; the LM head, the argmax) with 1/RMS and the LM
+  head's sums at 32. A fusion lost shows here as more (docs/kernels.md)."""
+  from conftest import make_tiny_llama
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
+  path = make_tiny_llama(tmp_path, dtype="float16", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=64, num_hidden_layers=2, max_position_embeddings=512)
+  with on_null_cuda():
+    engine = LLMEngine.from_kwargs(str(path), kernel_backend="portable", dtype="float16", max_model_len=256, num_kv_blocks=512, max_num_seqs=32)
+    for batch in (1, 32):
+      for i in range(batch): engine.add_request(f"{batch}-{i}", {"prompt_token_ids": [5 + i] * 20}, SamplingParams(max_tokens=3, temperature=0))
+      while engine.has_unfinished_requests(): engine.step()
+  plain = lambda name: re.sub(r"\x1b\[\d+m", "", name)
+  counts = {}
+  for shape in engine.runner.replays:
+    if shape.query_len == 1:
+      counts[shape.num_seqs] = [plain(p.arg.name) for replay in engine.runner.captures([shape]) for p in captured_programs_of(replay)]
+  assert len(counts[1]) == 4 + 2 * 7, counts[1]
+  assert len(counts[32]) == 6 + 2 * 14, counts[32]
+  assert sum(n.startswith("kv_write_rope_32_") and "_sum" in n for n in counts[32]) == 2, counts[32]

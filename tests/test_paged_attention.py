@@ -203,16 +203,19 @@ def test_decode_attention_lowered_for_the_h100():
   assert count >= 1 and not loose, loose
 
 
-@pytest.mark.parametrize("P", [1, 32])
-def test_decode_loops_over_blocks_unrolled_on_the_h100(P):
-  """The values and max kernels of a decode step (1B shapes, a 2,048-token extent, lowered for the H100) take
-  `paged.DECODE_UNROLL` runs of blocks in each iteration of their symbolic loop, beside the runs over threads (8 and
-  4 at batch 1, none at 32): the loop's count is the extent's blocks over all runs, and each iteration reads that many
-  table entries, independent of each other (one entry an iteration, then its value: a chain of two L2 round trips)."""
+@pytest.mark.parametrize("P, BS", [(1, 16), (32, 16), (1, 8), (32, 32)])
+def test_decode_loops_over_blocks_unrolled_on_the_h100(P, BS):
+  """The values and max kernels of a decode step (1B shapes, 2,048 tokens of blocks of 16; of 8 and 32 too, lowered
+  for the H100) take `paged.DECODE_UNROLL` runs of blocks in each iteration of their symbolic loop, beside the runs
+  over threads (8 and 4 at batch 1, none at 32): the loop's count is the extent's blocks over all runs, and each
+  iteration reads that many table entries, independent of each other (one entry an iteration, then its value: a chain
+  of two L2 round trips). A block of 32 has its offsets past the 16 threads unrolled too (their range of 2 was a loop
+  around the symbolic one)."""
   import re
   from tinygrad.uop.ops import Ops
-  H, KVH, D, BS, MB = 32, 8, 64, 16, 128
-  programs = _attention_lowered_for_h100(P, 1, H, KVH, D, BS, 256 * P // 8 if P > 8 else 256, MB)
+  H, KVH, D = 32, 8, 64
+  MB = 2048 // BS
+  programs = _attention_lowered_for_h100(P, 1, H, KVH, D, BS, max(MB * P, 256), MB)
   source = lambda name: next(u.arg for u in programs[name].src if u.op is Ops.SOURCE)
   table = f"data\\d+_{P * MB}"   # the block table's parameter, named by its size
   for name, runs in ((f"paged_values_{P}_4_1", paged.decode_split(P, BS, H // KVH, D)), (f"paged_max_{P * H}", max(1, paged.MAX_SPLIT // P))):
@@ -220,6 +223,8 @@ def test_decode_loops_over_blocks_unrolled_on_the_h100(P):
     text = source(name)
     count = re.search(r"\(\(data\d+_>>(\d+)\)\+1\)", text)   # the extent's blocks (less one) over the runs, plus one
     assert count and 1 << int(count.group(1)) == runs, (name, text)
+    loops = re.findall(r"for \(int \w+ = 0; \w+ < ([^;]+);", text)
+    assert not loops[0].strip().isdigit(), (name, loops)   # the symbolic loop outermost
     if name.startswith("paged_values"):   # the numerator's loop (the denominator's, a second loop, reads them alike)
       body = text.split("for (int Ridx")[1]
       assert len(re.findall(r"\*\(%s\+" % table, body)) == paged.DECODE_UNROLL, (name, body)

@@ -9,7 +9,7 @@ written in UOps (tinygrad custom kernels, which tinygrad optimizes and compiles 
 
   write   from the qkv projection's rows: q rotated (float32), k rotated and v into their slots
   QK^T    keys read through the block table, scaled, masked                  scores [P, KVH, G*C, S]
-  max     each row's largest score, a row's blocks split over threads as PV splits them   [P, KVH, G*C, 1]
+  max     each row's largest score, its blocks read in the order PV reads them          [P, KVH, G*C, 1]
   PV      exp(score - max) times values read through the block table, over their sum (one kernel, two sums)
                                                                               [T, H*D], as the o projection reads it
 
@@ -196,22 +196,31 @@ def _inside(hi: UOp, j: UOp, blocks, split: int) -> UOp | None:
 def max_opts(device: str, rows: int, block_size: int, threads: int, unroll: int) -> tuple:
   """`_max_kernel`'s opts on a GPU: a row's reduction over 16 threads along a block's offsets (a warp's loads of a
   row contiguous), then its runs of blocks over `threads` and `unroll`ed in each (`runs_opts`); without threads along
-  the blocks, 2 rows a block (a warp: a 32-sequence step has 1,024 rows, a prefill chunk one a token and head). None
-  on the CPU device."""
+  the blocks, rows enough a block for a warp where their count allows (a 32-sequence step has 1,024 rows, a prefill
+  chunk one a token and head). On the CPU device no opts (its loops as written)."""
   if portable.on_cpu(device): return ()
   offsets = math.gcd(16, block_size)
-  rows_a_block = (Opt(OptOps.LOCAL, 0, 2),) if threads == 1 and rows % 2 == 0 else ()
+  rows_a_block = whole_warp(0, rows, offsets) if threads == 1 else ()
   return (Opt(OptOps.GROUP, 0, offsets),) + runs_opts(block_size, threads, unroll) + rows_a_block
 
 
 def runs_opts(block_size: int, threads: int, unroll: int) -> tuple:
   """The opts over the runs of blocks (range j of `threads * unroll`, after GROUPTOP or GROUP took a block's 16
-  offsets): `threads` of them over threads of their own (GROUP, from j's low end), the rest unrolled in a thread.
-  tinygrad numbers a GROUP's axis among the REDUCE ranges (a block's offsets past 16 first) and an UNROLL's among the
-  GROUP_REDUCE ranges (those threads) then the REDUCE ones."""
-  past_16 = int(block_size > math.gcd(16, block_size))   # a block's offsets past the 16 threads: a REDUCE range left
-  opts = (Opt(OptOps.GROUP, past_16, threads),) if threads > 1 else ()
-  return opts + ((Opt(OptOps.UNROLL, 1 + int(threads > 1) + past_16, unroll),) if unroll > 1 else ())
+  offsets): `threads` of them over threads of their own (GROUP, from j's low end), the rest unrolled in a thread; and
+  a block's offsets past 16 (a block of 32) unrolled too, else their range of 2 is a loop around the symbolic one.
+  tinygrad numbers a GROUP's axis among the REDUCE ranges (those offsets first) and an UNROLL's among the GROUP_REDUCE
+  ranges (the threads, in the order made) then the REDUCE ones; a range an opt takes whole is gone."""
+  rest = block_size // math.gcd(16, block_size)   # a block's offsets past the 16 threads: a REDUCE range of its own
+  opts = (Opt(OptOps.GROUP, int(rest > 1), threads),) if threads > 1 else ()
+  if unroll > 1: opts += (Opt(OptOps.UNROLL, 1 + int(threads > 1) + int(rest > 1), unroll),)
+  return opts + ((Opt(OptOps.UNROLL, 1 + int(threads > 1), rest),) if rest > 1 else ())
+
+
+def whole_warp(axis: int, size: int, threads: int) -> tuple:
+  """A LOCAL over output axis `axis` (of `size`) that makes blocks of `threads` a warp of 32: the most of it up to
+  32 // threads that divides it (() where none does: a block stays part of a warp)."""
+  amount = math.gcd(size, max(1, 32 // threads))
+  return (Opt(OptOps.LOCAL, axis, amount),) if amount > 1 else ()
 
 
 def _exp_kernel(opts, S: UOp, scores: UOp, row_max: UOp) -> UOp:
@@ -225,15 +234,15 @@ def _exp_kernel(opts, S: UOp, scores: UOp, row_max: UOp) -> UOp:
 
 
 def exp_opts(device: str, rows: int, block_size: int) -> tuple | None:
-  """`_exp_kernel`'s opts on a GPU: 16 threads along a row's keys (S is a whole number of blocks), 2 rows a block of
-  32, 4 rows a thread (the rows' grid axis stays under CUDA's 65,535 for a 4,096-token chunk of 32 heads). tinygrad's
-  heuristic, which cannot split the symbolic S, put a warp's threads on 32 rows 4 KB apart, so every load and store
-  of a warp touched 32 cache lines (lowered for the H100). None on the CPU device: its heuristic."""
+  """`_exp_kernel`'s opts on a GPU: 16 threads along a row's keys (S is a whole number of blocks), rows enough a block
+  for a warp (2, or 4 with blocks of 8), 4 rows a thread (the rows' grid axis stays under CUDA's 65,535 for a
+  4,096-token chunk of 32 heads). tinygrad's heuristic, which cannot split the symbolic S, put a warp's threads on 32
+  rows 4 KB apart, so every load and store of a warp touched 32 cache lines (lowered for the H100). None on the CPU
+  device: its heuristic."""
   if portable.on_cpu(device): return None
-  opts = [Opt(OptOps.LOCAL, int(rows > 1), math.gcd(16, block_size))]
-  if rows % 2 == 0: opts.append(Opt(OptOps.LOCAL, 0, 2))
-  if rows % 8 == 0: opts.append(Opt(OptOps.UPCAST, 0, 4))
-  return tuple(opts)
+  keys = math.gcd(16, block_size)
+  opts = (Opt(OptOps.LOCAL, int(rows > 1), keys),) + (local := whole_warp(0, rows, keys))
+  return opts + ((Opt(OptOps.UPCAST, 0, 4),) if rows // (local[0].arg if local else 1) % 4 == 0 else ())
 
 
 def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool, split: int, blocks: UOp, out: UOp, scores: UOp,
@@ -249,8 +258,9 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   of 128: 256 threads, each looping over every key alone), so decode passes ask for it (`rope_attention`).
 
   `split`: the blocks taken `split` at a time, block hi * split + j, so that a decode step's opts can give j threads of
-  its own too (`decode_split`): the symbolic loop over the blocks then has 1/split of the context, each iteration a
-  table entry and a value read that hang on each other; at batch 1 a thread's loop is the whole kernel's latency."""
+  their own and unroll the rest in each (`decode_runs`): the symbolic loop over the blocks then has 1/split of the
+  context, each iteration `DECODE_UNROLL` table entries and value reads, each value hanging on its entry; at batch 1 a
+  thread's loop is the whole kernel's latency."""
   P, KVH, GC, MS = scores.shape
   MB, G = tables.shape[1], n_heads // scores.shape[1]
   C = GC // G
@@ -294,16 +304,20 @@ def kernel_opts(device: str, query_len: int, block_size: int, num_seqs: int = 1,
 
 def decode_scores_opts(block_size: int, num_seqs: int, kv_heads: int, group: int, head_dim: int) -> tuple:
   """A decode step's scores on a GPU: a thread a key, its q heads' dot products at once (the K row read once for the
-  group's G heads) over 8 elements of head_dim a step, 16 keys a block (of 2 KV heads where they pair). tinygrad's heuristic gave each score a block of
-  16 threads of its own, 4 products a thread and a shared-memory sum (lowered for an H100: 65,536 blocks a layer at a
-  2,048-token context). The axes are (sequence, KV head, head in the group, key), those of size 1 dropped."""
+  group's G heads) over 8 elements of head_dim a step, 16 keys a block, of KV heads enough for a warp where they
+  divide. tinygrad's heuristic gave each score a block of 16 threads of its own, 4 products a thread and a
+  shared-memory sum (lowered for an H100: 65,536 blocks a layer at a 2,048-token context). The axes are (sequence, KV
+  head, head in the group, key), those of size 1 dropped."""
   axes = [name for name, size in (("p", num_seqs), ("kvh", kv_heads), ("g", group)) if size > 1] + ["s"]
   opts = [Opt(OptOps.LOCAL, axes.index("s"), math.gcd(16, block_size))]
   if (heads := _heads_a_thread(group)) > 1: opts.append(Opt(OptOps.UPCAST, axes.index("g"), heads))
   if (unroll := math.gcd(8, head_dim)) > 1: opts.append(Opt(OptOps.UNROLL, 0, unroll))
-  # two KV heads a block: 32 threads, a whole warp (16 were half of one, and a GPU holds a bounded count of blocks an SM)
-  if kv_heads % 2 == 0: opts.append(Opt(OptOps.LOCAL, axes.index("kvh"), 2))
-  return tuple(opts)
+  # KV heads (or else sequences) enough a block for a warp: a block of 16 keys was half of one, and a GPU holds a
+  # bounded count of blocks an SM
+  keys = math.gcd(16, block_size)
+  pairing = [(axes.index(name), size) for name, size in (("kvh", kv_heads), ("p", num_seqs))
+             if size > 1 and math.gcd(size, 32 // keys) > 1]
+  return tuple(opts) + (whole_warp(*pairing[0], keys) if pairing else ())
 
 
 def decode_values_opts(block_size: int, num_seqs: int, kv_heads: int, group: int, head_dim: int) -> tuple:
@@ -312,16 +326,21 @@ def decode_values_opts(block_size: int, num_seqs: int, kv_heads: int, group: int
   consecutive elements (one 8-byte read of a value row). One element a thread, each of a key's 64 elements was a
   2-byte load of its own, in a block of its own, re-reading the value's 32-byte sector 16 times from L2. The axes are
   (sequence, KV head, head in the group, element), those of size 1 dropped."""
-  offsets, split = math.gcd(16, block_size), decode_split(num_seqs, block_size, group, head_dim)
+  offsets, (split, unroll) = math.gcd(16, block_size), decode_runs(num_seqs, block_size, group, head_dim)
   axes = [name for name, size in (("p", num_seqs), ("kvh", kv_heads), ("g", group), ("d", head_dim)) if size > 1]
-  opts = [Opt(OptOps.GROUPTOP, 0, offsets), *runs_opts(block_size, split, DECODE_UNROLL)]
+  opts = [Opt(OptOps.GROUPTOP, 0, offsets), *runs_opts(block_size, split, unroll)]
   # the elements first: an axis an opt takes whole is gone, and those after it renumber
   if (elements := math.gcd(4, head_dim)) > 1: opts.append(Opt(OptOps.UPCAST, axes.index("d"), elements))
   if (heads := _heads_a_thread(group)) > 1: opts.append(Opt(OptOps.UPCAST, axes.index("g"), heads))
-  # without threads along the blocks an output has 16: two outputs' a block, a whole warp (the element axis renumbered
+  # without threads along the blocks an output has 16: outputs enough a block for a warp (the element axis renumbered
   # where the heads' upcast took theirs whole)
-  if split == 1 and (head_dim // elements) % 2 == 0: opts.append(Opt(OptOps.LOCAL, axes.index("d") - int(1 < heads == group), 2))
+  if split == 1 and "d" in axes: opts += whole_warp(axes.index("d") - int(1 < heads == group), head_dim // elements, offsets)
   return tuple(opts)
+
+
+def decode_runs(num_seqs: int, block_size: int, group: int, head_dim: int) -> tuple[int, int]:
+  """(over threads, unrolled in each): the runs of blocks a decode step's values kernel takes, `split` = their product."""
+  return decode_split(num_seqs, block_size, group, head_dim), DECODE_UNROLL
 
 
 def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
@@ -339,6 +358,7 @@ def write(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin
   the write adds with `bias` and rounds to `dtype` (float caches only)."""
   T, D = qkv.shape[-2], cache.head_dim
   assert bias is None or qkv.ndim == 3, "a bias is added to partial sums only (rows carry theirs)"
+  assert qkv.ndim == 2 or dtype is not None, "partial sums are rounded to the projection's dtype: pass it"
   qkv, cos_sin = qkv.contiguous(), cos_sin.contiguous()
   if cache.quantized:   # int8: the scale of each head vector is a row maximum, which tensor ops compute first
     assert qkv.ndim == 2, "partial sums are written to float caches only"
@@ -359,6 +379,9 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   P, C, G = group.num_seqs, group.query_len, n_heads // n_kv_heads
   scores_opts, values_opts = kernel_opts(str(q.device), C, BS, P, n_kv_heads, G, D)
   blocks = group.kernel_blocks if group.kernel_blocks is not None else group.used_blocks
+  # a fixed extent (no captured pass's Variable: not the engine's path) lets tinygrad split the keys into blocks and
+  # offsets, which the scores' opts do not name: its heuristic then
+  if not isinstance(blocks, UOp) and scores_opts: scores_opts = None
   S_kernel = blocks * BS
   k_scale = (cache.k_scale,) if cache.quantized else ()
   v_scale = (cache.v_scale,) if cache.quantized else ()
@@ -368,20 +391,19 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   full = Tensor.empty(P, n_kv_heads, G * C, width * BS, dtype=dtypes.float32, device=q.device)
   full = Tensor.custom_kernel(full, q, tables, q_pos, cache.k.reshape(-1), *k_scale,
                               fxn=functools.partial(_scores_kernel, scores_opts, BS, scale, window, S_kernel))[0]
-  # a decode step's few rows: their blocks over threads too, and on a GPU unrolled in each
-  threads, unroll = (max(1, MAX_SPLIT // P), DECODE_UNROLL if values_opts else 1) if C == 1 else (1, 1)
+  # a decode step's few rows on a GPU: their blocks over threads too, and unrolled in each
+  on_gpu, rows = not portable.on_cpu(str(q.device)), P * n_kv_heads * G * C
+  threads, unroll = (max(1, MAX_SPLIT // P), DECODE_UNROLL) if C == 1 and on_gpu else (1, 1)
   row_max = Tensor.empty(P, n_kv_heads, G * C, 1, dtype=dtypes.float32, device=q.device)
-  opts = max_opts(str(q.device), P * n_kv_heads * G * C, BS, threads, unroll)
   # the kernel's call binds the extent's Variable for the pass: no kernel here reads it through a tensor op's shape
-  row_max = custom_kernel_binding(row_max, full, count=group.used_blocks,
-                                  fxn=functools.partial(_max_kernel, opts, BS, threads * unroll, blocks))[0]
+  row_max = custom_kernel_binding(row_max, full, count=group.used_blocks, fxn=functools.partial(
+    _max_kernel, max_opts(str(q.device), rows, BS, threads, unroll), BS, threads * unroll, blocks))[0]
   exponentiated = C > 1 or P * n_heads > EXP_INLINE_ROWS
   if exponentiated:
-    opts = exp_opts(str(q.device), P * n_kv_heads * G * C, BS)
-    full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, opts, S_kernel))[0]
+    full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, exp_opts(str(q.device), rows, BS), S_kernel))[0]
   out = Tensor.empty(T, n_heads * D, dtype=dtype, device=q.device)
-  # the runs of blocks its opts take over threads and unroll (every GROUP and UNROLL of a decode's opts is theirs)
-  split = math.prod(o.arg for o in values_opts or () if o.op in (OptOps.GROUP, OptOps.UNROLL))
+  # the runs of blocks its opts take over threads and unroll
+  split = math.prod(decode_runs(P, BS, G, D)) if values_opts else 1
   out = Tensor.custom_kernel(out, full, tables, cache.v.reshape(-1), *v_scale, *(() if exponentiated else (row_max,)),
                              fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, split, blocks))[0]
   return out
