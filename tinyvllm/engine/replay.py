@@ -15,8 +15,9 @@ and a GPU when TINYVLLM_TEST_DEVICE names one), so a tinygrad upgrade that chang
 - for a pipelined decode on CUDA (`OrderedCopies`): `CUDADevice.context`, `tinygrad.runtime.ops_cuda.check` and the
   driver calls of `tinygrad.runtime.autogen.cuda`, on the legacy default stream tinygrad launches on;
 - the compile worker pool of `tinygrad.engine.realize.lower_and_compile` (see `compile_symbolic_kernels_in_process`);
-- a custom kernel's call built by hand with bound Variables among its arguments (`custom_kernel_binding`:
-  `UOp.placeholder_like`, `UOp.call`, and `create_linear_with_vars` reading a pass's variable values from them);
+- a custom kernel's call built by hand with bound Variables among its arguments (`custom_kernel_binding`, which
+  kernels/paged.py's attention calls: `UOp.placeholder_like`, `UOp.call`, and `create_linear_with_vars` reading a
+  pass's variable values from them);
 - tinygrad's in-process cache of lowered programs, `tinygrad.codegen.to_program_cache` (which `realize` imports by
   name) and its key `to_program_key` (`ProgramCache` keeps it on disk too).
 
