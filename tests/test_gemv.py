@@ -193,6 +193,22 @@ def test_packed_layouts_it_takes():
   assert gemv.packed_cuts(blocks.QuantSpec(6, 96), 384) is None and gemv.packed_cuts(blocks.GGML_SPECS["Q4_K"], 384) is None
 
 
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "CPU"])
+@pytest.mark.parametrize("name", ["Q5_0", "affine5g32"])
+def test_a_row_shorter_than_a_block_of_high_bits_keeps_the_matmul(device, name):
+  """5-bit codes at K = 64, a quarter of a block of high bits (a toy's size): the GEMV's opts failed in tinygrad there
+  (KernelOptError: the mask past K had shrunk a range they name), so such a row keeps tinygrad's matmul, which a GPU's
+  decode projection then runs: against the `gguf` package's dequantizer (MLX's: numpy from the codes), float32, 1e-5.
+  Rows of a whole block or more take the GEMV (`test_packed_weights_match_gguf`)."""
+  from tinyvllm.kernels import Kernels
+  rng = np.random.default_rng(64)
+  (x, _, g, _, _), (X, _, G, _, _) = inputs(rng, 1, 64, 16, "float32", device)
+  lw, W = packed(rng, name, 16, 64, device)
+  assert not gemv.applies(x, lw) and gemv.packed_cuts(lw.spec, 256) is not None
+  normed = X / np.sqrt((X * X).mean(-1, keepdims=True) + EPS) * G
+  assert rel(Kernels(device).norm_linear(x, g, EPS, lw), normed @ W.T) < TOL["float32"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T,K,N", [(1, 256, 96), (8, 64, 40)])
 def test_float32_logits_from_half_rows(device, T, K, N):

@@ -88,12 +88,14 @@ def packed_cuts(spec: QuantSpec, K: int) -> tuple[int, ...] | None:
   super-block of groups; Q4_K's 6-bit scale fields (groups 0-3 or 4-7 of a super-block: 7). Only cuts an index needs:
   tinygrad merges two adjacent ranges that no index tells apart. None when a size is not a power of two or K is not a
   whole number of runs, groups and super-blocks (those layouts keep tinygrad's matmul). K may end in a part-filled block
-  of high bits (Q5_0 at K = 896, Qwen2.5-0.5B's): the ranges then name inputs past K, which `_projector` masks."""
+  of high bits (Q5_0 at K = 896, Qwen2.5-0.5B's): the ranges then name inputs past K, which `_projector` masks. Not a K
+  below one block of high bits (a toy's: 5-bit codes at K = 64 failed in tinygrad with a KernelOptError, the mask
+  having shrunk a range the opts name)."""
   units = [8, spec.group] + ([spec.group * spec.super_groups] if spec.super_groups else [])
   high_block = [32 * (8 // (spec.bits - 4))] if spec.bits > 4 else []
   if spec.bits > 4: units += [4, 32]
   if spec.k_scales: units += [32, 128]
-  if any(u & (u - 1) for u in units + high_block) or K % 32 or any(K % u for u in units): return None
+  if any(u & (u - 1) for u in units + high_block) or K % 32 or any(K % u for u in units) or K < sum(high_block): return None
   return tuple(sorted({u.bit_length() - 1 for u in units + high_block}))
 
 
