@@ -36,10 +36,18 @@ def main() -> None:
   vocab = engine.model_config.vocab_size
   for i in range(B):
     ids = [(7 * i + 13 * j) % vocab for j in range(args.prompt_len)]
-    engine.add_request(str(i), {"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-  for _ in range(4 + B): engine.step()   # prefills, then decode steps: the decode shape captured and bound
+    engine.add_request(str(i), {"prompt_token_ids": ids}, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
   runner = engine.runner
-  (shape, bound), = [(s, b) for (s, _), b in runner.bound_passes.items() if s.query_len == 1]
+  # prefills, then decode steps until a pass of the whole batch is captured and bound (a few steps more: the prompts'
+  # chunks finish over several steps, and a shape is bound on its second run)
+  widest = lambda: max((s.num_seqs for s, _ in runner.bound_passes if s.query_len == 1), default=0)
+  for _ in range(200):
+    engine.step()
+    if widest() >= B: break
+  for _ in range(2): engine.step()
+  # the widest decode pass: a batch's sequences finish their prompts over a few steps, and narrower decode passes of
+  # those that finished first were captured on the way
+  shape, bound = max(((s, b) for (s, _), b in runner.bound_passes.items() if s.query_len == 1), key=lambda sb: sb[0].num_seqs)
   captured, inputs = bound[0][0].captured, tuple(bound[0][0].inputs)
   seqs = [s for seqs in engine.core.requests.values() for s in seqs]
   blocks = max(-(-s.num_tokens // runner.block_size) for s in seqs)

@@ -6,7 +6,8 @@
 # finishes, so a phase that hangs or crashes still leaves what came before; logs and the bench JSON go under $OUT.
 # A device call's start counts against the session's 15 minutes and took from 30 s to 7 minutes here: keep
 # TEST_SECONDS + BENCH_SECONDS near 7 minutes (150 270), so that a slow start still leaves the run its time; then, if
-# KERNEL_SECONDS (45) > 0, the device time of a batch-1 decode step kernel by kernel (0 skips it); then, if
+# KERNEL_SECONDS (45) > 0, the device time of a batch-1 decode step kernel by kernel (0 skips it; KERNEL_BATCHES=1,32
+# adds batch 32); then, if
 # GEMV_SECONDS (60) > 0, the decode projections' GEMV kernel against the tinygrad ops it replaced (bench/gemv.py; then
 # 2/3 of that again for the k-quants Q4_K and Q6_K); then,
 # if PACKED_SECONDS (30) > 0, the GGUF k-quants' portable kernel with the file's 6-bit scales against byte scales.
@@ -83,9 +84,13 @@ if [ "${EIGHT_B_SECONDS:-0}" -gt 0 ]; then
 fi
 
 if [ "$KERNEL_S" -gt 0 ]; then
-  echo "== device time per kernel, batch-1 decode step (bench/gpu_kernel_times.py)"
-  timeout -k 5 "$KERNEL_S" python3 bench/gpu_kernel_times.py "$MODEL" --batch-size 1 --async-scheduling "$DEFAULT_ASYNC" --json "$OUT/kernels-b1.json" 2>&1 \
-    | tee "$OUT/kernels-b1.log" | tail -30
+  # KERNEL_BATCHES=1,32: a batch-32 step's kernels too (the tensor cores' projections, their sums, attention), each
+  # batch size with KERNEL_S seconds of its own
+  for B in $(echo "${KERNEL_BATCHES:-1}" | tr ',' ' '); do
+    echo "== device time per kernel, batch-$B decode step (bench/gpu_kernel_times.py)"
+    timeout -k 5 "$KERNEL_S" python3 bench/gpu_kernel_times.py "$MODEL" --batch-size "$B" --async-scheduling "$DEFAULT_ASYNC" --json "$OUT/kernels-b$B.json" 2>&1 \
+      | tee "$OUT/kernels-b$B.log" | tail -30
+  done
 fi
 
 if [ "$GEMV_S" -gt 0 ] && [ -n "${GEMV_SCHEDULES:-}" ]; then
