@@ -44,6 +44,9 @@ MAX_TILES = 8        # output tiles a warp, at most
 WARPS_A_BLOCK = 4
 WARPS_WANTED = 1536  # warps the grid should hold, splitting the input to get them: 12 an SM of an H100's 132 fit (168
                      # registers a thread, 65536 an SM); more run as a second, partial wave
+SIMDGROUPS_WANTED = 256   # Apple GPUs' share (unmeasured): 8 to 76 cores, and 400-800 GB/s at ~0.5 us of latency is
+                          # some 200-400 KB in flight, 50-100 SIMD groups of 4 KB; every split adds partial sums to
+                          # write and read back (8 MB for the 1B's down at 32 rows split for the H100), so fewer
 MIN_RUN = 256        # the shortest run of the input a split leaves a warp (its partial sums cost 8 bytes a row and output)
 
 
@@ -90,15 +93,20 @@ def _most(size: int, want: int) -> int:
   return math.gcd(size, want)
 
 
-def splits(T: int, N: int, K: int, tc) -> int:
-  """Runs the input is split into: doubled while the grid still holds at most WARPS_WANTED warps, a run stays at least
-  MIN_RUN long and a whole number of loop iterations. The 1B at 32 rows: qkv 8 (a run of 256), o 8, gate/up 4, down
-  32 (its partial sums 8 MB, which the L2 holds), the LM head 1 (its 2004 warps enough)."""
+def splits(T: int, N: int, K: int, tc, wanted: int = WARPS_WANTED) -> int:
+  """Runs the input is split into: doubled while the grid still holds at most `wanted` warps (`warps_wanted`), a run
+  stays at least MIN_RUN long and a whole number of loop iterations. The 1B at 32 rows on an H100: qkv 8 (a run of
+  256), o 8, gate/up 4, down 32 (its partial sums 8 MB, which the L2 holds), the LM head 1 (its 2004 warps enough)."""
   (n, m, k), (rows, outputs) = tc.dims, tiles(T, N, tc)
   warps = (T // m // rows) * (N // n // outputs)
   S = 1
-  while warps * 2 * S <= WARPS_WANTED and K % (2 * S * k * PAIRED) == 0 and K // (2 * S) >= MIN_RUN: S *= 2
+  while warps * 2 * S <= wanted and K % (2 * S * k * PAIRED) == 0 and K // (2 * S) >= MIN_RUN: S *= 2
   return S
+
+
+def warps_wanted(device: str) -> int:
+  """The warps (SIMD groups) a projection's grid should hold on `device`: an Apple GPU's, else an H100's."""
+  return SIMDGROUPS_WANTED if device.split(":")[0] == "METAL" else WARPS_WANTED
 
 
 def kernel_opts(tc_index: int, tc, S: int, T: int, N: int, K: int) -> tuple:
@@ -150,7 +158,7 @@ def partial_products(x: Tensor, w: LinearWeights, norm: tuple | None = None) -> 
   (gemv.inverse_rms), the rest as x is read."""
   (T, K), N = x.shape, w.weight.shape[0]
   index, tc = tensor_core(x.device, x.dtype)
-  S = splits(T, N, K, tc)
+  S = splits(T, N, K, tc, warps_wanted(x.device))
   partial = Tensor.empty(S, T, N, dtype=dtypes.float32, device=x.device)
   inputs = [x.contiguous(), w.weight] + ([norm[0], gemv.inverse_rms(x, norm[1])] if norm is not None else [])
   fxn = functools.partial(_partial_products_kernel, kernel_opts(index, tc, S, T, N, K), norm is not None)
