@@ -17,11 +17,12 @@ Here (`kernel_opts`), after tinygrad's tensor-core opt:
           shared through the L1)
   UNROLL  PAIRED consecutive inputs a lane reads together (`_partial_products_kernel`): 4 KB of the weight in a
           warp's loop iteration at 8 tiles
-and the input split in S runs (`splits`, a grid axis) while the grid holds at most WARPS_WANTED warps: the 1B's o and
-down projections have 32 warps of outputs at 32 rows, for 132 SMs. The runs' partial sums `[S, T, N]` (float32: 8 MB
-for the 1B's down at 32 rows, which the L2 holds) are added by a tensor op after, which also adds the bias and takes
-what the caller does next (the residual, the SwiGLU, the cast) into the same kernel: a launch more for a projection
-that had none of those (qkv without a bias).
+and the input split in S runs (`splits`, a grid axis) while the grid holds at most `warps_wanted` warps (an H100's
+1536; 256 SIMD groups on Metal): the 1B's o and down projections have 32 warps of outputs at 32 rows, for 132 SMs.
+The runs' partial sums `[S, T, N]` (float32: 8 MB for the 1B's down at 32 rows on the H100, which the L2 holds) are
+added by a tensor op after, which also adds the bias and takes what the caller does next (the residual, the SwiGLU,
+the cast) into the same kernel: a launch more for a projection that had none of those (o and down; qkv's sums the
+cache write adds, kernels/paged.py).
 
 Carries over to Metal: tinygrad lowers the same opts to simdgroup_matrix (8 x 8 x 8); only the tile sizes differ, and
 they come from the renderer's tensor cores. Where a device has none for x's dtype (the CPU, INT4 weights), this
