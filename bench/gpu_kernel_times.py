@@ -30,7 +30,9 @@ def main() -> None:
   from tinyvllm import SamplingParams
   from tinyvllm.engine.llm_engine import LLMEngine
   B = args.batch_size
+  # every prompt in one prefill step (a step's token budget the batch's prompts), so the batch decodes together at once
   engine = LLMEngine.from_kwargs(args.model, capture_mode="pass", max_num_seqs=max(B, 8), max_model_len=args.prompt_len + 64,
+                                 max_num_batched_tokens=max(B * args.prompt_len, 2048),
                                  kernel_backend=args.kernel_backend, dtype=args.dtype,
                                  async_scheduling=args.async_scheduling == "on")
   vocab = engine.model_config.vocab_size
@@ -38,15 +40,14 @@ def main() -> None:
     ids = [(7 * i + 13 * j) % vocab for j in range(args.prompt_len)]
     engine.add_request(str(i), {"prompt_token_ids": ids}, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
   runner = engine.runner
-  # prefills, then decode steps until a pass of the whole batch is captured and bound (a few steps more: the prompts'
-  # chunks finish over several steps, and a shape is bound on its second run)
+  # the prefill, then decode steps until the batch's decode pass (its rows: B rounded up to a bucket) is bound
   widest = lambda: max((s.num_seqs for s, _ in runner.bound_passes if s.query_len == 1), default=0)
-  for _ in range(200):
+  for _ in range(16):
     engine.step()
     if widest() >= B: break
-  for _ in range(2): engine.step()
-  # the widest decode pass: a batch's sequences finish their prompts over a few steps, and narrower decode passes of
-  # those that finished first were captured on the way
+  if widest() < B: raise SystemExit(f"no decode pass of {B} sequences was bound (the widest: {widest()} rows)")
+  engine.step()
+  # the widest decode pass (a narrower one would be a sequence's decoding before the others had prefilled)
   shape, bound = max(((s, b) for (s, _), b in runner.bound_passes.items() if s.query_len == 1), key=lambda sb: sb[0].num_seqs)
   captured, inputs = bound[0][0].captured, tuple(bound[0][0].inputs)
   seqs = [s for seqs in engine.core.requests.values() for s in seqs]

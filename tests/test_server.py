@@ -185,18 +185,30 @@ def test_sixteen_concurrent_streams_equal_offline(server, offline, tiny_model):
 
 
 def test_client_hanging_up_frees_its_blocks(server):
+  """A client that closes its stream mid-answer: the request is aborted (not left to run its 200 tokens) and its KV
+  blocks freed. The engine is held between two steps while the client hangs up, so the request cannot end first
+  (200 tokens of a tiny model take about 0.1 s: once, on a loaded machine, no scrape of /metrics in 15 s saw it run)."""
   url, engine = server
+  generated = metric(url, "tinyvllm:generation_tokens_total")
   body = {"messages": MESSAGES, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
-  with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
-    lines = r.iter_lines()
-    for _ in range(6): next(lines)                                  # a few frames: the request is running
-    # asked of the engine between its steps, not scraped: on a loaded machine a scrape of /metrics read running 1 and
-    # the next usage 0 once, and once no scrape in 15 s saw the request running (200 tokens of a tiny model are soon
-    # done)
-    running, free, total = engine.engine.call(lambda e: (len(e.scheduler.running), e.block_manager.num_free, e.block_manager.num_blocks))
-    assert running == 1 and free < total
-  # the connection is closed here, long before 200 tokens: the request must be aborted and its blocks freed
+  held, release = threading.Event(), threading.Event()
+  def hold(e):   # in the engine thread, between two steps
+    state = len(e.scheduler.running), e.block_manager.num_free, e.block_manager.num_blocks
+    held.set()
+    release.wait(30)
+    return state
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+      lines = r.iter_lines()
+      for _ in range(6): next(lines)                                # a few frames: the request is running
+      state = pool.submit(engine.engine.call, hold)
+      assert held.wait(30)
+    time.sleep(0.5)   # the connection is closed: the server sees it go and queues the abort, before the engine steps on
+    release.set()
+    running, free, total = state.result(timeout=30)
+  assert running == 1 and free < total
   assert wait_until(lambda: metric(url, "tinyvllm:num_requests_running") == 0 and metric(url, "tinyvllm:kv_cache_usage_perc") == 0)
+  assert metric(url, "tinyvllm:generation_tokens_total") - generated < 100   # aborted, not run to its 200 tokens
   free, total = engine.engine.call(lambda e: (e.block_manager.num_free, e.block_manager.num_blocks))
   assert free == total
 

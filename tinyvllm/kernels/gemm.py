@@ -21,8 +21,8 @@ and the input split in S runs (`splits`, a grid axis) while the grid holds at mo
 1536; 256 SIMD groups on Metal): the 1B's o and down projections have 32 warps of outputs at 32 rows, for 132 SMs.
 The runs' partial sums `[S, T, N]` (float32: 8 MB for the 1B's down at 32 rows on the H100, which the L2 holds) are
 added by a tensor op after, which also adds the bias and takes what the caller does next (the residual, the SwiGLU,
-the cast) into the same kernel: a launch more for a projection that had none of those (o and down; qkv's sums the
-cache write adds, kernels/paged.py).
+the cast) into the same kernel. Where tinygrad's matmul had fused those already (o's and down's residual), that is a
+launch more; qkv's sums the cache write adds (kernels/paged.py).
 
 Carries over to Metal: tinygrad lowers the same opts to simdgroup_matrix (8 x 8 x 8); only the tile sizes differ, and
 they come from the renderer's tensor cores. Where a device has none for x's dtype (the CPU, INT4 weights), this
@@ -45,9 +45,10 @@ MAX_TILES = 8        # output tiles a warp, at most
 WARPS_A_BLOCK = 4
 WARPS_WANTED = 1536  # warps the grid should hold, splitting the input to get them: 12 an SM of an H100's 132 fit (168
                      # registers a thread, 65536 an SM); more run as a second, partial wave
-SIMDGROUPS_WANTED = 256   # Apple GPUs' share (unmeasured): 8 to 76 cores, and 400-800 GB/s at ~0.5 us of latency is
-                          # some 200-400 KB in flight, 50-100 SIMD groups of 4 KB; every split adds partial sums to
-                          # write and read back (8 MB for the 1B's down at 32 rows split for the H100), so fewer
+SIMDGROUPS_WANTED = 256   # Apple GPUs' share (unmeasured): 8 to 76 cores and 100-800 GB/s; at ~0.5 us of latency
+                          # 800 GB/s wants some 400 KB in flight, 200 SIMD groups reading 2 KB of the weight a loop
+                          # iteration (8 output tiles of 8 x 16 inputs); every split adds partial sums to write and
+                          # read back (8 MB for the 1B's down at 32 rows split for the H100), so no more than that
 MIN_RUN = 256        # the shortest run of the input a split leaves a warp (its partial sums cost 8 bytes a row and output)
 
 
@@ -106,8 +107,10 @@ def splits(T: int, N: int, K: int, tc, wanted: int = WARPS_WANTED) -> int:
 
 
 def warps_wanted(device: str) -> int:
-  """The warps (SIMD groups) a projection's grid should hold on `device`: an Apple GPU's, else an H100's."""
-  return SIMDGROUPS_WANTED if device.split(":")[0] == "METAL" else WARPS_WANTED
+  """The warps (SIMD groups) a projection's grid should hold on `device`: an Apple GPU's where tinygrad renders Metal
+  for it (also a NULL device lowering for Metal), else an H100's."""
+  from tinygrad.renderer.cstyle import MetalRenderer
+  return SIMDGROUPS_WANTED if isinstance(Device[device].renderer, MetalRenderer) else WARPS_WANTED
 
 
 def kernel_opts(tc_index: int, tc, S: int, T: int, N: int, K: int) -> tuple:

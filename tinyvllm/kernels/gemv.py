@@ -89,8 +89,9 @@ def packed_cuts(spec: QuantSpec, K: int) -> tuple[int, ...] | None:
   tinygrad merges two adjacent ranges that no index tells apart. None when a size is not a power of two or K is not a
   whole number of runs, groups and super-blocks (those layouts keep tinygrad's matmul). K may end in a part-filled block
   of high bits (Q5_0 at K = 896, Qwen2.5-0.5B's): the ranges then name inputs past K, which `_projector` masks. Not a K
-  below one block of high bits (a toy's: 5-bit codes at K = 64 failed in tinygrad with a KernelOptError, the mask
-  having shrunk a range the opts name)."""
+  below one block of high bits, a toy's size, where that mask is all there is past K: 5-bit codes at K = 64 failed in
+  tinygrad with a KernelOptError (the mask had shrunk a range the opts name), and at K = 32 the plain GEMV of 5- to
+  8-bit codes summed wrong."""
   units = [8, spec.group] + ([spec.group * spec.super_groups] if spec.super_groups else [])
   high_block = [32 * (8 // (spec.bits - 4))] if spec.bits > 4 else []
   if spec.bits > 4: units += [4, 32]
