@@ -180,10 +180,15 @@ def _max_kernel(opts, block_size: int, split: int, blocks: UOp, row_max: UOp, sc
   hi = UOp.range((blocks + split - 1) // split, 3, AxisType.REDUCE)
   inside = _inside(hi, j, blocks, split)
   at = r * MS + (hi * split + j) * block_size + o
-  score = scores[at.valid(inside)] if inside is not None else scores[at]
+  score = scores[_masked(at, inside)]
   if inside is not None: score = inside.where(score, float("-inf"))
   store = row_max[r].store(score.reduce(hi, j, o, arg=Ops.MAX))
   return UOp.sink(store.end(r), arg=KernelInfo(name=f"paged_max_{P * KVH * GC}", opts_to_apply=opts))
+
+
+def _masked(idx: UOp, inside: UOp | None) -> UOp:
+  """A read's index, masked by `inside` where there is one: past the blocks, a load of 0."""
+  return idx.valid(inside) if inside is not None else idx
 
 
 def _inside(hi: UOp, j: UOp, blocks, split: int) -> UOp | None:
@@ -258,7 +263,7 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   of 128: 256 threads, each looping over every key alone), so decode passes ask for it (`rope_attention`).
 
   `split`: the blocks taken `split` at a time, block hi * split + j, so that a decode step's opts can give j threads of
-  their own and unroll the rest in each (`decode_runs`): the symbolic loop over the blocks then has 1/split of the
+  their own and unroll the rest in each (`kernel_opts`): the symbolic loop over the blocks then has 1/split of the
   context, each iteration `DECODE_UNROLL` table entries and value reads, each value hanging on its entry; at batch 1 a
   thread's loop is the whole kernel's latency."""
   P, KVH, GC, MS = scores.shape
@@ -272,16 +277,16 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   hi = UOp.range((blocks + split - 1) // split, 6, AxisType.REDUCE)
   b = hi * split + j
   inside = _inside(hi, j, blocks, split)
-  masked = lambda idx: idx.valid(inside) if inside is not None else idx   # past the blocks: a load of 0
   g, c = gc // C, gc % C
   row = (p * KVH + kvh) * GC + gc
-  weight = scores[masked(row * MS + b * block_size + o)]
+  weight = scores[_masked(row * MS + b * block_size + o, inside)]
   if row_max is not None: weight = ((weight - row_max[row]) * LOG2E).exp2()
   if inside is not None: weight = inside.where(weight, 0.0)
-  entry = tables[masked(p * MB + b)]   # 0 past the blocks: block 0, read harmlessly
+  entry = tables[_masked(p * MB + b, inside)]   # 0 past the blocks: block 0, read harmlessly
   slot = _cache_block(entry, v, block_size, KVH, D) * block_size + o
   acc = (weight * _read(v, v_scale.flatten() if quantized else None, slot, kvh, d, KVH, D)).reduce(hi, j, o, arg=Ops.ADD)
-  # the softmax's denominator, summed beside the numerator in the same loop and split over the same threads: its
+  # the softmax's denominator, summed over the same runs of blocks and split over the same threads (tinygrad emits it
+  # as a second loop beside the numerator's, reading the table entries and scores again: the sm_90 SASS): its
   # weight is tied to the block's table entry (>= 0: the runner maps freed entries to block 0), without which
   # tinygrad merges (b, o) into one range of the context's length, which no opt can split, and every thread summed the
   # whole context alone (lowered for an H100: 2,048 exps a thread at a 2,048-token context, beside the 128 of its share)
@@ -291,15 +296,17 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
 
 
 def kernel_opts(device: str, query_len: int, block_size: int, num_seqs: int = 1, kv_heads: int = 1, group: int = 1,
-                head_dim: int = 1) -> tuple[tuple | None, tuple | None]:
-  """tinygrad's optimizations for the scores and values kernels on a device (None: its heuristic picks them). On the
-  CPU device none: its heuristic unrolls every small axis of the two reductions (a 120 KB C source that took clang 5 s
-  for 4 sequences), and there these kernels only serve the portable backend's tests. For decode on a GPU,
-  `decode_scores_opts` and `decode_values_opts`."""
-  if portable.on_cpu(device): return (), ()
-  if query_len > 1: return None, None
+                head_dim: int = 1) -> tuple[tuple | None, tuple | None, int]:
+  """tinygrad's optimizations for the scores and values kernels on a device (None: its heuristic picks them), and the
+  runs of blocks the values kernel takes at a time (`_values_kernel`'s `split`), which its opts name. On the CPU
+  device none: its heuristic unrolls every small axis of the two reductions (a 120 KB C source that took clang 5 s for
+  4 sequences), and there these kernels only serve the portable backend's tests. For decode on a GPU,
+  `decode_scores_opts` and `decode_values_opts`, the runs `decode_split`'s over threads and DECODE_UNROLL in each."""
+  if portable.on_cpu(device): return (), (), 1
+  if query_len > 1: return None, None, 1
+  split = decode_split(num_seqs, block_size, group, head_dim)
   return (decode_scores_opts(block_size, num_seqs, kv_heads, group, head_dim),
-          decode_values_opts(block_size, num_seqs, kv_heads, group, head_dim))
+          decode_values_opts(block_size, num_seqs, kv_heads, group, head_dim, split, DECODE_UNROLL), split * DECODE_UNROLL)
 
 
 def decode_scores_opts(block_size: int, num_seqs: int, kv_heads: int, group: int, head_dim: int) -> tuple:
@@ -320,13 +327,14 @@ def decode_scores_opts(block_size: int, num_seqs: int, kv_heads: int, group: int
   return tuple(opts) + (whole_warp(*pairing[0], keys) if pairing else ())
 
 
-def decode_values_opts(block_size: int, num_seqs: int, kv_heads: int, group: int, head_dim: int) -> tuple:
-  """A decode step's values on a GPU: an output's sum over 16 threads along a block's offsets and `decode_split`'s along
-  the blocks (`_values_kernel`); a thread's outputs the group's heads (a value read once for G weighted sums) and 4
+def decode_values_opts(block_size: int, num_seqs: int, kv_heads: int, group: int, head_dim: int, split: int,
+                       unroll: int) -> tuple:
+  """A decode step's values on a GPU: an output's sum over 16 threads along a block's offsets and `split` along the
+  blocks, `unroll` more runs of blocks in each (`_values_kernel`, `runs_opts`); a thread's outputs the group's heads (a value read once for G weighted sums) and 4
   consecutive elements (one 8-byte read of a value row). One element a thread, each of a key's 64 elements was a
   2-byte load of its own, in a block of its own, re-reading the value's 32-byte sector 16 times from L2. The axes are
   (sequence, KV head, head in the group, element), those of size 1 dropped."""
-  offsets, (split, unroll) = math.gcd(16, block_size), decode_runs(num_seqs, block_size, group, head_dim)
+  offsets = math.gcd(16, block_size)
   axes = [name for name, size in (("p", num_seqs), ("kvh", kv_heads), ("g", group), ("d", head_dim)) if size > 1]
   opts = [Opt(OptOps.GROUPTOP, 0, offsets), *runs_opts(block_size, split, unroll)]
   # the elements first: an axis an opt takes whole is gone, and those after it renumber
@@ -336,11 +344,6 @@ def decode_values_opts(block_size: int, num_seqs: int, kv_heads: int, group: int
   # where the heads' upcast took theirs whole)
   if split == 1 and "d" in axes: opts += whole_warp(axes.index("d") - int(1 < heads == group), head_dim // elements, offsets)
   return tuple(opts)
-
-
-def decode_runs(num_seqs: int, block_size: int, group: int, head_dim: int) -> tuple[int, int]:
-  """(over threads, unrolled in each): the runs of blocks a decode step's values kernel takes, `split` = their product."""
-  return decode_split(num_seqs, block_size, group, head_dim), DECODE_UNROLL
 
 
 def rope_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache,
@@ -377,7 +380,7 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   as `dtype` (the model's), as the o projection reads it."""
   (T, n_heads, D), BS, n_kv_heads = q.shape, cache.k.shape[1], cache.k.shape[2]
   P, C, G = group.num_seqs, group.query_len, n_heads // n_kv_heads
-  scores_opts, values_opts = kernel_opts(str(q.device), C, BS, P, n_kv_heads, G, D)
+  scores_opts, values_opts, split = kernel_opts(str(q.device), C, BS, P, n_kv_heads, G, D)
   blocks = group.kernel_blocks if group.kernel_blocks is not None else group.used_blocks
   # a fixed extent (no captured pass's Variable: not the engine's path) lets tinygrad split the keys into blocks and
   # offsets, which the scores' opts do not name: its heuristic then
@@ -402,8 +405,6 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   if exponentiated:
     full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, exp_opts(str(q.device), rows, BS), S_kernel))[0]
   out = Tensor.empty(T, n_heads * D, dtype=dtype, device=q.device)
-  # the runs of blocks its opts take over threads and unroll
-  split = math.prod(decode_runs(P, BS, G, D)) if values_opts else 1
   out = Tensor.custom_kernel(out, full, tables, cache.v.reshape(-1), *v_scale, *(() if exponentiated else (row_max,)),
                              fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, split, blocks))[0]
   return out
