@@ -131,6 +131,11 @@ def cache_lines(width: int, offsets: list[int], line: int = 128) -> tuple[int, i
   return len(touched), max(1, -(-len(set(offsets)) * width // line))
 
 
+def plain_name(program) -> str:
+  """A lowered program's name without the terminal colors tinygrad gives it."""
+  return re.sub(r"\x1b\[\d+m", "", program.arg.name)
+
+
 def captured_programs_of(replay) -> list:
   """The programs one capture runs, in order, those inside graph batches included."""
   programs = []
@@ -205,7 +210,7 @@ def test_every_kernel_compiles_for_sm90_within_cuda_launch_limits(gpu_programs):
   # tokens, up to 256 rows) on the tensor cores: kernels/gemm.py
   assert {"paged_scores", "paged_values", "gemv", "gemm"} <= names, names
   # at 64 sequences the cache write adds the qkv projection's partial sums: no kernel of their own between them
-  written = [re.sub(r"\x1b\[\d+m", "", p.arg.name) for p in gpu_programs if "kv_write_rope_64_" in p.arg.name]
+  written = [plain_name(p) for p in gpu_programs if "kv_write_rope_64_" in p.arg.name]
   assert written and all(re.fullmatch(r"kv_write_rope_64_\d+_\d+_sum\d+", n) for n in written), written
   assert cache_writes > 0
   assert symbolic > 0 and len(gpu_programs) > 50   # the attention kernels over the KV extent were among them
@@ -377,9 +382,8 @@ def test_a_decode_steps_own_kernels_coalesce_on_the_h100(tmp_path, quantization)
       for i in range(batch): engine.add_request(f"{batch}-{i}", {"prompt_token_ids": [5 + i] * 40}, SamplingParams(max_tokens=3, temperature=0))
       while engine.has_unfinished_requests(): engine.step()
   decode = engine.runner.captures([shape for shape in engine.runner.replays if shape.query_len == 1])
-  plain = lambda name: re.sub(r"\x1b\[\d+m", "", name)   # tinygrad colors its kernels' names
-  ours = {plain(p.arg.name): p for replay in decode for p in captured_programs_of(replay)
-          if not plain(p.arg.name).startswith(("r_", "E_"))}
+  ours = {plain_name(p): p for replay in decode for p in captured_programs_of(replay)
+          if not plain_name(p).startswith(("r_", "E_"))}
   assert any(n.startswith("gemv") for n in ours) and any(n.startswith("paged_values") for n in ours), sorted(ours)
   followed = 0
   for name, program in ours.items():
@@ -406,11 +410,10 @@ def test_decode_step_kernel_counts(tmp_path):
     for batch in (1, 32):
       for i in range(batch): engine.add_request(f"{batch}-{i}", {"prompt_token_ids": [5 + i] * 20}, SamplingParams(max_tokens=3, temperature=0))
       while engine.has_unfinished_requests(): engine.step()
-  plain = lambda name: re.sub(r"\x1b\[\d+m", "", name)
   counts = {}
   for shape in engine.runner.replays:
     if shape.query_len == 1:
-      counts[shape.num_seqs] = [plain(p.arg.name) for replay in engine.runner.captures([shape]) for p in captured_programs_of(replay)]
+      counts[shape.num_seqs] = [plain_name(p) for replay in engine.runner.captures([shape]) for p in captured_programs_of(replay)]
   assert len(counts[1]) == 4 + 2 * 7, counts[1]
   assert len(counts[32]) == 6 + 2 * 14, counts[32]
   assert sum(n.startswith("kv_write_rope_32_") and "_sum" in n for n in counts[32]) == 2, counts[32]
