@@ -1,0 +1,54 @@
+"""The embedding lookup (`portable.rows`, what `Llama.embed` runs for a float table on one device): the table's rows of
+the step's tokens, bit for bit as numpy indexes them, Gemma's sqrt(hidden) applied in the table's dtype as HF does, in
+one kernel where tinygrad's own gather took two on a GPU for a decode step's few tokens (lowered for the H100)."""
+from __future__ import annotations
+import numpy as np
+import pytest
+from tinygrad import Tensor, TinyJit, dtypes
+from tinygrad.helpers import Context
+from tinyvllm.kernels import portable
+from test_replay import DEVICES
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,factor", [(np.float16, None), (np.float32, None), (np.float16, 2048 ** 0.5)])
+def test_rows_are_numpys(device, dtype, factor):
+  """Random tables and ids (repeats, the first and last row), captured and replayed as a pass runs it; the factor
+  rounded to the dtype first and the product rounded once (numpy's float16 product: float32, then rounded). An id
+  outside the table reads a row of zeros, as tinygrad's gather does (the input processor refuses such prompts)."""
+  rng = np.random.default_rng(7)
+  V, N = 1000, 96
+  table = (rng.standard_normal((V, N)) * 3).astype(dtype)
+  with Context(DEV=device):
+    weights = Tensor(table).realize()
+    step = TinyJit(lambda ids: portable.rows(weights, ids, factor).realize())
+    for T in (5, 5, 5):   # captured on the second call, replayed on the third
+      ids = rng.integers(0, V, T).astype(np.int32)
+      ids[:2] = 0, V - 1
+      got = step(Tensor(ids).realize()).numpy()
+      want = table[ids] if factor is None else table[ids] * dtype(factor)
+      assert got.dtype == dtype and np.array_equal(got, want)
+    out = portable.rows(weights, Tensor(np.array([3, V, -1], np.int32)), factor).numpy()
+  assert np.array_equal(out[1:], np.zeros((2, N), dtype)) and np.array_equal(out[0], table[3] if factor is None else table[3] * dtype(factor))
+
+
+@pytest.mark.parametrize("T", [1, 32])
+def test_decode_embedding_is_one_kernel_on_the_h100(T):
+  """Llama 3's 128,256 x 2048 float16 table, a decode step's 1 and 32 tokens, lowered for the H100: one kernel, a
+  masked read per element with no modulo (tinygrad's gather was two kernels and a buffer of partial rows at these
+  counts, and an id read as int32 into the table's 2-D view took modulos)."""
+  from test_cuda_compile import NVRTC, captured_programs_of, on_null_cuda, plain_name
+  if NVRTC is None: pytest.skip("nvrtc not installed (pip install nvidia-cuda-nvrtc; Linux x86_64)")
+  from types import SimpleNamespace
+  from tinygrad.uop.ops import Ops
+  with on_null_cuda():
+    table = Tensor.empty(128256, 2048, dtype=dtypes.float16).realize()
+    step = TinyJit(lambda ids: portable.rows(table, ids).realize())
+    for _ in range(2): step(Tensor.empty(T, dtype=dtypes.int32).realize())
+    gather = TinyJit(lambda ids: table[ids].realize())   # tinygrad's: the reason for ours (one kernel would make it moot)
+    for _ in range(2): gather(Tensor.empty(T, dtype=dtypes.int32).realize())
+  assert len(captured_programs_of(SimpleNamespace(jit=gather))) == 2
+  programs = captured_programs_of(SimpleNamespace(jit=step))
+  assert [plain_name(p) for p in programs] == [f"embed_rows_{T}_2048"]
+  source = next(u.arg for u in programs[0].src if u.op is Ops.SOURCE)
+  assert "%" not in source and "long" not in source, source
