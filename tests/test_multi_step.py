@@ -35,17 +35,17 @@ def run(engine: LLMEngine, prompts, params) -> tuple[dict, list[int]]:
 
 
 def test_feedback_kernels_against_numpy():
-  """portable.split with per-pass fields and a counter, fed_tokens and store_tokens, captured and replayed through
-  several runs, against the same bookkeeping in numpy: each pass reads its own group of fields, a negative token is
-  the history's entry -t - 1, each row's new token lands one row of P further on, and the counter counts passes."""
+  """portable.split with per-pass fields, a counter and the tokens fed from the history, and store_tokens, captured
+  and replayed through several runs, against the same bookkeeping in numpy: each pass reads its own group of fields, a
+  negative token is the history's entry -t - 1, each row's new token lands one row of P further on, and the counter
+  counts passes."""
   rng = np.random.default_rng(0)
   P, S, MB = 4, 5, 3
   history = Tensor.zeros(S * P, dtype=dtypes.int32).contiguous().realize()
   counter = Tensor.zeros(1, dtype=dtypes.int32).contiguous().realize()
   sizes, per_pass = (P, P * MB, P), (True, False, True)
   def step(packed):
-    tokens, tables, positions = portable.split(packed, sizes, per_pass, counter)
-    fed = portable.fed_tokens(tokens, history)
+    tokens, tables, positions, fed = portable.split(packed, sizes, per_pass, counter, feed=(0, history))
     sampled = (fed * 7 + positions * 3 + tables.reshape(P, MB).sum(1)) % 1000   # stands in for the model's argmax
     Tensor.realize(fed, sampled, *portable.store_tokens(history, counter, tokens, sampled))
     return fed, tables, positions

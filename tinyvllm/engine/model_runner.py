@@ -148,7 +148,7 @@ class ModelRunner:
     # Multi-step decoding (`execute_steps`): up to `decode_steps` greedy decode passes back to back, each reading the
     # argmax tokens of the pass before from the device, so the host launches them all before it waits once and reads
     # them all. A decode shape's capture then holds a history of the run's tokens and a pass counter
-    # (portable.fed_tokens, store_tokens), and its input holds every pass's fields, uploaded once a run (portable.split).
+    # (portable.split's fed tokens, store_tokens), and its input holds every pass's fields, uploaded once a run (portable.split).
     self.decode_steps = decode_steps
     # Pipelined decoding (async scheduling, engine/core.py): a run is launched before the one before it is read, its
     # first pass reading that run's last tokens from the device. Runs take rows of the history in turn, as a ring of
@@ -467,13 +467,15 @@ class ModelRunner:
     def unpack(packed: Tensor):
       """The step's integers -> the embedded tokens, the other fields (FIELDS order), and the token field as sent."""
       sizes = shape.sizes(MB)
-      if history is not None: fields = dict(zip(FIELDS, portable.split(packed, sizes, [n in PASS_FIELDS for n in FIELDS], counter)))
+      if history is not None:   # the tokens also fed from the history (the pass before's), by the same kernel
+        *runs, tokens = portable.split(packed, sizes, [n in PASS_FIELDS for n in FIELDS], counter, feed=(FIELDS.index("tokens"), history))
+        fields = dict(zip(FIELDS, runs))
       elif len(self.devices) == 1: fields = dict(zip(FIELDS, portable.split(packed, sizes)))   # one kernel, not one per field
       else:
         packed, fields, at = packed.shard(self.devices), {}, 0   # every device reads the step's integers
         for name, size in zip(FIELDS, sizes):
           fields[name], at = packed[at:at + size].clone(), at + size   # clone: a real buffer, not a view of packed
-      tokens = fields["tokens"] if history is None else portable.fed_tokens(fields["tokens"], history)
+      if history is None: tokens = fields["tokens"]
       return (self.model.embed(tokens).contiguous(), *(fields[n] for n in FIELDS[1:]), fields["tokens"])
 
     def model_inputs(positions, slots, q_pos, token_seq, ctx, tables, bound_extent) -> ModelInputs:

@@ -149,39 +149,50 @@ def argmax(x: Tensor) -> Tensor:
   return V - 1 - (key.max(-1) & 0xFFFFFFFF).cast(dtypes.int32)
 
 
-def _split_kernel(sizes: tuple[int, ...], per_pass: tuple[bool, ...], opts: tuple, *bufs: UOp) -> UOp:
-  """outs[i] = the i-th run of `sizes` elements of src (bufs: the outputs, then src, then with `per_pass` the pass
-  counter), on one grid of the longest run's elements: a shorter output stores where the element is inside it.
-  Without per_pass the runs are back to back. With it (a multi-step run's inputs, `split`), the runs not per pass come
-  first, then one group of the per-pass runs for each pass, and the group read is the counter's."""
-  *outs, src = bufs[:len(sizes) + 1]
+def _split_kernel(sizes: tuple[int, ...], per_pass: tuple[bool, ...], feed: int | None, opts: tuple, *bufs: UOp) -> UOp:
+  """outs[i] = the i-th run of `sizes` elements of src (bufs: the outputs, with `feed` one more, then src, then with
+  `per_pass` the pass counter, then with `feed` the token history), on one grid of the longest run's elements: a
+  shorter output stores where the element is inside it. Without per_pass the runs are back to back. With it (a
+  multi-step run's inputs, `split`), the runs not per pass come first, then one group of the per-pass runs for each
+  pass, and the group read is the counter's. With `feed`, run `feed` (the tokens) is stored a second time, fed from
+  the history (`_fed`), into the output after the runs'."""
+  n, fed = len(sizes), int(feed is not None)
+  outs, fed_out, src = bufs[:n], bufs[n] if fed else None, bufs[n + fed]
   longest = max(sizes)
   e, stores = UOp.range(longest, 0), []
-  run_len = sum(n for n, every in zip(sizes, per_pass) if not every)
-  step = (bufs[-1][0] * sum(n for n, every in zip(sizes, per_pass) if every)) if any(per_pass) else None
+  run_len = sum(size for size, every in zip(sizes, per_pass) if not every)
+  step = (bufs[n + fed + 1][0] * sum(size for size, every in zip(sizes, per_pass) if every)) if any(per_pass) else None
   at = {False: 0, True: run_len}
-  for out, size, every in zip(outs, sizes, per_pass):
+  for i, (out, size, every) in enumerate(zip(outs, sizes, per_pass)):
     inside = (e < size) if size < longest else None
     index = at[every] + e + (step if every else 0)
     ok = (index < src.shape[0]) if every else None   # a counter past the passes uploaded reads zeros, never past src
     ok = ok if inside is None else inside if ok is None else ok & inside
-    stores.append(out[e if inside is None else e.valid(inside)].store(src[index if ok is None else index.valid(ok)]))
+    value = src[index if ok is None else index.valid(ok)]
+    at_e = e if inside is None else e.valid(inside)
+    stores.append(out[at_e].store(value))
+    if i == feed: stores.append(fed_out[at_e].store(_fed(value, bufs[-1])))
     at[every] += size
-  name = f"split_{len(sizes)}_{sum(at.values())}" + (f"_pass_{run_len}" if any(per_pass) else "")
+  name = f"split_{n}_{sum(at.values())}" + (f"_pass_{run_len}" if any(per_pass) else "") + ("_fed" if feed is not None else "")
   return UOp.sink(UOp.group(*stores).end(e), arg=KernelInfo(name=name, opts_to_apply=opts))
 
 
-def split(src: Tensor, sizes: tuple[int, ...], per_pass: tuple[bool, ...] = (), counter: Tensor | None = None) -> list[Tensor]:
+def split(src: Tensor, sizes: tuple[int, ...], per_pass: tuple[bool, ...] = (), counter: Tensor | None = None,
+          feed: tuple[int, Tensor] | None = None) -> list[Tensor]:
   """A 1-D tensor's consecutive runs of `sizes` elements as separate buffers, copied by one kernel (slices each cost
   a copy kernel of their own wherever a kernel needs a real buffer).
 
   A multi-step run uploads its passes' inputs at once: the runs marked `per_pass` change from one pass to the next and
   come after the others, one group per pass; `counter` `[1]` (int32, on the device) says which pass reads its group
-  (`store_tokens` advances it)."""
+  (`store_tokens` advances it). `feed` (run i, the token history): run i is also returned a second time, last, with
+  each negative entry t read from the history (`_fed`), in the same kernel: a launch a pass fewer than a kernel of its
+  own."""
   outs = [Tensor.empty(n, dtype=src.dtype, device=src.device) for n in sizes]
   per_pass = tuple(per_pass) or (False,) * len(sizes)
-  return Tensor.custom_kernel(*outs, src, *([counter] if any(per_pass) else []),
-                              fxn=functools.partial(_split_kernel, tuple(sizes), per_pass, block_opts(src.device, 1, max(sizes))))[:len(sizes)]
+  fed = [Tensor.empty(sizes[feed[0]], dtype=src.dtype, device=src.device)] if feed is not None else []
+  extra = ([counter] if any(per_pass) else []) + ([feed[1]] if feed is not None else [])
+  kernel = functools.partial(_split_kernel, tuple(sizes), per_pass, feed[0] if feed is not None else None, block_opts(src.device, 1, max(sizes)))
+  return Tensor.custom_kernel(*outs, *fed, src, *extra, fxn=kernel)[:len(sizes) + len(fed)]
 
 
 # Multi-step decoding (ModelRunner.execute_steps) keeps the tokens it samples on the device: pass i of a run reads the
@@ -191,18 +202,9 @@ def split(src: Tensor, sizes: tuple[int, ...], per_pass: tuple[bool, ...] = (), 
 # row, the first: a pipelined decode's runs take the rows in a ring, ModelRunner.launch_decodes). An entry t at or past
 # -1 - len(history) (a padding row's) reads as token 0 and stores nothing.
 
-def _fed_tokens_kernel(out: UOp, tokens: UOp, history: UOp) -> UOp:
-  T = tokens.shape[0]
-  e = UOp.range(T, 0)
-  t = tokens[e]
-  earlier = history[(-t - 1).valid((t < 0) & (-t - 1 < history.shape[0]))]   # 0 where the index is out of range
-  return UOp.sink(out[e].store((t < 0).where(earlier, t)).end(e), arg=KernelInfo(name=f"fed_tokens_{T}", opts_to_apply=()))
-
-
-def fed_tokens(tokens: Tensor, history: Tensor) -> Tensor:
-  """tokens `[T]` int32 with each negative entry t replaced by history[-t - 1] (one kernel)."""
-  return Tensor.custom_kernel(Tensor.empty(*tokens.shape, dtype=tokens.dtype, device=tokens.device), tokens, history,
-                              fxn=_fed_tokens_kernel)[0]
+def _fed(t: UOp, history: UOp) -> UOp:
+  """Token entry t as a pass reads it: t itself, or for t < 0 history[-t - 1] (0 where that is out of range)."""
+  return (t < 0).where(history[(-t - 1).valid((t < 0) & (-t - 1 < history.shape[0]))], t)
 
 
 def _store_tokens_kernel(history: UOp, counter: UOp, tokens: UOp, sampled: UOp) -> UOp:
