@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from tinyvllm.engine.block_manager import FREED, BlockManager, hash_block
+from tinyvllm.engine.block_manager import FREED, BlockManager, BlockTable, hash_block
 
 BS, N = 4, 16
 
@@ -46,7 +46,7 @@ class AllocatorMachine(RuleBasedStateMachine):
       with pytest.raises(RuntimeError): self.bm.grow([], (self.bm.num_free + 1) * BS)
       return
     refs = self._refs()
-    table: list[int] = []
+    table = BlockTable()   # as a Sequence's: its ids' numpy copy follows every change the allocator makes (invariant)
     self.bm.take(table, hit)
     for b in hit:
       if refs.get(b, 0) == 0: self.free_order.remove(b)                         # a hit leaves the free queue
@@ -101,6 +101,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     assert [b.id for b in self.bm.free_queue] == self.free_order                  # LRU order, no duplicates
 
   @invariant()
+  def tables_as_numpy(self):
+    for s in self.seqs: assert s["table"].array().tolist() == list(s["table"])
+
+  @invariant()
   def one_block_per_hash(self):
     hashed = [b for b in self.bm.blocks if b.hash is not None]
     assert len({b.hash for b in hashed}) == len(hashed) == len(self.bm.cached)
@@ -145,3 +149,36 @@ def test_a_finished_sequences_last_block_is_evicted_first():
   new = []
   bm.grow(new, 2 * 4)                                                             # the 3 never-used blocks, then the last one
   assert bm.cached_prefix(hashes, 3) == [0, 1]                                    # the first two blocks are still cached
+
+
+def test_block_table_numpy_follows_every_list_mutation():
+  """BlockTable.array() against the list itself after random mutations by every list mutator (slices, negative
+  indices, in place operators), read at random points; and between reads only the entries changed are converted
+  again (an entry below them planted in the kept array stays)."""
+  import random
+  rng = random.Random(0)
+  for _ in range(1500):
+    table, ref = BlockTable(), []
+    for _ in range(30):
+      i, j = sorted(rng.randrange(-len(ref) - 2, len(ref) + 3) for _ in range(2))
+      values, times = [rng.randrange(100) for _ in range(rng.randrange(4))], rng.randrange(3)
+      for mutate in rng.sample([
+          lambda x: x.append(values[0] if values else 5), lambda x: x.extend(values), lambda x: x.insert(i, 7),
+          lambda x: x.pop(i), lambda x: x.pop(), lambda x: x.__setitem__(i, FREED), lambda x: x.__setitem__(slice(i, j), values),
+          lambda x: x.__setitem__(slice(None, None, -1), list(reversed(x))), lambda x: x.__delitem__(slice(i, j)),
+          lambda x: x.__delitem__(i), lambda x: x.remove(x[i]), lambda x: x.clear(), lambda x: x.reverse(), lambda x: x.sort(),
+          lambda x: x.__iadd__(values), lambda x: x.__imul__(times)], 1):
+        try: mutate(ref)
+        except (IndexError, ValueError): continue
+        mutate(table)
+      assert list(table) == ref
+      if rng.random() < 0.5: assert table.array().tolist() == ref
+    assert table.array().tolist() == ref
+  table = BlockTable([3, 4, 5])
+  table.array()[0] = 99          # planted: a later read converts only from the first entry changed
+  table.append(6)
+  assert table.array().tolist() == [99, 4, 5, 6]
+  table[1] = FREED
+  assert table.array().tolist() == [99, FREED, 5, 6]
+  table.pop(0)
+  assert table.array().tolist() == [FREED, 5, 6]

@@ -14,6 +14,7 @@ import numpy as np
 from tinygrad import Device, Tensor, dtypes
 from tinyvllm.config import CAPTURE_MODES
 from tinyvllm.host_memory import fresh_pages, lend, lend_buffer
+from tinyvllm.engine.block_manager import table_ids
 from tinyvllm.engine.replay import BoundReplay, CountVariable, LaunchTimes, OrderedCopies, Replay, to_host
 from tinyvllm.kernels import AttentionGroup, portable
 from tinyvllm.kernels.kv_cache import KVCacheFormat, PagedKVCache
@@ -351,7 +352,7 @@ class ModelRunner:
     lengths, widths, starts = np.array([(len(w.tokens), len(w.block_table), w.start) for w in items], np.int64).T
     # row-major order of a mask's True entries is the order of the items' lists chained: one assignment fills them all
     tables = tables.reshape(P, MB)
-    tables[:k][np.arange(MB) < widths[:, None]] = np.fromiter(itertools.chain.from_iterable(w.block_table for w in items), np.int32, widths.sum())
+    tables[:k][np.arange(MB) < widths[:, None]] = np.concatenate([table_ids(w.block_table) for w in items])
     np.maximum(tables, 0, out=tables)                # FREED entries (out of the window) read block 0, masked
     if shape.packed or shape.query_len > 1:
       if shape.packed: at = np.arange(lengths.sum())   # each real token's slot in the pass

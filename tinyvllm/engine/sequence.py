@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum, itertools
 from typing import TYPE_CHECKING
 import numpy as np
+from tinyvllm.engine.block_manager import BlockTable
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.outputs import RequestMetrics
 
@@ -27,11 +28,11 @@ class Sequence:
     self.prompt_token_ids = list(prompt_token_ids)
     self.token_ids = list(prompt_token_ids)    # prompt, then every generated token
     self.status = SequenceStatus.WAITING
-    self.block_table: list[int] = []
+    self.block_table = BlockTable()
     self.num_computed_tokens = 0               # tokens whose K/V are in the cache
     self.block_hashes: list[bytes] = []        # prefix caching: hash of each full block of token_ids
     self.num_registered_blocks = 0             # leading blocks of block_table already registered in the prefix cache
-    self.draft_block_table: list[int] = []     # speculative decoding: the draft model's cache
+    self.draft_block_table = BlockTable()      # speculative decoding: the draft model's cache
     self.draft_num_computed = 0
     self.draft_num_registered = 0              # leading draft blocks registered in the draft's prefix cache
     self.generator = generator                 # this sequence's own random stream: batch composition never changes it
