@@ -182,3 +182,30 @@ def test_block_table_numpy_follows_every_list_mutation():
   assert table.array().tolist() == [99, FREED, 5, 6]
   table.pop(0)
   assert table.array().tolist() == [FREED, 5, 6]
+
+
+@pytest.mark.parametrize("short_table", [0, 10**6])
+def test_step_inputs_from_the_tables_numpy_and_from_their_lists(tiny_model, monkeypatch, short_table):
+  """A step packs its block tables from each BlockTable's numpy (long tables) or from the lists (short ones,
+  `model_runner.SHORT_TABLE`): forced each way, three sequences growing over blocks of 8 tokens, preempted and
+  readmitted (their tables freed and rebuilt, the pool reused): every step's packed tables are the lists' (FREED read
+  as block 0), and the tokens are HF's greedy ones."""
+  import numpy as np
+  from test_multi_step import PROMPTS, hf_greedy, run
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine import model_runner
+  from tinyvllm.engine.llm_engine import LLMEngine
+  monkeypatch.setattr(model_runner, "SHORT_TABLE", short_table)
+  prepare, checked = model_runner.ModelRunner.prepare, []
+  def checked_prepare(self, shape, items, layout=None):
+    packed, used = prepare(self, shape, items, layout)
+    offsets = layout[0] if layout else np.cumsum((0,) + shape.sizes(self.max_blocks)[:-1])
+    tables = packed[offsets[model_runner.FIELDS.index("tables")]:][:shape.num_seqs * self.max_blocks].reshape(shape.num_seqs, -1)
+    for row, item in zip(tables, items): assert row[:len(item.block_table)].tolist() == [max(b, 0) for b in item.block_table]
+    checked.append(len(items))
+    return packed, used
+  monkeypatch.setattr(model_runner.ModelRunner, "prepare", checked_prepare)
+  engine = LLMEngine.from_kwargs(str(tiny_model), num_kv_blocks=9, block_size=8, watermark=0.0)
+  outs, _ = run(engine, PROMPTS[:3], [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 3)
+  for i, prompt in enumerate(PROMPTS[:3]): assert outs[str(i)].token_ids == hf_greedy(str(tiny_model), tuple(prompt), 24), i
+  assert engine.core.scheduler.num_preemptions > 0 and len(checked) > 24
