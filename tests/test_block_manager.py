@@ -174,7 +174,14 @@ def test_block_table_numpy_follows_every_list_mutation():
       assert list(table) == ref
       if rng.random() < 0.5: assert table.array().tolist() == ref
     assert table.array().tolist() == ref
+  import copy
   table = BlockTable([3, 4, 5])
+  table.array()
+  other = copy.copy(table)       # a numpy copy of its own
+  other[0] = 9
+  assert other.array().tolist() == [9, 4, 5] and table.array().tolist() == [3, 4, 5] and type(other) is BlockTable
+  with pytest.raises(TypeError): table[1.0] = 5   # as a list refuses it, and the table still reads
+  assert table.array().tolist() == [3, 4, 5]
   table.array()[0] = 99          # planted: a later read converts only from the first entry changed
   table.append(6)
   assert table.array().tolist() == [99, 4, 5, 6]

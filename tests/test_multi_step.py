@@ -7,10 +7,12 @@ import dataclasses, functools
 import numpy as np
 import pytest
 from tinygrad import Tensor, TinyJit, dtypes
+from tinygrad.helpers import Context
 from tinyvllm import SamplingParams
 from tinyvllm.config import ConfigError
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.kernels import portable
+from test_replay import DEVICES
 
 PROMPTS = [[5, 9, 13, 2, 7], [11, 3, 3, 8], [4, 20, 6, 1, 9, 12, 2], list(range(30, 50))]
 
@@ -65,6 +67,43 @@ def test_feedback_kernels_against_numpy():
       expect[i * P:(i + 1) * P] = (want_fed * 7 + positions[i] * 3 + tables.reshape(P, MB).sum(1)) % 1000
       assert counter.numpy()[0] == i + 1
     assert (history.numpy()[:steps * P] == expect[:steps * P]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_feeds_a_field_from_the_history(device):
+  """portable.split's feed on a field that is neither the first nor the longest, without a counter: its entries t >= 0
+  kept, t < 0 read from history[-t - 1], and an entry past the history's end (a padding row's) read as 0; every run
+  still copied as it is."""
+  rng = np.random.default_rng(1)
+  history = rng.integers(0, 1000, 8).astype(np.int32)
+  sizes = (6, 4, 3)
+  fields = [rng.integers(0, 100, n).astype(np.int32) for n in sizes]
+  fields[1][:] = 17, -1, -8, -9 - int(rng.integers(0, 50))   # a token, the history's first and last entries, past it
+  with Context(DEV=device):
+    *runs, fed = portable.split(Tensor(np.concatenate(fields)), sizes, feed=(1, Tensor(history)))
+    runs, fed = [r.numpy() for r in runs], fed.numpy()
+  assert all((r == f).all() for r, f in zip(runs, fields))
+  assert fed.tolist() == [17, history[0], history[7], 0]
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "CPU"] or [pytest.param("METAL", marks=pytest.mark.skip("no GPU device"))])
+def test_a_runs_pass_adds_one_kernel(tiny_model, device):
+  """On a GPU device (the emulated METAL one here) a decode pass of a multi-step run has one kernel more than a lone
+  decode pass, the store of its tokens into the history: its split feeds the tokens (docs/kernels.md, "Kernels per
+  decode step"). On the CPU device a run's passes add the device argmax too (a lone step's is numpy's)."""
+  from test_cuda_compile import captured_programs_of, plain_name
+  names = {}
+  with Context(DEV=device):
+    for steps in (1, 4):
+      engine = LLMEngine.from_kwargs(str(tiny_model), kernel_backend="portable", num_kv_blocks=64, block_size=8, num_scheduler_steps=steps)
+      run(engine, PROMPTS[:1], [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)])
+      decode = [s for s in engine.runner.replays if s.query_len == 1]
+      captures = engine.runner.captures(decode[:1])   # a whole pass (a run's first, where two are taken in turn), or its parts
+      names[steps] = [plain_name(p) for r in (captures[:1] if engine.runner.whole_pass else captures) for p in captured_programs_of(r)]
+  added = list(names[4])
+  for name in names[1]: added.remove(name if name in added else next(n for n in added if n.startswith("split_")))
+  assert [n.split("_1")[0] for n in added] == ["store_tokens"], added
+  assert any(n.startswith("split_") and n.endswith("_fed") for n in names[4]), names[4]
 
 
 @pytest.mark.parametrize("kernel_backend,capture_mode", [("portable", "layer"), ("portable", "pass"), ("cpu", "layer"), ("cpu", "pass")])

@@ -14,7 +14,7 @@ goes first), allocation takes the head of the queue and drops its hash, and a ca
 the middle of the queue in O(1).
 """
 from __future__ import annotations
-import hashlib
+import hashlib, operator
 from collections.abc import Iterator, Sequence
 import numpy as np
 
@@ -42,6 +42,7 @@ class BlockTable(list):
     self._array, self._valid = np.zeros(max(16, len(self)), np.int32), 0   # _array[:_valid] equals the list's first entries
 
   def array(self) -> np.ndarray:
+    """The ids as int32 numpy: a view of the table's own array, valid until the table next changes (copy it to keep it)."""
     n = len(self)
     if n > len(self._array):
       grown = np.zeros(max(n, 2 * len(self._array)), np.int32)
@@ -56,7 +57,10 @@ class BlockTable(list):
   def _start(self, index) -> int:
     """The first entry a mutation at `index` (an int or a slice, of the list before it) can change."""
     if isinstance(index, slice): return index.indices(len(self))[0] if index.step in (None, 1) else 0
+    index = operator.index(index)   # what a list takes as an index (TypeError for the rest, as a list raises)
     return index + len(self) if index < 0 else index
+
+  def __copy__(self) -> BlockTable: return BlockTable(self)   # a numpy copy of its own: `copy.copy` would share it
 
   def __setitem__(self, index, value):
     self._changed_from(self._start(index))
