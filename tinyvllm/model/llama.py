@@ -278,7 +278,9 @@ class Llama:
     """(T, hidden): table rows, dequantized on the fly when the table is quantized (times sqrt(hidden) for Gemma,
     the factor rounded to the model dtype first, as HF does)."""
     e = self.embed_tokens
-    if e.format == FLOAT and e.weight.dtype == self.dtype and isinstance(e.weight.device, str):   # one kernel (a shard's: tinygrad's gather)
+    # one kernel of ours (tinygrad's gather split a decode step's into two on a GPU); a table of another dtype or split
+    # over devices takes tinygrad's
+    if e.format == FLOAT and e.weight.dtype == self.dtype and isinstance(e.weight.device, str):
       return portable.rows(e.weight, tokens, self.cfg.hidden_size ** 0.5 if self.cfg.scale_embeddings else None)
     if e.format == FLOAT: rows = e.weight[tokens]
     elif e.format == INT8: rows = portable.q8_rows(e.weight[tokens], e.scales[tokens]).cast(self.dtype)
