@@ -109,7 +109,7 @@ def _cache_write_kernel(n: int, device: str | tuple[str, ...], *bufs: UOp) -> UO
 def _rows_kernel(factor: float | None, opts: tuple, out: UOp, table: UOp, tokens: UOp) -> UOp:
   T, N = out.shape
   t, e = UOp.range(T, 0), UOp.range(N, 1)
-  token = tokens[t].cast(dtypes.weakint)   # as the ranges are: an int32 index is cast at each use and read in 64 bits
+  token = tokens[t].cast(dtypes.weakint)   # the ranges' type, as paged._cache_block reads a table entry (its docstring)
   row = table[(token * N + e).valid((token >= 0) & (token < table.shape[0] // N))]   # 0 for an id out of range
   if factor is not None: row = row * UOp.const(factor, out.dtype)   # in the table's dtype, as HF scales Gemma's
   return UOp.sink(out.flatten()[t * N + e].store(row).end(t, e), arg=KernelInfo(name=f"embed_rows_{T}_{N}", opts_to_apply=opts))
@@ -173,7 +173,7 @@ def _split_kernel(sizes: tuple[int, ...], per_pass: tuple[bool, ...], feed: int 
     stores.append(out[at_e].store(value))
     if i == feed: stores.append(fed_out[at_e].store(_fed(value, bufs[-1])))
     at[every] += size
-  name = f"split_{n}_{sum(at.values())}" + (f"_pass_{run_len}" if any(per_pass) else "") + ("_fed" if feed is not None else "")
+  name = f"split_{n}_{sum(at.values())}" + (f"_pass_{run_len}" if any(per_pass) else "") + ("_fed" if fed else "")
   return UOp.sink(UOp.group(*stores).end(e), arg=KernelInfo(name=name, opts_to_apply=opts))
 
 
