@@ -26,16 +26,18 @@ import numpy as np
 from real_size import SHAPES, measure_load, write_word_tokenizer
 
 def _normal_rows():
-  """A seeded source of normal float32 rows (`normal(shape, std)`): torch on an NVIDIA GPU where there is one (numpy's
-  generator on one core took minutes for the 8B's 8 billion weights), else numpy's."""
+  """A seeded source of normal rows (`normal(shape, std, dtype)`, drawn in float32 and rounded to `dtype`): torch on an
+  NVIDIA GPU where there is one (numpy's generator on one core took minutes for the 8B's 8 billion weights; rounded to
+  float16 there too, so half the bytes cross to the host and numpy converts none), else numpy's."""
   try:
     import torch
     if torch.cuda.is_available():
       gen = torch.Generator(device="cuda").manual_seed(0)
-      return lambda shape, std: (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * std).cpu().numpy()
+      to_torch = {np.float16: torch.float16, np.float32: torch.float32}
+      return lambda shape, std, dtype: (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * std).to(to_torch[dtype]).cpu().numpy()
   except Exception: pass   # no torch, or a CUDA that does not start: numpy's
   rng = np.random.default_rng(0)
-  return lambda shape, std: rng.standard_normal(shape, np.float32) * std
+  return lambda shape, std, dtype: (rng.standard_normal(shape, np.float32) * std).astype(dtype, copy=False)
 
 
 def write_checkpoint(path: Path, shape: str, dtype: str = "F16") -> Path:
@@ -66,8 +68,9 @@ def write_checkpoint(path: Path, shape: str, dtype: str = "F16") -> Path:
     f.write(struct.pack("<Q", len(raw)) + raw)
     for name, s in shapes.items():
       for start in range(0, s[0] if len(s) == 2 else 1, 4096):   # 4096 rows at a time: a few tens of MB
-        rows = np.ones(s, np.float32) if len(s) == 1 else normal((min(4096, s[0] - start), s[1]), 0.02)
-        f.write((rows.astype(np.float16) if dtype == "F16" else bfloat16_bits(rows)).tobytes())
+        kind = np.float16 if dtype == "F16" else np.float32   # bfloat16's bits are cut from float32 below
+        rows = np.ones(s, kind) if len(s) == 1 else normal((min(4096, s[0] - start), s[1]), 0.02, kind)
+        f.write((rows if dtype == "F16" else bfloat16_bits(rows)).tobytes())
   part.rename(path / "model.safetensors")
   (path / "config.json").write_text(json.dumps({
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h, "num_hidden_layers": L,
