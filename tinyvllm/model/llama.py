@@ -278,17 +278,17 @@ class Llama:
     """(T, hidden): table rows, dequantized on the fly when the table is quantized (times sqrt(hidden) for Gemma,
     the factor rounded to the model dtype first, as HF does)."""
     e = self.embed_tokens
+    factor = self.cfg.hidden_size ** 0.5 if self.cfg.scale_embeddings else None
     # one kernel of ours (tinygrad's gather split a decode step's into two on a GPU); a table of another dtype or split
     # over devices takes tinygrad's
     if e.format == FLOAT and e.weight.dtype == self.dtype and isinstance(e.weight.device, str):
-      return portable.rows(e.weight, tokens, self.cfg.hidden_size ** 0.5 if self.cfg.scale_embeddings else None)
+      return portable.rows(e.weight, tokens, factor)
     if e.format == FLOAT: rows = e.weight[tokens]
     elif e.format == INT8: rows = portable.q8_rows(e.weight[tokens], e.scales[tokens]).cast(self.dtype)
     elif e.format == PACKED:
       rows = portable.packed_rows(LinearWeights(PACKED, **{p: t[tokens] for p, t in e.parts().items()}, spec=e.spec), self.dtype)
     else: rows = portable.int4_rows(e.weight[tokens], e.scales[tokens], e.biases[tokens]).cast(self.dtype)
-    if not self.cfg.scale_embeddings: return rows
-    return rows * Tensor(self.cfg.hidden_size ** 0.5, dtype=self.dtype, device=rows.device)
+    return rows if factor is None else rows * Tensor(factor, dtype=self.dtype, device=rows.device)
 
   def logits(self, h: Tensor, rows: Tensor | None) -> Tensor:
     """float32 logits of h's `rows` (None: every row, as in a decode pass, where each row is its sequence's last token
