@@ -196,7 +196,7 @@ def test_step_inputs_from_the_tables_numpy_and_from_their_lists(tiny_model, monk
   """A step packs its block tables from each BlockTable's numpy (long tables) or from the lists (short ones,
   `model_runner.SHORT_TABLE`): forced each way, three sequences growing over blocks of 8 tokens, preempted and
   readmitted (their tables freed and rebuilt, the pool reused): every step's packed tables are the lists' (FREED read
-  as block 0), and the tokens are HF's greedy ones."""
+  as block 0) and zero past them, and the tokens are HF's greedy ones."""
   import numpy as np
   from test_multi_step import PROMPTS, hf_greedy, run
   from tinyvllm import SamplingParams
@@ -208,7 +208,9 @@ def test_step_inputs_from_the_tables_numpy_and_from_their_lists(tiny_model, monk
     packed, used = prepare(self, shape, items, layout)
     offsets = layout[0] if layout else np.cumsum((0,) + shape.sizes(self.max_blocks)[:-1])
     tables = packed[offsets[model_runner.FIELDS.index("tables")]:][:shape.num_seqs * self.max_blocks].reshape(shape.num_seqs, -1)
-    for row, item in zip(tables, items): assert row[:len(item.block_table)].tolist() == [max(b, 0) for b in item.block_table]
+    expected = np.zeros_like(tables)   # past a table's blocks, and in padding rows: block 0 (never read, but a block)
+    for row, item in zip(expected, items): row[:len(item.block_table)] = [max(b, 0) for b in item.block_table]
+    np.testing.assert_array_equal(tables, expected)
     checked.append(len(items))
     return packed, used
   monkeypatch.setattr(model_runner.ModelRunner, "prepare", checked_prepare)

@@ -358,8 +358,11 @@ class ModelRunner:
     n = int(widths.sum())
     ids = np.fromiter(itertools.chain.from_iterable(w.block_table for w in items), np.int32, n) if n <= SHORT_TABLE * k \
       else np.concatenate([table_ids(w.block_table) for w in items])
-    tables[:k][np.arange(MB) < widths[:, None]] = ids
-    np.maximum(tables, 0, out=tables)                # FREED entries (out of the window) read block 0, masked
+    # only the columns some table reaches: the rest stay zero (block 0, never read), and a whole-width mask cost
+    # 0.15 ms a step at 32 sequences with a 131072-token context (8192 columns)
+    used = tables[:k, :int(widths.max())]
+    used[np.arange(used.shape[1]) < widths[:, None]] = ids
+    np.maximum(used, 0, out=used)                    # FREED entries (out of the window) read block 0, masked
     if shape.packed or shape.query_len > 1:
       if shape.packed: at = np.arange(lengths.sum())   # each real token's slot in the pass
       else: at = np.flatnonzero(np.arange(shape.query_len) < lengths[:, None])
