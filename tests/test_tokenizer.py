@@ -495,7 +495,9 @@ def test_merge_symbols_order():
 def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] | None = None, skip: bool = True) -> tuple[list[str], str]:
   det = tok.detokenizer(prompt, skip_special_tokens=skip)
   parts = [det.add(i) for i in ids] + [det.flush()]
-  assert det.text == "".join(parts)
+  text = "".join(parts)
+  assert len(det) == len(text) and all(det.since(k) == text[k:] for k in range(len(text) + 2))   # read back from any character
+  assert det.text == text
   return parts, "".join(parts)
 
 

