@@ -37,9 +37,15 @@ def test_penalties():
   logits = np.array([2.0, -2.0, 1.0, 0.5, 3.0], np.float32)
   p = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
   # prompt [0, 1], output [2, 2, 1]: repetition on 0, 1, 2; presence/frequency on 2 (x2) and 1 (x1)
-  out = sampler.apply_penalties(logits, [0, 1, 2, 2, 1], 2, p)
+  out = sampler.apply_penalties(logits, sampler.TokenCounts(5, 2).update([0, 1, 2, 2, 1]), p)
   np.testing.assert_allclose(out, [1.0, -4.0 - 0.5 - 0.25, 0.5 - 0.5 - 0.5, 0.5, 3.0])
-  assert sampler.apply_penalties(logits, [0], 1, SamplingParams(), banned=[4])[4] == -np.inf
+  # output [2, 2, 3] (3 new to the sequence), counted a step at a time, or its last two as drafts not yet appended
+  want = [1.0, -4.0, 0.5 - 0.5 - 0.5, 0.25 - 0.25 - 0.5, 3.0]
+  counts = sampler.TokenCounts(5, 2)
+  for n in range(1, 6): counts.update([0, 1, 2, 2, 3][:n])
+  np.testing.assert_allclose(sampler.apply_penalties(logits, counts, p), want)
+  np.testing.assert_allclose(sampler.apply_penalties(logits, sampler.TokenCounts(5, 2).update([0, 1, 2]), p, extra=[2, 3]), want)
+  assert sampler.apply_penalties(logits, None, SamplingParams(), banned=[4])[4] == -np.inf
 
 
 def test_draw_follows_the_distribution():
@@ -119,7 +125,7 @@ def test_numpy_scalars_are_numbers_and_tiny_temperatures_are_greedy():
 
 def test_logit_bias_is_added_after_penalties():
   logits = np.array([1.0, 2.0, 3.0], np.float32)
-  out = sampler.apply_penalties(logits, [0, 2], 1, SamplingParams(repetition_penalty=2.0, logit_bias={0: 10.0, 1: -1.0}))
+  out = sampler.apply_penalties(logits, sampler.TokenCounts(3, 1).update([0, 2]), SamplingParams(repetition_penalty=2.0, logit_bias={0: 10.0, 1: -1.0}))
   np.testing.assert_allclose(out, [1.0 / 2.0 + 10.0, 2.0 - 1.0, 3.0 / 2.0])   # tokens 0 and 2 seen: penalized, then biased
 
 
@@ -222,3 +228,42 @@ def test_largest_finds_the_k_largest_entries():
       assert got.size == min(k, row.size) and np.unique(got).size == got.size
       want = np.sort(row)[::-1][:k]   # the values of the k largest (ties may pick either index)
       np.testing.assert_array_equal(np.sort(row[got])[::-1], want)
+
+
+# **** penalties in the engine ****
+
+def _hf_penalized_greedy(path, prompt: list[int], n: int, repetition=1.0, presence=0.0, frequency=0.0) -> list[int]:
+  """Greedy decoding under the penalties from HF's logits: repetition by HF's own processor (generate's
+  repetition_penalty), presence and frequency written out here by vLLM's rule (logit -= frequency x count +
+  presence, over the output's tokens)."""
+  import torch
+  from transformers import LlamaForCausalLM
+  hf = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+  ids = list(prompt)
+  with torch.no_grad():
+    if presence == frequency == 0:
+      return hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, repetition_penalty=repetition, eos_token_id=None,
+                         pad_token_id=0)[0, len(ids):].tolist()
+    for _ in range(n):
+      logits = hf(torch.tensor([ids])).logits[0, -1].double()
+      for token, count in zip(*np.unique(ids[len(prompt):], return_counts=True)): logits[int(token)] -= frequency * count + presence
+      ids.append(int(logits.argmax()))
+  return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("penalties", [dict(repetition=1.6), dict(presence=1.5, frequency=0.7)])
+def test_penalized_greedy_decoding_matches_hf(tiny_model, penalties):
+  """Greedy decoding under penalties, against HF (above), the engine alone and with a draft model (the target itself:
+  every draft is accepted): its verify pass penalizes each drafted position as if the drafts before it were in the
+  output. 40 tokens of a prompt of 30: the penalties change the greedy tokens (checked)."""
+  from test_spec_decode import prompts_of_lengths
+  from tinyvllm import LLM
+  prompt = prompts_of_lengths([30], seed=3)[0]["prompt_token_ids"]
+  params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=penalties.get("repetition", 1.0),
+                          presence_penalty=penalties.get("presence", 0.0), frequency_penalty=penalties.get("frequency", 0.0))
+  want = _hf_penalized_greedy(str(tiny_model), prompt, 40, **penalties)
+  assert want != _hf_penalized_greedy(str(tiny_model), prompt, 40)
+  for kw in ({}, dict(draft_model=str(tiny_model), num_speculative_tokens=3, speculation="always")):
+    llm = LLM(str(tiny_model), block_size=8, num_kv_blocks=64, **kw)
+    assert llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids == want, kw
+    llm.shutdown()

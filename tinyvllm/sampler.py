@@ -1,4 +1,5 @@
-"""Sampling as pure numpy functions of (logits, parameters, random stream).
+"""Sampling as numpy functions of (logits, parameters, random stream), and the counts of a sequence's tokens its
+penalties read (`TokenCounts`, kept on the sequence).
 
 Order of processing: penalties -> (greedy argmax) -> temperature -> top-k -> top-p -> min-p -> one draw by
 inverse CDF. Each sampled token consumes exactly one uniform from the sequence's own generator, so a seeded
@@ -14,23 +15,62 @@ _TOP_P_CANDIDATES = 1024   # try the top-p cut inside the 1024 most likely token
 
 def penalizes(params: SamplingParams) -> bool:
   """Do these parameters change logits before sampling (a penalty or a logit bias)?"""
-  return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0 or bool(params.logit_bias)
+  return counts_tokens(params) or bool(params.logit_bias)
 
 
-def apply_penalties(logits: np.ndarray, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
+def counts_tokens(params: SamplingParams) -> bool:
+  """Do the penalties read the tokens so far (repetition, presence or frequency)?"""
+  return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
+
+
+class TokenCounts:
+  """A sequence's tokens as the penalties read them: which ids its prompt and output hold (repetition) and how often
+  each appears in its output (presence, frequency), over the whole vocabulary. `update` counts the tokens added
+  since, so a step costs its new tokens and a pass over the vocabulary. Rebuilt from the token list at every step
+  (np.unique), the penalties of a 128K vocabulary took 1.6 ms a sequence a step at 9,000 tokens and 5.3 at 32,000;
+  this way 0.16 and 0.22."""
+  def __init__(self, vocab_size: int, num_prompt_tokens: int):
+    self.seen = np.zeros(vocab_size, np.bool_)
+    self.output = np.zeros(vocab_size, np.int32)
+    self.num_prompt_tokens, self.num_counted = num_prompt_tokens, 0
+
+  def update(self, token_ids: list[int]) -> TokenCounts:
+    """Count the tokens of `token_ids` (the sequence's prompt and output: a list that only grows) not counted yet."""
+    new = np.asarray(token_ids[self.num_counted:], np.int64)
+    self.seen[new] = True
+    np.add.at(self.output, new[max(0, self.num_prompt_tokens - self.num_counted):], 1)
+    self.num_counted = len(token_ids)
+    return self
+
+  def seen_ids(self, extra: list[int] = ()) -> np.ndarray:
+    """The ids seen, ascending, `extra` tokens included."""
+    ids = np.flatnonzero(self.seen)
+    return np.union1d(ids, extra) if len(extra) else ids
+
+  def output_counts(self, extra: list[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """The ids in the output, ascending, and how often each appears, `extra` tokens included."""
+    ids = np.flatnonzero(self.output > 0)   # (of an int32 array directly: 12x slower)
+    if len(extra): ids = np.union1d(ids, extra)
+    counts = self.output[ids].astype(np.int64)
+    if len(extra): np.add.at(counts, np.searchsorted(ids, extra), 1)
+    return ids, counts
+
+
+def apply_penalties(logits: np.ndarray, counts: TokenCounts | None, params: SamplingParams, extra: list[int] = (),
                     banned: list[int] | None = None) -> np.ndarray:
   """Repetition penalty over prompt + output (HF/vLLM rule: divide positive logits, multiply negative ones);
   presence and frequency penalties over the output; then `logit_bias` is added; `banned` ids (EOS before
-  min_tokens) get -inf."""
+  min_tokens) get -inf. `counts`: the sequence's (None when no penalty reads them), as if `extra` tokens had been
+  appended to its output."""
   if not penalizes(params) and not banned: return logits
   logits = logits.astype(np.float32, copy=True)
-  if params.repetition_penalty != 1 and token_ids:
-    seen = np.unique(np.asarray(token_ids))
+  if params.repetition_penalty != 1:
+    seen = counts.seen_ids(extra)
     vals = logits[seen]
     logits[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-  if (params.presence_penalty or params.frequency_penalty) and len(token_ids) > num_prompt_tokens:
-    ids, counts = np.unique(np.asarray(token_ids[num_prompt_tokens:]), return_counts=True)
-    logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+  if params.presence_penalty or params.frequency_penalty:
+    ids, n = counts.output_counts(extra)
+    logits[ids] -= params.frequency_penalty * n + params.presence_penalty
   if params.logit_bias:
     ids = np.fromiter(params.logit_bias, np.int64, len(params.logit_bias))
     logits[ids] += np.fromiter(params.logit_bias.values(), np.float32, len(ids))

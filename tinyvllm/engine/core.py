@@ -504,10 +504,14 @@ class EngineCore:
     p = seq.params
     banned = sorted(self.scheduler.eos_token_ids | set(p.stop_token_ids or [])) \
       if seq.num_output_tokens + len(extra) < p.min_tokens else None
-    out = sampler.apply_penalties(logits, seq.token_ids + list(extra), seq.num_prompt_tokens, p, banned)
+    counts = None
+    if sampler.counts_tokens(p):
+      if seq.token_counts is None: seq.token_counts = sampler.TokenCounts(logits.shape[-1], seq.num_prompt_tokens)
+      counts = seq.token_counts.update(seq.token_ids)
+    out = sampler.apply_penalties(logits, counts, p, extra, banned)
     if banned and seq.grammar is not None and not np.isfinite(out).any():
       # a complete grammar allows only EOS: the grammar wins over min_tokens (all -inf would sample nothing)
-      out = sampler.apply_penalties(logits, seq.token_ids + list(extra), seq.num_prompt_tokens, p)
+      out = sampler.apply_penalties(logits, counts, p, extra)
     return out
 
   def _processed(self, seq: Sequence, logits: np.ndarray, extra: list[int] = ()) -> np.ndarray:

@@ -9,7 +9,9 @@ from tinyvllm.engine.block_manager import BlockTable
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.outputs import RequestMetrics
 
-if TYPE_CHECKING: from tinyvllm.structured_output import GrammarState
+if TYPE_CHECKING:
+  from tinyvllm.sampler import TokenCounts
+  from tinyvllm.structured_output import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -37,6 +39,7 @@ class Sequence:
     self.draft_num_registered = 0              # leading draft blocks registered in the draft's prefix cache
     self.generator = generator                 # this sequence's own random stream: batch composition never changes it
     self.grammar = grammar                     # structured output: where its tokens stand in the grammar (None: free)
+    self.token_counts: TokenCounts | None = None   # the penalties' counts of token_ids, made at its first penalized step
     # prompt positions whose logprobs were sent (prompt_logprobs): a recompute after preemption sends none again
     self.num_prompt_logprobs_sent = 0
     self.finish_reason: str | None = None
