@@ -18,7 +18,7 @@ class OpenAIServingChat(OpenAIServing):
     body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
     prompt, params, fmt = await self.prepare(body)
     request_id, started = f"chatcmpl-{uuid.uuid4().hex}", time.time()
-    stream = (await self.add_requests(request_id, [prompt], params, "messages"))[0]
+    stream = (await self.add_requests(request_id, [prompt], params, "messages", bool(body.stream)))[0]
     if body.stream:
       forced = fmt is not None and params.structured_outputs is not None and body.constraint_field is None
       return StreamingResponse(self._stream(body, request_id, started, stream, fmt, forced), media_type="text/event-stream")

@@ -27,7 +27,7 @@ class OpenAIServingCompletion(OpenAIServing):
     params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs)
     await self.check_constraint(params, body.constraint_field)
     request_id, started = f"cmpl-{uuid.uuid4().hex}", time.time()
-    streams = await self.add_requests(request_id, prompts, params, "prompt")
+    streams = await self.add_requests(request_id, prompts, params, "prompt", bool(body.stream))
     if body.stream:
       return StreamingResponse(self._stream(body, request_id, started, streams), media_type="text/event-stream")
     finals = await self.final_outputs(request, streams)

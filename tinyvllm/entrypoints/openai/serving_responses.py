@@ -71,7 +71,7 @@ class OpenAIServingResponses:
       e.param = names.get(e.param, e.param)
       raise
     response_id, started = f"resp_{uuid.uuid4().hex}", time.time()
-    stream = (await self.chat.add_requests(response_id, [prompt], params, "input"))[0]
+    stream = (await self.chat.add_requests(response_id, [prompt], params, "input", bool(body.stream)))[0]
     remember = lambda items: self._store(response_id, body, history + turn, items)
     if body.stream:
       forced = fmt is not None and params.structured_outputs is not None and chat.constraint_field is None
