@@ -73,7 +73,8 @@ class RequestOutput:
 
   def add(self, next_output: RequestOutput, aggregate: bool = True) -> None:
     """Take in the request's next output, in place (vLLM's method): with `aggregate`, `next_output` is a delta
-    (RequestOutputKind.DELTA) whose tokens, text and logprobs are appended; without, it replaces what this one holds."""
+    (RequestOutputKind.DELTA) whose tokens, text and logprobs are appended (to this output's own lists, which grow:
+    a step costs its new tokens, not all of them); without, it replaces what this one holds."""
     if not aggregate:
       self.__dict__.update(next_output.__dict__)
       return
@@ -82,10 +83,15 @@ class RequestOutput:
       if (old := mine.get(c.index)) is None:
         self.outputs.append(c)
         continue
-      old.text, old.token_ids = old.text + c.text, old.token_ids + c.token_ids
-      if c.logprobs is not None: old.logprobs = (old.logprobs or []) + c.logprobs
+      old.text += c.text
+      old.token_ids.extend(c.token_ids)
+      if c.logprobs is not None:
+        if old.logprobs is None: old.logprobs = []
+        old.logprobs.extend(c.logprobs)
       old.cumulative_logprob, old.finish_reason, old.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
-    if next_output.prompt_logprobs: self.prompt_logprobs = (self.prompt_logprobs or []) + next_output.prompt_logprobs
+    if next_output.prompt_logprobs:
+      if self.prompt_logprobs is None: self.prompt_logprobs = []
+      self.prompt_logprobs.extend(next_output.prompt_logprobs)
     self.finished, self.metrics, self.num_cached_tokens = next_output.finished, next_output.metrics, next_output.num_cached_tokens
     self.error = next_output.error or self.error
 

@@ -78,11 +78,12 @@ class OpenAIServing:
       raise APIError(400, message, param=field) from None
 
   async def add_requests(self, request_id: str, prompts: list[dict], params: SamplingParams, prompt_field: str,
-                         stream: bool) -> list[RequestStream]:
+                         stream: bool) -> list[RequestStream | RunningTotals]:
     """Queue one engine request per prompt (ids `request_id`, or `request_id-i` for several). All or none: a
-    refused one aborts those already added. A request that does not `stream` asks for its final output alone: each
-    output of a running request is a snapshot of its whole text and tokens, which cost ~30 us a step at 16,000 tokens."""
-    params = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY)
+    refused one aborts those already added. The engine never snapshots a running request's whole text and tokens
+    (CUMULATIVE outputs, which cost ~30 us a request a step at 16,000 tokens): a request that does not `stream` asks
+    for its final output alone, one that streams for what is new at each step, added up here (`RunningTotals`)."""
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
     limit = self.settings.max_waiting_requests
     if limit is not None and self.engine.num_waiting + len(prompts) > limit:
       raise APIError(503, f"the server is busy: {self.engine.num_waiting} requests are waiting (--max-waiting-requests "
@@ -97,7 +98,7 @@ class OpenAIServing:
       raise APIError(400, str(e), param=prompt_field) from None
     except RuntimeError as e:   # the engine is not running
       raise APIError(503, str(e), type="server_error") from None
-    return streams
+    return [RunningTotals(s) for s in streams] if stream else streams
 
   # ---- waiting ----
 
@@ -185,12 +186,30 @@ class OpenAIServing:
              ttft, time.time() - started)
 
 
+class RunningTotals:
+  """A streamed request's outputs as running totals: the engine's deltas added to one RequestOutput, in place, which
+  the stream writers read as they would cumulative snapshots (whole text, tokens and logprobs so far). Closing it
+  aborts the request, as closing its stream does."""
+  def __init__(self, stream: RequestStream):
+    self.stream, self.total = stream, None
+
+  def __aiter__(self): return self
+
+  async def __anext__(self) -> RequestOutput:
+    out = await self.stream.__anext__()
+    if self.total is None: self.total = out
+    else: self.total.add(out)
+    return self.total
+
+  async def aclose(self) -> None: await self.stream.aclose()
+
+
 async def wait_for_disconnect(request: Request) -> None:
   """Returns when the client has gone (the body is read by then, so the next message is the disconnect)."""
   while (await request.receive())["type"] != "http.disconnect": pass
 
 
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_streams(streams: list[RunningTotals]) -> AsyncIterator[tuple[int, RequestOutput]]:
   """(stream index, output) from several streams as they arrive. Closing the merged iterator (a client gone)
   closes every stream, which aborts their requests."""
   if len(streams) == 1:
@@ -199,7 +218,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
     finally: await streams[0].aclose()   # closed at a yield (a client gone while we sent): abort
     return
   queue: asyncio.Queue = asyncio.Queue()
-  async def pump(i: int, stream: RequestStream) -> None:
+  async def pump(i: int, stream: RunningTotals) -> None:
     try:
       async for out in stream: await queue.put((i, out))
     finally: await queue.put((i, None))

@@ -5,9 +5,8 @@ import dataclasses, time, uuid
 from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from tinyvllm.engine.async_llm import RequestStream
 from tinyvllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, parse_body
-from tinyvllm.entrypoints.openai.serving import OpenAIServing, sse
+from tinyvllm.entrypoints.openai.serving import OpenAIServing, RunningTotals, sse
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from tinyvllm.tools import FORMATS, ToolFormat, detect_format, streamable
@@ -122,7 +121,7 @@ class OpenAIServingChat(OpenAIServing):
     return response
 
   async def _stream(self, body: ChatCompletionRequest, request_id: str, started: float,
-                    stream: RequestStream, fmt: ToolFormat | None = None, forced: bool = False) -> AsyncIterator[str]:
+                    stream: RunningTotals, fmt: ToolFormat | None = None, forced: bool = False) -> AsyncIterator[str]:
     """SSE frames: each choice's role first, then its deltas, a last chunk with its finish_reason, the usage chunk
     when asked for, and [DONE]. Cancelled (client gone): the finally clause closes the stream (abort).
     With tools, text that is or may become a call is held back; when the completion ends its calls are sent as

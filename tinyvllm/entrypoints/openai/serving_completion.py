@@ -5,10 +5,9 @@ import time, uuid
 from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from tinyvllm.engine.async_llm import RequestStream
 from tinyvllm.engine.input_processor import token_ids
 from tinyvllm.entrypoints.openai.protocol import APIError, CompletionRequest, parse_body
-from tinyvllm.entrypoints.openai.serving import OpenAIServing, merge_streams, sse
+from tinyvllm.entrypoints.openai.serving import OpenAIServing, RunningTotals, merge_streams, sse
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -74,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "stop_reason": c.stop_reason}
 
   async def _stream(self, body: CompletionRequest, request_id: str, started: float,
-                    streams: list[RequestStream]) -> AsyncIterator[str]:
+                    streams: list[RunningTotals]) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
