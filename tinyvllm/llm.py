@@ -120,14 +120,10 @@ class LLM:
     """Yield the text of one completion piece by piece as it is generated (for notebooks)."""
     if sampling_params is not None and sampling_params.n != 1:
       raise ValueError("generate_stream streams one completion: SamplingParams.n must be 1")
-    if sampling_params is not None:   # it cuts the pieces from cumulative text itself
-      sampling_params = dataclasses.replace(sampling_params, output_kind=RequestOutputKind.CUMULATIVE)
-    sent = 0
+    # the engine's deltas are the pieces (a cumulative output would copy the whole text and tokens at every step)
+    sampling_params = dataclasses.replace(sampling_params or SamplingParams(), output_kind=RequestOutputKind.DELTA)
     for out in self.stream(prompt, sampling_params):
-      text = out.outputs[0].text
-      if len(text) > sent:
-        yield text[sent:]
-        sent = len(text)
+      if out.outputs[0].text: yield out.outputs[0].text
 
   def _next_id(self) -> str: return f"llm-{next(self._ids)}"
 
