@@ -330,7 +330,7 @@ class EngineCore:
     try:
       decode_out, prefill_logits, verify_logits = self.runner.execute(
         [self._decode_item(s) for s in decodes],
-        [WorkItem(c.seq.block_table, c.seq.num_computed_tokens, c.seq.token_ids[c.seq.num_computed_tokens:][:c.num_tokens])
+        [WorkItem(c.seq.block_table, c.seq.num_computed_tokens, c.seq.token_ids[c.seq.num_computed_tokens:c.seq.num_computed_tokens + c.num_tokens])
          for c in sched.prefills],
         [WorkItem(s.block_table, s.num_computed_tokens, s.token_ids[-1:] + p.drafts) for s, p in zip(speculated, proposals)],
         prefill_all_logits=want_prompt_logprobs, decode_argmax=argmax)
