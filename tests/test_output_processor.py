@@ -28,18 +28,21 @@ def tokenizers(tmp_path_factory):
 
 def feed(tokenizer, ids: list[int], steps: list[int], params: SamplingParams) -> list:
   """The outputs of one request whose completion is `ids`, handed over `steps[i]` tokens at a step (the last step
-  finishes it by length), until the processor reports a stop string."""
+  finishes it by length), until the processor reports a stop string. The finished request's stats count the tokens
+  of the last output's completion (of all of them, for DELTA)."""
   processor = OutputProcessor(tokenizer)
   processor.add_request(EngineRequest("r", None, [5, 6], params, RequestMetrics(arrival_time=0.0)))
   outputs, at = [], 0
   for n in steps:
     new, at = ids[at:at + n], at + n
-    results, to_abort, _ = processor.process([CoreOutput("r", 0, new, finish_reason="length" if at >= len(ids) else None)])
+    results, to_abort, stats = processor.process([CoreOutput("r", 0, new, finish_reason="length" if at >= len(ids) else None)])
     outputs += results
     if to_abort or at >= len(ids):
       assert to_abort in ([], [("r", 0, "stop")])
       break
   assert not processor.has_unfinished()
+  generated = sum(len(o.outputs[0].token_ids) for o in outputs) if params.output_kind is RequestOutputKind.DELTA else len(outputs[-1].outputs[0].token_ids)
+  assert [s.num_generation_tokens for s in stats.finished] == [generated]
   return outputs
 
 

@@ -524,3 +524,34 @@ def test_a_failing_model_pass_answers_500_naming_the_cause(server, client):
     assert "CUDA Error 1" in events[-1]["error"]["message"]
   finally: engine.engine.call(lambda e: setattr(e.runner, "execute", execute))
   assert client.chat.completions.create(model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=4).choices[0].message.content
+
+
+def test_merged_streams_hold_still_while_the_writer_sends():
+  """merge_streams over two streams of deltas (a completions request with two prompts): the running total handed to
+  the writer must not change while the writer sends it, though the other stream's pump runs meanwhile (it once did:
+  text went out twice or never, and a finish was lost). Fake streams of 20 one-character deltas arriving at once."""
+  import asyncio
+  from tinyvllm.entrypoints.openai.serving import RunningTotals, merge_streams
+  from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+  class Deltas:
+    def __init__(self, rid: str): self.rid, self.i = rid, 0
+    def __aiter__(self): return self
+    async def __anext__(self):
+      if self.i == 20: raise StopAsyncIteration
+      await asyncio.sleep(0)
+      self.i += 1
+      return RequestOutput(self.rid, "p", [1], [CompletionOutput(0, str(self.i % 10), [self.i], finish_reason="length" if self.i == 20 else None)],
+                           self.i == 20, RequestMetrics(0.0))
+    async def aclose(self): pass
+
+  async def read() -> dict:
+    seen = {}
+    async for i, out in merge_streams([RunningTotals(Deltas("a")), RunningTotals(Deltas("b"))]):
+      text, tokens = out.outputs[0].text, list(out.outputs[0].token_ids)
+      for _ in range(5): await asyncio.sleep(0)   # a slow client: the send awaits, the pumps run
+      assert (out.outputs[0].text, out.outputs[0].token_ids) == (text, tokens)
+      seen[i] = (text, tokens, out.outputs[0].finish_reason)
+    return seen
+  want = ("".join(str(i % 10) for i in range(1, 21)), list(range(1, 21)), "length")
+  assert asyncio.run(read()) == {0: want, 1: want}

@@ -496,7 +496,7 @@ def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] | None = None, ski
   det = tok.detokenizer(prompt, skip_special_tokens=skip)
   parts = [det.add(i) for i in ids] + [det.flush()]
   text = "".join(parts)
-  assert len(det) == len(text) and all(det.since(k) == text[k:] for k in range(len(text) + 2))   # read back from any character
+  assert det.num_chars == len(text) and all(det.since(k) == text[k:] for k in range(len(text) + 2))   # read back from any character
   assert det.text == text
   return parts, "".join(parts)
 

@@ -48,7 +48,7 @@ class CompletionState:
   stop_at: int | None = None   # the text's end once a stop string cut it
 
   @property
-  def num_chars(self) -> int: return len(self.detokenizer) if self.stop_at is None else self.stop_at
+  def num_chars(self) -> int: return self.detokenizer.num_chars if self.stop_at is None else self.stop_at
 
   def text_since(self, start: int = 0) -> str:
     """The text from character `start` on."""
@@ -223,8 +223,8 @@ class OutputProcessor:
 
 
 def finished_stats(out: RequestOutput, reason: str, now: float) -> FinishedRequestStats:
-  return FinishedRequestStats(reason, now - out.metrics.arrival_time, len(out.prompt_token_ids),
-                              sum(len(c.token_ids) for c in out.outputs))
+  """(The tokens from the request's metrics: a DELTA output holds only its last ones.)"""
+  return FinishedRequestStats(reason, now - out.metrics.arrival_time, len(out.prompt_token_ids), out.metrics.num_generated_tokens)
 
 
 def _visible_text(c: CompletionState, stop_strings: tuple[str, ...], start: int) -> str:

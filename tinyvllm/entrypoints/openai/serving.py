@@ -188,17 +188,20 @@ class OpenAIServing:
 
 class RunningTotals:
   """A streamed request's outputs as running totals: the engine's deltas added to one RequestOutput, in place, which
-  the stream writers read as they would cumulative snapshots (whole text, tokens and logprobs so far). Closing it
-  aborts the request, as closing its stream does."""
+  the stream writers read as they would cumulative snapshots (whole text, tokens and logprobs so far). The total
+  changes only when the next delta is taken, so whoever reads it takes them (`merge_streams` queues the deltas, not
+  the total). Closing it aborts the request, as closing its stream does."""
   def __init__(self, stream: RequestStream):
     self.stream, self.total = stream, None
 
   def __aiter__(self): return self
 
-  async def __anext__(self) -> RequestOutput:
-    out = await self.stream.__anext__()
-    if self.total is None: self.total = out
-    else: self.total.add(out)
+  async def __anext__(self) -> RequestOutput: return self.take(await self.stream.__anext__())
+
+  def take(self, delta: RequestOutput) -> RequestOutput:
+    """Add the request's next delta; returns the total."""
+    if self.total is None: self.total = delta
+    else: self.total.add(delta)
     return self.total
 
   async def aclose(self) -> None: await self.stream.aclose()
@@ -218,17 +221,19 @@ async def merge_streams(streams: list[RunningTotals]) -> AsyncIterator[tuple[int
     finally: await streams[0].aclose()   # closed at a yield (a client gone while we sent): abort
     return
   queue: asyncio.Queue = asyncio.Queue()
+  # the pumps queue each stream's deltas; a total is added to only here, between the caller's reads of it (a total
+  # the pumps advanced while the caller was sending would change under it: text sent twice or never)
   async def pump(i: int, stream: RunningTotals) -> None:
     try:
-      async for out in stream: await queue.put((i, out))
+      async for delta in stream.stream: await queue.put((i, delta))
     finally: await queue.put((i, None))
   tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
   try:
     open_streams = len(streams)
     while open_streams:
-      i, out = await queue.get()
-      if out is None: open_streams -= 1
-      else: yield i, out
+      i, delta = await queue.get()
+      if delta is None: open_streams -= 1
+      else: yield i, streams[i].take(delta)
   finally:
     for t in tasks: t.cancel()
     for s in streams: await s.aclose()

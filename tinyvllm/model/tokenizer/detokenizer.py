@@ -25,7 +25,10 @@ class IncrementalDetokenizer:
     self._length = 0
     for token_id in prompt_ids or (): self._utf8.decode(self._bytes(token_id))
 
-  def __len__(self) -> int: return self._length
+  @property
+  def num_chars(self) -> int:
+    """How many characters it has emitted."""
+    return self._length
 
   @property
   def text(self) -> str:
@@ -41,7 +44,8 @@ class IncrementalDetokenizer:
     while i > 0 and at > start:
       i -= 1
       at -= len(self._parts[i])
-    return "".join(self._parts[i:])[start - at:]
+    if i == len(self._parts): return ""
+    return self._parts[i][start - at:] + "".join(self._parts[i + 1:])   # the piece `start` falls in: only its tail
 
   def add(self, token_id: int) -> str:
     return self._emit(self._utf8.decode(self._bytes(token_id)))
