@@ -36,6 +36,7 @@ class TokenCounts:
 
   def update(self, token_ids: list[int]) -> TokenCounts:
     """Count the tokens of `token_ids` (the sequence's prompt and output: a list that only grows) not counted yet."""
+    if self.num_counted == len(token_ids): return self   # a verify pass reads them once per draft, a step adds none
     new = np.asarray(token_ids[self.num_counted:], np.int64)
     self.seen[new] = True
     np.add.at(self.output, new[max(0, self.num_prompt_tokens - self.num_counted):], 1)
