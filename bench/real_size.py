@@ -7,6 +7,7 @@ from pathlib import Path
 SHAPES = {   # hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings
   "1b": (2048, 16, 32, 8, 8192, 128256, True),
   "8b": (4096, 32, 32, 8, 14336, 128256, False),
+  "tiny": (256, 2, 4, 2, 512, 4096, False),   # for counts that need a model but not its size (bench/prefill_packing.py)
 }
 
 # `IMPORTS` run before the baseline is read (a library's own memory is not the model's); `LOAD` is timed while a thread

@@ -218,3 +218,22 @@ def test_step_inputs_from_the_tables_numpy_and_from_their_lists(tiny_model, monk
   outs, _ = run(engine, PROMPTS[:3], [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 3)
   for i, prompt in enumerate(PROMPTS[:3]): assert outs[str(i)].token_ids == hf_greedy(str(tiny_model), tuple(prompt), 24), i
   assert engine.core.scheduler.num_preemptions > 0 and len(checked) > 24
+
+
+def test_a_bounded_extent_packs_its_tables_that_wide():
+  """A prefill shape whose extent is bounded (a GPU's: model_runner._prefill_extent) packs its block tables that many
+  columns wide, not the whole table's (a packed prefill has max_num_seqs' rows: 1 MB a pass at a 131072-token limit).
+  A table longer than that keeps the entries the pass reads; the slots are those of the tables' lists."""
+  import numpy as np
+  from types import SimpleNamespace
+  from tinyvllm.engine.model_runner import FIELDS, ModelRunner, PassShape, WorkItem
+  runner = SimpleNamespace(block_size=8, max_blocks=64)
+  shape = PassShape(num_seqs=4, query_len=24, all_logits=False, packed=True, extent=4)
+  items = [WorkItem([5, 9, 2], 10, [1] * 6), WorkItem([7, 3, 11, 12, 13, 14], 20, [2] * 7)]   # positions 10-15, 20-26
+  packed, used = ModelRunner.prepare(runner, shape, items)
+  sizes = shape.sizes(runner.max_blocks)
+  assert sizes[FIELDS.index("tables")] == 4 * 4 and len(packed) == sum(sizes)
+  fields = dict(zip(FIELDS, np.split(packed, np.cumsum(sizes)[:-1])))
+  assert fields["tables"].reshape(4, 4).tolist() == [[5, 9, 2, 0], [7, 3, 11, 12], [0] * 4, [0] * 4]
+  assert fields["slots"][:13].tolist() == [9 * 8 + 2 + i for i in range(6)] + [11 * 8 + 4 + i for i in range(4)] + [12 * 8 + i for i in range(3)]
+  assert (fields["slots"][13:] == -1).all() and fields["token_seq"][:13].tolist() == [0] * 6 + [1] * 7 and used == 4

@@ -178,8 +178,8 @@ def gpu_programs(tmp_path_factory):
     for i, (ids, n) in enumerate([([7] * 4095, 2)] + [([5 + i] * 9, 3) for i in range(64)]):
       engine.add_request(str(i), {"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0))
     while engine.has_unfinished_requests(): engine.step()
-  shapes = {(s.num_seqs, s.query_len) for s in engine.runner.replays}
-  assert (1, 4096) in shapes and (64, 1) in shapes, shapes
+  shapes = {(s.num_seqs, s.query_len, s.packed) for s in engine.runner.replays}
+  assert (64, 4096, True) in shapes and (64, 1, False) in shapes, shapes   # a packed prefill's rows: max_num_seqs
   return captured_programs(engine)
 
 
@@ -232,8 +232,9 @@ def test_a_32_head_prefill_lowers_to_programs_a_gpu_graph_can_hash(tmp_path, mon
                          intermediate_size=256, num_hidden_layers=1, max_position_embeddings=1024)
   # the attention composed of tensor ops (kernels/portable.py), which soft-capped scores (Gemma 2) and tensor parallelism
   # still take: its QK^T kernel is the deep one (kernels/paged.py's own kernels, which float caches take, stay shallow)
-  from tinyvllm.kernels import paged
+  from tinyvllm.kernels import Kernels, paged
   monkeypatch.setattr(paged, "applies", lambda *args: False)
+  monkeypatch.setattr(Kernels, "packs_prefill", False)   # those pad their prefill chunks
   _, asts = run_and_record_kernels(dict(model=str(path), max_num_batched_tokens=512, max_model_len=1024, num_kv_blocks=64),
                                    [([5 + i] * 128, 1) for i in range(4)])
   renderer = h100_renderer()

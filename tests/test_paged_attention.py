@@ -22,10 +22,18 @@ from tinyvllm.kernels.kv_cache import PagedKVCache
 NP = {dtypes.float32: np.float32, dtypes.float16: np.float16}
 
 
-def run_case(rng, P, C, H, KVH, D, BS, dtype, cache_dtype, window=None, NB=48, MB=8):
+def run_case(rng, P, C, H, KVH, D, BS, dtype, cache_dtype, window=None, NB=48, MB=8, packed: tuple[int, ...] | None = None):
   """Write P sequences' C new tokens each and attend, three times in a captured function (capture, two replays at
-  other extents); checks the float cache's writes, returns [(output, reference)] per call."""
-  T, G = P * C, H // KVH
+  other extents); checks the float cache's writes, returns [(output, reference)] per call, padding tokens left out.
+  `packed`: instead P = len(packed) sequences' chunks of these lengths back to back in one row of C slots (the rest
+  padding), each token finding its sequence through token_seq (kernels.AttentionGroup); their tables are disjoint."""
+  lengths = list(packed) if packed else [C] * P
+  if packed: P = len(lengths)
+  T, G = C if packed else P * C, H // KVH
+  # each slot's sequence and its index in that sequence's chunk (-1: padding)
+  seq = np.full(T, -1) if packed else np.repeat(np.arange(P), C)
+  if packed: seq[:sum(lengths)] = np.repeat(np.arange(P), lengths)
+  index = np.concatenate([np.arange(n) for n in lengths] + [np.full(T - sum(lengths), -1)]) if packed else np.tile(np.arange(C), P)
   table_np = rope_table(MB * BS + 4, D, theta=500.0)
   if cache_dtype == "int8":
     k_codes, k_scale = quantize_int8_ref(random_heads(rng, (NB, BS, KVH, D)))
@@ -34,22 +42,26 @@ def run_case(rng, P, C, H, KVH, D, BS, dtype, cache_dtype, window=None, NB=48, M
   else:
     cache_np = [random_heads(rng, (NB, BS, KVH, D)).astype(NP[cache_dtype]) for _ in range(2)]
   cache = PagedKVCache(*(Tensor(a.copy()).realize() for a in cache_np))
-  tables_np = np.stack([rng.permutation(NB)[:MB] for _ in range(P)]).astype(np.int32)
+  tables_np = (rng.permutation(NB)[:P * MB].reshape(P, MB) if packed else np.stack([rng.permutation(NB)[:MB] for _ in range(P)])).astype(np.int32)
   extent = CountVariable.make("kv_blocks", MB)
   args = [Tensor(a).realize() for a in (table_np, tables_np)]
 
+  token_seq = Tensor(seq.astype(np.int32)).realize()
   def attend(qkv, positions, slots, q_pos, bound):
-    group = AttentionGroup(P, C, args[1], CountVariable.count(bound), q_pos, q_pos[:, -1] + 1, kernel_blocks=extent.kernel_count())
+    group = AttentionGroup(P, C, args[1], CountVariable.count(bound), q_pos, q_pos[:, -1] + 1, token_seq, packed=bool(packed),
+                           kernel_blocks=extent.kernel_count())
     out, written = paged.rope_attention(qkv, H, KVH, positions, args[0], cache, slots, group, D ** -0.5, window)
     return out.realize(), written.k.realize()
   step = TinyJit(attend)
 
   results = []
   for used in (MB - 2, 3, MB):   # the capture's extent, then two replays
-    last = rng.integers(max(C, (used - 1) * BS), used * BS, P)
-    pos = (last[:, None] - np.arange(C)[::-1]).astype(np.int32)                                  # [P, C]
-    slots = np.array([tables_np[p, x // BS] * BS + x % BS for p in range(P) for x in pos[p]], np.int32)
-    if P > 1: slots[C - 1] = -1                                    # a padding token: writes nothing
+    # each sequence's last position; packed, the first in the extent's last block, the others anywhere before it
+    last = rng.integers([max(n, (used - 1) * BS if i == 0 or not packed else n) for i, n in enumerate(lengths)], used * BS)
+    flat = np.where(seq >= 0, last[seq] - np.array(lengths)[seq] + 1 + index, 0)             # [T]: padding at 0
+    pos = flat.reshape(1 if packed else P, C).astype(np.int32)
+    slots = np.array([tables_np[p, x // BS] * BS + x % BS if p >= 0 else -1 for p, x in zip(seq, flat)], np.int32)
+    if P > 1 and not packed: slots[C - 1] = -1                      # a padding token: writes nothing
     qkv = random_heads(rng, (T, H + 2 * KVH, D)).astype(NP[dtype])
     out, k = step(Tensor(qkv.reshape(T, -1)).realize(), Tensor(pos.reshape(-1)).realize(), Tensor(slots).realize(),
                   Tensor(pos).realize(), extent.bind(used))
@@ -63,9 +75,10 @@ def run_case(rng, P, C, H, KVH, D, BS, dtype, cache_dtype, window=None, NB=48, M
       k_ref, v_ref = (c.astype(np.float64).reshape(NB * BS, KVH, D).copy() for c in cache_np)
       k_ref[slots[written]], v_ref[slots[written]] = rotated[written, H:H + KVH], qkv[written, H + KVH:]
       cache_np = [k_ref.astype(NP[cache_dtype]).reshape(NB, BS, KVH, D), v_ref.astype(NP[cache_dtype]).reshape(NB, BS, KVH, D)]
-    ref = np.stack([attention_ref(rotated[p * C + c, :H], k_ref.reshape(NB, BS, KVH, D), v_ref.reshape(NB, BS, KVH, D), tables_np[p],
-                                  pos[p, c] + 1, D ** -0.5, window=window) for p in range(P) for c in range(C)])
-    results.append((out.numpy().reshape(T, H, D), ref))
+    real = np.flatnonzero(seq >= 0)
+    ref = np.stack([attention_ref(rotated[t, :H], k_ref.reshape(NB, BS, KVH, D), v_ref.reshape(NB, BS, KVH, D), tables_np[seq[t]],
+                                  flat[t] + 1, D ** -0.5, window=window) for t in real])
+    results.append((out.numpy().reshape(T, H, D)[real], ref))
     if cache_dtype != "int8":   # the rows written, and nothing else: padding tokens and other slots untouched
       k = k.numpy().reshape(NB * BS, KVH, D).astype(np.float64)
       untouched = np.setdiff1d(np.arange(NB * BS), slots[written])
@@ -90,6 +103,29 @@ def test_write_and_attention_match_numpy(P, C, H, KVH, D, BS, dtype, device):
   with Context(DEV=device):
     for out, ref in run_case(rng, P, C, H, KVH, D, BS, dtype, dtype):
       assert rel_err(out, ref) < (F16_TOL if dtype == dtypes.float16 else F32_TOL)
+
+
+@pytest.mark.parametrize("lengths,C,H,KVH,D", [
+    ((5, 1, 9), 16, 6, 2, 64),       # three chunks, one of a single token, and a padding slot
+    ((7, 7), 14, 4, 4, 128),          # no padding, no GQA
+    ((3, 12, 1, 4), 24, 8, 2, 80)])   # four chunks, 4 padding slots, a head_dim that is not a power of two
+@pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_chunks_match_numpy(lengths, C, H, KVH, D, dtype, device):
+  """Prefill chunks back to back (a packed group, as the runner sends a prefill step): each token reads its own
+  sequence's table and sees its own context, whatever lies beside it in the row."""
+  rng = np.random.default_rng(sum(lengths) * 10 + D)
+  with Context(DEV=device):
+    for out, ref in run_case(rng, 0, C, H, KVH, D, 8, dtype, dtype, packed=lengths):
+      assert rel_err(out, ref) < (F16_TOL if dtype == dtypes.float16 else F32_TOL)
+
+
+def test_packed_chunks_with_a_window_and_an_int8_cache():
+  rng = np.random.default_rng(17)
+  for out, ref in run_case(rng, 0, 20, 4, 2, 64, 8, dtypes.float32, dtypes.float32, window=13, packed=(6, 11)):
+    assert rel_err(out, ref) < F32_TOL
+  for out, ref in run_case(rng, 0, 16, 4, 2, 64, 16, dtypes.float32, "int8", packed=(2, 9, 3)):
+    assert rel_err(out, ref) < F32_TOL
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -347,8 +347,9 @@ def test_prefill_scratch_follows_the_context_not_the_model(device, tiny_model):
   whole block table whatever the prompt (17 GB for a 1024-slot step of a 131072-token, 32-head model). On a GPU a
   prefill shape also bounds the extent by a power of two of blocks, and keeps one capture whose extent only grows. A
   40-token prompt read in chunks of 16, 16 and 8 tokens (2, 4 and 5 blocks of 8): the 16-slot shape's capture grows
-  from 2 to 4 blocks of the table's 32, the 8-slot one's takes 8; a later 10-token prompt runs in the 16-slot capture
-  kept. The scores' buffers are that wide, and the tokens and logprobs are those of passes sized for the whole table."""
+  from 2 to 4 blocks of the table's 32, the 8-slot one's takes 8; a later 14-token prompt runs in the 16-slot capture
+  kept. The scores' buffers are that wide (a packed pass's one row of slots), and the tokens and logprobs are those of
+  passes sized for the whole table."""
   from conftest import largest_output
   from tinygrad.helpers import Context
   from tinyvllm import SamplingParams
@@ -359,7 +360,7 @@ def test_prefill_scratch_follows_the_context_not_the_model(device, tiny_model):
       engine = LLMEngine.from_kwargs(str(tiny_model), kernel_backend="portable", dtype="float32", num_kv_blocks=64, block_size=8,
                                      max_model_len=256, max_num_batched_tokens=16)
       engine.runner.extent_buckets = buckets
-      for i, n in enumerate((40, 10)):
+      for i, n in enumerate((40, 14)):
         engine.add_request(str(i), {"prompt_token_ids": [5 + (i + j) % 50 for j in range(n)]},
                            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1))
         while engine.has_unfinished_requests():
@@ -372,9 +373,10 @@ def test_prefill_scratch_follows_the_context_not_the_model(device, tiny_model):
   assert [(o.token_ids, o.logprobs) for o in bucketed] == [(o.token_ids, o.logprobs) for o in whole]
   assert runner.max_blocks == 32 and kept == [{(16, 4), (8, 8)}, {(16, 4), (8, 8)}]
   assert all(s.extent == 0 for s in runner.replays if s.query_len == 1)
+  assert all(s.packed for s in runner.replays if s.query_len > 1)   # one row of slots, each finding its sequence
   for shape, (capture,) in ((s, r) for s, r in runner.replays.items() if s.query_len > 1):
     scores = [p for p, _ in graph_programs(capture.jit.captured.linear) if p.arg.name.startswith("paged_scores")]
-    assert scores and all(largest_output(p, p.src[0]) == shape.num_seqs * 2 * 2 * shape.query_len * shape.extent * 8 for p in scores)
+    assert scores and all(largest_output(p, p.src[0]) == 2 * 2 * shape.query_len * shape.extent * 8 for p in scores)
 
 
 @pytest.mark.parametrize("device", DEVICES + ["PYTHON"])

@@ -2,8 +2,9 @@
 single-device engine's results, through chunked prefill, batched decode, preemption and speculative decoding, with
 the same block accounting; and bad values are errors that name the setting.
 
-The single-device reference runs the same (portable) kernels: its scheduler then makes the same choices (the fused
-C layer packs prefill chunks differently), so the free-block counts can be compared step by step.
+The single-device reference runs the same (portable) kernels with its prefill chunks padded, as the sharded attention
+(tensor ops) reads them, where one device's paged kernels would pack them: its scheduler then makes the same choices,
+so the free-block counts can be compared step by step.
 
 Tolerance: greedy tokens must be identical; top-k logprobs within 1e-4 absolute. Both runs compute in float32, but
 the sharded run adds the two devices' partial sums of the o and down projections in a different order from one
@@ -24,6 +25,7 @@ from tinyvllm import SamplingParams
 from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.entrypoints.engine_args import add_engine_args, engine_kwargs
+from tinyvllm.kernels import Kernels
 from tinyvllm.model import tensor_parallel
 
 TOL, TOL_INT4 = 1e-4, 1e-3
@@ -38,8 +40,12 @@ def tied_two_kv_heads(tmp_path_factory):
 
 def run(model, prompts, params, **kwargs) -> tuple[list, list, LLMEngine]:
   """Each request's (tokens, top-k logprobs) in request order, the free KV blocks after every step (with the draft's,
-  when speculating) and the engine. Stepped in this thread so the block counts can be read between steps."""
-  engine = LLMEngine.from_kwargs(str(model), **kwargs)
+  when speculating) and the engine. Stepped in this thread so the block counts can be read between steps. Prefill
+  chunks are padded, on one device too (see above)."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(Kernels, "packs_prefill", False)
+    engine = LLMEngine.from_kwargs(str(model), **kwargs)
+  assert not engine.runner.packs_prefill
   for i, p in enumerate(prompts): engine.add_request(str(i), {"prompt_token_ids": p}, params)
   outs, free = {}, []
   while engine.has_unfinished_requests():

@@ -164,7 +164,7 @@ class EngineCore:
     self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
                                frozenset(tokenizer.eos_token_ids),
                                lookahead_tokens=config.num_speculative_tokens if self.spec else 0,
-                               packed_prefill=self.runner.model.packs_prefill, window=ckpt.config.freeable_window)
+                               packed_prefill=self.runner.packs_prefill, window=ckpt.config.freeable_window)
     self.requests: dict[str, list[Sequence]] = {}
     self._seed_stream = np.random.default_rng(config.seed)
     # structured output: a step's token masks, on a worker thread while the model runs if the step leaves a core idle

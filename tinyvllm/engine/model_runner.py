@@ -75,9 +75,14 @@ class PassShape:
   @property
   def is_decode(self) -> bool: return self.query_len == 1 and not self.all_logits and not self.packed   # a token a sequence
 
+  def table_width(self, max_blocks: int) -> int:
+    """The columns of its block tables: a bounded extent's (no pass of the shape reads further), else the whole table.
+    A packed prefill's rows are max_num_seqs' bucket: at a 131072-token limit whole tables were 1 MB a pass."""
+    return self.extent or max_blocks
+
   def sizes(self, max_blocks: int) -> tuple[int, ...]:
     T, P = self.num_tokens, self.num_seqs
-    return (T, T, T, T, T, self.num_rows, P, P * max_blocks)   # in FIELDS order
+    return (T, T, T, T, T, self.num_rows, P, P * self.table_width(max_blocks))   # in FIELDS order
 
 
 class ModelRunner:
@@ -108,6 +113,7 @@ class ModelRunner:
     self.whole_pass = capture_mode == "pass" or (capture_mode == "auto" and self.kind != "CPU" and len(self.devices) == 1)
     self.kv_format = kv_format or KVCacheFormat("float32" if model.dtype == dtypes.float32 else "float16")
     model.kernels.check_kv_cache(self.kv_format)
+    self.packs_prefill = model.kernels.packs(model.layers, self.kv_format)   # prefill chunks back to back (kernels.AttentionGroup)
     self.max_num_seqs = max_num_seqs
     self.max_blocks = -(-max_model_len // block_size)   # block-table width; the used extent is a Variable
     self.kv_extent = CountVariable.make("kv_blocks", self.max_blocks)
@@ -316,7 +322,7 @@ class ModelRunner:
     its product with the sequence count, which would outgrow the captures kept."""
     if kind == 0: return PassShape(bucket(len(items)), 1, False)
     if kind == 2: return PassShape(bucket(len(items)), max(len(w.tokens) for w in items), True)
-    if self.model.packs_prefill:
+    if self.packs_prefill:
       shape = PassShape(bucket(self.max_num_seqs), token_bucket(sum(len(w.tokens) for w in items)), prefill_all_logits, packed=True)
     else: shape = PassShape(bucket(len(items)), bucket(max(len(w.tokens) for w in items), minimum=8), prefill_all_logits)
     return dataclasses.replace(shape, extent=self._prefill_extent(shape, items)) if self.extent_buckets else shape
@@ -344,7 +350,7 @@ class ModelRunner:
     order, or in a multi-step run's `layout` (`_run_layout`: its first pass's fields, the later passes' zero).
     Returns it and the number of KV blocks the longest block table uses. Vectorized over the items, in a
     fixed number of numpy calls (a few microseconds each here): a loop of them per item cost 0.7 ms at batch 32."""
-    bs, P, MB, k = self.block_size, shape.num_seqs, self.max_blocks, len(items)
+    bs, P, MB, k = self.block_size, shape.num_seqs, shape.table_width(self.max_blocks), len(items)
     sizes = shape.sizes(MB)
     offsets, total = layout or (list(itertools.accumulate((0,) + sizes[:-1])), sum(sizes))
     packed = np.zeros(total, np.int32)
@@ -358,6 +364,9 @@ class ModelRunner:
     n = int(widths.sum())
     ids = np.fromiter(itertools.chain.from_iterable(w.block_table for w in items), np.int32, n) if n <= SHORT_TABLE * k \
       else np.concatenate([table_ids(w.block_table) for w in items])
+    if int(widths.max()) > MB:   # entries past a bounded extent's width (none the pass reads): dropped
+      columns = np.concatenate([np.arange(w) for w in widths])
+      ids, widths = ids[columns < MB], np.minimum(widths, MB)
     # only the columns some table reaches: the rest stay zero (block 0, never read), and a whole-width mask cost
     # 0.15 ms a step at 32 sequences with a 131072-token context (8192 columns)
     used = tables[:k, :int(widths.max())]
@@ -469,7 +478,7 @@ class ModelRunner:
     if shape in self.replays:
       self.replays.move_to_end(shape)
       return self.replays[shape]
-    P, C, MB = shape.num_seqs, shape.query_len, self.max_blocks
+    P, C, MB = shape.num_seqs, shape.query_len, shape.table_width(self.max_blocks)
     history = counter = None   # multi-step runs: the tokens a decode pass took, read by the next; which pass runs
     if self._feeds_back(shape):
       history, counter = self.run_state[shape] = (self._buffer((self.history_rows * P,), dtypes.int32), self._buffer((1,), dtypes.int32))

@@ -102,7 +102,7 @@ class Kernels:
   are our C kernels (kernels/cpu.py), split over a thread pool: tinygrad's generated CPU matmuls are several times
   slower on decode shapes, and it runs each kernel on one thread."""
   name = "portable"
-  packs_prefill = False   # can prefill chunks go back to back (packed AttentionGroups) rather than padded to the longest?
+  packs_prefill = True    # can prefill chunks go back to back (packed AttentionGroups) rather than padded to the longest?
   shards = 1              # devices a layer is split over (tensor parallelism: kernels/sharded.py)
   keeps = frozenset({INT4, INT8, PACKED})   # quantized formats these kernels run as stored (others load as floats)
   gemv_formats = frozenset({FLOAT, INT4, INT8, PACKED})   # formats whose decode projections on a GPU run as kernels/gemv.py's
@@ -124,9 +124,14 @@ class Kernels:
   def check_model(self, head_dim: int, n_heads: int, n_kv_heads: int, block_size: int, dtype: str) -> None:
     """Refuse, with the reason, a model this backend's kernels cannot run."""
 
-  def packs_layers(self, layers) -> bool:
-    """Can prefill chunks of a model with these layers go back to back (`packs_prefill`, and every layer takes them)?"""
-    return self.packs_prefill
+  def packs(self, layers, kv_format: KVCacheFormat) -> bool:
+    """Can prefill chunks of a model with these layers, over a cache of this format, go back to back (`packs_prefill`,
+    and every layer's attention takes them)? Padding every chunk to the longest costs its compute and a shape to
+    capture for each pair of a chunk count and a length (tens), where packed passes vary with their token count alone.
+    Here the attention kernels of kernels/paged.py find each token's sequence; the tensor-op path they fall back to
+    (soft-capped scores, int4 caches) pads."""
+    return self.packs_prefill and "int4" not in (kv_format.k_storage, kv_format.v_storage) and \
+      all(layer.cfg.attn_logit_softcapping is None for layer in layers)
 
   def fuses(self, layer) -> bool:
     """Does `decoder_layer` run this layer (model/llama.py LlamaLayer: its window, weights and linears) whole?"""
@@ -241,7 +246,7 @@ class Kernels:
     """RoPE, the cache write and the attention of a step's only group in a few kernels that read the paged cache in
     place (kernels/paged.py), where they apply: returns (attention output `[T, H * D]`, the cache after the write).
     None: compose them from `rope_and_cache_write` and `attention`, as backends with kernels of their own for those do."""
-    if not paged.applies(cache, group.packed, softcap): return None
+    if not paged.applies(cache, softcap): return None
     if qk_norms is not None:   # q and k normed head by head first (Qwen3): the kernels read the row rebuilt from them
       T = qkv.shape[0]
       qkv = Tensor.cat(*(x.reshape(T, -1) for x in self.head_norms(*portable.split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)), dim=1)
@@ -256,7 +261,7 @@ class Kernels:
     write kernel; parts apart, a GEMV each and no kernel joining them), or from the tensor cores' partial sums (a
     fused qkv: the write adds them, where a kernel of its own did), and attend in the kernels of kernels/paged.py: a
     float cache, no head norms (the caller's). None: project, then `rope_attention`."""
-    if not (paged.applies(cache, group.packed, softcap) and not cache.quantized): return None
+    if not (paged.applies(cache, softcap) and not cache.quantized): return None
     if self.takes_gemv(x, *parts):
       q, cache = gemv.qkv_rope_write(x, parts, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping)
     elif len(parts) == 1 and self.takes_tensor_cores(x, *parts):   # the write adds the tensor cores' partial sums itself
@@ -288,6 +293,7 @@ class Kernels:
     projection reads them); with a `window`, each query sees only the latest `window` keys up to its own position;
     with `softcap`, scores become softcap * tanh(scores / softcap)."""
     P, C = group.num_seqs, group.query_len
+    assert not group.packed, "the tensor-op attention reads padded groups (Kernels.packs)"
     tables = group.block_tables[:, :group.used_blocks]   # portable attention's cost follows the columns it reads
     out = portable.paged_attention(q.reshape(P, C, *q.shape[1:]), cache, tables, group.q_pos, scale, window, softcap)
     return out.reshape(P * C, q.shape[1] * q.shape[2])
@@ -306,7 +312,7 @@ class CpuKernels(Kernels):
       raise ValueError(f"kernel_backend='cpu' runs float32 models with head_dim divisible by 8 (got {dtype}, head_dim "
                        f"{head_dim}): use dtype='float32' or kernel_backend='portable'")
 
-  def packs_layers(self, layers) -> bool:
+  def packs(self, layers, kv_format: KVCacheFormat) -> bool:
     """Packed prefill groups are read by the fused layer only: a model with a layer it does not take (stored in a
     format it does not read) pads prefill chunks instead, for the composed layer's attention."""
     return all(self.fuses(layer) for layer in layers)
@@ -324,6 +330,9 @@ class CpuKernels(Kernels):
 class ShaderKernels(Kernels):
   """`metal` (DEV=METAL) and `emulator` (the same .metal shaders run on the CPU device by our MSL emulator; slow, for
   tests and debugging): RoPE + cache write, attention and 4-bit linears are our shaders (kernels/metal.py)."""
+  packs_prefill = True   # the prefill shader finds each token's sequence and position itself (token_seq, token_pos)
+
+  def packs(self, layers, kv_format: KVCacheFormat) -> bool: return True   # soft caps too; int4 caches are refused
   gemv_formats = frozenset({FLOAT, INT8, PACKED})   # INT4: the shaders' own GEMV
   def __init__(self, name: str, device: str = "CPU", num_threads: int | None = None):
     super().__init__(device, num_threads)

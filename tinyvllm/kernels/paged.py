@@ -25,7 +25,12 @@ tinygrad looks a kernel's variables up among the bound ones of the pass, and a k
 with "unbound Variable" (a tensor op over the scores' used slice bound it before, and made the max a reduction of
 tinygrad's heuristic). RoPE, the scale, the mask and every sum are computed in float32. Float and int8 caches are read
 (int8: a code times its head vector's scale); int8 writes (the scale is a row maximum: tensor ops), int4 caches
-(packed, rotated), soft-capped scores (Gemma 2) and packed prefill groups take the tensor-op path.
+(packed, rotated) and soft-capped scores (Gemma 2) take the tensor-op path.
+
+A packed prefill group (prefill chunks back to back, kernels.AttentionGroup) is one row of T query slots: the scores
+are `[1, KVH, G*T, MS]`, and a slot finds the block table to read through its token's sequence (token_seq), where an
+unpacked group's slot (p, c) reads row p. Every slot's loop runs to the step's extent; the keys past its own sequence's
+context are masked like those after its position.
 """
 from __future__ import annotations
 import functools, math
@@ -81,9 +86,15 @@ def _heads_a_thread(group: int) -> int:
   return next(n for n in range(min(group, 16), 0, -1) if group % n == 0)
 
 
-def applies(cache: PagedKVCache, packed: bool, softcap: float | None) -> bool:
-  """Can these kernels run a layer's attention (of a step's only group): unpacked, a float or int8 cache, no soft cap?"""
-  return not packed and softcap is None and not cache.k_int4 and not cache.v_int4
+def applies(cache: PagedKVCache, softcap: float | None) -> bool:
+  """Can these kernels run a layer's attention (of a step's only group): a float or int8 cache, no soft cap?"""
+  return softcap is None and not cache.k_int4 and not cache.v_int4
+
+
+def _table_row(p: UOp, token: UOp, token_seq: UOp | None) -> UOp:
+  """The block table row of a query slot: its group row p, or in a packed group its token's sequence (padding
+  slots, -1, read row 0 harmlessly: their output is never read)."""
+  return p if token_seq is None else token_seq[token].cast(dtypes.weakint).maximum(0)
 
 
 def rotated(read, d: UOp, D: int, cos_sin: UOp, pos: UOp) -> UOp:
@@ -146,26 +157,30 @@ def _write_kernel(n_heads: int, D: int, opts: tuple, dtype, q_out: UOp, k: UOp, 
   return UOp.sink(UOp.group(*stores).end(t, h, d), arg=KernelInfo(name=name, opts_to_apply=opts))
 
 
-def _scores_kernel(opts, block_size: int, scale: float, window: int | None, S: UOp, scores: UOp, q: UOp, tables: UOp, q_pos: UOp,
-                   k: UOp, *k_scale: UOp) -> UOp:
+def _scores_kernel(opts, block_size: int, scale: float, window: int | None, packed: bool, S: UOp, scores: UOp, q: UOp, tables: UOp,
+                   q_pos: UOp, *rest: UOp) -> UOp:
   """scores `[P, KVH, G*C, MS]` (MS >= S): the scaled q.k of query slot (p, c), head kvh*G + g (q: rotated, `[T, H, D]`),
-  with key position s < S of sequence p; -inf where the key is not visible (after the query, or outside the window)."""
+  with key position s < S of sequence p (`packed`: of the slot's token's sequence; P is 1); -inf where the key is not
+  visible (after the query, or outside the window). rest: token_seq when `packed`, then k and its scales if any."""
   P, KVH, GC, MS = scores.shape
   (T, H, D), MB = q.shape, tables.shape[1]
   G = H // KVH
   C = GC // G
+  token_seq, (k, *k_scale) = (rest[0].flatten(), rest[1:]) if packed else (None, rest)
   scores, q, tables, q_pos, k = (x.flatten() for x in (scores, q, tables, q_pos, k))
   p, kvh, gc, s = UOp.range(P, 0), UOp.range(KVH, 1), UOp.range(GC, 2), UOp.range(S, 3)
   d = UOp.range(D, 4, AxisType.REDUCE)
   g, c = gc // C, gc % C
   token = p * C + c
-  slot = _cache_block(tables[p * MB + s // block_size], k, block_size, KVH, D) * block_size + s % block_size
+  row = _table_row(p, token, token_seq)
+  slot = _cache_block(tables[row * MB + s // block_size], k, block_size, KVH, D) * block_size + s % block_size
   key = _read(k, k_scale[0].flatten() if k_scale else None, slot, kvh, d, KVH, D)
   dot = (q[(token * H + kvh * G + g) * D + d] * key).reduce(d, arg=Ops.ADD)
   last = q_pos[token]
   visible = s <= last if window is None else (s <= last) & (s > last - window)
   store = scores[((p * KVH + kvh) * GC + gc) * MS + s].store(visible.where(dot * scale, float("-inf")))
-  return UOp.sink(store.end(p, kvh, gc, s), arg=KernelInfo(name=f"paged_scores_{P}_{G}_{C}", opts_to_apply=opts))
+  name = f"paged_scores_packed_{G}_{C}" if packed else f"paged_scores_{P}_{G}_{C}"
+  return UOp.sink(store.end(p, kvh, gc, s), arg=KernelInfo(name=name, opts_to_apply=opts))
 
 
 def _max_kernel(opts, block_size: int, split: int, blocks: UOp, row_max: UOp, scores: UOp) -> UOp:
@@ -250,11 +265,12 @@ def exp_opts(device: str, rows: int, block_size: int) -> tuple | None:
   return opts + ((Opt(OptOps.UPCAST, 0, 4),) if rows // (local[0].arg if local else 1) % 4 == 0 else ())
 
 
-def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool, split: int, blocks: UOp, out: UOp, scores: UOp,
-                   tables: UOp, v: UOp, *rest: UOp) -> UOp:
+def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool, split: int, packed: bool, blocks: UOp, out: UOp,
+                   scores: UOp, tables: UOp, v: UOp, *rest: UOp) -> UOp:
   """out `[T, H*D]` (token p*C + c, head kvh*G + g) = sum over the first `blocks` blocks of softmax weight x value
-  row, read through the block table. rest: v's scales when `quantized`, then the row maxima if `scores` are still
-  scores; without them, `scores` hold exp(score - max) already. (Every parameter is read: tinygrad 0.14's CPU threads
+  row, read through the block table (row p, or `packed`, the token's sequence's). rest: token_seq when `packed`, v's
+  scales when `quantized`, then the row maxima if `scores` are still scores; without them, `scores` hold
+  exp(score - max) already. (Every parameter is read: tinygrad 0.14's CPU threads
   give their core id the slot after the buffers read, which an unread buffer before the last shifts onto a buffer's.)
 
   The sum runs over the offsets in a block (block_size, fixed) and the blocks (symbolic): tinygrad splits only a
@@ -269,6 +285,7 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   P, KVH, GC, MS = scores.shape
   MB, G = tables.shape[1], n_heads // scores.shape[1]
   C = GC // G
+  token_seq, rest = (rest[0].flatten(), rest[1:]) if packed else (None, rest)
   v_scale, row_max = (rest[0] if quantized else None), (rest[-1].flatten() if len(rest) > quantized else None)
   out, scores, tables, v = (x.flatten() for x in (out, scores, tables, v))
   p, kvh, gc, d = UOp.range(P, 0), UOp.range(KVH, 1), UOp.range(GC, 2), UOp.range(D, 3)
@@ -282,7 +299,7 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   weight = scores[_masked(row * MS + b * block_size + o, inside)]
   if row_max is not None: weight = ((weight - row_max[row]) * LOG2E).exp2()
   if inside is not None: weight = inside.where(weight, 0.0)
-  entry = tables[_masked(p * MB + b, inside)]   # 0 past the blocks: block 0, read harmlessly
+  entry = tables[_masked(_table_row(p, p * C + c, token_seq) * MB + b, inside)]   # 0 past the blocks: block 0, read harmlessly
   slot = _cache_block(entry, v, block_size, KVH, D) * block_size + o
   acc = (weight * _read(v, v_scale.flatten() if quantized else None, slot, kvh, d, KVH, D)).reduce(hi, j, o, arg=Ops.ADD)
   # the softmax's denominator, summed over the same runs of blocks and split over the same threads (tinygrad emits it
@@ -292,7 +309,8 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   # whole context alone (lowered for an H100: 2,048 exps a thread at a 2,048-token context, beside the 128 of its share)
   total = ((entry >= 0).where(weight, 0.0)).reduce(hi, j, o, arg=Ops.ADD)
   store = out[((p * C + c) * n_heads + kvh * G + g) * D + d].store((acc / total).cast(out.dtype))
-  return UOp.sink(store.end(p, kvh, gc, d), arg=KernelInfo(name=f"paged_values_{P}_{G}_{C}", opts_to_apply=opts))
+  name = f"paged_values_packed_{G}_{C}" if packed else f"paged_values_{P}_{G}_{C}"
+  return UOp.sink(store.end(p, kvh, gc, d), arg=KernelInfo(name=name, opts_to_apply=opts))
 
 
 def kernel_opts(device: str, query_len: int, block_size: int, num_seqs: int = 1, kv_heads: int = 1, group: int = 1,
@@ -379,7 +397,9 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   """Attention of one group's rotated q `[T, H, D]` (float32) over the cache it was written into: the output `[T, H*D]`
   as `dtype` (the model's), as the o projection reads it."""
   (T, n_heads, D), BS, n_kv_heads = q.shape, cache.k.shape[1], cache.k.shape[2]
-  P, C, G = group.num_seqs, group.query_len, n_heads // n_kv_heads
+  # a packed group is one row of its T tokens (group.query_len), each reading its sequence's table (token_seq)
+  P, C, G = 1 if group.packed else group.num_seqs, group.query_len, n_heads // n_kv_heads
+  seq_of = (group.token_seq.contiguous(),) if group.packed else ()
   scores_opts, values_opts, split = kernel_opts(str(q.device), C, BS, P, n_kv_heads, G, D)
   blocks = group.kernel_blocks if group.kernel_blocks is not None else group.used_blocks
   # a fixed extent (no captured pass's Variable: not the engine's path) lets tinygrad split the keys into blocks and
@@ -392,8 +412,8 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   # as wide as the extent can be: the Variable's maximum (a prefill shape's bound, or the table's width)
   width = blocks.vmax if isinstance(blocks, UOp) else tables.shape[1]
   full = Tensor.empty(P, n_kv_heads, G * C, width * BS, dtype=dtypes.float32, device=q.device)
-  full = Tensor.custom_kernel(full, q, tables, q_pos, cache.k.reshape(-1), *k_scale,
-                              fxn=functools.partial(_scores_kernel, scores_opts, BS, scale, window, S_kernel))[0]
+  full = Tensor.custom_kernel(full, q, tables, q_pos, *seq_of, cache.k.reshape(-1), *k_scale,
+                              fxn=functools.partial(_scores_kernel, scores_opts, BS, scale, window, group.packed, S_kernel))[0]
   # a decode step's few rows on a GPU: their blocks over threads too, and unrolled in each
   on_gpu, rows = not portable.on_cpu(str(q.device)), P * n_kv_heads * G * C
   threads, unroll = (max(1, MAX_SPLIT // P), DECODE_UNROLL) if C == 1 and on_gpu else (1, 1)
@@ -405,6 +425,6 @@ def attention(q: Tensor, cache: PagedKVCache, group: AttentionGroup, scale: floa
   if exponentiated:
     full = Tensor.custom_kernel(full, row_max, fxn=functools.partial(_exp_kernel, exp_opts(str(q.device), rows, BS), S_kernel))[0]
   out = Tensor.empty(T, n_heads * D, dtype=dtype, device=q.device)
-  out = Tensor.custom_kernel(out, full, tables, cache.v.reshape(-1), *v_scale, *(() if exponentiated else (row_max,)),
-                             fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, split, blocks))[0]
+  out = Tensor.custom_kernel(out, full, tables, cache.v.reshape(-1), *seq_of, *v_scale, *(() if exponentiated else (row_max,)),
+                             fxn=functools.partial(_values_kernel, values_opts, n_heads, D, BS, cache.quantized, split, group.packed, blocks))[0]
   return out

@@ -25,6 +25,7 @@ from tinyvllm.quant.formats import INT4, INT8, LinearWeights
 
 class ShardedKernels(Kernels):
   name = "portable"
+  packs_prefill = False   # the tensor-op attention (heads split over devices) reads padded groups
 
   def __init__(self, devices: tuple[str, ...], num_threads: int | None = None):
     self.device, self.devices = devices, devices

@@ -175,7 +175,6 @@ class Llama:
       self.layers.append(LlamaLayer(cfg, {k[len(prefix):]: t for k, t in w.items() if k.startswith(prefix)}, kernels,
                                     specs={k[len(prefix):]: v for k, v in specs.items() if k.startswith(prefix)},
                                     window=cfg.layer_window(i)))
-    self.packs_prefill = kernels.packs_layers(self.layers)   # prefill chunks back to back (kernels.AttentionGroup)
     place = lambda table: tensor_parallel.place(table, device, None) if isinstance(device, tuple) else Tensor(table, device=device).realize()
     self.cos_sin = place(cos_sin_table(inverse_frequencies(cfg, tensors.get("rope_freqs.weight"), max_positions), max_positions,
                                        attention_factor(cfg)))
