@@ -137,3 +137,30 @@ def test_closing_a_merged_single_stream_aborts_it(tiny_model):
 
   assert asyncio.run(main()) is False
   engine.shutdown()
+
+
+def test_outputs_cross_into_the_loop_in_order_and_in_batches():
+  """The engine thread hands outputs to the event loop through a LoopHandoff: every call runs, in the order made,
+  the calls queued before the loop ran take one wake-up between them (a step's outputs, not one each), and a call
+  that raises is reported while those after it still run."""
+  from tinyvllm.engine.async_llm import LoopHandoff
+  async def main():
+    loop = asyncio.get_running_loop()
+    handoff, seen, runs, errors = LoopHandoff(loop), [], [], []
+    loop.set_exception_handler(lambda _, ctx: errors.append(ctx["exception"]))
+    run = handoff._run
+    handoff._run = lambda: (runs.append(1), run())
+    def fail(_): raise ValueError("a sink that raises")
+    def engine():   # 10 steps of 32 outputs each, the third output of step 4 failing
+      for step in range(10):
+        for i in range(32): handoff.call(fail if (step, i) == (4, 2) else seen.append, (step, i))
+        threading.Event().wait(0.002)
+    thread = threading.Thread(target=engine)
+    thread.start()
+    while thread.is_alive() or len(seen) < 319: await asyncio.sleep(0.001)
+    thread.join()
+    return seen, runs, errors
+  seen, runs, errors = asyncio.run(main())
+  assert seen == [(s, i) for s in range(10) for i in range(32) if (s, i) != (4, 2)]
+  assert 10 <= len(runs) <= 160, len(runs)   # about a wake-up a step (some caught mid-step); one each made 320
+  assert [str(e) for e in errors] == ["a sink that raises"]

@@ -9,7 +9,7 @@ loop early, or cancelling the task that iterates it (a client that hung up), abo
 are free before the engine's next step.
 """
 from __future__ import annotations
-import asyncio, contextlib, itertools, weakref
+import asyncio, contextlib, itertools, threading, weakref
 from collections.abc import AsyncIterator, Iterable
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.threaded_engine import StatLogger, ThreadedEngine
@@ -17,15 +17,37 @@ from tinyvllm.outputs import GenerationError, RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 
+class LoopHandoff:
+  """Calls from the engine thread into one event loop, batched. Each `call_soon_threadsafe` writes the loop's self-pipe
+  (a system call on the engine thread, holding up its next step) and wakes the loop once: a step of 32 streams made 32
+  of each. Calls queue here instead, and one wake-up runs every call queued by then, in order."""
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self._loop, self._calls, self._lock, self._woken = loop, [], threading.Lock(), False
+
+  def call(self, fn, arg) -> None:   # any thread
+    with self._lock:
+      self._calls.append((fn, arg))
+      if self._woken: return
+      self._woken = True
+    with contextlib.suppress(RuntimeError): self._loop.call_soon_threadsafe(self._run)   # the loop has closed: nobody waits
+
+  def _run(self) -> None:
+    with self._lock: calls, self._calls, self._woken = self._calls, [], False
+    for fn, arg in calls:
+      try: fn(arg)
+      except Exception as e:   # as the loop reports a callback that raised: the calls after it still run
+        self._loop.call_exception_handler({"message": "an output handed to the event loop raised", "exception": e})
+
+
 class AsyncOutputStream:
   """One request's outputs, put by the engine thread, awaited in the event loop. Cumulative snapshots: an output not
   yet read is replaced by the newer one, so a slow client never makes a backlog; deltas (`delta`) are merged into it
   instead (`RequestOutput.add`)."""
-  def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool = False):
-    self._loop, self._latest, self._ready, self._delta = loop, None, asyncio.Event(), delta
+  def __init__(self, handoff: LoopHandoff, delta: bool = False):
+    self._handoff, self._latest, self._ready, self._delta = handoff, None, asyncio.Event(), delta
 
   def put(self, out: RequestOutput) -> None:   # engine thread
-    with contextlib.suppress(RuntimeError): self._loop.call_soon_threadsafe(self._set, out)   # the loop has closed: nobody waits
+    self._handoff.call(self._set, out)
 
   def _set(self, out: RequestOutput) -> None:
     if self._delta and self._latest is not None: self._latest.add(out)
@@ -76,6 +98,7 @@ class AsyncLLM:
   def _start(self, config: EngineConfig, stat_loggers: Iterable[StatLogger]) -> None:
     self.engine = ThreadedEngine(config, stat_loggers)
     self._ids = itertools.count()
+    self._handoffs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopHandoff] = weakref.WeakKeyDictionary()
     self._finalizer = weakref.finalize(self, self.engine.shutdown)   # stop the engine thread when collected
 
   @property
@@ -93,7 +116,9 @@ class AsyncLLM:
     TypeError here, before anything is queued (a server answers 400 before it starts a response)."""
     request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
     request = self.engine.input_processor.process(request_id, prompt, params)
-    stream = AsyncOutputStream(asyncio.get_running_loop(), delta=request.params.output_kind is RequestOutputKind.DELTA)
+    loop = asyncio.get_running_loop()
+    if (handoff := self._handoffs.get(loop)) is None: handoff = self._handoffs[loop] = LoopHandoff(loop)
+    stream = AsyncOutputStream(handoff, delta=request.params.output_kind is RequestOutputKind.DELTA)
     self.engine.submit(request, stream.put)
     return RequestStream(self.engine, request_id, stream)
 
