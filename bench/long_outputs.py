@@ -59,7 +59,14 @@ def penalties(vocab: int) -> list[dict]:
       t = time.perf_counter()
       sampler.apply_penalties(logits, counts.update(ids), params)
       times.append(time.perf_counter() - t)
-    rows.append({"prompt_tokens": prompt, "output_tokens": output, "vocab": vocab, "us_per_step": statistics.median(times) * 1e6})
+    verify = []   # a speculative verify's step: 4 drafted tokens, each of its 5 positions penalized with those before it
+    for token in every[-50:]:
+      drafts = rng.integers(0, min(vocab, 32000), 4).tolist()
+      t = time.perf_counter()
+      for k in range(5): sampler.apply_penalties(logits, counts.update(ids), params, drafts[:k])
+      verify.append(time.perf_counter() - t)
+    rows.append({"prompt_tokens": prompt, "output_tokens": output, "vocab": vocab, "us_per_step": statistics.median(times) * 1e6,
+                 "us_per_verify_step": statistics.median(verify) * 1e6})
   return rows
 
 
@@ -84,8 +91,8 @@ def main():
     us = r["us_per_step"]
     print(f"{r['case']:22}" + "".join(f"{u:8.0f}" for u in us) + f"{us[-1] / us[0]:12.2f}")
   print(f"\npenalties (repetition, presence, frequency), vocabulary {args.vocab}, one sequence:")
-  print(f"{'prompt + output':>18} {'us a step':>10}")
-  for r in penalized: print(f"{r['prompt_tokens']:>8} + {r['output_tokens']:<7} {r['us_per_step']:10.0f}")
+  print(f"{'prompt + output':>18} {'us a step':>10} {'us a verify step of 4 drafts':>30}")
+  for r in penalized: print(f"{r['prompt_tokens']:>8} + {r['output_tokens']:<7} {r['us_per_step']:10.0f} {r['us_per_verify_step']:30.0f}")
   if args.json: args.json.write_text(json.dumps({"output_processing": outputs, "penalties": penalized}, indent=1))
 
 

@@ -48,6 +48,33 @@ def test_penalties():
   assert sampler.apply_penalties(logits, None, SamplingParams(), banned=[4])[4] == -np.inf
 
 
+def test_penalties_with_drafts_match_counts_from_scratch():
+  """A speculative verify penalizes each drafted position as if the drafts before it were appended: against the
+  penalties written out over np.bincount of the whole token list (prompt + output + drafts), for random sequences
+  whose drafts repeat each other, repeat the output or the prompt only, or are new; the counts are reused across a
+  step's positions (their ids are found once an update) and updated between steps."""
+  rng = np.random.default_rng(5)
+  V = 300
+  for case in range(40):
+    p = SamplingParams(repetition_penalty=float(rng.uniform(1.05, 2)), presence_penalty=float(rng.uniform(0, 1)),
+                       frequency_penalty=float(rng.uniform(0, 1)))
+    prompt = rng.integers(0, V, int(rng.integers(1, 30))).tolist()
+    tokens, counts = list(prompt), sampler.TokenCounts(V, len(prompt))
+    for step in range(4):
+      tokens += rng.integers(0, V, int(rng.integers(0, 6))).tolist()
+      counts.update(tokens)
+      pool = tokens + rng.integers(0, V, 4).tolist()
+      drafts = [pool[i] for i in rng.integers(0, len(pool), 5)]
+      for k in range(len(drafts) + 1):
+        logits = rng.normal(size=V).astype(np.float32)
+        whole = tokens + drafts[:k]
+        seen, output = np.bincount(whole, minlength=V) > 0, np.bincount(whole[len(prompt):], minlength=V)
+        want = logits.astype(np.float64)
+        want = np.where(seen, np.where(want > 0, want / p.repetition_penalty, want * p.repetition_penalty), want)
+        want -= p.frequency_penalty * output + p.presence_penalty * (output > 0)
+        np.testing.assert_allclose(sampler.apply_penalties(logits, counts, p, drafts[:k]), want, rtol=1e-6, atol=1e-6, err_msg=f"{case} {step} {k}")
+
+
 def test_draw_follows_the_distribution():
   p = np.array([0.1, 0.2, 0.3, 0.4])
   rng = np.random.default_rng(0)

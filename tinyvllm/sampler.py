@@ -33,6 +33,10 @@ class TokenCounts:
     self.seen = np.zeros(vocab_size, np.bool_)
     self.output = np.zeros(vocab_size, np.int32)
     self.num_prompt_tokens, self.num_counted = num_prompt_tokens, 0
+    # the ids each holds, found once per update (a pass over the vocabulary): a speculative verify penalizes each of
+    # its k + 1 positions with the same counts and a few drafted tokens more
+    self._seen_ids: np.ndarray | None = None
+    self._output_ids: np.ndarray | None = None
 
   def update(self, token_ids: list[int]) -> TokenCounts:
     """Count the tokens of `token_ids` (the sequence's prompt and output: a list that only grows) not counted yet."""
@@ -41,19 +45,28 @@ class TokenCounts:
     self.seen[new] = True
     np.add.at(self.output, new[max(0, self.num_prompt_tokens - self.num_counted):], 1)
     self.num_counted = len(token_ids)
+    self._seen_ids = self._output_ids = None
     return self
 
   def seen_ids(self, extra: list[int] = ()) -> np.ndarray:
-    """The ids seen, ascending, `extra` tokens included."""
-    ids = np.flatnonzero(self.seen)
-    return np.union1d(ids, extra) if len(extra) else ids
+    """The ids seen, each once (ascending, then those only `extra` adds), `extra` tokens included."""
+    if self._seen_ids is None: self._seen_ids = np.flatnonzero(self.seen)
+    if not len(extra): return self._seen_ids
+    ex = np.unique(np.asarray(extra, np.int64))   # (np.union1d with the ids sorted all of them again: 0.8 ms at 9,000)
+    return np.concatenate([self._seen_ids, ex[~self.seen[ex]]])
 
   def output_counts(self, extra: list[int] = ()) -> tuple[np.ndarray, np.ndarray]:
-    """The ids in the output, ascending, and how often each appears, `extra` tokens included."""
-    ids = np.flatnonzero(self.output > 0)   # (of an int32 array directly: 12x slower)
-    if len(extra): ids = np.union1d(ids, extra)
+    """The ids in the output, each once (ascending, then those only `extra` adds), and how often each appears,
+    `extra` tokens included."""
+    if self._output_ids is None: self._output_ids = np.flatnonzero(self.output > 0)   # (of an int32 array directly: 12x slower)
+    ids = self._output_ids
     counts = self.output[ids].astype(np.int64)
-    if len(extra): np.add.at(counts, np.searchsorted(ids, extra), 1)
+    if not len(extra): return ids, counts
+    ex, times = np.unique(np.asarray(extra, np.int64), return_counts=True)
+    fresh = self.output[ex] == 0
+    at = np.where(fresh, len(ids) + np.cumsum(fresh) - 1, np.searchsorted(ids, ex))   # each extra id's place in the result
+    ids, counts = np.concatenate([ids, ex[fresh]]), np.concatenate([counts, np.zeros(int(fresh.sum()), np.int64)])
+    counts[at] += times
     return ids, counts
 
 
