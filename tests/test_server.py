@@ -367,19 +367,24 @@ def test_queue_full_is_503(tiny_model):
 # **** the command line ****
 
 def test_serve_command(tiny_model, tmp_path):
-  """`python -m tinyvllm.serve MODEL --port 0` loads, says where it listens, answers, and stops on SIGINT."""
+  """`python -m tinyvllm.serve MODEL --port 0` loads, captures its pass shapes when asked (`--warmup on`; a GPU's
+  default), says where it listens, answers, and stops on SIGINT."""
   env = {**os.environ, "DEV": "CPU"}
   proc = subprocess.Popen([sys.executable, "-m", "tinyvllm.serve", str(tiny_model), "--port", "0", "--num-kv-blocks", "32",
-                           "--block-size", "8", "--served-model-name", "tiny"], stderr=subprocess.PIPE, text=True, env=env)
+                           "--block-size", "8", "--served-model-name", "tiny", "--warmup", "on", "--max-num-seqs", "4",
+                           "--max-num-batched-tokens", "32"], stderr=subprocess.PIPE, text=True, env=env)
   try:
-    url = None
+    url, before = None, []
     deadline = time.time() + 120
     while url is None and time.time() < deadline:
       line = proc.stderr.readline()
       if not line: break
       m = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
       if m: url = m.group(1)
+      else: before.append(line)
     assert url, "the server never said where it listens"
+    # decode batches of 1, 2 and 4; packed prefill passes of 8, 12, 16, 24 and 32 tokens
+    assert any(re.search(r"captured 8 pass shapes before serving", line) for line in before), before
     assert wait_until(lambda: _ok(url + "/health"), 30)
     r = post(url, "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["model"] == "tiny"

@@ -11,6 +11,7 @@ import dataclasses, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import numpy as np
+from tqdm import tqdm
 from tinygrad import Device
 from tinyvllm import host_memory, sampler
 from tinyvllm.config import ConfigError, EngineConfig
@@ -221,6 +222,16 @@ class EngineCore:
     return blocks
 
   # ---- requests ----
+
+  def warm_up(self, progress: bool = True) -> int:
+    """Capture every decode and prefill pass shape this engine's limits allow (`ModelRunner.warm_up_shapes`) before
+    any request: a server's first request of each new batch size or prompt length otherwise waits while it is
+    captured, and every running request with it. Returns how many shapes were captured. Not the draft model's."""
+    if self.has_unfinished(): raise RuntimeError("warm_up runs before any request is added")
+    work = self.runner.warm_up_shapes(self.config.max_num_seqs, min(self.config.max_num_batched_tokens, self.max_model_len))
+    before = set(self.runner.replays)
+    for run in tqdm(work, desc="capturing pass shapes", disable=not progress, leave=False): run()
+    return len(set(self.runner.replays) - before)
 
   def add_request(self, req: EngineRequest) -> None:
     """Queue a validated request: one sequence per completion, each with its own random stream."""

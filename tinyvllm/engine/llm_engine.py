@@ -64,6 +64,10 @@ class LLMEngine:
       if (out := self.output_processor.abort(rid, reason, error)) is not None: finals.append(out)
     return finals
 
+  def warm_up(self, progress: bool = True) -> int:
+    """Capture every pass shape a step can take before the first request (EngineCore.warm_up); the shapes captured."""
+    return self.core.warm_up(progress)
+
   def has_unfinished_requests(self) -> bool: return self.output_processor.has_unfinished()
 
   def get_num_unfinished_requests(self) -> int: return len(self.output_processor.requests)

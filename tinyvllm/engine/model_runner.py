@@ -230,6 +230,32 @@ class ModelRunner:
       else: out[i] = logits[:len(items)]
     return out[0], out[1], out[2]
 
+  def warm_up_shapes(self, max_num_seqs: int, max_prefill_tokens: int) -> list[Callable[[], object]]:
+    """One pass each for every shape a decode step of up to `max_num_seqs` sequences and a prefill pass of up to
+    `max_prefill_tokens` tokens takes (packed: each token bucket; padded: each pair of a chunk count and a length), to run
+    before serving: a shape's first pass captures it (a second or more for a deep model on a GPU, in which every
+    running request waits). Each runs dummy work: token 0 from position 0, every table entry block 0, whose contents
+    nothing reads before its next owner writes them. A decode shape of multi-step runs takes a run (every graph it
+    turns through). A GPU bounds a prefill shape's extent by the context its first pass read: each is captured here at
+    the end of `max_prefill_tokens` of context (its scratch no larger than a whole budget's chunk then takes), and a
+    longer context captures it again (`_prefill_extent`), as prompt logprobs' and speculative verification's shapes
+    are captured when first met."""
+    def item(tokens: int, positions: int) -> WorkItem:   # the last `tokens` of `positions`, read through block 0
+      return WorkItem([0] * -(-positions // self.block_size), positions - tokens, [0] * tokens)
+    def decode(n: int) -> Callable[[], object]:
+      if self._feeds_back(self.decode_shape([item(1, 1)] * n)):   # a run's passes, each in its graph turn
+        return lambda: self.execute_steps([item(1, self.decode_steps) for _ in range(n)], self.decode_steps)
+      return lambda: self.execute([item(1, 1) for _ in range(n)])
+    work = [decode(min(b, max_num_seqs)) for b in sorted({bucket(n) for n in range(1, max_num_seqs + 1)})]
+    # a pass of p chunks of c tokens (within the budget, as the scheduler keeps them: packed, their sum; padded, p x the
+    # longest) for each shape such passes take: packed, a token bucket; padded, a pair of buckets
+    passes: dict = {}
+    for p in range(1, (1 if self.packs_prefill else max_num_seqs) + 1):
+      for c in range(1, max_prefill_tokens // p + 1):
+        passes.setdefault(token_bucket(c) if self.packs_prefill else (bucket(p), bucket(c, minimum=8)), (p, c))
+    # each at the end of a budget's context: a GPU bounds a prefill shape's extent by the context its first pass read
+    return work + [lambda p=p, c=c: self.execute([], [item(c, max_prefill_tokens) for _ in range(p)]) for p, c in passes.values()]
+
   def execute_steps(self, decodes: list[WorkItem], steps: int) -> np.ndarray:
     """`steps` greedy decode passes over `decodes` back to back (multi-step decoding): pass i reads each sequence's
     token at position start + i, which pass i - 1 took as the argmax of its logits on the device. The inputs of every

@@ -167,6 +167,9 @@ def parser() -> argparse.ArgumentParser:
                       "format, described to the model in a system message when its template has no tool support)")
   s.add_argument("--enable-auto-tool-choice", action="store_true",
                  help="accepted for vLLM's command lines: tool_choice 'auto' is always available here")
+  s.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
+                 help="capture every decode batch size and prefill token count before serving, so that no request waits "
+                      "while a new pass shape is captured (seconds on a GPU); auto: on a GPU, off on the CPU device")
   s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
   add_engine_args(p.add_argument_group("engine"))
   return p
@@ -206,6 +209,14 @@ def main(argv: list[str] | None = None) -> int:
   except (ValueError, TypeError, FetchError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  def warm_up(engine) -> int:
+    if args.warmup == "off" or (args.warmup == "auto" and engine.core.device.startswith("CPU")): return 0
+    try: return engine.warm_up()
+    except Exception as e:   # requests still capture their shapes as they come: serve, and say why not before
+      log.warning("capturing the pass shapes before serving failed (they will be captured as requests need them): %s: %s",
+                  type(e).__name__, e)
+      return 0
+  if captured := app.state.engine.engine.call(warm_up): log.info("captured %d pass shapes before serving", captured)
   import uvicorn
   host, port = sock.getsockname()[:2]
   log.info("serving %s (max_model_len %d) on http://%s:%d", app.state.settings.served_model_name,
