@@ -399,40 +399,47 @@ def test_to_host_reads_a_buffer_and_its_views(device, host_visible, monkeypatch)
     np.testing.assert_array_equal(to_host(view), ref[37:137])
 
 
-@pytest.mark.parametrize("device,backend,packed,steps", [("CPU", "cpu", True, 1), ("CPU", "portable", True, 1), ("CPU", "portable", False, 1),
-                                                        ("METAL", "portable", True, 4)])
-def test_warm_up_captures_every_shape_the_requests_then_take(tiny_model, monkeypatch, device, backend, packed, steps):
+@pytest.mark.parametrize("device,backend,packed,extra", [
+    ("CPU", "cpu", True, {}), ("CPU", "portable", True, {}), ("CPU", "portable", False, {}),
+    ("CPU", "cpu", True, {"num_scheduler_steps": 9}),                          # a run past a block from position 0
+    ("CPU", "cpu", True, {"max_model_len": 20}),                               # a budget of several sequences' chunks
+    ("CPU", "cpu", True, {"draft_model": "self:1", "speculation": "always"}),  # the draft's shapes, and verification's
+    ("METAL", "portable", True, {"num_scheduler_steps": 4})])
+def test_warm_up_captures_every_shape_the_requests_then_take(tiny_model, monkeypatch, device, backend, packed, extra):
   """`LLMEngine.warm_up` (a GPU server's, before serving) runs a pass of every decode batch size and prefill shape the
-  limits allow (packed: each token count; padded: each pair of chunk count and length; multi-step: whole runs): then
-  requests of every size, arriving while others decode, chunked and preempted, capture nothing more, and the dummy
-  passes (block 0 written with junk) change no token: each is HF's greedy continuation. On a GPU kind (the emulated
-  METAL device) a multi-step run turns through two graphs, which a warm-up of one pass left to the first request."""
+  limits allow (packed: each token count; padded: each pair of chunk count and length; multi-step: whole runs; with a
+  draft model its shapes and verification's): then requests of every size, arriving while others decode, chunked and
+  preempted, capture nothing more, and the dummy passes (block 0 written with junk) change no token: each is HF's
+  greedy continuation. On a GPU kind (the emulated METAL device) a multi-step run turns through two graphs, which a
+  warm-up of one pass left to the first request. After a request, warm_up refuses (it would write cached blocks)."""
   from tinygrad.helpers import Context
-  from test_multi_step import hf_greedy
-  from tinyvllm import SamplingParams
-  from tinyvllm.engine.llm_engine import LLMEngine
   from tinyvllm.kernels import Kernels
   monkeypatch.setattr(Kernels, "packs_prefill", packed)
-  with Context(DEV=device): run_warmed_up(tiny_model, backend, packed, steps)
+  with Context(DEV=device): run_warmed_up(tiny_model, backend, packed, extra)
 
 
-def run_warmed_up(tiny_model, backend: str, packed: bool, steps: int) -> None:
+def run_warmed_up(tiny_model, backend: str, packed: bool, extra: dict) -> None:
   from test_multi_step import hf_greedy
   from tinyvllm import SamplingParams
   from tinyvllm.engine.llm_engine import LLMEngine
   engine = LLMEngine.from_kwargs(str(tiny_model), kernel_backend=backend, block_size=8, num_kv_blocks=12, max_num_seqs=4,
-                                 max_num_batched_tokens=32, num_scheduler_steps=steps, enable_prefix_caching=False)
+                                 max_num_batched_tokens=32, enable_prefix_caching=False, **extra)
   assert engine.runner.packs_prefill == packed
+  runners = [engine.runner] + ([engine.spec.runner] if engine.spec else [])
   captured = engine.warm_up(progress=False)
-  assert captured == len(engine.runner.replays) > 0
+  assert captured == sum(len(r.replays) for r in runners) > 0
   # each shape's captured graphs (a multi-step run's turns through two on a GPU); a GPU bounds a prefill shape's extent
-  # by the context its first pass read, and a longer one captures it again, here ignored (docs/architecture.md)
-  kept = lambda: {(dataclasses.replace(s, extent=0), turn) for s, turn in engine.runner.bound_passes}
+  # by the context its first pass read, and a longer one captures it again, here ignored (docs/serving.md)
+  # the draft's: its decode shapes (its catch-up passes read all a sequence's unread tokens, beyond any budget)
+  kept = lambda: [{(dataclasses.replace(s, extent=0), turn) for s, turn in r.bound_passes if r is engine.runner or s.is_decode}
+                  for r in runners]
   warmed = kept()
-  assert {s.num_seqs for s, _ in warmed if s.is_decode} == {1, 2, 4}
-  assert len({turn for _, turn in warmed}) == engine.runner.run_graphs
+  assert {s.num_seqs for s, _ in warmed[0] if s.is_decode} == {1, 2, 4}
+  assert len({turn for _, turn in warmed[0]}) == engine.runner.run_graphs
+  if engine.spec: assert {s.num_seqs for s, _ in warmed[0] if s.all_logits} == {1, 2, 4}   # verifying 5 tokens a sequence
   rng = np.random.default_rng(4)
-  prompts = [rng.integers(4, 380, n).tolist() for n in (1, 3, 9, 17, 30, 33, 8, 2, 40, 12)]
+  longest = engine.max_model_len - 6
+  prompts = [rng.integers(4, 380, n).tolist() for n in (1, 3, 9, 17, 30, 33, 8, 2, 40, 12, 14, 11, 13) if n <= longest]
   params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
   outs, waiting = {}, list(enumerate(prompts))
   while waiting or engine.has_unfinished_requests():
@@ -443,6 +450,7 @@ def run_warmed_up(tiny_model, backend: str, packed: bool, steps: int) -> None:
     if engine.has_unfinished_requests():
       for o in engine.step():
         if o.finished: outs[int(o.request_id)] = o.outputs[0].token_ids
-  assert engine.scheduler.num_preemptions > 0
-  assert kept() == warmed, kept() - warmed
+  assert engine.scheduler.num_preemptions > 0 or engine.max_model_len < 32
+  assert kept() == warmed, [k - w for k, w in zip(kept(), warmed)]
   for i, p in enumerate(prompts): assert outs[i] == hf_greedy(str(tiny_model), tuple(p), 6), i
+  with pytest.raises(RuntimeError, match="before the first request"): engine.warm_up(progress=False)

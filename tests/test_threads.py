@@ -164,3 +164,20 @@ def test_outputs_cross_into_the_loop_in_order_and_in_batches():
   assert seen == [(s, i) for s in range(10) for i in range(32) if (s, i) != (4, 2)]
   assert 10 <= len(runs) <= 160, len(runs)   # about a wake-up a step (some caught mid-step); one each made 320
   assert [str(e) for e in errors] == ["a sink that raises"]
+
+
+def test_a_handoff_holds_its_loop_weakly_and_drops_calls_once_it_closed():
+  """AsyncLLM keeps a LoopHandoff per event loop it served: a finished loop must be freed (each `asyncio.run` makes
+  one), and outputs for a loop that closed are dropped, not kept forever."""
+  import gc, weakref
+  from tinyvllm.engine.async_llm import LoopHandoff
+  loop = asyncio.new_event_loop()
+  handoff, ref = LoopHandoff(loop), weakref.ref(loop)
+  loop.close()
+  for i in range(100): handoff.call(print, i)
+  assert handoff._calls == [] and not handoff._woken
+  del loop
+  gc.collect()
+  assert ref() is None
+  handoff.call(print, 0)   # the loop is gone: dropped quietly
+  assert handoff._calls == []

@@ -22,21 +22,27 @@ class LoopHandoff:
   (a system call on the engine thread, holding up its next step) and wakes the loop once: a step of 32 streams made 32
   of each. Calls queue here instead, and one wake-up runs every call queued by then, in order."""
   def __init__(self, loop: asyncio.AbstractEventLoop):
-    self._loop, self._calls, self._lock, self._woken = loop, [], threading.Lock(), False
+    # the loop weakly: AsyncLLM keeps a handoff per loop it served, which must not keep a finished loop alive
+    self._loop, self._calls, self._lock, self._woken = weakref.ref(loop), [], threading.Lock(), False
 
   def call(self, fn, arg) -> None:   # any thread
     with self._lock:
       self._calls.append((fn, arg))
       if self._woken: return
       self._woken = True
-    with contextlib.suppress(RuntimeError): self._loop.call_soon_threadsafe(self._run)   # the loop has closed: nobody waits
+    try:
+      if (loop := self._loop()) is None: raise RuntimeError("the event loop is gone")
+      loop.call_soon_threadsafe(self._run)
+    except RuntimeError:   # the loop has closed: nobody waits for these, or for any after them
+      with self._lock: self._calls, self._woken = [], False
 
   def _run(self) -> None:
     with self._lock: calls, self._calls, self._woken = self._calls, [], False
     for fn, arg in calls:
       try: fn(arg)
       except Exception as e:   # as the loop reports a callback that raised: the calls after it still run
-        self._loop.call_exception_handler({"message": "an output handed to the event loop raised", "exception": e})
+        if (loop := self._loop()) is not None:
+          loop.call_exception_handler({"message": "an output handed to the event loop raised", "exception": e})
 
 
 class AsyncOutputStream:

@@ -167,6 +167,7 @@ class EngineCore:
                                lookahead_tokens=config.num_speculative_tokens if self.spec else 0,
                                packed_prefill=self.runner.packs_prefill, window=ckpt.config.freeable_window)
     self.requests: dict[str, list[Sequence]] = {}
+    self.served = False   # a request was added (warm_up's dummy passes would overwrite what it left in the cache)
     self._seed_stream = np.random.default_rng(config.seed)
     # structured output: a step's token masks, on a worker thread while the model runs if the step leaves a core idle
     cores = default_threads()
@@ -224,18 +225,23 @@ class EngineCore:
   # ---- requests ----
 
   def warm_up(self, progress: bool = True) -> int:
-    """Capture every decode and prefill pass shape this engine's limits allow (`ModelRunner.warm_up_shapes`) before
+    """Capture every decode and prefill pass shape this engine's limits allow (`ModelRunner.warm_up_shapes`; with a
+    draft model its own, whose catch-up passes beyond the budget are captured when met, and the verification's) before
     any request: a server's first request of each new batch size or prompt length otherwise waits while it is
-    captured, and every running request with it. Returns how many shapes were captured. Not the draft model's."""
-    if self.has_unfinished(): raise RuntimeError("warm_up runs before any request is added")
-    work = self.runner.warm_up_shapes(self.config.max_num_seqs, min(self.config.max_num_batched_tokens, self.max_model_len))
-    before = set(self.runner.replays)
-    for run in tqdm(work, desc="capturing pass shapes", disable=not progress, leave=False): run()
-    return len(set(self.runner.replays) - before)
+    captured, and every running request with it. Returns how many shapes were captured. Only before the first request: its dummy passes write KV block 0, which a finished request may have
+    left in the prefix cache."""
+    if self.served: raise RuntimeError("warm_up runs before the first request (its dummy passes write KV block 0)")
+    limits = (self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len)
+    runners = [(self.runner, self.runner.warm_up_shapes(*limits, verify_tokens=self.spec.k + 1 if self.spec else 0))]
+    if self.spec: runners.append((self.spec.runner, self.spec.runner.warm_up_shapes(*limits)))
+    before = [set(runner.replays) for runner, _ in runners]
+    for run in tqdm([run for _, work in runners for run in work], desc="capturing pass shapes", disable=not progress, leave=False): run()
+    return sum(len(set(runner.replays) - kept) for (runner, _), kept in zip(runners, before))
 
   def add_request(self, req: EngineRequest) -> None:
     """Queue a validated request: one sequence per completion, each with its own random stream."""
     if req.request_id in self.requests: raise ValueError(f"request id {req.request_id!r} is already in use")
+    self.served = True
     params, seqs = req.params, []
     for i in range(params.n):
       seed = [params.seed, i] if params.seed is not None else self._seed_stream.integers(2**63)

@@ -230,31 +230,38 @@ class ModelRunner:
       else: out[i] = logits[:len(items)]
     return out[0], out[1], out[2]
 
-  def warm_up_shapes(self, max_num_seqs: int, max_prefill_tokens: int) -> list[Callable[[], object]]:
-    """One pass each for every shape a decode step of up to `max_num_seqs` sequences and a prefill pass of up to
-    `max_prefill_tokens` tokens takes (packed: each token bucket; padded: each pair of a chunk count and a length), to run
-    before serving: a shape's first pass captures it (a second or more for a deep model on a GPU, in which every
-    running request waits). Each runs dummy work: token 0 from position 0, every table entry block 0, whose contents
-    nothing reads before its next owner writes them. A decode shape of multi-step runs takes a run (every graph it
+  def warm_up_shapes(self, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int,
+                     verify_tokens: int = 0) -> list[Callable[[], object]]:
+    """One pass each for every shape a prefill pass of up to `max_prefill_tokens` tokens (packed: each token bucket;
+    padded: each pair of a chunk count and a length) and a decode step of up to `max_num_seqs` sequences takes, and
+    with `verify_tokens` a speculative verification of that many tokens a sequence, to run before serving: a shape's
+    first pass captures it (a second or more for a deep model on a GPU, in which every running request waits). Each
+    runs dummy work: token 0, every table entry block 0, which the caller must hold no live or cached data
+    (`EngineCore.warm_up`: before the first request). A decode shape of multi-step runs takes a run (every graph it
     turns through). A GPU bounds a prefill shape's extent by the context its first pass read: each is captured here at
-    the end of `max_prefill_tokens` of context (its scratch no larger than a whole budget's chunk then takes), and a
-    longer context captures it again (`_prefill_extent`), as prompt logprobs' and speculative verification's shapes
-    are captured when first met."""
+    the end of a budget's context (at most `max_model_len`), and a longer context captures it again (`_prefill_extent`),
+    as prompt logprobs' shapes are captured when first met. The decodes come last: the most used, so the last
+    evicted where the passes outnumber the captures kept (MAX_SHAPES)."""
     def item(tokens: int, positions: int) -> WorkItem:   # the last `tokens` of `positions`, read through block 0
       return WorkItem([0] * -(-positions // self.block_size), positions - tokens, [0] * tokens)
+    context = min(max_prefill_tokens, max_model_len)
+    passes: dict = {}   # a shape's key -> the chunk lengths of a pass that takes it, within the scheduler's budget
+    if self.packs_prefill:   # a token count's bucket: the count in as few chunks as max_model_len allows
+      for total in range(1, max_prefill_tokens + 1):
+        pieces = -(-total // context)
+        if pieces <= max_num_seqs: passes.setdefault(token_bucket(total), [total // pieces + (i < total % pieces) for i in range(pieces)])
+    else:   # a pair of a chunk count and a length bucket: the count x the longest within the budget
+      for p in range(1, max_num_seqs + 1):
+        for c in range(1, min(max_prefill_tokens // p, max_model_len) + 1): passes.setdefault((bucket(p), bucket(c, minimum=8)), [c] * p)
+    work = [lambda chunks=chunks: self.execute([], [item(c, context) for c in chunks]) for chunks in passes.values()]
+    sizes = sorted({bucket(n) for n in range(1, max_num_seqs + 1)})
+    if verify_tokens:
+      work += [lambda n=min(b, max_num_seqs): self.execute([], [], [item(verify_tokens, verify_tokens) for _ in range(n)]) for b in sizes]
     def decode(n: int) -> Callable[[], object]:
-      if self._feeds_back(self.decode_shape([item(1, 1)] * n)):   # a run's passes, each in its graph turn
-        return lambda: self.execute_steps([item(1, self.decode_steps) for _ in range(n)], self.decode_steps)
+      if self._feeds_back(self.decode_shape([item(1, 1)] * n)):   # a run's passes from position 0, each in its graph turn
+        return lambda: self.execute_steps([WorkItem([0] * -(-self.decode_steps // self.block_size), 0, [0]) for _ in range(n)], self.decode_steps)
       return lambda: self.execute([item(1, 1) for _ in range(n)])
-    work = [decode(min(b, max_num_seqs)) for b in sorted({bucket(n) for n in range(1, max_num_seqs + 1)})]
-    # a pass of p chunks of c tokens (within the budget, as the scheduler keeps them: packed, their sum; padded, p x the
-    # longest) for each shape such passes take: packed, a token bucket; padded, a pair of buckets
-    passes: dict = {}
-    for p in range(1, (1 if self.packs_prefill else max_num_seqs) + 1):
-      for c in range(1, max_prefill_tokens // p + 1):
-        passes.setdefault(token_bucket(c) if self.packs_prefill else (bucket(p), bucket(c, minimum=8)), (p, c))
-    # each at the end of a budget's context: a GPU bounds a prefill shape's extent by the context its first pass read
-    return work + [lambda p=p, c=c: self.execute([], [item(c, max_prefill_tokens) for _ in range(p)]) for p, c in passes.values()]
+    return work + [decode(min(b, max_num_seqs)) for b in sizes]
 
   def execute_steps(self, decodes: list[WorkItem], steps: int) -> np.ndarray:
     """`steps` greedy decode passes over `decodes` back to back (multi-step decoding): pass i reads each sequence's
@@ -322,7 +329,7 @@ class ModelRunner:
     if fed: feed(0)
     used_blocks, positions = [used], field("positions")[:k]
     if steps == 1: return packed, used_blocks
-    tables = field("tables").reshape(P, self.max_blocks)
+    tables = field("tables").reshape(P, shape.table_width(self.max_blocks))
     if ((positions + steps - 1) // bs >= np.fromiter((len(w.block_table) for w in decodes), np.int64, k)).any():
       raise IndexError(f"a block table holds fewer than the {steps} positions of a multi-step run")
     for i in range(1, steps):
