@@ -228,8 +228,8 @@ class EngineCore:
     """Capture every decode and prefill pass shape this engine's limits allow (`ModelRunner.warm_up_shapes`; with a
     draft model its own, whose catch-up passes beyond the budget are captured when met, and the verification's) before
     any request: a server's first request of each new batch size or prompt length otherwise waits while it is
-    captured, and every running request with it. Returns how many shapes were captured. Only before the first request: its dummy passes write KV block 0, which a finished request may have
-    left in the prefix cache."""
+    captured, and every running request with it. Returns how many shapes were captured. Only before the first request:
+    its dummy passes write KV block 0, which a finished request may have left in the prefix cache."""
     if self.served: raise RuntimeError("warm_up runs before the first request (its dummy passes write KV block 0)")
     limits = (self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len)
     runners = [(self.runner, self.runner.warm_up_shapes(*limits, verify_tokens=self.spec.k + 1 if self.spec else 0))]
