@@ -9,7 +9,7 @@ loop early, or cancelling the task that iterates it (a client that hung up), abo
 are free before the engine's next step.
 """
 from __future__ import annotations
-import asyncio, contextlib, itertools, threading, weakref
+import asyncio, itertools, threading, weakref
 from collections.abc import AsyncIterator, Iterable
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.threaded_engine import StatLogger, ThreadedEngine

@@ -242,8 +242,8 @@ class ModelRunner:
     the end of a budget's context (at most `max_model_len`), and a longer context captures it again (`_prefill_extent`),
     as prompt logprobs' shapes are captured when first met. The decodes come last: the most used, so the last
     evicted where the passes outnumber the captures kept (MAX_SHAPES)."""
-    def item(tokens: int, positions: int) -> WorkItem:   # the last `tokens` of `positions`, read through block 0
-      return WorkItem([0] * -(-positions // self.block_size), positions - tokens, [0] * tokens)
+    def item(tokens: int, start: int, positions: int) -> WorkItem:   # tokens from `start`, a table for `positions`, all block 0
+      return WorkItem([0] * -(-positions // self.block_size), start, [0] * tokens)
     context = min(max_prefill_tokens, max_model_len)
     passes: dict = {}   # a shape's key -> the chunk lengths of a pass that takes it, within the scheduler's budget
     if self.packs_prefill:   # a token count's bucket: the count in as few chunks as max_model_len allows
@@ -253,14 +253,14 @@ class ModelRunner:
     else:   # a pair of a chunk count and a length bucket: the count x the longest within the budget
       for p in range(1, max_num_seqs + 1):
         for c in range(1, min(max_prefill_tokens // p, max_model_len) + 1): passes.setdefault((bucket(p), bucket(c, minimum=8)), [c] * p)
-    work = [lambda chunks=chunks: self.execute([], [item(c, context) for c in chunks]) for chunks in passes.values()]
+    work = [lambda chunks=chunks: self.execute([], [item(c, context - c, context) for c in chunks]) for chunks in passes.values()]
     sizes = sorted({bucket(n) for n in range(1, max_num_seqs + 1)})
     if verify_tokens:
-      work += [lambda n=min(b, max_num_seqs): self.execute([], [], [item(verify_tokens, verify_tokens) for _ in range(n)]) for b in sizes]
+      work += [lambda n=min(b, max_num_seqs): self.execute([], [], [item(verify_tokens, 0, verify_tokens) for _ in range(n)]) for b in sizes]
     def decode(n: int) -> Callable[[], object]:
-      if self._feeds_back(self.decode_shape([item(1, 1)] * n)):   # a run's passes from position 0, each in its graph turn
-        return lambda: self.execute_steps([WorkItem([0] * -(-self.decode_steps // self.block_size), 0, [0]) for _ in range(n)], self.decode_steps)
-      return lambda: self.execute([item(1, 1) for _ in range(n)])
+      if self._feeds_back(self.decode_shape([item(1, 0, 1)] * n)):   # a run's passes from position 0, each in its graph turn
+        return lambda: self.execute_steps([item(1, 0, self.decode_steps) for _ in range(n)], self.decode_steps)
+      return lambda: self.execute([item(1, 0, 1) for _ in range(n)])
     return work + [decode(min(b, max_num_seqs)) for b in sizes]
 
   def execute_steps(self, decodes: list[WorkItem], steps: int) -> np.ndarray:

@@ -129,9 +129,9 @@ class Kernels:
     and every layer's attention takes them)? Padding every chunk to the longest costs its compute and a shape to
     capture for each pair of a chunk count and a length (tens), where packed passes vary with their token count alone.
     Here the attention kernels of kernels/paged.py find each token's sequence; the tensor-op path they fall back to
-    (soft-capped scores, int4 caches) pads."""
-    return self.packs_prefill and "int4" not in (kv_format.k_storage, kv_format.v_storage) and \
-      all(layer.cfg.attn_logit_softcapping is None for layer in layers)
+    (`paged.applies`: soft-capped scores, int4 caches) pads."""
+    int4_cache = "int4" in (kv_format.k_storage, kv_format.v_storage)
+    return self.packs_prefill and all(paged.applies(int4_cache, layer.cfg.attn_logit_softcapping) for layer in layers)
 
   def fuses(self, layer) -> bool:
     """Does `decoder_layer` run this layer (model/llama.py LlamaLayer: its window, weights and linears) whole?"""
@@ -246,7 +246,7 @@ class Kernels:
     """RoPE, the cache write and the attention of a step's only group in a few kernels that read the paged cache in
     place (kernels/paged.py), where they apply: returns (attention output `[T, H * D]`, the cache after the write).
     None: compose them from `rope_and_cache_write` and `attention`, as backends with kernels of their own for those do."""
-    if not paged.applies(cache, softcap): return None
+    if not paged.applies(cache.k_int4 or cache.v_int4, softcap): return None
     if qk_norms is not None:   # q and k normed head by head first (Qwen3): the kernels read the row rebuilt from them
       T = qkv.shape[0]
       qkv = Tensor.cat(*(x.reshape(T, -1) for x in self.head_norms(*portable.split_qkv(qkv, n_heads, n_kv_heads, cache.head_dim), qk_norms)), dim=1)
@@ -261,7 +261,7 @@ class Kernels:
     write kernel; parts apart, a GEMV each and no kernel joining them), or from the tensor cores' partial sums (a
     fused qkv: the write adds them, where a kernel of its own did), and attend in the kernels of kernels/paged.py: a
     float cache, no head norms (the caller's). None: project, then `rope_attention`."""
-    if not (paged.applies(cache, softcap) and not cache.quantized): return None
+    if not (paged.applies(cache.k_int4 or cache.v_int4, softcap) and not cache.quantized): return None
     if self.takes_gemv(x, *parts):
       q, cache = gemv.qkv_rope_write(x, parts, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping)
     elif len(parts) == 1 and self.takes_tensor_cores(x, *parts):   # the write adds the tensor cores' partial sums itself
@@ -330,14 +330,16 @@ class CpuKernels(Kernels):
 class ShaderKernels(Kernels):
   """`metal` (DEV=METAL) and `emulator` (the same .metal shaders run on the CPU device by our MSL emulator; slow, for
   tests and debugging): RoPE + cache write, attention and 4-bit linears are our shaders (kernels/metal.py)."""
-  packs_prefill = True   # the prefill shader finds each token's sequence and position itself (token_seq, token_pos)
-
-  def packs(self, layers, kv_format: KVCacheFormat) -> bool: return True   # soft caps too; int4 caches are refused
   gemv_formats = frozenset({FLOAT, INT8, PACKED})   # INT4: the shaders' own GEMV
   def __init__(self, name: str, device: str = "CPU", num_threads: int | None = None):
     super().__init__(device, num_threads)
     self.name = name
     self.shaders = metal.MetalBackend() if name == "metal" else metal.EmulatorBackend()
+
+  def packs(self, layers, kv_format: KVCacheFormat) -> bool:
+    """The prefill shader finds each token's sequence and position itself (token_seq, token_pos), soft caps too; int4
+    caches are refused (`check_kv_cache`)."""
+    return self.packs_prefill
 
   def check_model(self, head_dim: int, n_heads: int, n_kv_heads: int, block_size: int, dtype: str) -> None:
     if head_dim not in metal.HEAD_DIMS or block_size not in metal.BLOCK_SIZES or n_heads // n_kv_heads > 8:

@@ -86,9 +86,15 @@ def _heads_a_thread(group: int) -> int:
   return next(n for n in range(min(group, 16), 0, -1) if group % n == 0)
 
 
-def applies(cache: PagedKVCache, softcap: float | None) -> bool:
-  """Can these kernels run a layer's attention (of a step's only group): a float or int8 cache, no soft cap?"""
-  return softcap is None and not cache.k_int4 and not cache.v_int4
+def applies(int4_cache: bool, softcap: float | None) -> bool:
+  """Can these kernels run a layer's attention (of a step's only group, padded or packed): a float or int8 cache (no
+  int4 keys or values), no soft cap? Asked of each layer's cache as it runs, and before any step of a model's layers
+  and cache format (`Kernels.packs`: the tensor-op path they fall back to pads prefill chunks)."""
+  return softcap is None and not int4_cache
+
+
+def _kernel_name(kind: str, P: int, G: int, C: int, packed: bool) -> str:
+  return f"paged_{kind}_packed_{G}_{C}" if packed else f"paged_{kind}_{P}_{G}_{C}"
 
 
 def _table_row(p: UOp, token: UOp, token_seq: UOp | None) -> UOp:
@@ -179,8 +185,7 @@ def _scores_kernel(opts, block_size: int, scale: float, window: int | None, pack
   last = q_pos[token]
   visible = s <= last if window is None else (s <= last) & (s > last - window)
   store = scores[((p * KVH + kvh) * GC + gc) * MS + s].store(visible.where(dot * scale, float("-inf")))
-  name = f"paged_scores_packed_{G}_{C}" if packed else f"paged_scores_{P}_{G}_{C}"
-  return UOp.sink(store.end(p, kvh, gc, s), arg=KernelInfo(name=name, opts_to_apply=opts))
+  return UOp.sink(store.end(p, kvh, gc, s), arg=KernelInfo(name=_kernel_name("scores", P, G, C, packed), opts_to_apply=opts))
 
 
 def _max_kernel(opts, block_size: int, split: int, blocks: UOp, row_max: UOp, scores: UOp) -> UOp:
@@ -309,8 +314,7 @@ def _values_kernel(opts, n_heads: int, D: int, block_size: int, quantized: bool,
   # whole context alone (lowered for an H100: 2,048 exps a thread at a 2,048-token context, beside the 128 of its share)
   total = ((entry >= 0).where(weight, 0.0)).reduce(hi, j, o, arg=Ops.ADD)
   store = out[((p * C + c) * n_heads + kvh * G + g) * D + d].store((acc / total).cast(out.dtype))
-  name = f"paged_values_packed_{G}_{C}" if packed else f"paged_values_{P}_{G}_{C}"
-  return UOp.sink(store.end(p, kvh, gc, d), arg=KernelInfo(name=name, opts_to_apply=opts))
+  return UOp.sink(store.end(p, kvh, gc, d), arg=KernelInfo(name=_kernel_name("values", P, G, C, packed), opts_to_apply=opts))
 
 
 def kernel_opts(device: str, query_len: int, block_size: int, num_seqs: int = 1, kv_heads: int = 1, group: int = 1,
