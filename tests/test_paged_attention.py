@@ -93,7 +93,9 @@ def run_case(rng, P, C, H, KVH, D, BS, dtype, cache_dtype, window=None, NB=48, M
     (20, 1, 4, 1, 32, 8),     # 80 query rows: exp written once by a kernel of its own
     (2, 7, 6, 2, 128, 16),    # prefill chunks, GQA 3
     (3, 4, 8, 8, 80, 8),      # no GQA, a head_dim that is not a power of two
-    (3, 1, 8, 8, 80, 8)])     # decode without GQA: the scores' axes without the group's
+    (3, 1, 8, 8, 80, 8),      # decode without GQA: the scores' axes without the group's
+    (2, 5, 4, 2, 64, 32),     # blocks of 32 tokens: prefill (its max kernel's offsets and blocks one range to tinygrad)
+    (1, 1, 4, 2, 64, 32)])    # and decode (offsets past a block's 16 threads unrolled)
 @pytest.mark.parametrize("dtype", [dtypes.float32, dtypes.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_write_and_attention_match_numpy(P, C, H, KVH, D, BS, dtype, device):

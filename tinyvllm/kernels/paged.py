@@ -226,7 +226,11 @@ def max_opts(device: str, rows: int, block_size: int, threads: int, unroll: int)
   if portable.on_cpu(device): return ()
   offsets = math.gcd(16, block_size)
   rows_a_block = whole_warp(0, rows, offsets) if threads == 1 else ()
-  return (Opt(OptOps.GROUP, 0, offsets),) + runs_opts(block_size, threads, unroll) + rows_a_block
+  # Blocks not taken in runs (prefill): only the scores' index reads a block's offsets and the blocks, as one number, so
+  # tinygrad merges the two ranges into one, which the GROUP splits; a block's offsets past 16 have no range of their
+  # own to unroll (blocks of 32: KernelOptError, every prefill on a GPU failed).
+  runs = runs_opts(block_size, threads, unroll) if threads * unroll > 1 else ()
+  return (Opt(OptOps.GROUP, 0, offsets),) + runs + rows_a_block
 
 
 def runs_opts(block_size: int, threads: int, unroll: int) -> tuple:
