@@ -370,7 +370,7 @@ def test_a_decode_steps_own_kernels_coalesce_on_the_h100(tmp_path, quantization)
   the H100 as the engine captures them) touches at most twice the 128-byte lines its bytes fill, where `warp_accesses`
   can follow its index: a gather through the block table it cannot. tinygrad's own kernels (`r_`, `E_`) are its
   heuristic's, and a prefill's attention keeps that heuristic too: not held here. A hidden size of 512 gives the
-  GEMVs whole warps a row (INT4: 8 groups of 64)."""
+  GEMVs whole warps a row (INT4: 8 groups of 64). No kernel of x's 1/RMS: the GEMVs norm x themselves."""
   from conftest import make_tiny_llama
   from tinyvllm import SamplingParams
   from tinyvllm.engine.llm_engine import LLMEngine
@@ -386,6 +386,8 @@ def test_a_decode_steps_own_kernels_coalesce_on_the_h100(tmp_path, quantization)
   ours = {plain_name(p): p for replay in decode for p in captured_programs_of(replay)
           if not plain_name(p).startswith(("r_", "E_"))}
   assert any(n.startswith("gemv") for n in ours) and any(n.startswith("paged_values") for n in ours), sorted(ours)
+  # the normed GEMVs sum x's squares themselves, INT4's too (gemv._squares_read): no kernel of x's 1/RMS before them
+  assert not any(n.startswith("inverse_rms") for n in ours), sorted(ours)
   followed = 0
   for name, program in ours.items():
     count, loose = loose_accesses(next(u.arg for u in program.src if u.op is Ops.SOURCE))

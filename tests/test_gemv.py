@@ -418,7 +418,7 @@ def test_h100_launch_of_8b_shapes():
 def test_h100_launch_of_int4_weights():
   """An INT4 qkv projection of the 1B model (groups of 64), normed: tinygrad's matmul over the unpacked codes gives
   fewer threads than outputs; ours: 32 threads a row on consecutive words (8 codes each), 4 words in flight a thread,
-  after a kernel of x's 1/RMS (a quantized weight's input axis is several ranges: `gemv._gemv_kernel`)."""
+  x's squares summed in the same kernel (`gemv._squares_read`), no kernel of x's 1/RMS before it."""
   from tinyvllm.kernels import portable
   rng = np.random.default_rng(3)
   lw, _ = quantized(rng, INT4, 3072, 2048, "CPU", 64)
@@ -427,8 +427,49 @@ def test_h100_launch_of_int4_weights():
   theirs = _lowered_for_h100(lambda: portable.int4_linear(portable.rms_norm(x, g, EPS), lw.weight, lw.scales, lw.biases, 64))
   assert threads(*theirs[-1][1:]) < 3072, theirs
   ours = _lowered_for_h100(lambda: gemv.gemv(x, lw, norm=(g, EPS)), INT4, 64)
-  assert len(ours) == 2 and ours[-1][0] == "gemv_int4_norm_1_3072_2048", ours
-  assert threads(*ours[-1][1:]) == 3072 * 16 and np.prod(ours[-1][2]) == 128, ours
+  assert len(ours) == 1 and ours[0][0] == "gemv_int4_norm_1_3072_2048", ours
+  assert threads(*ours[0][1:]) == 3072 * 16 and np.prod(ours[0][2]) == 128, ours
+
+
+def _loop_counts(source: str) -> list[int]:
+  """The trip counts of a lowered CUDA kernel's outermost loops before its first barrier (its reductions' loops over
+  the input, before the threads' partial sums meet)."""
+  import re
+  return [int(n) for n in re.findall(r"\n  for \(int \w+ = 0; \w+ < (\d+);", source.split("__syncthreads")[0])]
+
+
+@pytest.mark.parametrize("fmt,group,T", [(INT4, 32, 1), (INT4, 64, 8), (INT4, 128, 1), (INT8, 32, 1), ("Q4_K", 0, 1)])
+def test_h100_quantized_norm_shares_the_dots_loop(fmt, group, T):
+  """A normed INT4 or INT8 GEMV lowered for the H100 (gate/up of K = 4096, gated) sums x's squares in its own kernel,
+  in a loop as long as the dot's: the squares read at the weight's ranges, rotated (`gemv._squares_read`). Read at k,
+  tinygrad merged the ranges and the squares were a loop over the whole row by one thread a row, or a kernel before
+  (`inverse_rms`: 33 launches of an INT4 decode step of the 1B model). A packed layout (Q4_K) keeps that kernel
+  (`gemv.norms_inside`)."""
+  from tinygrad.uop.ops import Ops
+  rng = np.random.default_rng(9)
+  K, N = 4096, 256
+  lw, _ = quantized(rng, fmt, N, K, "CPU", group)
+  x, g = Tensor.randn(T, K, dtype=dtypes.half).realize(), Tensor.randn(K, dtype=dtypes.half).realize()
+  programs = _programs_for_h100(lambda: gemv.gemv(x, lw, norm=(g, EPS), act="silu"), gemv.layout_of(lw), group)
+  names = [p.arg.name for p in programs]
+  inside = fmt in (INT4, INT8)
+  assert gemv.norms_inside(gemv.layout_of(lw)) == inside
+  assert len(programs) == (1 if inside else 2) and names[-1].startswith("gemv_"), names
+  loops = _loop_counts(next(u.arg for u in programs[-1].src if u.op is Ops.SOURCE))
+  assert loops and len(set(loops)) == 1 and (len(loops) == 2) == inside, (names, loops)
+
+
+@pytest.mark.parametrize("fmt", ["Q6_K", "affine6g64"])
+def test_6_bit_layouts_still_need_their_norms_kernel(fmt, monkeypatch):
+  """tinygrad 0.14 cannot order the loops of a 6-bit layout's GEMV with x's squares inside (an AssertionError in its
+  linearizer, "this can happen! it causes infinite loop", or a KeyError after it), one reason the packed layouts keep
+  `inverse_rms` (`gemv.norms_inside`). If this starts passing after a tinygrad upgrade, that reason is gone."""
+  rng = np.random.default_rng(10)
+  lw, _ = packed(rng, fmt, 256, 4096, "CPU")
+  x, g = Tensor.randn(1, 4096, dtype=dtypes.half).realize(), Tensor.randn(4096, dtype=dtypes.half).realize()
+  monkeypatch.setattr(gemv, "norms_inside", lambda layout: True)
+  with pytest.raises((AssertionError, KeyError)):
+    _programs_for_h100(lambda: gemv.gemv(x, lw, norm=(g, EPS), act="silu"), gemv.layout_of(lw))
 
 
 @pytest.mark.parametrize("fmt,group", [(FLOAT, 0), (INT4, 32), (INT4, 64), (INT4, 128), (INT8, 32), ("Q4_K", 0), ("Q6_K", 0)])

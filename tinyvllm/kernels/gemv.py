@@ -18,8 +18,9 @@ for the norm (recomputed by every output's threads from x, which the cache holds
 costs, free in a kernel bound by the weight's bytes), and for gate/up the second dot. Launches a decode layer saves:
 the norm's reduction before qkv and before gate/up (2), and the SwiGLU's kernel (1); the residual sums were fused by
 tinygrad already; and with `qkv_rope_write` the qkv projection stores its heads where they go, q rotated, k rotated and
-v in their cache slots (1: the write kernel). A quantized weight's norm keeps a small kernel of its own (`_projector`
-says why). Everything is summed in float32 and rounded once, at the store.
+v in their cache slots (1: the write kernel). A quantized weight's kernel reads x's squares at a permutation of its
+inputs (`_squares_read` says why); packed layouts still take x's 1/RMS from a small kernel before (`norms_inside`).
+Everything is summed in float32 and rounded once, at the store.
 
 Only for a few rows (`MAX_ROWS`, `max_rows`): beyond them the multiplies are the cost, and the tensor cores are the
 right unit (kernels/gemm.py for float16 and bfloat16 weights, which `Kernels.takes_gemv` prefers from 16 rows, a
@@ -266,33 +267,61 @@ def _loader(buf: UOp, inside: UOp | None):
 def _projector(layout: str | QuantSpec, eps: float | None, has_bias: bool, x: UOp, t: UOp, rest: list[UOp], first_range: int):
   """row -> the projection of x's row t by weight row `row` in float32 (its norm and bias applied), from the kernel's
   inputs in `rest`, which it takes from the front: the weight's stored parts, then the norm's weight when `eps`, then
-  x's rows' 1/RMS `[T, 1]` for a quantized weight, then the bias when `has_bias`. The reduction's ranges are numbered
-  from `first_range` (after the kernel's output ranges).
-
-  A float weight's kernel sums x's squares itself. A quantized weight's input axis is several ranges (`ranges_of`),
-  and a sum over x alone would have them merged back into one by tinygrad (its index needs no division then): a
-  second loop over the input, which the opts, written for the weight's ranges, would leave to one thread an output."""
+  x's rows' 1/RMS `[T, 1]` where the kernel does not sum x's squares itself (`norms_inside`), then the bias when
+  `has_bias`. The reduction's ranges are numbered from `first_range` (after the kernel's output ranges)."""
   K = x.shape[1]
   parts = [rest.pop(0) for _ in parts_of(layout)]
   norm_w = rest.pop(0).flatten() if eps is not None else None
-  row_scale = rest.pop(0).flatten() if eps is not None and layout != FLOAT else None
+  row_scale = rest.pop(0).flatten() if eps is not None and not norms_inside(layout) else None
   bias = rest.pop(0).flatten() if has_bias else None
   x = x.flatten()
   sizes = ranges_of(layout, K, K // parts[1].shape[1] if layout == INT4 else 0)
   ranges = tuple(UOp.range(size, first_range + i, AxisType.REDUCE) for i, size in enumerate(sizes))
-  k = functools.reduce(lambda acc, r: acc * (r.vmax + 1) + r, ranges[1:], ranges[0])   # the input these ranges name
+  k = _input_at(ranges)
   inside = k < K if math.prod(sizes) > K else None   # a packed layout's part-filled last block of high bits
   weight_at = _weight_reader(layout, K, parts, ranges, inside)
   xk = _loader(x, inside)(t * K + k).cast(dtypes.float32)
   xin = xk * _loader(norm_w, inside)(k).cast(dtypes.float32) if norm_w is not None else xk
   if row_scale is not None: scale = row_scale[t]
-  else: scale = ((xk * xk).reduce(*ranges, arg=Ops.ADD) * (1 / K) + eps).rsqrt() if eps is not None else None
+  elif eps is not None:
+    xs = xk if len(ranges) == 1 else _squares_read(x, t, K, ranges, inside)
+    scale = ((xs * xs).reduce(*ranges, arg=Ops.ADD) * (1 / K) + eps).rsqrt()
+  else: scale = None
 
   def project(row: UOp) -> UOp:
     y = (weight_at(row) * xin).reduce(*ranges, arg=Ops.ADD)
     if scale is not None: y = y * scale
     return y + bias[row].cast(dtypes.float32) if bias is not None else y
   return project
+
+
+def _input_at(ranges: tuple[UOp, ...]) -> UOp:
+  """The input k that `ranges` name: their mixed-radix number, the first the highest."""
+  return functools.reduce(lambda acc, r: acc * (r.vmax + 1) + r, ranges[1:], ranges[0])
+
+
+def _squares_read(x: UOp, t: UOp, K: int, ranges: tuple[UOp, ...], inside: UOp | None) -> UOp:
+  """x's row t read for its sum of squares where the input axis is several ranges (a quantized layout's): at a
+  permutation of the inputs, each range after the first rotated by half its size, which sums the same squares.
+
+  Read at k itself, the sum names x alone, whose index needs no division once tinygrad merges the ranges, so it
+  merges them: a second loop over the whole row, which the opts (written for the weight's ranges) leave to one
+  thread an output, or the kernel before it that quantized GEMVs had (`inverse_rms`: 33 launches of an INT4 decode
+  step of the 1B model). Rotated, every merge would add a division, so none is made: the squares keep the dot's
+  ranges and with them its threads, a loop of the same count beside the dot's (lowered for the H100, one load of 16
+  bytes of x a word of codes, coalesced as the dot's). Only its parts past K are masked (`inside`)."""
+  rotated = [ranges[0]] + [(r + (r.vmax + 1) // 2) % (r.vmax + 1) if r.vmax > 0 else r for r in ranges[1:]]
+  at = _input_at(tuple(rotated))
+  return _loader(x, at < K if inside is not None else None)(t * K + at).cast(dtypes.float32)
+
+
+def norms_inside(layout: str | QuantSpec) -> bool:
+  """Whether the GEMV sums x's squares for its norm itself: floats, INT4 and INT8 (lowered for the H100 at the widths
+  of the models we know, K from 576 to 18,944, and 1 to 32 rows). The packed layouts take x's 1/RMS from
+  `inverse_rms`, a kernel before the GEMV: with the squares inside, tinygrad 0.14 fails to order the two loops of a
+  6-bit layout's (an AssertionError in its linearizer, tests/test_gemv.py), and the others were not checked that
+  widely."""
+  return layout in (FLOAT, INT4, INT8)
 
 
 def _tags(layout: str | QuantSpec, eps: float | None) -> list[str]:
@@ -376,9 +405,10 @@ def _inverse_rms_kernel(eps: float, opts: tuple, out: UOp, x: UOp) -> UOp:
 
 
 def inverse_rms(x: Tensor, eps: float) -> Tensor:
-  """portable.inverse_rms `[T, K] -> [T, 1]` (float32) of a quantized GEMV's x, as a kernel whose threads share each
-  row: 16 bytes of it a thread and up to 256 threads a row. tinygrad's heuristic gave the 1B's 2048-wide row one block
-  of 16 threads, each looping over 128 values alone (sm_90): 33 such launches in an INT4 decode step of the 1B model."""
+  """portable.inverse_rms `[T, K] -> [T, 1]` (float32) of x, for a GEMV of a packed layout (`norms_inside`) and the
+  tensor cores' GEMM (kernels/gemm.py), as a kernel whose threads share each row: 16 bytes of it a thread and up to 256
+  threads a row. tinygrad's heuristic gave the 1B's 2048-wide row one block of 16 threads, each looping over 128 values
+  alone (sm_90)."""
   out = Tensor.empty(x.shape[0], 1, dtype=dtypes.float32, device=x.device)
   opts = inverse_rms_opts(x.device, x.shape[1], x.dtype.itemsize)
   return Tensor.custom_kernel(out, x.contiguous(), fxn=functools.partial(_inverse_rms_kernel, eps, opts))[0]
@@ -394,16 +424,16 @@ def inverse_rms_opts(device: str | tuple[str, ...], K: int, itemsize: int) -> tu
 
 def shared_norm(x: Tensor, norm: tuple[Tensor, float], *weights: LinearWeights) -> tuple:
   """`norm` for several GEMVs of the same x (q, k and v, or gate and up, stored apart): with x's 1/RMS computed once
-  when any of them is quantized. Each would launch its own `inverse_rms` (a tensor op's was one, tinygrad merging
-  equal computations; a custom kernel's output is a buffer of its own)."""
-  return (*norm, inverse_rms(x, norm[1])) if any(w.format != FLOAT for w in weights) else norm
+  when any of them takes it from a kernel before (`norms_inside`). Each would launch its own `inverse_rms` (a tensor
+  op's was one, tinygrad merging equal computations; a custom kernel's output is a buffer of its own)."""
+  return (*norm, inverse_rms(x, norm[1])) if not all(norms_inside(layout_of(w)) for w in weights) else norm
 
 
 def _projection_inputs(x: Tensor, w: LinearWeights, norm: tuple | None) -> list[Tensor]:
   """x and what `_projector` reads of a projection of x by w (normed first when `norm`: (weight, eps), or with x's
   1/RMS after them, `shared_norm`), in its order."""
   inputs = [x.contiguous(), *(getattr(w, name) for name in parts_of(layout_of(w)))] + ([norm[0]] if norm is not None else [])
-  if norm is not None and w.format != FLOAT: inputs.append(norm[2] if len(norm) > 2 else inverse_rms(x, norm[1]))
+  if norm is not None and not norms_inside(layout_of(w)): inputs.append(norm[2] if len(norm) > 2 else inverse_rms(x, norm[1]))
   return inputs + ([w.bias] if w.bias is not None else [])
 
 
