@@ -33,6 +33,13 @@
 //   rounded tensors gives), so the layer launches no add after its attention output projection.
 //   buffers: 0 x [M, K] x, 1 w_packed, 2 scales, 3 biases, 4 residual [M, N] x, 5 y [M, N] x, 6 params
 //
+// int4_gemv_glu_<x>, int4_gemv_geglu_<x> (decode, M <= 8): the normed GEMV of the fused gate/up weight ([2 N, K]:
+//   gate rows, then up rows) gated as it is written: y[m, n] = act(gate[m, n]) * up[m, n], act SiLU (glu) or GELU's
+//   tanh approximation (geglu, Gemma's gelu_pytorch_tanh), both sums in float and y rounded once. A team's 4 weight
+//   rows are 2 gate rows and the 2 up rows of the same outputs, so each team writes 2 outputs and the layer launches
+//   no gating kernel after its projection. p.N counts the outputs.
+//   buffers: as int4_gemv_rms
+//
 // int4_gemm_<x> (prefill, M > 8)
 //   grid: (ceil(N / 32), ceil(M / 32)) threadgroups of 128 threads (4 SIMD-groups), one 32x32 tile of y each.
 //   Per step of 32 k: x tile and dequantised W tile staged in threadgroup memory as float; each SIMD-group
@@ -63,14 +70,22 @@ template <typename T> METAL_FUNC vec<T, 4> to_vec4(float4 v);
 template <> METAL_FUNC float4 to_vec4<float>(float4 v) { return v; }
 template <> METAL_FUNC half4 to_vec4<half>(float4 v) { return half4(v); }
 
-// The GEMV; with NORM, of RMSNorm(x) * nw (int4_gemv_rms); with RES, plus res (int4_gemv_res)
-template <typename T, bool NORM, bool RES>
+enum Gate { GATE_NONE, GATE_SILU, GATE_GELU_TANH };
+
+METAL_FUNC float activate(float g, Gate act) {
+  if (act == GATE_SILU) return g / (1.0f + exp(-g));
+  return 0.5f * g * (1.0f + tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+// The GEMV; with NORM, of RMSNorm(x) * nw (int4_gemv_rms); with RES, plus res (int4_gemv_res); with ACT, gated
+// (int4_gemv_glu: rows r < R / 2 of a team the gate's, the others the up's, of the same outputs)
+template <typename T, bool NORM, bool RES, Gate ACT = GATE_NONE>
 METAL_FUNC void gemv(device const T* x, device const T* nw, device const uint* w, device const half* scales,
                      device const half* biases, device const T* res, device T* y, constant Int4Params& p, uint3 tgid,
                      uint lane, uint sg) {
-  constexpr int NSG = 2, R = 4, MMAX = 8;
+  constexpr int NSG = 2, R = 4, MMAX = 8, OUTS = ACT == GATE_NONE ? R : R / 2;   // outputs a team writes
   const int L = p.team_lanes, teams = 32 / L, team = lane / L, tl = lane % L;
-  const int n0 = ((tgid.x * NSG + sg) * teams + team) * R;
+  const int n0 = ((tgid.x * NSG + sg) * teams + team) * OUTS;
   const int kw = p.K / 8, kg = p.K / p.group_size;
   const int gshift = p.group_size == 32 ? 1 : (p.group_size == 64 ? 2 : 3);  // chunk index -> group index
   const int nc = n0 < p.N ? p.K / 16 : 0;  // chunks per row; a team past N has none
@@ -95,8 +110,8 @@ METAL_FUNC void gemv(device const T* x, device const T* nw, device const uint* w
     uint2 wq[R];
     float sc[R], bi[R];
     for (int r = 0; r < R; r++) {
-      const int n = n0 + r;
-      const bool ok = n < p.N;
+      const bool ok = n0 + r % OUTS < p.N;
+      const int n = ACT == GATE_NONE ? n0 + r : (r < OUTS ? n0 + r : p.N + n0 + r - OUTS);   // the weight row
       wq[r] = ok ? *(device const uint2*)(w + (long)n * kw + 2 * v) : uint2(0u);
       sc[r] = ok ? float(scales[(long)n * kg + g]) : 0.0f;
       bi[r] = ok ? float(biases[(long)n * kg + g]) : 0.0f;
@@ -118,6 +133,7 @@ METAL_FUNC void gemv(device const T* x, device const T* nw, device const uint* w
 
   for (int m = 0; m < MMAX; m++) {
     if (m >= p.M) break;
+    float sums[R];
     for (int r = 0; r < R; r++) {
       float s = acc[m][r];
       if (L == 32) {
@@ -125,9 +141,13 @@ METAL_FUNC void gemv(device const T* x, device const T* nw, device const uint* w
       } else {
         for (ushort off = L / 2; off > 0; off /= 2) s += simd_shuffle_xor(s, off);
       }
+      sums[r] = s;
+    }
+    for (int r = 0; r < OUTS; r++) {
       if (tl == 0 && n0 + r < p.N) {
         const long at = (long)m * p.N + n0 + r;
-        y[at] = RES ? T(float(T(s)) + float(res[at])) : T(s);
+        if (ACT != GATE_NONE) y[at] = T(activate(sums[r], ACT) * sums[r + OUTS]);
+        else y[at] = RES ? T(float(T(sums[r])) + float(res[at])) : T(sums[r]);
       }
     }
   }
@@ -160,6 +180,21 @@ template <typename T>
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
   gemv<T, true, false>(x, norm_weight, w, scales, biases, y, y, p, tgid, lane, sg);
+}
+
+template <typename T, Gate ACT>
+[[kernel]] void int4_gemv_gated(
+    device const T* x [[buffer(0)]],
+    device const T* norm_weight [[buffer(1)]],
+    device const uint* w [[buffer(2)]],
+    device const half* scales [[buffer(3)]],
+    device const half* biases [[buffer(4)]],
+    device T* y [[buffer(5)]],
+    constant Int4Params& p [[buffer(6)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  gemv<T, true, false, ACT>(x, norm_weight, w, scales, biases, y, y, p, tgid, lane, sg);
 }
 
 template <typename T>
@@ -238,6 +273,10 @@ template [[host_name("int4_gemv_f32")]] [[kernel]] decltype(int4_gemv<float>) in
 template [[host_name("int4_gemv_f16")]] [[kernel]] decltype(int4_gemv<half>) int4_gemv<half>;
 template [[host_name("int4_gemv_rms_f32")]] [[kernel]] decltype(int4_gemv_rms<float>) int4_gemv_rms<float>;
 template [[host_name("int4_gemv_rms_f16")]] [[kernel]] decltype(int4_gemv_rms<half>) int4_gemv_rms<half>;
+template [[host_name("int4_gemv_glu_f32")]] [[kernel]] decltype(int4_gemv_gated<float, GATE_SILU>) int4_gemv_gated<float, GATE_SILU>;
+template [[host_name("int4_gemv_glu_f16")]] [[kernel]] decltype(int4_gemv_gated<half, GATE_SILU>) int4_gemv_gated<half, GATE_SILU>;
+template [[host_name("int4_gemv_geglu_f32")]] [[kernel]] decltype(int4_gemv_gated<float, GATE_GELU_TANH>) int4_gemv_gated<float, GATE_GELU_TANH>;
+template [[host_name("int4_gemv_geglu_f16")]] [[kernel]] decltype(int4_gemv_gated<half, GATE_GELU_TANH>) int4_gemv_gated<half, GATE_GELU_TANH>;
 template [[host_name("int4_gemv_res_f32")]] [[kernel]] decltype(int4_gemv_res<float>) int4_gemv_res<float>;
 template [[host_name("int4_gemv_res_f16")]] [[kernel]] decltype(int4_gemv_res<half>) int4_gemv_res<half>;
 template [[host_name("int4_gemm_f32")]] [[kernel]] decltype(int4_gemm<float>) int4_gemm<float>;

@@ -220,19 +220,21 @@ def run_rope(runner, q, k, v, pos, cos_sin, cache, slots, order="forward"):
   return q_out.numpy(), tuple(x.numpy() for x in written.tensors())
 
 
-def run_int4(runner, x, packed, scales, biases, g, order="forward", norm=None, residual=None):
+def run_int4(runner, x, packed, scales, biases, g, order="forward", norm=None, residual=None, gate=None):
   """norm: (weight, eps) for RMSNorm(x) * weight before the matmul (int4_gemv_rms for M <= 8); residual: [M, N] added
-  to the product (int4_gemv_res for M <= 8)."""
+  to the product (int4_gemv_res for M <= 8); gate (with norm): W is gate and up stacked, act(gate) * up returned
+  (int4_gemv_glu / geglu)."""
   if runner == "direct":
-    launch = M.int4_launch(x.shape[0], packed.shape[0], x.shape[1], g, dtypes.float16 if x.dtype == np.float16 else dtypes.float32,
-                           None if norm is None else norm[1], residual is not None)
-    y = np.zeros((x.shape[0], packed.shape[0]), x.dtype)
+    n = packed.shape[0] // (2 if gate else 1)
+    launch = M.int4_launch(x.shape[0], n, x.shape[1], g, dtypes.float16 if x.dtype == np.float16 else dtypes.float32,
+                           None if norm is None else norm[1], residual is not None, gate)
+    y = np.zeros((x.shape[0], n), x.dtype)
     direct_run(launch, [x, *([] if norm is None else [norm[0]]), packed, scales, biases, *([] if residual is None else [residual]), y], order)
     return y
   dev = "METAL" if runner == "metal" else "CPU"
   t = [Tensor(a, device=dev).realize() for a in (x, packed, scales, biases)]
   return M.int4_matmul(*t, g, backend=runner, norm=None if norm is None else (Tensor(norm[0], device=dev).realize(), norm[1]),
-                       residual=None if residual is None else Tensor(residual, device=dev).realize()).numpy()
+                       residual=None if residual is None else Tensor(residual, device=dev).realize(), gate=gate).numpy()
 
 
 # **** cases: build inputs, run, compare ****
@@ -366,6 +368,25 @@ def int4_rms_case(runner, m, n, k, g, xdt, seed=0, order="forward"):
   assert err < tol(xdt), err
   return err
 
+def int4_gated_case(runner, m, n, k, g, xdt, act, seed=0):
+  """act(gate) * up of RMSNorm(x) * weight against float64 numpy, W the gate rows then the up rows: rows of x far from
+  unit RMS as above; a gate and an up of different rows, or of rows swapped, give another product."""
+  rng = np.random.default_rng(seed)
+  packed, scales, biases, w = quantize_int4(rng, 2 * n, k, g)
+  x = (rng.standard_normal((m, k)) * np.geomspace(0.05, 20, m)[:, None]).astype(NP[xdt])
+  nw, eps = (1 + 0.5 * rng.standard_normal(k)).astype(NP[xdt]), 1e-5
+  x64 = x.astype(np.float64)
+  gate_up = (x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * nw.astype(np.float64)) @ w.T
+  gate, up = gate_up[:, :n], gate_up[:, n:]
+  if act == "silu": ref = gate / (1 + np.exp(-gate)) * up
+  else: ref = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3))) * up
+  y = run_int4(runner, x, packed, scales, biases, g, norm=(nw, eps), gate=act)
+  assert y.dtype == x.dtype and y.shape == (m, n)
+  err = rel_err(y, ref)
+  assert err < tol(xdt), err
+  return err
+
+
 def int4_residual_case(runner, m, n, k, g, xdt, seed=0):
   """residual + x @ W^T against float64 numpy, the residual of the product's size: an add left out, or a product
   dropped, is off by about 1 (the tolerance is 1e-2 at most)."""
@@ -459,6 +480,28 @@ def test_int4_matmul_plus_residual(shape, xdt):
     rng = np.random.default_rng(0)
     packed, scales, biases, _ = quantize_int4(rng, n, k, 64)
     run_int4("emulator", rng.standard_normal((m, k)).astype(NP[xdt]), packed, scales, biases, 64, residual=np.zeros((m, n + 1), NP[xdt]))
+
+
+@pytest.mark.parametrize("xdt", [dtypes.float32, dtypes.float16], ids=lambda d: d.name)
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("shape,g", [((1, 72, 256), 64), ((3, 40, 576), 32), ((8, 20, 384), 128)], ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else str(s))
+def test_int4_gated_gemv(shape, g, act, xdt):
+  """int4_gemv_glu / geglu (the fused gate/up projection, normed and gated as it is written: M <= 8) through the
+  emulator's direct launch, outputs not a multiple of a threadgroup's (72, 40, 20), K of 8 lanes a team (576)."""
+  m, n, k = shape
+  int4_gated_case("direct", m, n, k, g, xdt, act)
+
+
+def test_int4_gated_gemv_through_tinygrad_and_its_refusals():
+  """The same through `int4_matmul` (the emulator backend, as the engine calls it); refused without a norm, past 8
+  rows, with an odd row count."""
+  int4_gated_case("emulator", 2, 24, 128, 32, dtypes.float32, "silu", seed=4)
+  rng = np.random.default_rng(5)
+  packed, scales, biases, _ = quantize_int4(rng, 16, 128, 32)
+  x = rng.standard_normal((9, 128)).astype(np.float32)
+  for rows, norm, w in ((1, None, packed), (9, (np.ones(128, np.float32), 1e-5), packed), (1, (np.ones(128, np.float32), 1e-5), packed[:15])):
+    with pytest.raises(ValueError, match="gated GEMV"):
+      run_int4("emulator", x[:rows], w, scales[:len(w)], biases[:len(w)], 32, norm=norm, gate="silu")
 
 
 def test_int4_matmul_refuses_a_norm_weight_of_another_length():

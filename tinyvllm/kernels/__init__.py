@@ -360,6 +360,13 @@ class ShaderKernels(Kernels):
     y = metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, norm=(norm_weight, eps))
     return y if w.bias is None else y + w.bias
 
+  def norm_glu(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights, inter: int, act: str = "silu") -> Tensor:
+    """An INT4 gate/up of a decode step's few rows: the shaders' GEMV norms x, and gates its product as it writes it
+    (int4_gemv_glu): one launch where the norm's GEMV and the gating's kernel were two."""
+    if w.format != INT4 or x.shape[0] > metal.GEMV_MAX_M or w.bias is not None or act not in metal.GATES or w.weight.shape[0] != 2 * inter:
+      return super().norm_glu(x, norm_weight, eps, w, inter, act)
+    return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, norm=(norm_weight, eps), gate=act)
+
   def residual_linear(self, x: Tensor, w: LinearWeights, residual: Tensor, out: Tensor | None = None) -> Tensor:
     if w.format != INT4 or x.shape[0] > metal.GEMV_MAX_M or w.bias is not None: return super().residual_linear(x, w, residual, out)
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, residual=residual, out=out)

@@ -142,12 +142,19 @@ def prefill_launch(num_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int
                 (math.ceil(num_tokens / tq), n_kv_heads, 1), (128, 1, 1))
 
 
+GATES = {"silu": "glu", "gelu_pytorch_tanh": "geglu"}   # a gated GEMV's activation -> its kernel's name
+
+
 def int4_launch(m: int, n: int, k: int, group_size: int, x_dtype: DType, norm_eps: float | None = None,
-                residual: bool = False) -> Launch:
+                residual: bool = False, gate: str | None = None) -> Launch:
   """`norm_eps`: the GEMV of RMSNorm(x) * norm_weight with this epsilon (int4_gemv_rms); `residual`: the GEMV plus a
-  residual [M, N] (int4_gemv_res). Both M <= GEMV_MAX_M only, and not together."""
+  residual [M, N] (int4_gemv_res); `gate` (a GATES activation, with `norm_eps`): the normed GEMV of a fused gate/up
+  weight of 2 n rows, gated, n outputs (int4_gemv_glu, int4_gemv_geglu). All M <= GEMV_MAX_M only; a residual not
+  with the others."""
   if group_size not in GROUP_SIZES or k % group_size: raise ValueError(f"group_size {group_size} must be in {GROUP_SIZES} and divide K={k}")
   if norm_eps is not None and residual: raise ValueError("the GEMV norms x or adds a residual, not both")
+  if gate is not None and (gate not in GATES or norm_eps is None or m > GEMV_MAX_M):
+    raise ValueError(f"a gated GEMV takes {sorted(GATES)}, a norm and at most {GEMV_MAX_M} rows: got {gate!r}, {m} rows")
   bufs = ("x", "w_packed", "scales", "biases", "y")
   if m > GEMV_MAX_M:
     if norm_eps is not None or residual: raise ValueError(f"the normed and residual GEMVs take at most {GEMV_MAX_M} rows, got {m}")
@@ -156,7 +163,11 @@ def int4_launch(m: int, n: int, k: int, group_size: int, x_dtype: DType, norm_ep
   # a lane takes 16 codes of 4 rows per step; teams of `lanes` lanes share 4 rows: the width that leaves the fewest
   # lane-steps idle for K/16 chunks per row wins, ties to the widest (K=576: 8 lanes, 90% busy; 2048: 32, 100%)
   lanes = min((32, 16, 8), key=lambda t: t * math.ceil(k // 16 / t))
-  grid = (math.ceil(n / (2 * (32 // lanes) * 4)), 1, 1)   # per threadgroup: 2 SIMD-groups of 32/lanes teams of 4 rows
+  outputs = 2 if gate else 4   # a team's 4 weight rows: 4 outputs, or gated 2 (their gate and up rows)
+  grid = (math.ceil(n / (2 * (32 // lanes) * outputs)), 1, 1)   # per threadgroup: 2 SIMD-groups of 32/lanes teams
+  if gate is not None:
+    return Launch("int4_matmul.metal", f"int4_gemv_{GATES[gate]}_{_dt(x_dtype)}", ("x", "norm_weight") + bufs[1:],
+                  (m, n, k, group_size, lanes, _f32_bits(norm_eps)), grid, (64, 1, 1))
   if residual:
     return Launch("int4_matmul.metal", f"int4_gemv_res_{_dt(x_dtype)}", bufs[:4] + ("residual", "y"), (m, n, k, group_size, lanes, 0), grid, (64, 1, 1))
   if norm_eps is None: return Launch("int4_matmul.metal", f"int4_gemv_{_dt(x_dtype)}", bufs, (m, n, k, group_size, lanes, 0), grid, (64, 1, 1))
@@ -376,7 +387,8 @@ def rope_and_cache_write(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: 
 
 
 def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, *, backend: str | _Backend,
-                norm: tuple[Tensor, float] | None = None, residual: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+                norm: tuple[Tensor, float] | None = None, residual: Tensor | None = None, out: Tensor | None = None,
+                gate: str | None = None) -> Tensor:
   """y = x @ W^T with W [N, K] stored as 4-bit affine groups (see docs/kernels.md).
 
   Args:
@@ -387,6 +399,8 @@ def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, gro
     residual: [M, N] in x's dtype: y = residual + x @ W^T, added as the GEMV writes y (M <= 8; a larger M adds it
       after the GEMM, in tinygrad). Not with norm.
     out: a realized [M, N] tensor in x's dtype for the kernel to write y into (no copy after it).
+    gate: "silu" or "gelu_pytorch_tanh", with norm: W is the fused gate/up projection [2 I, K] and y = act(gate) * up
+      [M, I], gated as the GEMV writes it (M <= 8).
   Returns: [M, N] in x's dtype. M <= 8 uses the GEMV kernel, larger M the tiled GEMM.
   """
   b = _prepare(backend)
@@ -394,6 +408,10 @@ def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, gro
   N = w_packed.shape[0]
   if w_packed.shape[1] * 8 != K: raise ValueError(f"w_packed {w_packed.shape} does not match K={K}")
   if norm is not None and tuple(norm[0].shape) != (K,): raise ValueError(f"norm weight {norm[0].shape} does not match K={K}")
+  if gate is not None and (norm is None or N % 2 or M > GEMV_MAX_M or residual is not None):
+    raise ValueError(f"a gated GEMV norms x, takes a fused gate/up weight of an even row count and at most {GEMV_MAX_M} rows, "
+                     f"and no residual: got {N} rows of W, {M} of x")
+  if gate is not None: N //= 2   # y's columns: the outputs, each of a gate row and an up row
   if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x.dtype):
     raise ValueError(f"out {out.shape} {out.dtype} does not match y [{M}, {N}] {x.dtype}")
   if residual is not None:
@@ -403,7 +421,7 @@ def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, gro
       y = residual + int4_matmul(x, w_packed, scales, biases, group_size, backend=b)
       return y if out is None else out.assign(y)
   if norm is not None and M > GEMV_MAX_M: x, norm = rms_norm(x, norm[0], norm[1]), None
-  launch = int4_launch(M, N, K, group_size, x.dtype, None if norm is None else norm[1], residual is not None)
+  launch = int4_launch(M, N, K, group_size, x.dtype, None if norm is None else norm[1], residual is not None, gate)
   weights = [w_packed.contiguous(), scales.cast(dtypes.float16).contiguous(), biases.cast(dtypes.float16).contiguous()]
   if norm is not None: weights.insert(0, norm[0].cast(x.dtype).contiguous())
   if residual is not None: weights.append(residual.cast(x.dtype).contiguous())
