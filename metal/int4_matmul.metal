@@ -40,6 +40,16 @@
 //   no gating kernel after its projection. p.N counts the outputs.
 //   buffers: as int4_gemv_rms
 //
+// int4_gemv_rope_<x>_<c> (decode, M <= 8): the normed GEMV of the fused qkv weight ([(H + 2 KVH) D, K]: H query
+//   heads, KVH key heads, KVH value heads) with RoPE and the cache write done as it is written, as rope_cache_write
+//   does after a GEMV (rope.metal; HF's rotate-half: element i of a head turns with element i + D/2). A team's 4 rows
+//   are the rotation pairs (i, i + D/2) of 2 consecutive elements i of a head, so each team writes 2 pairs: q rotated
+//   into q_out, k rotated and v into the caches at the token's slot (-1: none), all in float and rounded once. p.N
+//   counts the pairs, (H + 2 KVH) D / 2.
+//   buffers: 0-4 as int4_gemv_rms (x, norm_weight, w_packed, scales, biases), 5 positions [M] int32, 6 cos_sin
+//   [max_pos, D] float (cos of the D/2 frequencies, then their sin), 7 slot_mapping [M] int32, 8 q_out [M, H, D] x,
+//   9 k_cache, 10 v_cache [num_blocks, block_size, KVH, D] c, 11 params (n_heads, n_kv_heads, head_dim set)
+//
 // int4_gemm_<x> (prefill, M > 8)
 //   grid: (ceil(N / 32), ceil(M / 32)) threadgroups of 128 threads (4 SIMD-groups), one 32x32 tile of y each.
 //   Per step of 32 k: x tile and dequantised W tile staged in threadgroup memory as float; each SIMD-group
@@ -55,6 +65,9 @@ struct Int4Params {
   int group_size;
   int team_lanes;  // int4_gemv: lanes per row team (32, 16 or 8); unused by int4_gemm
   float eps;       // int4_gemv_rms: the norm's epsilon; unused by the others
+  int n_heads;     // int4_gemv_rope: the heads of q, k (and v), and their size; 0 for the others
+  int n_kv_heads;
+  int head_dim;
 };
 
 // sum_j x[j] * q_j over the 16 codes of one uint2 (four uint16s, the lowest k in the lowest nibble), with xs[i] =
@@ -77,15 +90,27 @@ METAL_FUNC float activate(float g, Gate act) {
   return 0.5f * g * (1.0f + tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
 }
 
+// The rotation's inputs and outputs (int4_gemv_rope); null pointers for the other GEMVs
+template <typename T, typename C> struct RopeIO {
+  device const int* positions;
+  device const float* cos_sin;
+  device const int* slots;
+  device T* q_out;
+  device C* k_cache;
+  device C* v_cache;
+};
+
 // The GEMV; with NORM, of RMSNorm(x) * nw (int4_gemv_rms); with RES, plus res (int4_gemv_res); with ACT, gated
-// (int4_gemv_glu: rows r < R / 2 of a team the gate's, the others the up's, of the same outputs)
-template <typename T, bool NORM, bool RES, Gate ACT = GATE_NONE>
+// (int4_gemv_glu: rows r < R / 2 of a team the gate's, the others the up's, of the same outputs); with ROPE, rotated
+// and written where q, k and v go (int4_gemv_rope: rows r < R / 2 the first of a rotation pair, the others the second)
+template <typename T, bool NORM, bool RES, Gate ACT = GATE_NONE, bool ROPE = false, typename C = T>
 METAL_FUNC void gemv(device const T* x, device const T* nw, device const uint* w, device const half* scales,
                      device const half* biases, device const T* res, device T* y, constant Int4Params& p, uint3 tgid,
-                     uint lane, uint sg) {
-  constexpr int NSG = 2, R = 4, MMAX = 8, OUTS = ACT == GATE_NONE ? R : R / 2;   // outputs a team writes
+                     uint lane, uint sg, RopeIO<T, C> io = {}) {
+  constexpr int NSG = 2, R = 4, MMAX = 8, OUTS = ACT == GATE_NONE && !ROPE ? R : R / 2;   // outputs a team writes
   const int L = p.team_lanes, teams = 32 / L, team = lane / L, tl = lane % L;
   const int n0 = ((tgid.x * NSG + sg) * teams + team) * OUTS;
+  const int half_d = p.head_dim / 2;   // ROPE: output j is the pair of rows (j / half_d) D + j % half_d and half_d on
   const int kw = p.K / 8, kg = p.K / p.group_size;
   const int gshift = p.group_size == 32 ? 1 : (p.group_size == 64 ? 2 : 3);  // chunk index -> group index
   const int nc = n0 < p.N ? p.K / 16 : 0;  // chunks per row; a team past N has none
@@ -111,7 +136,9 @@ METAL_FUNC void gemv(device const T* x, device const T* nw, device const uint* w
     float sc[R], bi[R];
     for (int r = 0; r < R; r++) {
       const bool ok = n0 + r % OUTS < p.N;
-      const int n = ACT == GATE_NONE ? n0 + r : (r < OUTS ? n0 + r : p.N + n0 + r - OUTS);   // the weight row
+      const int j = n0 + r % OUTS;   // the weight row:
+      const int n = ROPE ? (j / half_d) * p.head_dim + j % half_d + (r < OUTS ? 0 : half_d)
+                         : ACT == GATE_NONE ? n0 + r : (r < OUTS ? j : p.N + j);
       wq[r] = ok ? *(device const uint2*)(w + (long)n * kw + 2 * v) : uint2(0u);
       sc[r] = ok ? float(scales[(long)n * kg + g]) : 0.0f;
       bi[r] = ok ? float(biases[(long)n * kg + g]) : 0.0f;
@@ -144,11 +171,28 @@ METAL_FUNC void gemv(device const T* x, device const T* nw, device const uint* w
       sums[r] = s;
     }
     for (int r = 0; r < OUTS; r++) {
-      if (tl == 0 && n0 + r < p.N) {
-        const long at = (long)m * p.N + n0 + r;
-        if (ACT != GATE_NONE) y[at] = T(activate(sums[r], ACT) * sums[r + OUTS]);
-        else y[at] = RES ? T(float(T(sums[r])) + float(res[at])) : T(sums[r]);
+      if (tl != 0 || n0 + r >= p.N) continue;
+      if (ROPE) {
+        const int j = n0 + r, h = j / half_d, i = j % half_d, D = p.head_dim, H = p.n_heads, KVH = p.n_kv_heads;
+        const float first = sums[r], second = sums[r + OUTS];
+        device const float* cs = io.cos_sin + (long)io.positions[m] * D;
+        const float c = cs[i], s = cs[half_d + i];
+        const float rot0 = first * c - second * s, rot1 = second * c + first * s;
+        if (h < H) {
+          device T* q = io.q_out + ((long)m * H + h) * D;
+          q[i] = T(rot0);
+          q[half_d + i] = T(rot1);
+        } else if (io.slots[m] >= 0) {
+          const bool is_k = h < H + KVH;
+          device C* row = (is_k ? io.k_cache : io.v_cache) + ((long)io.slots[m] * KVH + h - H - (is_k ? 0 : KVH)) * D;
+          row[i] = C(is_k ? rot0 : first);
+          row[half_d + i] = C(is_k ? rot1 : second);
+        }
+        continue;
       }
+      const long at = (long)m * p.N + n0 + r;
+      if (ACT != GATE_NONE) y[at] = T(activate(sums[r], ACT) * sums[r + OUTS]);
+      else y[at] = RES ? T(float(T(sums[r])) + float(res[at])) : T(sums[r]);
     }
   }
 }
@@ -195,6 +239,27 @@ template <typename T, Gate ACT>
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
   gemv<T, true, false, ACT>(x, norm_weight, w, scales, biases, y, y, p, tgid, lane, sg);
+}
+
+template <typename T, typename C>
+[[kernel]] void int4_gemv_rope(
+    device const T* x [[buffer(0)]],
+    device const T* norm_weight [[buffer(1)]],
+    device const uint* w [[buffer(2)]],
+    device const half* scales [[buffer(3)]],
+    device const half* biases [[buffer(4)]],
+    device const int* positions [[buffer(5)]],
+    device const float* cos_sin [[buffer(6)]],
+    device const int* slot_mapping [[buffer(7)]],
+    device T* q_out [[buffer(8)]],
+    device C* k_cache [[buffer(9)]],
+    device C* v_cache [[buffer(10)]],
+    constant Int4Params& p [[buffer(11)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  const RopeIO<T, C> io = {positions, cos_sin, slot_mapping, q_out, k_cache, v_cache};
+  gemv<T, true, false, GATE_NONE, true, C>(x, norm_weight, w, scales, biases, q_out, q_out, p, tgid, lane, sg, io);
 }
 
 template <typename T>
@@ -277,6 +342,10 @@ template [[host_name("int4_gemv_glu_f32")]] [[kernel]] decltype(int4_gemv_gated<
 template [[host_name("int4_gemv_glu_f16")]] [[kernel]] decltype(int4_gemv_gated<half, GATE_SILU>) int4_gemv_gated<half, GATE_SILU>;
 template [[host_name("int4_gemv_geglu_f32")]] [[kernel]] decltype(int4_gemv_gated<float, GATE_GELU_TANH>) int4_gemv_gated<float, GATE_GELU_TANH>;
 template [[host_name("int4_gemv_geglu_f16")]] [[kernel]] decltype(int4_gemv_gated<half, GATE_GELU_TANH>) int4_gemv_gated<half, GATE_GELU_TANH>;
+template [[host_name("int4_gemv_rope_f32_f32")]] [[kernel]] decltype(int4_gemv_rope<float, float>) int4_gemv_rope<float, float>;
+template [[host_name("int4_gemv_rope_f32_f16")]] [[kernel]] decltype(int4_gemv_rope<float, half>) int4_gemv_rope<float, half>;
+template [[host_name("int4_gemv_rope_f16_f32")]] [[kernel]] decltype(int4_gemv_rope<half, float>) int4_gemv_rope<half, float>;
+template [[host_name("int4_gemv_rope_f16_f16")]] [[kernel]] decltype(int4_gemv_rope<half, half>) int4_gemv_rope<half, half>;
 template [[host_name("int4_gemv_res_f32")]] [[kernel]] decltype(int4_gemv_res<float>) int4_gemv_res<float>;
 template [[host_name("int4_gemv_res_f16")]] [[kernel]] decltype(int4_gemv_res<half>) int4_gemv_res<half>;
 template [[host_name("int4_gemm_f32")]] [[kernel]] decltype(int4_gemm<float>) int4_gemm<float>;

@@ -504,6 +504,60 @@ def test_int4_gated_gemv_through_tinygrad_and_its_refusals():
       run_int4("emulator", x[:rows], w, scales[:len(w)], biases[:len(w)], 32, norm=norm, gate="silu")
 
 
+def int4_qkv_rope_case(runner, m, heads, D, k, g, dts, seed=0):
+  """The INT4 qkv projection of RMSNorm(x) * weight, rotated and written (int4_gemv_rope), against float64 numpy:
+  q rotated; each token's rotated k and its v at its slot, padding tokens (slot -1) and every other slot untouched."""
+  (H, KVH), (xdt, cdt) = heads, dts
+  rng = np.random.default_rng(seed)
+  packed, scales, biases, w = quantize_int4(rng, (H + 2 * KVH) * D, k, g)
+  x = (rng.standard_normal((m, k)) * np.geomspace(0.05, 20, m)[:, None]).astype(NP[xdt])
+  nw, eps = (1 + 0.5 * rng.standard_normal(k)).astype(NP[xdt]), 1e-5
+  pos, cos_sin = rng.integers(0, 200, m).astype(np.int32), rope_table(256, D)
+  num_blocks, bs = 4, 8
+  slots = rng.permutation(num_blocks * bs)[:m].astype(np.int32)
+  if m > 1: slots[1] = -1   # a padding token: writes nothing
+  cache = random_cache(rng, num_blocks, bs, KVH, D, cdt)
+  x64 = x.astype(np.float64)
+  qkv = ((x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * nw.astype(np.float64)) @ w.T).reshape(m, H + 2 * KVH, D)
+  rotated = rope_ref(qkv[:, :H + KVH], pos, cos_sin)
+  k_ref, v_ref = (c.astype(np.float64).reshape(-1, KVH, D).copy() for c in cache)
+  live = slots >= 0
+  k_ref[slots[live]], v_ref[slots[live]] = rotated[live, H:], qkv[live, H + KVH:]
+  if runner == "direct":
+    launch = M.int4_launch(m, (H + 2 * KVH) * D // 2, k, g, xdt, eps, rope=(H, KVH, D, cdt))
+    q = np.zeros((m, H, D), NP[xdt])
+    kc, vc = (c.copy() for c in cache)
+    direct_run(launch, [x, nw, packed, scales, biases, pos, cos_sin, slots, q, kc, vc])
+  else:
+    t = lambda a: Tensor(a).realize()
+    q, written = M.int4_qkv_rope(t(x), t(packed), t(scales), t(biases), g, (t(nw), eps), H, KVH, t(pos), t(cos_sin),
+                                 tensor_cache(cache, "CPU"), t(slots), backend=runner)
+    q, (kc, vc) = q.numpy(), (a.numpy() for a in written.tensors())
+  assert q.dtype == x.dtype and rel_err(q, rotated[:, :H]) < tol(xdt)
+  kc, vc = kc.astype(np.float64).reshape(-1, KVH, D), vc.astype(np.float64).reshape(-1, KVH, D)
+  untouched = np.setdiff1d(np.arange(num_blocks * bs), slots[live])
+  assert (kc[untouched] == k_ref[untouched]).all() and (vc[untouched] == v_ref[untouched]).all()
+  assert rel_err(kc[slots[live]], k_ref[slots[live]]) < tol(xdt, cdt) and rel_err(vc[slots[live]], v_ref[slots[live]]) < tol(xdt, cdt)
+
+
+@pytest.mark.parametrize("dts", DT_PAIRS, ids=lambda d: f"{dt_id(d[0])}-{dt_id(d[1])}")
+@pytest.mark.parametrize("m,heads,D,k,g", [(1, (4, 2), 64, 256, 64), (3, (6, 2), 128, 576, 32), (8, (8, 8), 80, 384, 128),
+                                           (2, (8, 1), 96, 128, 32)], ids=["1x4-2x64", "3x6-2x128", "8x8-8x80", "2x8-1x96"])
+def test_int4_qkv_gemv_with_rope_and_cache_write(m, heads, D, k, g, dts):
+  """int4_gemv_rope through the emulator's direct launch: every head_dim the shaders take, GQA 1 to 8, K of 8, 16 and
+  32 lanes a team, both dtypes of x and of the cache."""
+  int4_qkv_rope_case("direct", m, heads, D, k, g, dts)
+
+
+def test_int4_qkv_rope_through_tinygrad_and_its_refusals():
+  """The same through `int4_qkv_rope` (the emulator backend, as the engine calls it); refused past 8 rows, for an int8
+  cache, and for a weight of other rows than the heads'."""
+  int4_qkv_rope_case("emulator", 2, (4, 2), 64, 128, 32, (dtypes.float32, dtypes.float32), seed=3)
+  for m, rows, cdt in ((9, 512, dtypes.float32), (1, 512, dtypes.int8), (1, 448, dtypes.float32)):
+    with pytest.raises(ValueError, match="RoPE"):
+      M.int4_launch(m, rows // 2, 128, 32, dtypes.float32, 1e-5, rope=(4, 2, 64, cdt))
+
+
 def test_int4_matmul_refuses_a_norm_weight_of_another_length():
   rng = np.random.default_rng(3)
   packed, scales, biases, _ = quantize_int4(rng, 8, 128, 64)

@@ -82,10 +82,11 @@ LAYERS = 4
 OUTSIDE_LAYERS = 8   # launches of a step's input replay and LM head (5; 7 with INT4's head, 8 with it in float16: its logits cast)
 # launches per layer (docs/kernels.md, "Kernels per decode step"): with float weights, the qkv projection (our GEMV,
 # kernels/gemv.py, norms x inside and writes q, k and v rotated where they go: no RoPE shader), attention, o (+
-# residual), gate/up (normed and gated inside: no SwiGLU kernel), down (+ residual) (5); with INT4 the shader GEMV norms
-# x itself, gates gate/up (int4_gemv_glu) and adds the residual stream, but RoPE + cache write is a kernel of its own
-# (6); with float weights and an int8 KV cache the RoPE shader writes the codes and their scales (6)
-PER_LAYER = {"none": 5, "int4": 6, "none, int8 kv": 6}
+# residual), gate/up (normed and gated inside: no SwiGLU kernel), down (+ residual) (5); with INT4 the same 5, the
+# shaders' GEMV norming x itself, rotating and writing q, k and v (int4_gemv_rope), gating gate/up (int4_gemv_glu) and
+# adding the residual stream; with float weights and an int8 KV cache the RoPE shader writes the codes and their
+# scales (6)
+PER_LAYER = {"none": 5, "int4": 5, "none, int8 kv": 6}
 
 
 @pytest.fixture(scope="module")

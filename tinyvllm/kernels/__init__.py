@@ -375,11 +375,17 @@ class ShaderKernels(Kernels):
 
   def norm_qkv_rope_attention(self, x, norm_weight, eps, parts, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, group,
                               scale, window=None, softcap=None):
-    """Where the qkv projection is our GEMV (float or INT8 weights, a decode step's few rows) and the cache is float,
-    the GEMV writes q (in the model's dtype, as the attention shaders read it) and the cache, and the RoPE shader's
-    launch goes; the attention is the shaders'. An int8 cache's scales stay the RoPE shader's to write."""
-    if not self.takes_gemv(x, *parts) or cache.quantized: return None
-    q, cache = gemv.qkv_rope_write(x, parts, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, q_dtype=x.dtype)
+    """Where the qkv projection is a decode step's GEMV (a few rows) and the cache is float, the GEMV writes q (in the
+    model's dtype, as the attention shaders read it) and the cache, and the RoPE shader's launch goes: ours for float
+    or INT8 weights (kernels/gemv.py), the shaders' own for a fused INT4 qkv without a bias (int4_gemv_rope). The
+    attention is the shaders'. An int8 cache's scales stay the RoPE shader's to write."""
+    if cache.quantized: return None
+    if self.takes_gemv(x, *parts):
+      q, cache = gemv.qkv_rope_write(x, parts, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, q_dtype=x.dtype)
+    elif len(parts) == 1 and (w := parts[0]).format == INT4 and w.bias is None and x.shape[0] <= metal.GEMV_MAX_M:
+      q, cache = metal.int4_qkv_rope(x, w.weight, w.scales, w.biases, w.group_size, (norm_weight, eps), n_heads, n_kv_heads,
+                                     positions, cos_sin, cache, slot_mapping, backend=self.shaders)
+    else: return None
     return self.attention(q, cache, group, scale, window, softcap), cache
 
   def rope_and_cache_write(self, qkv, n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, qk_norms=None):

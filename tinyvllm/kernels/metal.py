@@ -146,33 +146,40 @@ GATES = {"silu": "glu", "gelu_pytorch_tanh": "geglu"}   # a gated GEMV's activat
 
 
 def int4_launch(m: int, n: int, k: int, group_size: int, x_dtype: DType, norm_eps: float | None = None,
-                residual: bool = False, gate: str | None = None) -> Launch:
+                residual: bool = False, gate: str | None = None, rope: tuple[int, int, int, DType] | None = None) -> Launch:
   """`norm_eps`: the GEMV of RMSNorm(x) * norm_weight with this epsilon (int4_gemv_rms); `residual`: the GEMV plus a
   residual [M, N] (int4_gemv_res); `gate` (a GATES activation, with `norm_eps`): the normed GEMV of a fused gate/up
-  weight of 2 n rows, gated, n outputs (int4_gemv_glu, int4_gemv_geglu). All M <= GEMV_MAX_M only; a residual not
-  with the others."""
+  weight of 2 n rows, gated, n outputs (int4_gemv_glu, int4_gemv_geglu); `rope` (n_heads, n_kv_heads, head_dim, the
+  cache's dtype; with `norm_eps`): the normed GEMV of a fused qkv weight of 2 n rows, rotated and written into q and
+  a float cache, n rotation pairs (int4_gemv_rope). All M <= GEMV_MAX_M only; a residual not with the others."""
   if group_size not in GROUP_SIZES or k % group_size: raise ValueError(f"group_size {group_size} must be in {GROUP_SIZES} and divide K={k}")
   if norm_eps is not None and residual: raise ValueError("the GEMV norms x or adds a residual, not both")
-  if gate is not None and (gate not in GATES or norm_eps is None or m > GEMV_MAX_M):
+  if gate is not None and (gate not in GATES or norm_eps is None or m > GEMV_MAX_M or rope is not None):
     raise ValueError(f"a gated GEMV takes {sorted(GATES)}, a norm and at most {GEMV_MAX_M} rows: got {gate!r}, {m} rows")
+  if rope is not None and (norm_eps is None or m > GEMV_MAX_M or rope[2] % 8 or 2 * n != (rope[0] + 2 * rope[1]) * rope[2]
+                           or rope[3] == dtypes.int8):
+    raise ValueError(f"a GEMV with RoPE norms x, takes at most {GEMV_MAX_M} rows, a head_dim that 8 divides, the qkv rows of "
+                     f"its heads and a float cache: got {m} rows, {2 * n} weight rows, heads {rope[:3]}, cache {rope[3]}")
   bufs = ("x", "w_packed", "scales", "biases", "y")
+  heads = (0, 0, 0) if rope is None else rope[:3]   # Int4Params' n_heads, n_kv_heads, head_dim
   if m > GEMV_MAX_M:
     if norm_eps is not None or residual: raise ValueError(f"the normed and residual GEMVs take at most {GEMV_MAX_M} rows, got {m}")
-    return Launch("int4_matmul.metal", f"int4_gemm_{_dt(x_dtype)}", bufs, (m, n, k, group_size, 32, 0),
+    return Launch("int4_matmul.metal", f"int4_gemm_{_dt(x_dtype)}", bufs, (m, n, k, group_size, 32, 0, *heads),
                   (math.ceil(n / 32), math.ceil(m / 32), 1), (128, 1, 1))
   # a lane takes 16 codes of 4 rows per step; teams of `lanes` lanes share 4 rows: the width that leaves the fewest
   # lane-steps idle for K/16 chunks per row wins, ties to the widest (K=576: 8 lanes, 90% busy; 2048: 32, 100%)
   lanes = min((32, 16, 8), key=lambda t: t * math.ceil(k // 16 / t))
-  outputs = 2 if gate else 4   # a team's 4 weight rows: 4 outputs, or gated 2 (their gate and up rows)
+  outputs = 2 if gate or rope else 4   # a team's 4 weight rows: 4 outputs, or 2 (their gate and up rows; rotation pairs)
   grid = (math.ceil(n / (2 * (32 // lanes) * outputs)), 1, 1)   # per threadgroup: 2 SIMD-groups of 32/lanes teams
-  if gate is not None:
-    return Launch("int4_matmul.metal", f"int4_gemv_{GATES[gate]}_{_dt(x_dtype)}", ("x", "norm_weight") + bufs[1:],
-                  (m, n, k, group_size, lanes, _f32_bits(norm_eps)), grid, (64, 1, 1))
-  if residual:
-    return Launch("int4_matmul.metal", f"int4_gemv_res_{_dt(x_dtype)}", bufs[:4] + ("residual", "y"), (m, n, k, group_size, lanes, 0), grid, (64, 1, 1))
-  if norm_eps is None: return Launch("int4_matmul.metal", f"int4_gemv_{_dt(x_dtype)}", bufs, (m, n, k, group_size, lanes, 0), grid, (64, 1, 1))
-  return Launch("int4_matmul.metal", f"int4_gemv_rms_{_dt(x_dtype)}", ("x", "norm_weight") + bufs[1:],
-                (m, n, k, group_size, lanes, _f32_bits(norm_eps)), grid, (64, 1, 1))
+  params = (m, n, k, group_size, lanes, 0 if norm_eps is None else _f32_bits(norm_eps), *heads)
+  normed = ("x", "norm_weight") + bufs[1:4]
+  if rope is not None:
+    return Launch("int4_matmul.metal", f"int4_gemv_rope_{_dt(x_dtype)}_{_cache_dt(rope[3])}",
+                  normed + ("positions", "cos_sin", "slot_mapping", "q_out", "k_cache", "v_cache"), params, grid, (64, 1, 1))
+  if gate is not None: return Launch("int4_matmul.metal", f"int4_gemv_{GATES[gate]}_{_dt(x_dtype)}", normed + ("y",), params, grid, (64, 1, 1))
+  if residual: return Launch("int4_matmul.metal", f"int4_gemv_res_{_dt(x_dtype)}", bufs[:4] + ("residual", "y"), params, grid, (64, 1, 1))
+  if norm_eps is None: return Launch("int4_matmul.metal", f"int4_gemv_{_dt(x_dtype)}", bufs, params, grid, (64, 1, 1))
+  return Launch("int4_matmul.metal", f"int4_gemv_rms_{_dt(x_dtype)}", normed + ("y",), params, grid, (64, 1, 1))
 
 
 # ---------------------------------------------------------------------------------------------- backends
@@ -384,6 +391,26 @@ def rope_and_cache_write(qkv: Tensor, n_heads: int, n_kv_heads: int, positions: 
   res = b.run(launch, qkv.contiguous(), _int32(positions), cos_sin.cast(dtypes.float32).contiguous(), _int32(slot_mapping), q_out,
               *cache.tensors())
   return res[4], cache.written(*res[5:])
+
+
+def int4_qkv_rope(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, norm: tuple[Tensor, float],
+                  n_heads: int, n_kv_heads: int, positions: Tensor, cos_sin: Tensor, cache: PagedKVCache, slot_mapping: Tensor, *,
+                  backend: str | _Backend) -> tuple[Tensor, PagedKVCache]:
+  """The qkv projection of RMSNorm(x) * norm[0] (W [(n_heads + 2 n_kv_heads) D, K] in 4-bit groups) with RoPE and the
+  cache write done as the GEMV writes it (int4_gemv_rope): `int4_matmul` then `rope_and_cache_write` in one launch.
+  x: [M, K], M <= GEMV_MAX_M; the cache float (an int8 cache's scales are the RoPE shader's to write). Returns
+  (q rotated [M, n_heads, D] in x's dtype, the cache ordered after the write)."""
+  b = _prepare(backend)
+  cache_dtype = _check_cache(cache)
+  (M, K), D = x.shape, cache.head_dim
+  if w_packed.shape[1] * 8 != K: raise ValueError(f"w_packed {w_packed.shape} does not match K={K}")
+  if tuple(norm[0].shape) != (K,): raise ValueError(f"norm weight {norm[0].shape} does not match K={K}")
+  launch = int4_launch(M, w_packed.shape[0] // 2, K, group_size, x.dtype, norm[1], rope=(n_heads, n_kv_heads, D, cache_dtype))
+  q_out = Tensor.empty(M, n_heads, D, dtype=x.dtype, device=x.device)
+  res = b.run(launch, x.contiguous(), norm[0].cast(x.dtype).contiguous(), w_packed.contiguous(), scales.cast(dtypes.float16).contiguous(),
+              biases.cast(dtypes.float16).contiguous(), _int32(positions), cos_sin.cast(dtypes.float32).contiguous(), _int32(slot_mapping),
+              q_out, *cache.tensors())
+  return res[8], cache.written(*res[9:])
 
 
 def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, *, backend: str | _Backend,
