@@ -189,21 +189,10 @@ def test_gpu_decode_path_matches_hf(family_model, name):
   projection is our GEMV, which writes q and the cache rotated (kernels/gemv.py `qkv_rope_write`), with q/k/v biases
   (Qwen2) or RoPE on 0.75 of each head (Phi-4's partial rotary). Greedy tokens equal HF's generate; each token's
   logprob within TOL of HF's log-softmax at its position."""
-  from tinygrad.helpers import Context
-  from test_cuda_compile import captured_programs
-  from test_replay import DEVICES
-  if "METAL" not in DEVICES: pytest.skip("no METAL device here (TINYVLLM_EMULATE_METAL=0)")
+  from test_replay import greedy_on_metal
   path = family_model(name)
   prompts = [np.random.default_rng(i).integers(0, 380, n).tolist() for i, n in enumerate((9, 14))]
-  outs = {}
-  with Context(DEV="METAL"):
-    engine = LLMEngine.from_kwargs(str(path), dtype="float32", kernel_backend="metal", block_size=16, max_model_len=64)
-    for i, p in enumerate(prompts):
-      engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1))
-    while engine.has_unfinished_requests():
-      for out in engine.step():
-        if out.finished: outs[int(out.request_id)] = out.outputs[0]
-    names = {p.arg.name for p in captured_programs(engine)}
+  outs, names = greedy_on_metal(path, prompts, 10, kernel_backend="metal", block_size=16)
   assert any(n.startswith("gemv_norm_rope") for n in names), sorted(names)
   model = hf_model(path)
   for i, prompt in enumerate(prompts):
@@ -216,6 +205,26 @@ def test_gpu_decode_path_matches_hf(family_model, name):
     ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
     got = np.array([lp[t].logprob for lp, t in zip(c.logprobs, want)])
     assert np.abs(got - ref[np.arange(len(want)), want]).max() < TOL
+
+
+def test_int4_metal_decode_with_partial_rotary_equals_cpu(family_model):
+  """The shaders' INT4 qkv GEMV rotates q and k and writes q and the cache itself (int4_gemv_rope), here with RoPE on
+  0.75 of each head (Phi-4's partial rotary), and gates gate/up (int4_gemv_glu): greedy tokens on the emulated METAL
+  device equal the CPU backend's on the same INT4 weights (its C kernels, checked against HF in tests/test_quant.py
+  and tests/test_int4_model.py)."""
+  from test_replay import greedy_on_metal
+  path = family_model("phi4_metal")
+  prompts = [np.random.default_rng(i).integers(0, 380, n).tolist() for i, n in enumerate((9, 14))]
+  outs, names = greedy_on_metal(path, prompts, 8, kernel_backend="metal", quantization="int4", block_size=16)
+  assert any(n.startswith("int4_gemv_rope") for n in names) and any(n.startswith("int4_gemv_glu") for n in names), sorted(names)
+  cpu = LLMEngine.from_kwargs(str(path), dtype="float32", kernel_backend="cpu", quantization="int4", max_model_len=64)
+  for i, p in enumerate(prompts):
+    cpu.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+  want = {}
+  while cpu.has_unfinished_requests():
+    for out in cpu.step():
+      if out.finished: want[int(out.request_id)] = out.outputs[0].token_ids
+  assert {i: c.token_ids for i, c in outs.items()} == want
 
 
 def test_a_fused_tensor_of_the_wrong_size_is_named(family_model, tmp_path):

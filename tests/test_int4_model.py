@@ -55,22 +55,10 @@ def test_int4_gpu_decode_matches_dequantized_reference(tiny_model_factory):
   (`gemv._squares_read`), with no kernel of x's 1/RMS before it. Greedy tokens equal the dequantized model's in HF,
   and each token's logprob is within 1e-3 of HF's log-softmax there (float32 activations; the kernel's sums in another
   order than HF's: 1e-4 measured)."""
-  from tinygrad.helpers import Context
-  from test_cuda_compile import captured_programs
-  from test_replay import DEVICES
-  from tinyvllm.engine.llm_engine import LLMEngine
-  if "METAL" not in DEVICES: pytest.skip("no METAL device here (TINYVLLM_EMULATE_METAL=0)")
+  from test_replay import greedy_on_metal
   path = tiny_model_factory("metal")   # hidden 128: q/k/v/o/gate/up in INT4, down_proj (K=96) float
   prompts = [np.random.default_rng(n).integers(4, 380, n).tolist() for n in (5, 12)]
-  outs = {}
-  with Context(DEV="METAL"):
-    engine = LLMEngine.from_kwargs(str(path), dtype="float32", kernel_backend="portable", quantization="int4", block_size=8, max_model_len=64)
-    for i, p in enumerate(prompts):
-      engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1))
-    while engine.has_unfinished_requests():
-      for out in engine.step():
-        if out.finished: outs[int(out.request_id)] = out.outputs[0]
-    names = {p.arg.name for p in captured_programs(engine)}
+  outs, names = greedy_on_metal(path, prompts, 6, kernel_backend="portable", quantization="int4", block_size=8)
   assert any(n.startswith("gemv_int4_norm") for n in names) and not any(n.startswith("inverse_rms") for n in names), sorted(names)
   for i, prompt in enumerate(prompts):
     toks = outs[i].token_ids

@@ -28,6 +28,25 @@ DEVICES = ["CPU"] + [d for d in (_metal(), os.environ.get("TINYVLLM_TEST_DEVICE"
 DEVICES = list(dict.fromkeys(DEVICES))
 
 
+def greedy_on_metal(path, prompts: list[list[int]], max_tokens: int, **engine_kwargs) -> tuple[dict, set[str]]:
+  """Greedy completions (logprobs=1) of token-id prompts on the emulated METAL device, by prompt index, and the names
+  of the programs the engine's passes captured (its kernels). Skips where there is no METAL device."""
+  from tinygrad.helpers import Context
+  from test_cuda_compile import captured_programs
+  from tinyvllm import SamplingParams
+  from tinyvllm.engine.llm_engine import LLMEngine
+  if "METAL" not in DEVICES: pytest.skip("no METAL device here (TINYVLLM_EMULATE_METAL=0)")
+  outs = {}
+  with Context(DEV="METAL"):
+    engine = LLMEngine.from_kwargs(str(path), dtype="float32", max_model_len=64, **engine_kwargs)
+    for i, p in enumerate(prompts):
+      engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1))
+    while engine.has_unfinished_requests():
+      for out in engine.step():
+        if out.finished: outs[int(out.request_id)] = out.outputs[0]
+    return outs, {p.arg.name for p in captured_programs(engine)}
+
+
 def graph_programs(linear) -> list:
   """(PROGRAM, inside a graph batch?) for every kernel of a captured linear, graph batches opened."""
   out = []
