@@ -115,6 +115,41 @@ def _rows_kernel(factor: float | None, opts: tuple, out: UOp, table: UOp, tokens
   return UOp.sink(out.flatten()[t * N + e].store(row).end(t, e), arg=KernelInfo(name=f"embed_rows_{T}_{N}", opts_to_apply=opts))
 
 
+def _int4_rows_kernel(group: int, factor: float | None, opts: tuple, out: UOp, words: UOp, scales: UOp, biases: UOp,
+                      tokens: UOp) -> UOp:
+  T, N = out.shape
+  W = group // 8   # words a group
+  # the element's group, word and nibble as ranges of their own: no index divides one (tinygrad would split it)
+  t, g, w, n = UOp.range(T, 0), UOp.range(N // group, 1), UOp.range(W, 2), UOp.range(8, 3)
+  token = tokens[t].cast(dtypes.weakint)
+  ok = (token >= 0) & (token < words.shape[0] // (N // 8))
+  word = words[(token * (N // 8) + g * W + w).valid(ok)]   # 0 for an id out of range, its scale and bias too
+  at = (token * (N // group) + g).valid(ok)
+  code = ((word >> (n * 4).cast(dtypes.uint32)) & 0xF).cast(dtypes.float32)
+  row = (code * scales[at].cast(dtypes.float32) + biases[at].cast(dtypes.float32)).cast(out.dtype)
+  if factor is not None: row = row * UOp.const(factor, out.dtype)
+  store = out.flatten()[t * N + (g * W + w) * 8 + n].store(row)
+  return UOp.sink(store.end(t, g, w, n), arg=KernelInfo(name=f"embed_int4_rows_{T}_{N}", opts_to_apply=opts))
+
+
+def int4_table_rows(words: Tensor, scales: Tensor, biases: Tensor, tokens: Tensor, dtype, factor: float | None = None) -> Tensor:
+  """`rows` of a 4-bit table (quant/formats.py's INT4: words `[V, N/8]`, scales and biases `[V, N/G]`), dequantized as
+  `int4_rows` does (in float32, then rounded to `dtype`; times `factor` in `dtype`), in one kernel: tinygrad's gathers
+  of the three parts and the dequantization were three kernels of a decode step on CUDA (two on Metal)."""
+  T, N, group = tokens.shape[0], words.shape[1] * 8, words.shape[1] * 8 // scales.shape[1]
+  out = Tensor.empty(T, N, dtype=dtype, device=words.device)
+  fxn = functools.partial(_int4_rows_kernel, group, factor, int4_rows_opts(words.device, T, N, group))
+  return Tensor.custom_kernel(out, words.reshape(-1), scales.reshape(-1), biases.reshape(-1), tokens, fxn=fxn)[0]
+
+
+def int4_rows_opts(device: str | tuple[str, ...], T: int, N: int, group: int) -> tuple:
+  """`int4_table_rows`' opts on a GPU: a word's 8 codes a thread, a block of the words of up to 128 // words-a-group
+  groups (at least a warp); none on the CPU device."""
+  if on_cpu(device): return ()
+  first, words = int(T > 1), group // 8   # tinygrad's axes drop a range of size 1 (one token)
+  return (Opt(OptOps.UPCAST, first + 2, 8), Opt(OptOps.LOCAL, first + 1, words), Opt(OptOps.LOCAL, first, math.gcd(N // group, 128 // words)))
+
+
 def rows(table: Tensor, tokens: Tensor, factor: float | None = None) -> Tensor:
   """table[tokens] `[T, N]` (times `factor`, rounded to the table's dtype first) in one kernel: an embedding lookup.
   tinygrad's own gather is a sum over the vocabulary of where(arange == token), which it folds into one masked read
