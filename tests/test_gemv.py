@@ -438,21 +438,26 @@ def _loop_counts(source: str) -> list[int]:
   return [int(n) for n in re.findall(r"\n  for \(int \w+ = 0; \w+ < (\d+);", source.split("__syncthreads")[0])]
 
 
-@pytest.mark.parametrize("fmt,group,T", [(INT4, 32, 1), (INT4, 64, 8), (INT4, 128, 1), (INT8, 32, 1), ("Q4_K", 0, 1)])
+# the 4-bit groups, INT8, and one of each way of reading a packed layout's codes and scales (as ON_METAL); 8 rows for two
+NORMED_LAYOUTS = [(INT4, 32, 1), (INT4, 64, 8), (INT4, 128, 1), (INT8, 32, 1), ("Q4_K", 0, 8), ("Q5_1", 0, 1), ("IQ4_NL", 0, 1),
+                  ("affine8g32", 0, 1), ("Q6_K", 0, 1)]
+
+
+@pytest.mark.parametrize("fmt,group,T", NORMED_LAYOUTS, ids=[f"{f}-{g}-T{T}" if g else f"{f}-T{T}" for f, g, T in NORMED_LAYOUTS])
 def test_h100_quantized_norm_shares_the_dots_loop(fmt, group, T):
-  """A normed INT4 or INT8 GEMV lowered for the H100 (gate/up of K = 4096, gated) sums x's squares in its own kernel,
-  in a loop as long as the dot's: the squares read at the weight's ranges, rotated (`gemv._squares_read`). Read at k,
+  """A normed quantized GEMV lowered for the H100 (gate/up of K = 4096, gated) sums x's squares in its own kernel, in
+  a loop as long as the dot's: the squares read at the weight's ranges, rotated (`gemv._squares_read`). Read at k,
   tinygrad merged the ranges and the squares were a loop over the whole row by one thread a row, or a kernel before
-  (`inverse_rms`: 33 launches of an INT4 decode step of the 1B model). A packed layout (Q4_K) keeps that kernel
+  (`inverse_rms`: 33 launches of an INT4 decode step of the 1B model). A 6-bit layout (Q6_K) keeps that kernel
   (`gemv.norms_inside`)."""
   from tinygrad.uop.ops import Ops
   rng = np.random.default_rng(9)
   K, N = 4096, 256
-  lw, _ = quantized(rng, fmt, N, K, "CPU", group)
+  lw, _ = quantized(rng, fmt, N, K, "CPU", group) if fmt in (INT4, INT8) else packed(rng, fmt, N, K, "CPU")
   x, g = Tensor.randn(T, K, dtype=dtypes.half).realize(), Tensor.randn(K, dtype=dtypes.half).realize()
   programs = _programs_for_h100(lambda: gemv.gemv(x, lw, norm=(g, EPS), act="silu"), gemv.layout_of(lw), group)
   names = [p.arg.name for p in programs]
-  inside = fmt in (INT4, INT8)
+  inside = fmt != "Q6_K"
   assert gemv.norms_inside(gemv.layout_of(lw)) == inside
   assert len(programs) == (1 if inside else 2) and names[-1].startswith("gemv_"), names
   loops = _loop_counts(next(u.arg for u in programs[-1].src if u.op is Ops.SOURCE))
@@ -462,8 +467,8 @@ def test_h100_quantized_norm_shares_the_dots_loop(fmt, group, T):
 @pytest.mark.parametrize("fmt", ["Q6_K", "affine6g64"])
 def test_6_bit_layouts_still_need_their_norms_kernel(fmt, monkeypatch):
   """tinygrad 0.14 cannot order the loops of a 6-bit layout's GEMV with x's squares inside (an AssertionError in its
-  linearizer, "this can happen! it causes infinite loop", or a KeyError after it), one reason the packed layouts keep
-  `inverse_rms` (`gemv.norms_inside`). If this starts passing after a tinygrad upgrade, that reason is gone."""
+  linearizer, "this can happen! it causes infinite loop", or a KeyError after it), so those keep `inverse_rms`
+  (`gemv.norms_inside`). If this starts passing after a tinygrad upgrade, drop the exception."""
   rng = np.random.default_rng(10)
   lw, _ = packed(rng, fmt, 256, 4096, "CPU")
   x, g = Tensor.randn(1, 4096, dtype=dtypes.half).realize(), Tensor.randn(4096, dtype=dtypes.half).realize()
@@ -501,8 +506,9 @@ def test_h100_loads_are_coalesced(fmt, group, T):
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_h100_launch_of_kquant_weights(qtype):
   """A Q4_K_M file's two k-quants as the 1B model's qkv projection (3072 x 2048), normed: 32 threads a row over the
-  ranges of k's bits, on consecutive words of nibbles (8 codes each), 4 rows a block, after the kernel of x's 1/RMS;
-  tinygrad's matmul over the same codes unpacked in its expression gives fewer threads than outputs."""
+  ranges of k's bits, on consecutive words of nibbles (8 codes each), 4 rows a block, x's squares summed inside (Q4_K)
+  or in a kernel of x's 1/RMS before (Q6_K: `gemv.norms_inside`); tinygrad's matmul over the same codes unpacked in its
+  expression gives fewer threads than outputs."""
   from tinyvllm.kernels import portable
   rng = np.random.default_rng(4)
   lw, _ = quantized(rng, qtype, 3072, 2048, "CPU")
@@ -511,5 +517,5 @@ def test_h100_launch_of_kquant_weights(qtype):
   theirs = _lowered_for_h100(lambda: portable.packed_linear(portable.rms_norm(x, g, EPS), lw))
   assert threads(*theirs[-1][1:]) < 3072, theirs
   ours = _lowered_for_h100(lambda: gemv.gemv(x, lw, norm=(g, EPS)), lw.spec)
-  assert len(ours) == 2 and ours[-1][0] == "gemv_packed_norm_1_3072_2048", ours
+  assert len(ours) == (2 if qtype == "Q6_K" else 1) and ours[-1][0] == "gemv_packed_norm_1_3072_2048", ours
   assert threads(*ours[-1][1:]) == 3072 * 16 and np.prod(ours[-1][2]) == 128, ours

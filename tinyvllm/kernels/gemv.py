@@ -19,7 +19,7 @@ costs, free in a kernel bound by the weight's bytes), and for gate/up the second
 the norm's reduction before qkv and before gate/up (2), and the SwiGLU's kernel (1); the residual sums were fused by
 tinygrad already; and with `qkv_rope_write` the qkv projection stores its heads where they go, q rotated, k rotated and
 v in their cache slots (1: the write kernel). A quantized weight's kernel reads x's squares at a permutation of its
-inputs (`_squares_read` says why); packed layouts still take x's 1/RMS from a small kernel before (`norms_inside`).
+inputs (`_squares_read` says why); 6-bit layouts still take x's 1/RMS from a small kernel before (`norms_inside`).
 Everything is summed in float32 and rounded once, at the store.
 
 Only for a few rows (`MAX_ROWS`, `max_rows`): beyond them the multiplies are the cost, and the tensor cores are the
@@ -316,12 +316,11 @@ def _squares_read(x: UOp, t: UOp, K: int, ranges: tuple[UOp, ...], inside: UOp |
 
 
 def norms_inside(layout: str | QuantSpec) -> bool:
-  """Whether the GEMV sums x's squares for its norm itself: floats, INT4 and INT8 (lowered for the H100 at the widths
-  of the models we know, K from 576 to 18,944, and 1 to 32 rows). The packed layouts take x's 1/RMS from
-  `inverse_rms`, a kernel before the GEMV: with the squares inside, tinygrad 0.14 fails to order the two loops of a
-  6-bit layout's (an AssertionError in its linearizer, tests/test_gemv.py), and the others were not checked that
-  widely."""
-  return layout in (FLOAT, INT4, INT8)
+  """Whether the GEMV sums x's squares for its norm itself: every layout but a packed one of 6-bit codes (Q6_K, MLX's
+  6-bit), whose two loops tinygrad 0.14 fails to order with the squares inside (an AssertionError in its linearizer,
+  tests/test_gemv.py); those take x's 1/RMS from `inverse_rms`, a kernel before the GEMV. The others were lowered for
+  the H100 at the widths of the models we know (K from 576 to 18,944) and 1 to 32 rows (8 for packed layouts)."""
+  return not (isinstance(layout, QuantSpec) and layout.bits == 6)
 
 
 def _tags(layout: str | QuantSpec, eps: float | None) -> list[str]:
@@ -405,7 +404,7 @@ def _inverse_rms_kernel(eps: float, opts: tuple, out: UOp, x: UOp) -> UOp:
 
 
 def inverse_rms(x: Tensor, eps: float) -> Tensor:
-  """portable.inverse_rms `[T, K] -> [T, 1]` (float32) of x, for a GEMV of a packed layout (`norms_inside`) and the
+  """portable.inverse_rms `[T, K] -> [T, 1]` (float32) of x, for a GEMV of a 6-bit layout (`norms_inside`) and the
   tensor cores' GEMM (kernels/gemm.py), as a kernel whose threads share each row: 16 bytes of it a thread and up to 256
   threads a row. tinygrad's heuristic gave the 1B's 2048-wide row one block of 16 threads, each looping over 128 values
   alone (sm_90)."""
