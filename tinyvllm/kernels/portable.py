@@ -147,7 +147,8 @@ def int4_rows_opts(device: str | tuple[str, ...], T: int, N: int, group: int) ->
   groups (at least a warp); none on the CPU device."""
   if on_cpu(device): return ()
   first, words = int(T > 1), group // 8   # tinygrad's axes drop a range of size 1 (one token)
-  return (Opt(OptOps.UPCAST, first + 2, 8), Opt(OptOps.LOCAL, first + 1, words), Opt(OptOps.LOCAL, first, math.gcd(N // group, 128 // words)))
+  groups = math.gcd(N // group, 128 // words)   # 1 where none divides (SmolLM2's 576 in groups of 64: 9), no opt then
+  return (Opt(OptOps.UPCAST, first + 2, 8), Opt(OptOps.LOCAL, first + 1, words)) + ((Opt(OptOps.LOCAL, first, groups),) if groups > 1 else ())
 
 
 def rows(table: Tensor, tokens: Tensor, factor: float | None = None) -> Tensor:
