@@ -353,15 +353,20 @@ def int4_case(runner, m, n, k, g, xdt, seed=0, order="forward"):
 INT4_SHAPES = [(1, 72, 256), (3, 64, 512), (8, 40, 384), (9, 40, 256), (40, 72, 256), (65, 33, 128)]
 
 
-def int4_rms_case(runner, m, n, k, g, xdt, seed=0, order="forward"):
-  """RMSNorm(x) * weight @ W^T against float64 numpy: rows of x scaled far from unit RMS (0.05 .. 20), so a norm
-  left out or applied twice is off by orders of magnitude."""
-  rng = np.random.default_rng(seed)
-  packed, scales, biases, w = quantize_int4(rng, n, k, g)
+def normed_rows(rng, m, k, xdt):
+  """x `[m, k]` with rows scaled far from unit RMS (0.05 .. 20), so a norm left out or applied twice is off by orders
+  of magnitude; the norm's weight and epsilon; and RMSNorm(x) * weight in float64."""
   x = (rng.standard_normal((m, k)) * np.geomspace(0.05, 20, m)[:, None]).astype(NP[xdt])
   nw, eps = (1 + 0.5 * rng.standard_normal(k)).astype(NP[xdt]), 1e-5
   x64 = x.astype(np.float64)
-  xn = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * nw.astype(np.float64)
+  return x, nw, eps, x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * nw.astype(np.float64)
+
+
+def int4_rms_case(runner, m, n, k, g, xdt, seed=0, order="forward"):
+  """RMSNorm(x) * weight @ W^T against float64 numpy (`normed_rows`)."""
+  rng = np.random.default_rng(seed)
+  packed, scales, biases, w = quantize_int4(rng, n, k, g)
+  x, nw, eps, xn = normed_rows(rng, m, k, xdt)
   y = run_int4(runner, x, packed, scales, biases, g, order, norm=(nw, eps))
   assert y.dtype == x.dtype and y.shape == (m, n)
   err = rel_err(y, xn @ w.T)
@@ -369,14 +374,12 @@ def int4_rms_case(runner, m, n, k, g, xdt, seed=0, order="forward"):
   return err
 
 def int4_gated_case(runner, m, n, k, g, xdt, act, seed=0):
-  """act(gate) * up of RMSNorm(x) * weight against float64 numpy, W the gate rows then the up rows: rows of x far from
-  unit RMS as above; a gate and an up of different rows, or of rows swapped, give another product."""
+  """act(gate) * up of RMSNorm(x) * weight against float64 numpy (`normed_rows`), W the gate rows then the up rows: a
+  gate and an up of different rows, or of rows swapped, give another product."""
   rng = np.random.default_rng(seed)
   packed, scales, biases, w = quantize_int4(rng, 2 * n, k, g)
-  x = (rng.standard_normal((m, k)) * np.geomspace(0.05, 20, m)[:, None]).astype(NP[xdt])
-  nw, eps = (1 + 0.5 * rng.standard_normal(k)).astype(NP[xdt]), 1e-5
-  x64 = x.astype(np.float64)
-  gate_up = (x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * nw.astype(np.float64)) @ w.T
+  x, nw, eps, xn = normed_rows(rng, m, k, xdt)
+  gate_up = xn @ w.T
   gate, up = gate_up[:, :n], gate_up[:, n:]
   if act == "silu": ref = gate / (1 + np.exp(-gate)) * up
   else: ref = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3))) * up
@@ -510,15 +513,13 @@ def int4_qkv_rope_case(runner, m, heads, D, k, g, dts, seed=0):
   (H, KVH), (xdt, cdt) = heads, dts
   rng = np.random.default_rng(seed)
   packed, scales, biases, w = quantize_int4(rng, (H + 2 * KVH) * D, k, g)
-  x = (rng.standard_normal((m, k)) * np.geomspace(0.05, 20, m)[:, None]).astype(NP[xdt])
-  nw, eps = (1 + 0.5 * rng.standard_normal(k)).astype(NP[xdt]), 1e-5
+  x, nw, eps, xn = normed_rows(rng, m, k, xdt)
   pos, cos_sin = rng.integers(0, 200, m).astype(np.int32), rope_table(256, D)
   num_blocks, bs = 4, 8
   slots = rng.permutation(num_blocks * bs)[:m].astype(np.int32)
   if m > 1: slots[1] = -1   # a padding token: writes nothing
   cache = random_cache(rng, num_blocks, bs, KVH, D, cdt)
-  x64 = x.astype(np.float64)
-  qkv = ((x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * nw.astype(np.float64)) @ w.T).reshape(m, H + 2 * KVH, D)
+  qkv = (xn @ w.T).reshape(m, H + 2 * KVH, D)
   rotated = rope_ref(qkv[:, :H + KVH], pos, cos_sin)
   k_ref, v_ref = (c.astype(np.float64).reshape(-1, KVH, D).copy() for c in cache)
   live = slots >= 0

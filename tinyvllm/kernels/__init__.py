@@ -355,20 +355,25 @@ class ShaderKernels(Kernels):
   def int4_linear(self, x: Tensor, w: LinearWeights) -> Tensor:
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders)
 
+  def _int4_gemv(self, x: Tensor, w: LinearWeights, bias_allowed: bool = False) -> bool:
+    """Whether the shaders' INT4 GEMV takes x @ W^T: INT4 weights, a decode step's few rows, no bias unless the
+    caller adds it after."""
+    return w.format == INT4 and x.shape[0] <= metal.GEMV_MAX_M and (bias_allowed or w.bias is None)
+
   def norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights) -> Tensor:
-    if w.format != INT4 or x.shape[0] > metal.GEMV_MAX_M: return super().norm_linear(x, norm_weight, eps, w)
+    if not self._int4_gemv(x, w, bias_allowed=True): return super().norm_linear(x, norm_weight, eps, w)
     y = metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, norm=(norm_weight, eps))
     return y if w.bias is None else y + w.bias
 
   def norm_glu(self, x: Tensor, norm_weight: Tensor, eps: float, w: LinearWeights, inter: int, act: str = "silu") -> Tensor:
     """An INT4 gate/up of a decode step's few rows: the shaders' GEMV norms x, and gates its product as it writes it
     (int4_gemv_glu): one launch where the norm's GEMV and the gating's kernel were two."""
-    if w.format != INT4 or x.shape[0] > metal.GEMV_MAX_M or w.bias is not None or act not in metal.GATES or w.weight.shape[0] != 2 * inter:
+    if not self._int4_gemv(x, w) or act not in metal.GATES or w.weight.shape[0] != 2 * inter:
       return super().norm_glu(x, norm_weight, eps, w, inter, act)
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, norm=(norm_weight, eps), gate=act)
 
   def residual_linear(self, x: Tensor, w: LinearWeights, residual: Tensor, out: Tensor | None = None) -> Tensor:
-    if w.format != INT4 or x.shape[0] > metal.GEMV_MAX_M or w.bias is not None: return super().residual_linear(x, w, residual, out)
+    if not self._int4_gemv(x, w): return super().residual_linear(x, w, residual, out)
     return metal.int4_matmul(x, w.weight, w.scales, w.biases, w.group_size, backend=self.shaders, residual=residual, out=out)
 
   def rope_attention(self, *args, **kwargs) -> None: return None   # our shaders below
@@ -382,7 +387,7 @@ class ShaderKernels(Kernels):
     if cache.quantized: return None
     if self.takes_gemv(x, *parts):
       q, cache = gemv.qkv_rope_write(x, parts, (norm_weight, eps), n_heads, n_kv_heads, positions, cos_sin, cache, slot_mapping, q_dtype=x.dtype)
-    elif len(parts) == 1 and (w := parts[0]).format == INT4 and w.bias is None and x.shape[0] <= metal.GEMV_MAX_M:
+    elif len(parts) == 1 and self._int4_gemv(x, w := parts[0]):
       q, cache = metal.int4_qkv_rope(x, w.weight, w.scales, w.biases, w.group_size, (norm_weight, eps), n_heads, n_kv_heads,
                                      positions, cos_sin, cache, slot_mapping, backend=self.shaders)
     else: return None

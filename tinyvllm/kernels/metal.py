@@ -403,14 +403,22 @@ def int4_qkv_rope(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, g
   b = _prepare(backend)
   cache_dtype = _check_cache(cache)
   (M, K), D = x.shape, cache.head_dim
-  if w_packed.shape[1] * 8 != K: raise ValueError(f"w_packed {w_packed.shape} does not match K={K}")
-  if tuple(norm[0].shape) != (K,): raise ValueError(f"norm weight {norm[0].shape} does not match K={K}")
+  norm_weight, weights = _int4_weights(x, w_packed, scales, biases, norm)
   launch = int4_launch(M, w_packed.shape[0] // 2, K, group_size, x.dtype, norm[1], rope=(n_heads, n_kv_heads, D, cache_dtype))
   q_out = Tensor.empty(M, n_heads, D, dtype=x.dtype, device=x.device)
-  res = b.run(launch, x.contiguous(), norm[0].cast(x.dtype).contiguous(), w_packed.contiguous(), scales.cast(dtypes.float16).contiguous(),
-              biases.cast(dtypes.float16).contiguous(), _int32(positions), cos_sin.cast(dtypes.float32).contiguous(), _int32(slot_mapping),
+  res = b.run(launch, x.contiguous(), norm_weight, *weights, _int32(positions), cos_sin.cast(dtypes.float32).contiguous(), _int32(slot_mapping),
               q_out, *cache.tensors())
   return res[8], cache.written(*res[9:])
+
+
+def _int4_weights(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, norm: tuple[Tensor, float] | None) -> tuple[Tensor | None, list[Tensor]]:
+  """The INT4 kernels' weight inputs, checked against x `[M, K]`: the norm's weight in x's dtype (None without a norm),
+  and the packed codes, scales and biases (float16) in the kernels' order."""
+  K = x.shape[1]
+  if w_packed.shape[1] * 8 != K: raise ValueError(f"w_packed {w_packed.shape} does not match K={K}")
+  if norm is not None and tuple(norm[0].shape) != (K,): raise ValueError(f"norm weight {norm[0].shape} does not match K={K}")
+  return (None if norm is None else norm[0].cast(x.dtype).contiguous(),
+          [w_packed.contiguous(), scales.cast(dtypes.float16).contiguous(), biases.cast(dtypes.float16).contiguous()])
 
 
 def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, group_size: int, *, backend: str | _Backend,
@@ -433,8 +441,7 @@ def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, gro
   b = _prepare(backend)
   M, K = x.shape
   N = w_packed.shape[0]
-  if w_packed.shape[1] * 8 != K: raise ValueError(f"w_packed {w_packed.shape} does not match K={K}")
-  if norm is not None and tuple(norm[0].shape) != (K,): raise ValueError(f"norm weight {norm[0].shape} does not match K={K}")
+  norm_weight, weights = _int4_weights(x, w_packed, scales, biases, norm)
   if gate is not None and (norm is None or N % 2 or M > GEMV_MAX_M or residual is not None):
     raise ValueError(f"a gated GEMV norms x, takes a fused gate/up weight of an even row count and at most {GEMV_MAX_M} rows, "
                      f"and no residual: got {N} rows of W, {M} of x")
@@ -449,8 +456,7 @@ def int4_matmul(x: Tensor, w_packed: Tensor, scales: Tensor, biases: Tensor, gro
       return y if out is None else out.assign(y)
   if norm is not None and M > GEMV_MAX_M: x, norm = rms_norm(x, norm[0], norm[1]), None
   launch = int4_launch(M, N, K, group_size, x.dtype, None if norm is None else norm[1], residual is not None, gate)
-  weights = [w_packed.contiguous(), scales.cast(dtypes.float16).contiguous(), biases.cast(dtypes.float16).contiguous()]
-  if norm is not None: weights.insert(0, norm[0].cast(x.dtype).contiguous())
+  if norm is not None: weights.insert(0, norm_weight)
   if residual is not None: weights.append(residual.cast(x.dtype).contiguous())
   y = Tensor.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
   return b.run(launch, x.contiguous(), *weights, y)[-1]

@@ -226,11 +226,7 @@ def max_opts(device: str, rows: int, block_size: int, threads: int, unroll: int)
   if portable.on_cpu(device): return ()
   offsets = math.gcd(16, block_size)
   rows_a_block = whole_warp(0, rows, offsets) if threads == 1 else ()
-  # Blocks not taken in runs (prefill): only the scores' index reads a block's offsets and the blocks, as one number, so
-  # tinygrad merges the two ranges into one, which the GROUP splits; a block's offsets past 16 have no range of their
-  # own to unroll (blocks of 32: KernelOptError, every prefill on a GPU failed).
-  runs = runs_opts(block_size, threads, unroll) if threads * unroll > 1 else ()
-  return (Opt(OptOps.GROUP, 0, offsets),) + runs + rows_a_block
+  return (Opt(OptOps.GROUP, 0, offsets),) + runs_opts(block_size, threads, unroll) + rows_a_block
 
 
 def runs_opts(block_size: int, threads: int, unroll: int) -> tuple:
@@ -238,7 +234,13 @@ def runs_opts(block_size: int, threads: int, unroll: int) -> tuple:
   offsets): `threads` of them over threads of their own (GROUP, from j's low end), the rest unrolled in a thread; and
   a block's offsets past 16 (a block of 32) unrolled too, else their range of 2 is a loop around the symbolic one.
   tinygrad numbers a GROUP's axis among the REDUCE ranges (those offsets first) and an UNROLL's among the GROUP_REDUCE
-  ranges (the threads, in the order made) then the REDUCE ones; a range an opt takes whole is gone."""
+  ranges (the threads, in the order made) then the REDUCE ones; a range an opt takes whole is gone.
+
+  Blocks not taken in runs (threads * unroll == 1, prefill): no opts. Then no mask tells the blocks apart
+  (`_inside`), and where an index reads a block's offsets and the blocks as one number (the max kernel's scores),
+  tinygrad merges them into one range, which the GROUP before splits: past 16 there are no offsets of their own to
+  unroll (blocks of 32: KernelOptError, every prefill on a GPU failed)."""
+  if threads * unroll == 1: return ()
   rest = block_size // math.gcd(16, block_size)   # a block's offsets past the 16 threads: a REDUCE range of its own
   opts = (Opt(OptOps.GROUP, int(rest > 1), threads),) if threads > 1 else ()
   if unroll > 1: opts += (Opt(OptOps.UNROLL, 1 + int(threads > 1) + int(rest > 1), unroll),)

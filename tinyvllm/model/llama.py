@@ -280,9 +280,9 @@ class Llama:
     factor = self.cfg.hidden_size ** 0.5 if self.cfg.scale_embeddings else None
     # one kernel of ours (tinygrad's gather split a decode step's into two on a GPU, and an INT4 table's three parts
     # were three); a table of another dtype or format or split over devices takes tinygrad's
-    if isinstance(e.weight.device, str) and e.format == FLOAT and e.weight.dtype == self.dtype:
-      return portable.rows(e.weight, tokens, factor)
-    if isinstance(e.weight.device, str) and e.format == INT4: return portable.int4_table_rows(e.weight, e.scales, e.biases, tokens, self.dtype, factor)
+    if isinstance(e.weight.device, str):
+      if e.format == FLOAT and e.weight.dtype == self.dtype: return portable.rows(e.weight, tokens, factor)
+      if e.format == INT4: return portable.int4_table_rows(e.weight, e.scales, e.biases, tokens, self.dtype, factor)
     if e.format == FLOAT: rows = e.weight[tokens]
     elif e.format == INT8: rows = portable.q8_rows(e.weight[tokens], e.scales[tokens]).cast(self.dtype)
     elif e.format == PACKED:
